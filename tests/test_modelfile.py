@@ -1,0 +1,667 @@
+"""Tests of the .tinyloop reader/writer (tinyloop/modelfile.py) and ModelConfig (docs/spec.md §6).
+
+The spec's byte offsets are restated here independently of modelfile.py, so the tests read and
+patch files on their own: a layout bug in the writer cannot hide behind the same bug in the reader.
+Every hostile file must raise ModelFormatError naming the broken rule, and nothing else.
+"""
+import dataclasses
+import functools
+import gc
+import math
+import mmap
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tinyloop.config import ModelConfig
+from tinyloop.errors import ModelFormatError
+from tinyloop.modelfile import (decode_model, encode_model, load_model, pack_int4, save_model,
+                                unpack_int4)
+
+# §6.1 / §6.2 layout, restated: field -> (offset, struct format).
+HEADER = {"magic": (0, "8s"), "version": (8, "<I"), "header_bytes": (12, "<I"),
+          "file_bytes": (16, "<Q"), "checksum": (24, "<I"), "n_tensors": (28, "<I"),
+          "table_offset": (32, "<Q"), "data_offset": (40, "<Q"), "vocab_size": (48, "<I"),
+          "d_model": (52, "<I"), "n_heads": (56, "<I"), "n_kv_heads": (60, "<I"),
+          "head_dim": (64, "<I"), "ffn_dim": (68, "<I"), "n_pre_blocks": (72, "<I"),
+          "default_loops": (76, "<I"), "max_seq_len": (80, "<I"), "weight_format": (84, "<I"),
+          "group_size": (88, "<I"), "tied_head": (92, "<I"), "bos_id": (96, "<i"),
+          "eos_id": (100, "<i"), "tokenizer": (104, "<I"), "rope_theta": (108, "<f"),
+          "rms_eps": (112, "<f"), "flags": (116, "<I"), "name": (120, "64s"),
+          "reserved": (184, "72s")}
+ENTRY = {"name": (0, "48s"), "dtype": (48, "<I"), "ndim": (52, "<I"), "dims": (56, "<4Q"),
+         "offset": (88, "<Q")}
+ENTRY_FORMAT = "<48sII4QQ"
+ITEMSIZE = {1: 4, 2: 1, 3: 1}
+
+
+# ---- building valid models ---------------------------------------------------------------
+
+def small_config(**changes):
+    config = ModelConfig(vocab_size=300, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8,
+                         ffn_dim=24, n_pre_blocks=1, default_loops=2, max_seq_len=32,
+                         weight_format="int8", group_size=0, tied_head=False, bos_id=1,
+                         eos_id=2, tokenizer="bytes", name="tiny ✓")
+    return dataclasses.replace(config, **changes)
+
+
+def int4_config(**changes):
+    return small_config(weight_format="int4", group_size=8, **changes)
+
+
+def random_tensors(config, seed=0, max_m=255):
+    """Random tensors of config's required shapes: scales in [0, 1), RoPE in [-1, 1)."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, (dtype, shape) in config.required_tensors().items():
+        if dtype == np.float32:
+            low = -1.0 if name.startswith("rope.") else 0.0
+            tensors[name] = rng.uniform(low, 1.0, shape).astype(np.float32)
+        elif name.endswith(".m"):
+            tensors[name] = rng.integers(0, max_m, shape, dtype=np.uint8, endpoint=True)
+        else:
+            info = np.iinfo(dtype)
+            tensors[name] = rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    return tensors
+
+
+CONFIGS = {"int8": small_config(), "int8-tied": small_config(tied_head=True),
+           "int4": int4_config(), "int4-tied": int4_config(tied_head=True),
+           "no-pre": small_config(n_pre_blocks=0, tokenizer="none", bos_id=-1, eos_id=-1,
+                                  name="")}
+
+
+@functools.cache
+def valid_file(kind="int8"):
+    config = CONFIGS[kind]
+    return encode_model(config, random_tensors(config))
+
+
+def assert_same_model(got, want):
+    (got_config, got_tensors), (want_config, want_tensors) = got, want
+    assert got_config == want_config
+    assert list(got_tensors) == list(want_config.required_tensors())
+    assert set(got_tensors) == set(want_tensors)
+    for name, want_array in want_tensors.items():
+        a = got_tensors[name]
+        assert a.dtype == want_array.dtype and a.shape == want_array.shape, name
+        assert np.array_equal(a, want_array), name
+
+
+# ---- reading and patching files independently of modelfile.py -----------------------------
+
+def with_crc(buf):
+    b = bytearray(buf)
+    b[24:28] = bytes(4)
+    struct.pack_into("<I", b, 24, zlib.crc32(b))
+    return bytes(b)
+
+
+def patch(buf, offset, fmt, *values, crc=True):
+    b = bytearray(buf)
+    struct.pack_into(fmt, b, offset, *values)
+    return with_crc(b) if crc else bytes(b)
+
+
+def header(buf, field):
+    offset, fmt = HEADER[field]
+    return struct.unpack_from(fmt, buf, offset)[0]
+
+
+def set_header(buf, field, *values):
+    offset, fmt = HEADER[field]
+    return patch(buf, offset, fmt, *values)
+
+
+def table(buf):
+    """{tensor name: offset of its table entry}."""
+    start = header(buf, "table_offset")
+    rows = (start + 96 * i for i in range(header(buf, "n_tensors")))
+    return {struct.unpack_from("48s", buf, at)[0].rstrip(b"\0").decode(): at for at in rows}
+
+
+def entry(buf, tensor, field):
+    offset, fmt = ENTRY[field]
+    return struct.unpack_from(fmt, buf, table(buf)[tensor] + offset)
+
+
+def set_entry(buf, tensor, field, *values):
+    offset, fmt = ENTRY[field]
+    return patch(buf, table(buf)[tensor] + offset, fmt, *values)
+
+
+def set_value(buf, tensor, fmt, value, index=0):
+    """Overwrite element `index` of a tensor's data."""
+    (offset,) = entry(buf, tensor, "offset")
+    return patch(buf, offset + index * struct.calcsize(fmt), fmt, value)
+
+
+def rebuild(buf, drop=(), extra=(), reverse=False):
+    """buf re-laid out by hand: its tensors minus `drop`, plus `extra` (name, dtype code, dims,
+    payload) rows, table reversed if asked, 128-byte gaps between tensors."""
+    rows = []
+    for name, at in table(buf).items():
+        raw_name, code, ndim, *dims, offset = struct.unpack_from(ENTRY_FORMAT, buf, at)
+        nbytes = math.prod(dims[:ndim]) * ITEMSIZE[code]
+        if name not in drop:
+            rows.append((raw_name, code, ndim, dims, buf[offset:offset + nbytes]))
+    for name, code, dims, payload in extra:
+        rows.append((name.encode(), code, len(dims), [*dims, 0, 0, 0, 0][:4], payload))
+    if reverse:
+        rows.reverse()
+    data_offset = -(-(256 + 96 * len(rows)) // 64) * 64 + 64
+    entries, data = b"", bytearray()
+    for raw_name, code, ndim, dims, payload in rows:
+        data += bytes(-len(data) % 64 + 128)
+        entries += struct.pack(ENTRY_FORMAT, raw_name, code, ndim, *dims, data_offset + len(data))
+        data += payload
+    head = bytearray(buf[:256])
+    struct.pack_into("<I", head, 28, len(rows))
+    struct.pack_into("<Q", head, 40, data_offset)
+    struct.pack_into("<Q", head, 16, data_offset + len(data))
+    return with_crc(head + entries + bytes(data_offset - 256 - len(entries)) + data)
+
+
+def assert_rejected(buf, *substrings):
+    with pytest.raises(ModelFormatError) as info:
+        decode_model(buf)
+    for s in substrings:
+        assert s in str(info.value)
+
+
+# ---- round trips -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_round_trip_through_bytes_is_bit_exact(kind):
+    config = CONFIGS[kind]
+    tensors = random_tensors(config)
+    buf = encode_model(config, tensors)
+    decoded = decode_model(buf)
+    assert_same_model(decoded, (config, tensors))
+    assert encode_model(*decoded) == buf
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_round_trip_through_a_file_is_bit_exact(tmp_path, kind):
+    config = CONFIGS[kind]
+    tensors = random_tensors(config)
+    path = tmp_path / "m.tinyloop"
+    save_model(path, config, tensors)
+    assert path.read_bytes() == encode_model(config, tensors)
+    loaded = load_model(path)
+    assert_same_model(loaded, (config, tensors))
+    assert encode_model(*loaded) == path.read_bytes()
+
+
+def test_layout_matches_the_spec():
+    buf = valid_file("int4")
+    config, tensors = decode_model(buf)
+    assert header(buf, "magic") == b"TINYLOOP"
+    assert (header(buf, "version"), header(buf, "header_bytes")) == (1, 256)
+    assert header(buf, "file_bytes") == len(buf)
+    assert header(buf, "checksum") == zlib.crc32(buf[:24] + bytes(4) + buf[28:])
+    assert header(buf, "table_offset") == 256 and header(buf, "flags") == 0
+    assert header(buf, "reserved") == bytes(72)
+    assert header(buf, "name") == "tiny ✓".encode().ljust(64, b"\0")
+    assert (header(buf, "weight_format"), header(buf, "group_size")) == (2, 8)
+    assert (header(buf, "tokenizer"), header(buf, "bos_id"), header(buf, "eos_id")) == (1, 1, 2)
+    assert header(buf, "rms_eps") == config.rms_eps
+    data_offset = header(buf, "data_offset")
+    assert data_offset % 64 == 0 and data_offset >= 256 + 96 * len(tensors)
+    names = list(table(buf))
+    assert names == sorted(tensors)
+    end = data_offset
+    for name in names:
+        (offset,) = entry(buf, name, "offset")
+        a = tensors[name]
+        assert offset % 64 == 0 and buf[end:offset] == bytes(offset - end)   # zero padding
+        assert entry(buf, name, "dims")[:a.ndim] == a.shape
+        assert buf[offset:offset + a.nbytes] == a.tobytes()
+        end = offset + a.nbytes
+    assert end == len(buf)
+
+
+@pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview])
+def test_decode_accepts_buffer_objects(wrap):
+    buf = valid_file()
+    assert_same_model(decode_model(wrap(buf)), decode_model(buf))
+
+
+def test_decode_accepts_an_mmap(tmp_path):
+    path = tmp_path / "m.tinyloop"
+    path.write_bytes(valid_file())
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    assert_same_model(decode_model(mapping), decode_model(valid_file()))
+
+
+def test_reader_accepts_any_table_order_and_gaps():
+    buf = valid_file("int4-tied")
+    assert_same_model(decode_model(rebuild(buf, reverse=True)), decode_model(buf))
+
+
+def test_loaded_arrays_are_read_only_and_keep_the_mapping_alive(tmp_path):
+    path = tmp_path / "m.tinyloop"
+    config, tensors = CONFIGS["int8"], random_tensors(CONFIGS["int8"])
+    save_model(path, config, tensors)
+    _, loaded = load_model(path)
+    scale = loaded["loop.ffn_down.s"]
+    del loaded
+    gc.collect()
+    assert np.array_equal(scale, tensors["loop.ffn_down.s"])
+    assert not scale.flags.writeable
+    with pytest.raises(ValueError):
+        scale[0] = 1.0
+    _, from_bytearray = decode_model(bytearray(encode_model(config, tensors)))
+    assert not from_bytearray["tok_emb.w"].flags.writeable
+
+
+def test_save_model_replaces_atomically_and_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "m.tinyloop"
+    path.write_bytes(b"old")
+    config = CONFIGS["int8"]
+    save_model(str(path), config, random_tensors(config))
+    assert os.listdir(tmp_path) == ["m.tinyloop"]
+    assert path.read_bytes() == valid_file("int8")
+    bad = random_tensors(config)
+    bad["tok_emb.s"][0] = np.nan
+    with pytest.raises(ModelFormatError, match="tok_emb.s"):
+        save_model(path, config, bad)
+    assert os.listdir(tmp_path) == ["m.tinyloop"]
+    assert path.read_bytes() == valid_file("int8")
+
+
+def test_load_model_missing_empty_and_tiny_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "absent.tinyloop")
+    for content in (b"", b"TINYLOOP", valid_file()[:255]):
+        (tmp_path / "small").write_bytes(content)
+        with pytest.raises(ModelFormatError, match="file too small"):
+            load_model(tmp_path / "small")
+
+
+@st.composite
+def configs(draw):
+    n_kv_heads = draw(st.integers(1, 3))
+    weight_format = draw(st.sampled_from(["int8", "int4"]))
+    group_size = 2 * draw(st.integers(1, 4)) if weight_format == "int4" else 0
+    unit = group_size or 1                      # every K must be a multiple of the group size
+    head_dim = 2 * unit * draw(st.integers(1, 3)) if group_size else 2 * draw(st.integers(1, 8))
+    vocab_size = draw(st.integers(2, 300))
+    tokenizer = draw(st.sampled_from(["none", "bytes"] if vocab_size >= 256 else ["none"]))
+    name = draw(st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\0"),
+                        max_size=30).filter(lambda s: len(s.encode()) <= 63))
+    return ModelConfig(
+        vocab_size=vocab_size, d_model=unit * draw(st.integers(1, 5)),
+        n_heads=n_kv_heads * draw(st.integers(1, 3)), n_kv_heads=n_kv_heads, head_dim=head_dim,
+        ffn_dim=unit * draw(st.integers(1, 5)), n_pre_blocks=draw(st.integers(0, 2)),
+        default_loops=draw(st.integers(1, 256)), max_seq_len=draw(st.integers(1, 16)),
+        weight_format=weight_format, group_size=group_size, tied_head=draw(st.booleans()),
+        bos_id=draw(st.integers(-1, vocab_size - 1)), eos_id=draw(st.integers(-1, vocab_size - 1)),
+        tokenizer=tokenizer, rope_theta=draw(st.floats(2.0**-20, 2.0**30, width=32)),
+        rms_eps=draw(st.floats(2.0**-40, 1.0, width=32)), name=name)
+
+
+@settings(deadline=None)
+@given(config=configs(), seed=st.integers(0, 2**32 - 1))
+def test_round_trip_of_random_models(config, seed):
+    config.validate()
+    tensors = random_tensors(config, seed)
+    buf = encode_model(config, tensors)
+    decoded = decode_model(buf)
+    assert_same_model(decoded, (config, tensors))
+    assert encode_model(*decoded) == buf
+
+
+# ---- damaged and hostile files -------------------------------------------------------------
+
+def test_every_truncation_is_rejected():
+    buf = valid_file("int4")
+    for n in range(len(buf)):
+        with pytest.raises(ModelFormatError, match="file too small" if n < 256 else "file_bytes"):
+            decode_model(buf[:n])
+
+
+def test_truncations_with_fixed_up_size_and_checksum_are_rejected():
+    buf = valid_file("int4")
+    table_end = header(buf, "data_offset") + 64
+    for n in [*range(256, table_end), *range(table_end, len(buf), 61), len(buf) - 1]:
+        with pytest.raises(ModelFormatError):
+            decode_model(patch(buf[:n], 16, "<Q", n))
+
+
+def decodes_or_is_rejected(buf):
+    """The only two outcomes allowed for any bytes: ModelFormatError, or a model that passes
+    the writer's checks and round-trips."""
+    try:
+        decoded = decode_model(buf)
+    except ModelFormatError:
+        return
+    assert_same_model(decode_model(encode_model(*decoded)), decoded)
+
+
+positions = st.one_of(st.integers(0, 256 + 96 * 40),               # header and table
+                      st.integers(0, len(valid_file("int4")) - 1))  # anywhere
+
+
+@given(edits=st.lists(st.tuples(positions, st.integers(0, 255)), min_size=1, max_size=8),
+       fix_checksum=st.booleans())
+def test_random_byte_edits_are_rejected_or_decode_to_a_valid_model(edits, fix_checksum):
+    buf = bytearray(valid_file("int4"))
+    for at, value in edits:
+        buf[at] = value
+    decodes_or_is_rejected(with_crc(buf) if fix_checksum else bytes(buf))
+
+
+@given(field=st.sampled_from(sorted(set(HEADER) - {"magic", "name", "reserved", "checksum"})),
+       value=st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2, 255, 256, 2**31])),
+       kind=st.sampled_from(sorted(CONFIGS)))
+def test_random_header_values_are_rejected_or_decode_to_a_valid_model(field, value, kind):
+    offset, fmt = HEADER[field]
+    size = struct.calcsize(fmt)
+    if fmt == "<f":
+        raw = (value % 2**32).to_bytes(4, "little")           # any bit pattern, NaNs included
+    else:
+        raw = (value % 2**(8 * size)).to_bytes(size, "little")
+    buf = bytearray(valid_file(kind))
+    buf[offset:offset + size] = raw
+    decodes_or_is_rejected(with_crc(buf))
+
+
+@given(index=st.integers(0, 30), field=st.sampled_from(["dtype", "ndim", "dims", "offset"]),
+       values=st.lists(st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 70)),
+                       min_size=4, max_size=4))
+def test_random_table_values_are_rejected_or_decode_to_a_valid_model(index, field, values):
+    buf = valid_file("int8")
+    at = list(table(buf).values())[index % header(buf, "n_tensors")]
+    offset, fmt = ENTRY[field]
+    count = 4 if field == "dims" else 1
+    limit = 2**64 if fmt.endswith("Q") else 2**32
+    decodes_or_is_rejected(patch(buf, at + offset, fmt, *(v % limit for v in values[:count])))
+
+
+NAN = float("nan")
+HOSTILE = [
+    # header, in validation order
+    ("magic", "int8", lambda b: set_header(b, "magic", b"TINYLOOQ"), "bad magic"),
+    ("version 2", "int8", lambda b: set_header(b, "version", 2), "version"),
+    ("header_bytes", "int8", lambda b: set_header(b, "header_bytes", 255), "header_bytes"),
+    ("file_bytes +1", "int8", lambda b: set_header(b, "file_bytes", len(b) + 1), "file_bytes"),
+    ("file_bytes 2^64-1", "int8", lambda b: set_header(b, "file_bytes", 2**64 - 1), "file_bytes"),
+    ("checksum", "int8", lambda b: patch(b, 1000, "<B", b[1000] ^ 1, crc=False),
+     "checksum mismatch"),
+    ("vocab 1", "int8", lambda b: set_header(b, "vocab_size", 1), "vocab_size"),
+    ("vocab 2^20+1", "int8", lambda b: set_header(b, "vocab_size", 2**20 + 1), "vocab_size"),
+    ("d_model 0", "int8", lambda b: set_header(b, "d_model", 0), "d_model"),
+    ("d_model 2^16+1", "int8", lambda b: set_header(b, "d_model", 2**16 + 1), "d_model"),
+    ("n_heads 0", "int8", lambda b: set_header(b, "n_heads", 0), "n_heads"),
+    ("n_kv_heads 0", "int8", lambda b: set_header(b, "n_kv_heads", 0), "n_kv_heads"),
+    ("n_kv_heads 3 of 2", "int8", lambda b: set_header(b, "n_kv_heads", 3), "n_kv_heads"),
+    ("head_dim odd", "int8", lambda b: set_header(b, "head_dim", 7), "head_dim"),
+    ("head_dim 0", "int8", lambda b: set_header(b, "head_dim", 0), "head_dim"),
+    ("head_dim 1026", "int8", lambda b: set_header(b, "head_dim", 1026), "head_dim"),
+    ("n_heads*head_dim", "int8", lambda b: set_header(b, "n_heads", 8193), "n_heads * head_dim"),
+    ("ffn_dim 0", "int8", lambda b: set_header(b, "ffn_dim", 0), "ffn_dim"),
+    ("n_pre_blocks 65", "int8", lambda b: set_header(b, "n_pre_blocks", 65), "n_pre_blocks"),
+    ("default_loops 0", "int8", lambda b: set_header(b, "default_loops", 0), "default_loops"),
+    ("default_loops 257", "int8", lambda b: set_header(b, "default_loops", 257), "default_loops"),
+    ("max_seq_len 0", "int8", lambda b: set_header(b, "max_seq_len", 0), "max_seq_len"),
+    ("max_seq_len 2^20+1", "int8", lambda b: set_header(b, "max_seq_len", 2**20 + 1),
+     "max_seq_len"),
+    ("weight_format 3", "int8", lambda b: set_header(b, "weight_format", 3), "weight_format"),
+    ("group_size for int8", "int8", lambda b: set_header(b, "group_size", 8), "group_size"),
+    ("group_size 0", "int4", lambda b: set_header(b, "group_size", 0), "group_size"),
+    ("group_size odd", "int4", lambda b: set_header(b, "group_size", 1), "group_size"),
+    ("group_size 6 not dividing", "int4", lambda b: set_header(b, "group_size", 6), "group_size"),
+    ("group_size 32 > d_model", "int4", lambda b: set_header(b, "group_size", 32), "group_size"),
+    ("tied_head 2", "int8", lambda b: set_header(b, "tied_head", 2), "tied_head"),
+    ("bos_id V", "int8", lambda b: set_header(b, "bos_id", 300), "bos_id"),
+    ("bos_id -2", "int8", lambda b: set_header(b, "bos_id", -2), "bos_id"),
+    ("eos_id V", "int8", lambda b: set_header(b, "eos_id", 300), "eos_id"),
+    ("tokenizer 2", "int8", lambda b: set_header(b, "tokenizer", 2), "tokenizer"),
+    ("bytes tokenizer, vocab 200", "int8", lambda b: set_header(b, "vocab_size", 200),
+     "tokenizer"),
+    ("rope_theta NaN", "int8", lambda b: set_header(b, "rope_theta", NAN), "rope_theta"),
+    ("rope_theta inf", "int8", lambda b: set_header(b, "rope_theta", math.inf), "rope_theta"),
+    ("rope_theta 0", "int8", lambda b: set_header(b, "rope_theta", 0.0), "rope_theta"),
+    ("rms_eps -1", "int8", lambda b: set_header(b, "rms_eps", -1.0), "rms_eps"),
+    ("rms_eps NaN", "int8", lambda b: set_header(b, "rms_eps", NAN), "rms_eps"),
+    ("name not UTF-8", "int8", lambda b: set_header(b, "name", b"\xff\xfe"),
+     "name: not valid UTF-8"),
+    ("name without NUL", "int8", lambda b: set_header(b, "name", b"n" * 64), "name: no NUL"),
+    ("name junk after NUL", "int8", lambda b: set_header(b, "name", b"ab\0c"), "name: nonzero"),
+    # table bounds
+    ("n_tensors 2^32-1", "int8", lambda b: set_header(b, "n_tensors", 2**32 - 1), "tensor table"),
+    ("n_tensors - 1", "int8", lambda b: set_header(b, "n_tensors", header(b, "n_tensors") - 1),
+     "missing tensor"),
+    ("table_offset 2^64-1", "int8", lambda b: set_header(b, "table_offset", 2**64 - 1),
+     "table_offset"),
+    ("table_offset 320", "int8", lambda b: set_header(b, "table_offset", 320), "table_offset"),
+    ("data_offset misaligned", "int8",
+     lambda b: set_header(b, "data_offset", header(b, "data_offset") + 1), "data_offset"),
+    ("data_offset inside table", "int8", lambda b: set_header(b, "data_offset", 256),
+     "data_offset"),
+    # table entries
+    ("name not printable", "int8", lambda b: set_entry(b, "tok_emb.w", "name", b"tok\x01emb.w"),
+     "not printable ASCII"),
+    ("entry name without NUL", "int8", lambda b: set_entry(b, "tok_emb.w", "name", b"t" * 48),
+     "no NUL"),
+    ("duplicate name", "int8",
+     lambda b: set_entry(b, "loop.attn_out.s", "name", b"loop.attn_out.w"), "duplicate name"),
+    ("dtype code 4", "int8", lambda b: set_entry(b, "tok_emb.w", "dtype", 4), "dtype code"),
+    ("dtype code 0", "int8", lambda b: set_entry(b, "tok_emb.w", "dtype", 0), "dtype code"),
+    ("ndim 0", "int8", lambda b: set_entry(b, "tok_emb.w", "ndim", 0), "ndim"),
+    ("ndim 5", "int8", lambda b: set_entry(b, "tok_emb.w", "ndim", 5), "ndim"),
+    ("dim 0", "int8", lambda b: set_entry(b, "tok_emb.w", "dims", 0, 16, 0, 0), "dims"),
+    ("dim after ndim", "int8", lambda b: set_entry(b, "tok_emb.w", "dims", 300, 16, 1, 0), "dims"),
+    ("dims product 2^126", "int8",
+     lambda b: set_entry(b, "tok_emb.w", "dims", 2**63, 2**63, 0, 0), "past the end"),
+    ("dims all 2^64-1", "int8",
+     lambda b: set_entry(set_entry(b, "tok_emb.w", "ndim", 4), "tok_emb.w", "dims",
+                         *[2**64 - 1] * 4), "past the end"),
+    ("offset misaligned", "int8",
+     lambda b: set_entry(b, "rope.cos", "offset", entry(b, "rope.cos", "offset")[0] + 4),
+     "not a multiple of 64"),
+    ("offset 0", "int8", lambda b: set_entry(b, "rope.cos", "offset", 0), "< data_offset"),
+    ("offset 2^64-64", "int8", lambda b: set_entry(b, "rope.cos", "offset", 2**64 - 64),
+     "past the end"),
+    ("overlap", "int8",
+     lambda b: set_entry(b, "loop.attn_out.s", "offset", entry(b, "tok_emb.w", "offset")[0]),
+     "overlap"),
+    # required set
+    ("unexpected name", "int8", lambda b: set_entry(b, "tok_emb.s", "name", b"bogus.s"),
+     "unexpected tensor 'bogus.s'"),
+    ("extra tensor", "int8", lambda b: rebuild(b, extra=[("extra.s", 1, (4,), bytes(16))]),
+     "unexpected tensor 'extra.s'"),
+    ("missing tensor", "int8", lambda b: rebuild(b, drop=["loop.ffn_down.s"]),
+     "missing tensor 'loop.ffn_down.s'"),
+    ("head present though tied", "int8-tied",
+     lambda b: rebuild(b, extra=[("head.s", 1, (300,), bytes(1200))]),
+     "unexpected tensor 'head.s'"),
+    ("wrong dtype", "int8", lambda b: set_entry(b, "loop.attn_out.s", "dtype", 3),
+     "tensor 'loop.attn_out.s': dtype uint8 != expected float32"),
+    ("wrong shape", "int8", lambda b: set_entry(b, "tok_emb.w", "dims", 16, 300, 0, 0),
+     "tensor 'tok_emb.w': shape (16, 300) != expected (300, 16)"),
+    ("int4 shape", "int4", lambda b: set_entry(b, "loop.attn_out.w", "dims", 8, 16, 0, 0),
+     "tensor 'loop.attn_out.w': shape (8, 16) != expected (16, 8)"),
+    # values
+    ("NaN scale", "int8", lambda b: set_value(b, "loop.attn_qkv.s", "<f", NAN, 3),
+     "tensor 'loop.attn_qkv.s': scales must be finite and >= 0, found nan"),
+    ("inf scale", "int4", lambda b: set_value(b, "tok_emb.s", "<f", math.inf), "tok_emb.s"),
+    ("negative scale", "int8", lambda b: set_value(b, "head.s", "<f", -1.0),
+     "tensor 'head.s': scales must be finite and >= 0, found -1.0"),
+    ("rope 2.0", "int8", lambda b: set_value(b, "rope.cos", "<f", 2.0, 5),
+     "tensor 'rope.cos': values must be finite with |v| <= 1, found 2.0"),
+    ("rope NaN", "int8", lambda b: set_value(b, "rope.sin", "<f", NAN), "rope.sin"),
+    # header leftovers, checked last
+    ("reserved", "int8", lambda b: patch(b, 250, "<B", 1), "reserved"),
+    ("flags", "int8", lambda b: set_header(b, "flags", 1), "flags"),
+]
+
+
+@pytest.mark.parametrize("kind, mutate, expected",
+                         [pytest.param(*case[1:], id=case[0]) for case in HOSTILE])
+def test_hostile_file_is_rejected_with_a_message_naming_the_rule(kind, mutate, expected):
+    assert_rejected(mutate(valid_file(kind)), expected)
+
+
+# ---- the int4 accumulator bound (§3): 127 * 8 * K * max(m) <= 2^31 - 1 --------------------
+
+def test_int4_accumulator_bound_is_enforced_exactly():
+    # ffn_down has K = ffn_dim = 8320: max(m) = 254 fits the bound, 255 breaks it.
+    config = int4_config(ffn_dim=8320)
+    assert 127 * 8 * 8320 * 254 <= 2**31 - 1 < 127 * 8 * 8320 * 255
+    tensors = random_tensors(config, max_m=254)
+    tensors["loop.ffn_down.m"][0, 0] = 254
+    buf = encode_model(config, tensors)
+    decode_model(buf)
+    assert_rejected(set_value(buf, "loop.ffn_down.m", "<B", 255, 7),
+                    "tensor 'loop.ffn_down.m': int4 accumulator bound", "8320 * 255")
+    tensors["pre.0.ffn_down.m"][3, 1] = 255
+    with pytest.raises(ModelFormatError, match="'pre.0.ffn_down.m': int4 accumulator bound"):
+        encode_model(config, tensors)
+
+
+# ---- the writer applies the reader's checks ---------------------------------------------
+
+def broken(change):
+    config = CONFIGS["int8"]
+    tensors = random_tensors(config)
+    change(tensors)
+    return config, tensors
+
+
+@pytest.mark.parametrize("config, tensors, expected", [
+    pytest.param(small_config(vocab_size=1), {}, "vocab_size", id="bad config"),
+    pytest.param(*broken(lambda t: t.pop("loop.ffn_down.w")), "missing tensor 'loop.ffn_down.w'",
+                 id="missing"),
+    pytest.param(*broken(lambda t: t.update(extra=np.zeros(4, np.float32))),
+                 "unexpected tensor 'extra'", id="extra"),
+    pytest.param(*broken(lambda t: t.update({"tok_emb.s": t["tok_emb.s"].astype(np.float64)})),
+                 "tensor 'tok_emb.s': dtype float64 != expected float32", id="dtype"),
+    pytest.param(*broken(lambda t: t.update({"tok_emb.w": t["tok_emb.w"].T})),
+                 "tensor 'tok_emb.w': shape (16, 300) != expected (300, 16)", id="shape"),
+    pytest.param(*broken(lambda t: t.update({"tok_emb.s": list(t["tok_emb.s"])})),
+                 "not a numpy array", id="not an array"),
+    pytest.param(*broken(lambda t: t["loop.attn_out.s"].__setitem__(2, NAN)),
+                 "loop.attn_out.s': scales must be finite", id="NaN scale"),
+    pytest.param(*broken(lambda t: t["loop.attn_out.s"].__setitem__(2, -0.5)),
+                 "found -0.5", id="negative scale"),
+    pytest.param(*broken(lambda t: t["rope.sin"].__setitem__((1, 1), 2.0)),
+                 "tensor 'rope.sin': values must be finite", id="rope 2.0"),
+])
+def test_writer_rejects_what_the_reader_rejects(config, tensors, expected):
+    with pytest.raises(ModelFormatError) as info:
+        encode_model(config, tensors)
+    assert expected in str(info.value)
+
+
+def test_writer_accepts_non_contiguous_arrays():
+    config = CONFIGS["int8"]
+    tensors = random_tensors(config)
+    tensors["tok_emb.w"] = np.asfortranarray(tensors["tok_emb.w"])
+    assert encode_model(config, tensors) == valid_file("int8")
+
+
+# ---- int4 packing --------------------------------------------------------------------------
+
+def test_pack_unpack_int4_round_trips_every_pair_of_values():
+    values = np.arange(-8, 8, dtype=np.int8)
+    low, high = np.meshgrid(values, values, indexing="ij")
+    w = np.stack([low.ravel(), high.ravel()], axis=1).reshape(16, 32)   # (R, K), every pair
+    packed = pack_int4(w)
+    assert packed.dtype == np.uint8 and packed.shape == (16, 16)
+    unpacked = unpack_int4(packed)
+    assert unpacked.dtype == np.int8 and np.array_equal(unpacked, w)
+    assert np.array_equal(pack_int4(unpack_int4(np.arange(256, dtype=np.uint8)[None])),
+                          np.arange(256, dtype=np.uint8)[None])
+
+
+def test_pack_int4_nibble_order():
+    # element 2i in the low nibble, 2i+1 in the high nibble, 4-bit two's complement
+    w = np.array([[1, -1, -8, 7]], np.int8)
+    assert pack_int4(w).tolist() == [[0xF1, 0x78]]
+    assert unpack_int4(np.array([[0xF1, 0x78]], np.uint8)).tolist() == w.tolist()
+
+
+@pytest.mark.parametrize("w", [np.array([[8, 0]], np.int8), np.array([[-9, 0]], np.int8),
+                               np.zeros((2, 3), np.int8), np.zeros((2, 2), np.int16)])
+def test_pack_int4_rejects_bad_input(w):
+    with pytest.raises(ValueError):
+        pack_int4(w)
+
+
+# ---- ModelConfig -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes, field", [
+    ({"vocab_size": 1}, "vocab_size"), ({"vocab_size": 2**20 + 1}, "vocab_size"),
+    ({"vocab_size": 300.0}, "vocab_size"), ({"vocab_size": True}, "vocab_size"),
+    ({"d_model": 0}, "d_model"), ({"n_heads": 0}, "n_heads"),
+    ({"n_kv_heads": 0}, "n_kv_heads"), ({"n_kv_heads": 3}, "n_kv_heads"),
+    ({"head_dim": 7}, "head_dim"), ({"head_dim": 1026}, "head_dim"),
+    ({"n_heads": 128, "head_dim": 1024}, "n_heads * head_dim"),
+    ({"ffn_dim": 2**16 + 1}, "ffn_dim"), ({"n_pre_blocks": -1}, "n_pre_blocks"),
+    ({"default_loops": 0}, "default_loops"), ({"max_seq_len": 0}, "max_seq_len"),
+    ({"weight_format": "fp16"}, "weight_format"), ({"group_size": 8}, "group_size"),
+    ({"weight_format": "int4", "group_size": 0}, "group_size"),
+    ({"weight_format": "int4", "group_size": 3}, "group_size"),
+    ({"weight_format": "int4", "group_size": 32}, "group_size"),
+    ({"tied_head": 1}, "tied_head"), ({"bos_id": 300}, "bos_id"), ({"eos_id": -2}, "eos_id"),
+    ({"tokenizer": "bpe"}, "tokenizer"), ({"vocab_size": 255}, "tokenizer"),
+    ({"rope_theta": NAN}, "rope_theta"), ({"rope_theta": 1e39}, "rope_theta"),
+    ({"rms_eps": 0.0}, "rms_eps"), ({"rms_eps": "1e-5"}, "rms_eps"),
+    ({"name": "x" * 64}, "name"), ({"name": "é" * 32}, "name"), ({"name": "a\0b"}, "name"),
+    ({"name": "\udc80"}, "name"), ({"name": b"bytes"}, "name"),
+])
+def test_config_validation_names_the_field(changes, field):
+    with pytest.raises(ModelFormatError) as info:
+        small_config(**changes).validate()
+    assert str(info.value).startswith(field + ":")
+
+
+def test_config_limits_are_inclusive():
+    small_config(name="é" * 31 + "x", vocab_size=2**20, bos_id=2**20 - 1,
+                 n_pre_blocks=64, default_loops=256, max_seq_len=2**20,
+                 n_heads=64, n_kv_heads=64, head_dim=1024).validate()
+    small_config(vocab_size=2, tokenizer="none", bos_id=-1, eos_id=1, d_model=1,
+                 ffn_dim=1, n_pre_blocks=0).validate()
+
+
+def test_config_names_and_shapes():
+    config = int4_config()
+    assert config.block_prefixes() == ["pre.0", "loop"]
+    assert small_config(n_pre_blocks=0).block_prefixes() == ["loop"]
+    shapes = config.linear_shapes()
+    assert list(shapes) == ["pre.0.attn_qkv", "pre.0.attn_out", "pre.0.ffn_gate_up",
+                            "pre.0.ffn_down", "loop.attn_qkv", "loop.attn_out",
+                            "loop.ffn_gate_up", "loop.ffn_down", "head"]
+    assert shapes["loop.attn_qkv"] == ((2 + 2) * 8, 16) and shapes["head"] == (300, 16)
+    assert shapes["loop.attn_out"] == (16, 16) and shapes["loop.ffn_gate_up"] == (48, 16)
+    assert shapes["loop.ffn_down"] == (16, 24)
+    assert "head" not in int4_config(tied_head=True).linear_shapes()
+    required = config.required_tensors()
+    assert required["loop.ffn_down.w"] == (np.dtype(np.uint8), (16, 12))
+    assert required["loop.ffn_down.m"] == (np.dtype(np.uint8), (16, 3))
+    assert required["loop.ffn_down.s"] == (np.dtype(np.float32), (16,))
+    assert required["rope.cos"] == (np.dtype(np.float32), (32, 4))
+    assert small_config().required_tensors()["head.w"] == (np.dtype(np.int8), (300, 16))
+    assert len(small_config().required_tensors()) == 4 + 9 * 2
+    assert len(config.required_tensors()) == 4 + 9 * 3
+
+
+def test_config_dict_round_trip_and_f32_rounding():
+    config = small_config(rope_theta=500000, rms_eps=1e-6)
+    assert config.rms_eps == float(np.float32(1e-6)) and config.rope_theta == 500000.0
+    d = config.to_dict()
+    assert d["default_loops"] == 2 and d["weight_format"] == "int8"
+    assert ModelConfig.from_dict(d) == config
+    with pytest.raises(ModelFormatError, match="unknown keys \\['extra'\\]"):
+        ModelConfig.from_dict({**d, "extra": 1})
+    with pytest.raises(ModelFormatError, match="missing keys \\['vocab_size'\\]"):
+        ModelConfig.from_dict({k: v for k, v in d.items() if k != "vocab_size"})
+    with pytest.raises(ModelFormatError, match="vocab_size"):
+        ModelConfig.from_dict({**d, "vocab_size": 1})

@@ -1,0 +1,318 @@
+"""Reader and writer of the `.tinyloop` model file, version 1 (docs/spec.md §6).
+
+`encode_model` / `save_model` write a file; `decode_model` / `load_model` read one back as
+read-only numpy arrays viewing the bytes (no copy; `load_model` maps the file). Writer and reader
+apply the same tensor checks. The reader checks every rule of §6 in one fixed order and raises
+ModelFormatError naming the first rule broken, whatever the input bytes: sizes and offsets are
+Python ints (no overflow), and no byte outside the buffer is read or allocated for.
+`pack_int4` / `unpack_int4` convert int4 weights to and from their stored form.
+Not here: quantization, or any interpretation of the weights.
+"""
+import math
+import mmap
+import os
+import secrets
+import struct
+import zlib
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelFormatError
+
+MAGIC = b"TINYLOOP"
+VERSION = 1
+HEADER_BYTES = 256
+ENTRY_BYTES = 96
+ALIGN = 64
+MAX_NDIM = 4
+DTYPES = {1: np.dtype("<f4"), 2: np.dtype("i1"), 3: np.dtype("u1")}   # §6.2 dtype codes
+DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
+WEIGHT_FORMATS = {1: "int8", 2: "int4"}                                # §6.1 codes
+TOKENIZERS = {0: "none", 1: "bytes"}
+I32_MAX = 2**31 - 1
+
+# §6.1: magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset,
+# data_offset | 17 config fields, vocab_size .. rms_eps | flags, name, reserved.
+HEADER = struct.Struct("<8sIIQIIQQ" "12I2iI2f" "I64s72s")
+CHECKSUM_AT = 24
+# §6.2: name, dtype, ndim, dims[4], offset.
+ENTRY = struct.Struct("<48sII4QQ")
+assert HEADER.size == HEADER_BYTES and ENTRY.size == ENTRY_BYTES
+
+
+# ---- writer ------------------------------------------------------------------------------
+
+def encode_model(config: ModelConfig, tensors: dict) -> bytes:
+    """The .tinyloop bytes of a model; raises ModelFormatError if it breaks §6."""
+    return b"".join(_file_parts(config, tensors))
+
+
+def save_model(path, config: ModelConfig, tensors: dict) -> None:
+    """Write the model to `path` atomically (a temp file beside it, then os.replace)."""
+    parts = _file_parts(config, tensors)
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _file_parts(config, tensors):
+    """Check a model, then lay it out: header, table sorted by name, 64-byte aligned data.
+
+    Returns the file as a list of bytes-like parts with the checksum filled in.
+    """
+    config.validate()
+    for name, a in tensors.items():
+        if not isinstance(a, np.ndarray):
+            raise ModelFormatError(f"tensor '{name}': not a numpy array")
+    _check_layout(config, {name: (a.dtype, a.shape) for name, a in tensors.items()})
+    _check_values(config, tensors)
+
+    names = sorted(tensors)
+    table_end = HEADER_BYTES + ENTRY_BYTES * len(names)
+    data_offset = _align(table_end)
+    table, data, end = [], [], data_offset
+    for name in names:
+        a = tensors[name]
+        offset = _align(end)
+        dims = a.shape + (0,) * (MAX_NDIM - a.ndim)
+        table.append(ENTRY.pack(name.encode("ascii"), DTYPE_CODES[a.dtype], a.ndim, *dims, offset))
+        data += [bytes(offset - end), np.ascontiguousarray(a).reshape(-1).view(np.uint8)]
+        end = offset + a.nbytes
+
+    c = config
+    header = bytearray(HEADER.pack(
+        MAGIC, VERSION, HEADER_BYTES, end, 0, len(names), HEADER_BYTES, data_offset,
+        c.vocab_size, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.n_pre_blocks,
+        c.default_loops, c.max_seq_len, _code(WEIGHT_FORMATS, c.weight_format), c.group_size,
+        int(c.tied_head), c.bos_id, c.eos_id, _code(TOKENIZERS, c.tokenizer), c.rope_theta,
+        c.rms_eps, 0, c.name.encode("utf-8"), bytes(72)))
+    parts = [header, *table, bytes(data_offset - table_end), *data]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    struct.pack_into("<I", header, CHECKSUM_AT, crc)
+    return parts
+
+
+def _code(codes, value):
+    return next(code for code, v in codes.items() if v == value)
+
+
+def _align(n):
+    return -(-n // ALIGN) * ALIGN
+
+
+# ---- reader ------------------------------------------------------------------------------
+
+def load_model(path):
+    """(config, tensors) of the file at `path`, tensors viewing a read-only mapping of it.
+
+    The mapping lives as long as any of the arrays.
+    """
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < HEADER_BYTES:   # mmap refuses an empty file
+            return decode_model(f.read())
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return decode_model(mapping)
+
+
+def decode_model(buf):
+    """(config, {name: read-only array viewing buf}) of .tinyloop bytes (any buffer object).
+
+    Checks, in order: size, magic, version, header_bytes, file_bytes, checksum, the config,
+    table bounds, each table entry, overlaps, the required tensor set, tensor values,
+    reserved bytes, flags. The first rule broken raises ModelFormatError.
+    """
+    mv = memoryview(buf).cast("B")
+    size = mv.nbytes
+    if size < HEADER_BYTES:
+        raise ModelFormatError(f"file too small: {size} bytes < {HEADER_BYTES}-byte header")
+    (magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset, data_offset,
+     *config_fields, flags, name_field, reserved) = HEADER.unpack_from(mv)
+    if magic != MAGIC:
+        raise ModelFormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ModelFormatError(f"version: unsupported {version}, expected {VERSION}")
+    if header_bytes != HEADER_BYTES:
+        raise ModelFormatError(f"header_bytes: must be {HEADER_BYTES}, got {header_bytes}")
+    if file_bytes != size:
+        raise ModelFormatError(f"file_bytes: header says {file_bytes}, file has {size} bytes")
+    crc = zlib.crc32(mv[CHECKSUM_AT + 4:], zlib.crc32(bytes(4), zlib.crc32(mv[:CHECKSUM_AT])))
+    if crc != checksum:
+        raise ModelFormatError(f"checksum mismatch: header 0x{checksum:08x}, "
+                               f"computed 0x{crc:08x}")
+    config = _parse_config(config_fields, name_field)
+    entries = _parse_table(mv, n_tensors, table_offset, data_offset, file_bytes)
+    _check_layout(config, {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()})
+    tensors = {}
+    for name in config.required_tensors():
+        dtype, shape, offset = entries[name]
+        a = np.frombuffer(mv, dtype, math.prod(shape), offset).reshape(shape)
+        a.flags.writeable = False
+        tensors[name] = a
+    _check_values(config, tensors)
+    if any(reserved):
+        raise ModelFormatError("reserved: header bytes 184 .. 255 must be zero")
+    if flags != 0:
+        raise ModelFormatError(f"flags: must be 0, got {flags}")
+    return config, tensors
+
+
+def _parse_config(fields, name_field):
+    """A validated ModelConfig from the header's config fields (the name's bytes checked first).
+
+    Unknown weight_format / tied_head / tokenizer codes pass through for validate() to reject.
+    """
+    (vocab_size, d_model, n_heads, n_kv_heads, head_dim, ffn_dim, n_pre_blocks, default_loops,
+     max_seq_len, weight_format, group_size, tied_head, bos_id, eos_id, tokenizer, rope_theta,
+     rms_eps) = fields
+    config = ModelConfig(
+        vocab_size, d_model, n_heads, n_kv_heads, head_dim, ffn_dim, n_pre_blocks,
+        default_loops, max_seq_len, WEIGHT_FORMATS.get(weight_format, weight_format),
+        group_size, {0: False, 1: True}.get(tied_head, tied_head), bos_id, eos_id,
+        TOKENIZERS.get(tokenizer, tokenizer), rope_theta, rms_eps, _header_name(name_field))
+    config.validate()
+    return config
+
+
+def _header_name(field):
+    raw = _nul_padded(field, "name")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ModelFormatError(f"name: not valid UTF-8: {raw!r}") from None
+
+
+def _parse_table(mv, n_tensors, table_offset, data_offset, file_bytes):
+    """{name: (dtype, shape, offset)} of the tensor table, every §6.2 rule checked."""
+    if table_offset != HEADER_BYTES:
+        raise ModelFormatError(f"table_offset: must be {HEADER_BYTES}, got {table_offset}")
+    table_end = table_offset + ENTRY_BYTES * n_tensors
+    if table_end > file_bytes:
+        raise ModelFormatError(f"tensor table: {n_tensors} entries end at byte {table_end}, "
+                               f"past the end of the file ({file_bytes} bytes)")
+    if data_offset % ALIGN:
+        raise ModelFormatError(f"data_offset: must be a multiple of {ALIGN}, got {data_offset}")
+    if data_offset < table_end:
+        raise ModelFormatError(f"data_offset: must be >= {table_end} (end of the tensor "
+                               f"table), got {data_offset}")
+    entries, spans = {}, []
+    for i in range(n_tensors):
+        raw_name, code, ndim, *dims, offset = ENTRY.unpack_from(mv, table_offset + i * ENTRY_BYTES)
+        raw = _nul_padded(raw_name, f"tensor {i} name")
+        if not all(0x20 <= b <= 0x7E for b in raw):
+            raise ModelFormatError(f"tensor {i} name: not printable ASCII: {raw!r}")
+        name = raw.decode("ascii")
+        where = f"tensor {i} '{name}'"
+        if name in entries:
+            raise ModelFormatError(f"{where}: duplicate name")
+        if code not in DTYPES:
+            raise ModelFormatError(f"{where}: dtype code must be 1, 2 or 3, got {code}")
+        if not 1 <= ndim <= MAX_NDIM:
+            raise ModelFormatError(f"{where}: ndim must be 1 .. {MAX_NDIM}, got {ndim}")
+        if min(dims[:ndim]) < 1 or any(dims[ndim:]):
+            raise ModelFormatError(f"{where}: dims {dims} must be >= 1 for the first {ndim} "
+                                   "and 0 after")
+        if offset % ALIGN:
+            raise ModelFormatError(f"{where}: offset {offset} not a multiple of {ALIGN}")
+        if offset < data_offset:
+            raise ModelFormatError(f"{where}: offset {offset} < data_offset {data_offset}")
+        nbytes = math.prod(dims[:ndim]) * DTYPES[code].itemsize
+        if offset + nbytes > file_bytes:
+            raise ModelFormatError(f"{where}: data [{offset}, {offset + nbytes}) runs past "
+                                   f"the end of the file ({file_bytes} bytes)")
+        entries[name] = (DTYPES[code], tuple(dims[:ndim]), offset)
+        spans.append((offset, offset + nbytes, name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ModelFormatError(f"tensors '{a}' and '{b}' overlap")
+    return entries
+
+
+def _nul_padded(field, what):
+    """The bytes before the first NUL of a NUL-padded field (at least one NUL, zeros after)."""
+    end = field.find(b"\0")
+    if end < 0:
+        raise ModelFormatError(f"{what}: no NUL terminator")
+    if any(field[end:]):
+        raise ModelFormatError(f"{what}: nonzero bytes after the NUL terminator")
+    return field[:end]
+
+
+# ---- checks shared by writer and reader --------------------------------------------------
+
+def _check_layout(config, found):
+    """found {name: (dtype, shape)} is exactly §6.3's required set with its dtypes and shapes."""
+    required = config.required_tensors()
+    for name, (dtype, shape) in found.items():
+        if name not in required:
+            raise ModelFormatError(f"unexpected tensor '{name}'")
+        want_dtype, want_shape = required[name]
+        if dtype != want_dtype:
+            raise ModelFormatError(f"tensor '{name}': dtype {dtype} != expected {want_dtype}")
+        if shape != want_shape:
+            raise ModelFormatError(f"tensor '{name}': shape {shape} != expected {want_shape}")
+    for name in required:
+        if name not in found:
+            raise ModelFormatError(f"missing tensor '{name}'")
+
+
+def _check_values(config, tensors):
+    """§6.3 value rules: scales finite and >= 0, RoPE tables finite with |v| <= 1, and the
+    int4 accumulator bound of §3 (int8's 127 * 128 * K bound holds for every valid K)."""
+    linears = config.linear_shapes()
+    for name in config.required_tensors():
+        a = tensors[name]
+        if name.endswith(".s"):
+            _require_all(name, a, np.isfinite(a) & (a >= 0), "scales must be finite and >= 0")
+        elif name.startswith("rope."):
+            _require_all(name, a, np.isfinite(a) & (np.abs(a) <= 1),
+                         "values must be finite with |v| <= 1")
+        elif name.endswith(".m"):
+            K, m = linears[name[:-2]][1], int(a.max())
+            if 127 * 8 * K * m > I32_MAX:
+                raise ModelFormatError(
+                    f"tensor '{name}': int4 accumulator bound broken: 127 * 8 * K * max(m) = "
+                    f"127 * 8 * {K} * {m} > 2^31 - 1")
+
+
+def _require_all(name, a, ok, rule):
+    if not ok.all():
+        raise ModelFormatError(f"tensor '{name}': {rule}, found {a[~ok][0]}")
+
+
+# ---- int4 packing ------------------------------------------------------------------------
+
+def pack_int4(w: np.ndarray) -> np.ndarray:
+    """(..., K) int8 in [-8, 7], K even -> (..., K/2) uint8; element 2i in the low nibble."""
+    w = np.asarray(w)
+    if w.dtype != np.int8 or w.ndim == 0 or w.shape[-1] % 2:
+        raise ValueError(f"pack_int4: need int8 (..., K) with K even, got {w.dtype} {w.shape}")
+    if w.size and (w.min() < -8 or w.max() > 7):
+        raise ValueError("pack_int4: values must lie in [-8, 7]")
+    nibbles = w.view(np.uint8) & 0x0F                # 4-bit two's complement
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(p: np.ndarray) -> np.ndarray:
+    """(..., K/2) uint8 -> (..., K) int8 in [-8, 7]; the inverse of pack_int4."""
+    p = np.asarray(p)
+    if p.dtype != np.uint8 or p.ndim == 0:
+        raise ValueError(f"unpack_int4: need uint8 (..., K/2), got {p.dtype} {p.shape}")
+    nibbles = np.empty(p.shape[:-1] + (2 * p.shape[-1],), np.int8)
+    nibbles[..., 0::2] = p & 0x0F
+    nibbles[..., 1::2] = p >> 4
+    return (nibbles ^ 8) - 8                         # 0..7 stay, 8..15 -> -8..-1
