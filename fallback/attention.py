@@ -1,0 +1,48 @@
+"""Exact two-pass fixed-point attention over the int8 KV cache (docs/spec.md §4.1).
+
+Dot products and the P·V sum are exact integers; numpy computes them as float64 matmuls,
+which is exact because every partial sum is an integer below 2**53. Everything else is
+float32, element-wise, in the spec's order.
+"""
+import numpy as np
+
+from .numerics import F32, LOG2E, TWO_24, exp2s, int_to_f32, nan_ignoring_max, quantize_rows
+
+
+def visible_keys(query_pos, key_pos, window):
+    """(T, S) bool: key j is visible from query t (causal, and inside the window if W > 0)."""
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    return mask
+
+
+def attend(qh, kq, sk, vq, sv, visible):
+    """Attention of T queries over S cached keys.
+
+    qh: (T, H, D) float32 queries after RoPE; kq, vq: (S, G, D) int8; sk, sv: (S, G) float32;
+    visible: (T, S) bool. Returns (T, H * D) float32.
+    """
+    n_tok, n_heads, head_dim = qh.shape
+    n_kv = kq.shape[1]
+    group = n_heads // n_kv
+    qq, sq = quantize_rows(qh)                         # (T, H, D), (T, H)
+    c = sq / np.sqrt(F32(head_dim))
+    vis = visible[:, None, :]                          # (T, 1, S)
+    out = np.empty((n_tok, n_heads, head_dim), F32)
+    for g in range(n_kv):
+        heads = slice(g * group, (g + 1) * group)
+        dots = qq[:, heads].astype(np.float64) @ kq[:, g].astype(np.float64).T   # (T, h, S)
+        scores = (int_to_f32(dots) * c[:, heads, None]) * sk[None, None, :, g]
+        m = nan_ignoring_max(scores, where=vis)
+        e = np.where(vis, exp2s((scores - m[..., None]) * LOG2E), F32(0))
+        den = np.rint(e * TWO_24).astype(np.float64).sum(axis=-1)                 # (T, h)
+        sv_g = np.broadcast_to(sv[None, :, g], visible.shape)
+        svmax = nan_ignoring_max(sv_g, where=visible)                             # (T,)
+        live = svmax > 0
+        kappa = TWO_24 / np.where(live, svmax, F32(1))
+        u = np.rint(e * (sv[None, None, :, g] * kappa[:, None, None]))
+        num = u.astype(np.float64) @ vq[:, g].astype(np.float64)                 # (T, h, D)
+        o = (int_to_f32(num) / int_to_f32(den)[..., None]) * svmax[:, None, None]
+        out[:, heads] = np.where(live[:, None, None], o, F32(0))
+    return out.reshape(n_tok, n_heads * head_dim)

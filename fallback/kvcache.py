@@ -1,0 +1,137 @@
+"""Paged int8 KV cache with reference-counted blocks (docs/spec.md §4.2).
+
+A cache holds, per layer, a list of blocks of `block_size` positions; each block stores the
+quantized keys and values of that many positions for every kv head:
+    kq, vq: (block_size, n_kv_heads, head_dim) int8;  sk, sv: (block_size, n_kv_heads) float32.
+Blocks are shared between sequences by reference count. A full block is never written again,
+so sharing it is free; a shared partial block is copied before its first write
+(copy-on-write). Paging never changes a value: it is a memory layout, not a numerics choice.
+"""
+import threading
+
+import numpy as np
+
+
+class BlockPool:
+    """Creates blocks of one geometry and counts the bytes they hold."""
+
+    def __init__(self, block_size, n_kv_heads, head_dim):
+        self.block_size = block_size
+        self.shape = (block_size, n_kv_heads, head_dim)
+        self.block_nbytes = 2 * block_size * n_kv_heads * (head_dim + 4)
+        self.bytes_in_use = 0
+        self.n_blocks_created = 0
+        self._lock = threading.Lock()
+
+    def new_block(self):
+        block = KVBlock(self)
+        with self._lock:
+            self.bytes_in_use += self.block_nbytes
+            self.n_blocks_created += 1
+        return block
+
+    def retain(self, block):
+        with self._lock:
+            block.refs += 1
+
+    def release(self, block):
+        with self._lock:
+            block.refs -= 1
+            if block.refs == 0:
+                self.bytes_in_use -= self.block_nbytes
+
+
+class KVBlock:
+    __slots__ = ("pool", "kq", "sk", "vq", "sv", "refs")
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.kq = np.zeros(pool.shape, np.int8)
+        self.vq = np.zeros(pool.shape, np.int8)
+        self.sk = np.zeros(pool.shape[:2], np.float32)
+        self.sv = np.zeros(pool.shape[:2], np.float32)
+        self.refs = 1
+
+    def copy(self):
+        twin = self.pool.new_block()
+        for name in ("kq", "sk", "vq", "sv"):
+            getattr(twin, name)[...] = getattr(self, name)
+        return twin
+
+
+class KVCache:
+    """One sequence's cache: `n_layers` lists of blocks (None where a window released one)."""
+
+    def __init__(self, pool, n_layers, window):
+        self.pool = pool
+        self.window = window
+        self.length = 0          # positions written in every layer
+        self.layers = [[] for _ in range(n_layers)]
+
+    @property
+    def n_layers(self):
+        return len(self.layers)
+
+    def write(self, layer, pos0, kq, sk, vq, sv):
+        """Store positions pos0 .. pos0+T-1 of one layer. kq, vq: (T, G, D); sk, sv: (T, G)."""
+        blocks, bs = self.layers[layer], self.pool.block_size
+        done = 0
+        while done < len(kq):
+            pos = pos0 + done
+            b, off = divmod(pos, bs)
+            if b == len(blocks):
+                blocks.append(self.pool.new_block())
+            elif blocks[b].refs > 1:            # shared partial block: copy before writing
+                twin = blocks[b].copy()
+                self.pool.release(blocks[b])
+                blocks[b] = twin
+            n = min(bs - off, len(kq) - done)
+            blk = blocks[b]
+            blk.kq[off:off + n] = kq[done:done + n]
+            blk.sk[off:off + n] = sk[done:done + n]
+            blk.vq[off:off + n] = vq[done:done + n]
+            blk.sv[off:off + n] = sv[done:done + n]
+            done += n
+
+    def read(self, layer, lo, hi):
+        """Positions lo .. hi-1 of one layer as contiguous (kq, sk, vq, sv)."""
+        bs = self.pool.block_size
+        blocks = self.layers[layer][lo // bs:(hi - 1) // bs + 1]
+        start = lo - (lo // bs) * bs
+        parts = [np.concatenate([getattr(b, name) for b in blocks])[start:start + hi - lo]
+                 for name in ("kq", "sk", "vq", "sv")]
+        return tuple(parts)
+
+    def release_outside_window(self):
+        """Drop blocks whose positions are all <= length - window (never visible again)."""
+        if self.window == 0:
+            return
+        bs = self.pool.block_size
+        n_dead = max(0, self.length - self.window + 1) // bs
+        for blocks in self.layers:
+            for b in range(min(n_dead, len(blocks))):
+                if blocks[b] is not None:
+                    self.pool.release(blocks[b])
+                    blocks[b] = None
+
+    def fork(self, n_layers):
+        """A new cache sharing the first n_layers layers' blocks (no copies)."""
+        twin = KVCache(self.pool, n_layers, self.window)
+        twin.length = self.length
+        for mine, theirs in zip(twin.layers, self.layers[:n_layers]):
+            for blk in theirs:
+                if blk is not None:
+                    self.pool.retain(blk)
+                mine.append(blk)
+        return twin
+
+    def free(self):
+        for blocks in self.layers:
+            for blk in blocks:
+                if blk is not None:
+                    self.pool.release(blk)
+        self.layers = []
+
+    @property
+    def nbytes(self):
+        return self.pool.block_nbytes * sum(b is not None for blocks in self.layers for b in blocks)

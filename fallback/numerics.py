@@ -1,0 +1,94 @@
+"""Element-wise primitives of the numerics contract (docs/spec.md §2), in numpy.
+
+Every function here is the executable form of one spec operation. All floating-point values
+are float32 and every operation is a single numpy ufunc call on float32 operands, in the order
+the spec writes it; integers that feed a float are converted exactly once. Constants are
+float32 (a float64 scalar would silently promote a whole expression).
+"""
+import numpy as np
+
+F32 = np.float32
+
+EXP2_COEFFS = tuple(np.array([0x3F800000, 0x3F317215, 0x3E75FED5, 0x3D634186,
+                              0x3C1E9E34, 0x3AA2B764, 0x39648C8E],
+                             dtype=np.uint32).view(np.float32))  # C0 .. C6
+LOG2E = np.array(0x3FB8AA3B, dtype=np.uint32).view(np.float32)[()]
+Q_TINY = F32(2.0 ** -64)     # rows whose max |x| is below this quantize to zero
+TWO_24 = F32(2.0 ** 24)
+
+
+def clamp(x, lo, hi):
+    """spec §2.1: NaN maps to lo, so no NaN reaches an integer conversion."""
+    x = np.where(x >= lo, x, F32(lo))
+    return np.where(x <= hi, x, F32(hi))
+
+
+def nan_ignoring_max(x, axis=-1, where=True):
+    """max over axis ignoring NaN, starting from -inf (spec's NaN-ignoring max)."""
+    return np.fmax.reduce(x, axis=axis, initial=F32(-np.inf), where=where)
+
+
+def quantize_rows(x, qmax=127):
+    """spec §2.2 Q(x, qmax). x: (..., n) float32 -> q: (..., n) int8, s: (...) float32."""
+    x = np.asarray(x, dtype=F32)
+    qmax = F32(qmax)
+    amax = np.fmax.reduce(np.abs(x), axis=-1, initial=F32(0))
+    live = amax >= Q_TINY
+    safe_amax = np.where(live, amax, F32(1))
+    r = qmax / safe_amax
+    with np.errstate(invalid="ignore"):        # inf * 0 in a non-finite row: clamp maps it
+        q = np.rint(clamp(x * r[..., None], -qmax, qmax)).astype(np.int8)
+    q[~live] = 0
+    s = np.where(live, amax / qmax, F32(0))
+    return q, s
+
+
+def rms_quantize(x, eps):
+    """spec §2.3 NQ(x). x: (..., n) float32 -> q: (..., n) int8, a: (...) float32."""
+    q, s = quantize_rows(x)
+    q32 = q.astype(np.int32)
+    ss = np.einsum("...i,...i->...", q32, q32, dtype=np.int64)
+    t = ss.astype(F32)
+    t = t * s
+    t = t * s
+    t = t / F32(x.shape[-1])
+    t = t + F32(eps)
+    t = np.sqrt(t)
+    return q, s / t
+
+
+def exp2s(x):
+    """spec §2.4: the contract's own 2**x for float32 x."""
+    x = clamp(np.asarray(x, dtype=F32), -126, 126)
+    n = np.floor(x)
+    f = x - n
+    c = EXP2_COEFFS
+    p = c[6]
+    for coeff in c[5::-1]:
+        p = p * f + coeff
+    scale = ((n.astype(np.int32) + 127) << 23).astype(np.uint32).view(F32)
+    return p * scale
+
+
+def exps(x):
+    """spec §2.4: e**x as exp2s(x * LOG2E)."""
+    return exp2s(np.asarray(x, dtype=F32) * LOG2E)
+
+
+def silu(v):
+    """spec §2.5: v / (1 + exps(-v))."""
+    e = exps(-v)
+    return v / (F32(1) + e)
+
+
+def rope(x, cos, sin):
+    """spec §2.6 rotate-half RoPE. x: (T, heads, D); cos, sin: (T, D/2) for the tokens' positions."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def int_to_f32(acc):
+    """Convert exact integers (held as int64 or as integral float64) to float32, once."""
+    return acc.astype(F32)
