@@ -1,0 +1,233 @@
+"""`Model` and `PrefixCache`: the public face of TinyLoop (docs/api.md).
+
+A Model owns one backend engine. Every public call checks its arguments here, once, with the
+error types the API documents, then hands the engine only valid values. The seed contract's
+error phrases ("model was closed", "loops mismatch", "max_tokens < 1", ...) are kept verbatim.
+"""
+import contextlib
+import os
+import threading
+
+import numpy as np
+
+from . import params as P
+from .backend import open_engine
+from .modelfile import load_model
+
+KV_MODE_VARIABLES = ("TINYLOOP_KV_H_MODE", "TINYLOOP_KV_INT4")
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def _check_kv_mode(kv_mode):
+    """Only the int8 KV cache exists; the seed's other modes are refused, never ignored."""
+    if kv_mode is None:
+        for var in KV_MODE_VARIABLES:
+            if os.environ.get(var, "0") not in ("", "0"):
+                raise ValueError(f"{var}={os.environ[var]!r}: only the int8 KV cache is "
+                                 "implemented; unset it or set it to 0")
+        return "int8"
+    if kv_mode != "int8":
+        raise ValueError(f"kv_mode {kv_mode!r} is not supported; the only KV mode is 'int8'")
+    return kv_mode
+
+
+@contextlib.contextmanager
+def _out_of_memory_as_runtime_error():
+    """The seed's contract: allocation failure is RuntimeError('out of memory')."""
+    try:
+        yield
+    except MemoryError:
+        raise RuntimeError("out of memory") from None
+
+
+def _default_model_path():
+    from .demo import demo_model_path
+    return demo_model_path()
+
+
+class PrefixCache:
+    """An immutable prompt prefix whose KV is computed once and shared by many generations.
+
+    Opaque: exposes `prompt` (a read-only copy), `loops`, `cache_window` and `nbytes`. It keeps
+    its model alive and is freed by the garbage collector; it has no close().
+    """
+
+    __slots__ = ("_model", "_state", "__weakref__")
+
+    def __init__(self, model, state):
+        self._model = model
+        self._state = state
+
+    @property
+    def prompt(self):
+        view = self._state.tokens.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def loops(self):
+        return self._state.loops
+
+    @property
+    def cache_window(self):
+        return self._state.cache_window
+
+    @property
+    def nbytes(self):
+        return self._state.nbytes
+
+    def __len__(self):
+        return len(self._state.tokens)
+
+    def __repr__(self):
+        return (f"PrefixCache(tokens={len(self)}, loops={self.loops}, "
+                f"cache_window={self.cache_window}, nbytes={self.nbytes})")
+
+    def __del__(self):
+        state, self._state = getattr(self, "_state", None), None
+        if state is not None:
+            state.free()
+
+
+class Model:
+    """A looped language model loaded from a .tinyloop file.
+
+    Model(path=None, *, backend="auto", threads=None, kv_mode=None, block_size=16,
+          prefill_chunk=512). `path=None` loads the bundled demo model.
+    """
+
+    def __init__(self, path=None, *, backend="auto", threads=None, kv_mode=None,
+                 block_size=16, prefill_chunk=DEFAULT_PREFILL_CHUNK):
+        self.kv_mode = _check_kv_mode(kv_mode)
+        self._block_size = P.check_int("block_size", block_size, 1)
+        self._prefill_chunk = P.check_int("prefill_chunk", prefill_chunk, 1)
+        if threads is not None:
+            P.check_int("threads", threads, 1)
+        path = _default_model_path() if path is None else os.fspath(path)
+        self.path = path
+        self._config, tensors = load_model(path)
+        self._engine, self.backend = open_engine(backend, self._config, tensors,
+                                                 block_size=self._block_size, threads=threads)
+        self._lock = threading.Lock()
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self):
+        """Release the model. Idempotent; later calls raise RuntimeError('model was closed')."""
+        with self._lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    @property
+    def closed(self):
+        return self._engine is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _live_engine(self):
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError("model was closed")
+        return engine
+
+    # -- introspection ----------------------------------------------------------------------
+    def config(self):
+        """The model's configuration as a dict (includes `default_loops`)."""
+        self._live_engine()
+        return self._config.to_dict()
+
+    def __repr__(self):
+        state = "closed" if self.closed else self.backend
+        return f"Model({self.path!r}, {state}, {self._config.name or 'unnamed'})"
+
+    # -- generation -------------------------------------------------------------------------
+    def _params(self, max_tokens, loops, temperature, top_k, top_p, cache_window,
+                repetition_penalty, stop_sequences, seed, prefill_chunk):
+        return P.generation_params(
+            self._config, max_tokens=max_tokens, loops=loops, temperature=temperature,
+            top_k=top_k, top_p=top_p, cache_window=cache_window,
+            repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
+            prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk)
+
+    def generate(self, prompt, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
+                 cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
+                 prefill_chunk=None, return_logits=False):
+        """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
+
+        With return_logits=True returns (tokens, logits) where logits is a float32 array
+        (n_emitted, vocab_size): the logits each emitted token was sampled from.
+        """
+        engine = self._live_engine()
+        tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
+        params = self._params(max_tokens, loops, temperature, top_k, top_p, cache_window,
+                              repetition_penalty, stop_sequences, seed, prefill_chunk)
+        P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
+        with _out_of_memory_as_runtime_error():
+            emitted, logits = engine.generate(tokens, params)
+        return self._result(tokens, emitted, logits, return_logits)
+
+    def build_prefix_cache(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
+        """Prefill `prompt` once at depth `loops`; the result serves any depth <= loops."""
+        engine = self._live_engine()
+        tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
+        loops = P.check_loops(loops, self._config.default_loops)
+        window = P.check_int("cache_window", cache_window, 0)
+        chunk = P.check_prefill_chunk(prefill_chunk, self._prefill_chunk)
+        P.check_length(len(tokens), self._config.max_seq_len)
+        with _out_of_memory_as_runtime_error():
+            return PrefixCache(self, engine.build_prefix(tokens, loops, window, chunk))
+
+    def generate_from_prefix_cache(self, prefix, max_tokens=32, loops=None, temperature=0.0,
+                                   top_k=50, top_p=1.0, cache_window=None, repetition_penalty=1.0,
+                                   stop_sequences=(), seed=None, suffix=None, prefill_chunk=None,
+                                   return_logits=False):
+        """Decode from a PrefixCache. `loops=None` and `cache_window=None` mean the prefix's.
+
+        `suffix` (optional token ids) is fed after the prefix before decoding: the usual shared
+        system prompt + per-request text. Returns prefix + suffix + emitted ids, exactly what
+        generate(prefix.prompt + suffix, ...) returns. The prefix itself never changes.
+        """
+        engine = self._live_engine()
+        if not isinstance(prefix, PrefixCache):
+            raise ValueError(f"prefix must be a PrefixCache, got {type(prefix).__name__}")
+        if prefix._model is not self:
+            raise ValueError("prefix was built by another model")
+        window = prefix.cache_window if cache_window is None else cache_window
+        params = self._params(max_tokens, prefix.loops if loops is None else loops,
+                              temperature, top_k, top_p, window, repetition_penalty,
+                              stop_sequences, seed, prefill_chunk)
+        if params.loops > prefix.loops:
+            raise RuntimeError(f"loops mismatch: prefix built at loops={prefix.loops}, "
+                               f"requested {params.loops} (a prefix serves loops <= its own)")
+        if params.cache_window != prefix.cache_window:
+            raise RuntimeError(f"cache_window mismatch: prefix built with "
+                               f"cache_window={prefix.cache_window}, requested {params.cache_window}")
+        rest = (np.zeros(0, np.int32) if suffix is None or len(suffix) == 0
+                else P.check_tokens("suffix", suffix, self._config.vocab_size))
+        tokens = np.concatenate([prefix._state.tokens, rest])
+        P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
+        with _out_of_memory_as_runtime_error():
+            emitted, logits = engine.generate_from_prefix(prefix._state, rest, params)
+        return self._result(tokens, emitted, logits, return_logits)
+
+    def logits(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
+        """Logits at every position of `prompt`: float32 array (len(prompt), vocab_size)."""
+        engine = self._live_engine()
+        tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
+        loops = P.check_loops(loops, self._config.default_loops)
+        window = P.check_int("cache_window", cache_window, 0)
+        chunk = P.check_prefill_chunk(prefill_chunk, self._prefill_chunk)
+        P.check_length(len(tokens), self._config.max_seq_len)
+        with _out_of_memory_as_runtime_error():
+            return engine.logits(tokens, loops, window, chunk)
+
+    @staticmethod
+    def _result(tokens, emitted, logits, return_logits):
+        out = tokens.tolist() + list(emitted)
+        if return_logits:
+            return out, np.stack(logits).astype(np.float32, copy=False)
+        return out

@@ -1,0 +1,145 @@
+"""Argument checking shared by every backend: prompts, generation parameters, stop rules.
+
+Each check raises the error type the API documents (docs/api.md) with a message naming the
+argument and the rule it broke, before any backend does work. Backends receive only values
+that passed: a `GenerationParams` and an int32 prompt array.
+"""
+import math
+import numbers
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_LOOPS = 1024
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int            # tokens to emit at most (>= 1)
+    loops: int                 # loop-block depth L (>= 1)
+    cache_window: int          # sliding attention window in tokens; 0 = full context
+    temperature: float         # 0 = greedy argmax
+    top_k: int                 # 0 = off
+    top_p: float               # in (0, 1]; 1 = off
+    repetition_penalty: float  # 1 = off
+    stop_sequences: tuple      # tuple of non-empty tuples of token ids
+    seed: int                  # u64 key of the counter-based generator
+    prefill_chunk: int         # prompt tokens per forward chunk (>= 1)
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name, value, minimum):
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} < {minimum}" if minimum else f"{name} < 0")
+    return int(value)
+
+
+def check_real(name, value, lower, lower_inclusive, upper=math.inf):
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    below = value < lower if lower_inclusive else value <= lower
+    if not math.isfinite(value) or below or value > upper:
+        bound = f"{'>=' if lower_inclusive else '>'} {lower:g}"
+        upper_text = f" and <= {upper:g}" if math.isfinite(upper) else ""
+        raise ValueError(f"{name} must be finite and {bound}{upper_text}, got {value!r}")
+    return value
+
+
+def check_loops(loops, default):
+    if loops is None:
+        return default
+    loops = check_int("loops", loops, 1)
+    if loops > MAX_LOOPS:
+        raise ValueError(f"loops > {MAX_LOOPS}")
+    return loops
+
+
+def check_tokens(name, tokens, vocab_size):
+    """A 1-D sequence of token ids in [0, vocab_size) -> int32 array (a fresh copy)."""
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got {type(tokens).__name__}")
+    try:
+        arr = np.asarray(tokens)
+    except Exception as exc:  # ragged nesting and the like
+        raise ValueError(f"{name} must be a 1-D sequence of integer token ids ({exc})") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got {arr.ndim} dimensions")
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty")
+    if arr.dtype == object:
+        if not all(_is_int(t) for t in arr):
+            raise ValueError(f"{name} must contain only integer token ids")
+        arr = np.array([int(t) for t in arr], dtype=object)
+    elif arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must contain integer token ids, got dtype {arr.dtype}")
+    bad = [i for i, t in enumerate(arr.tolist()) if not 0 <= t < vocab_size] if (
+        arr.dtype == object or arr.min() < 0 or arr.max() >= vocab_size) else []
+    if bad:
+        i = bad[0]
+        raise ValueError(f"{name}: token id {arr[i]} at index {i} is out of range [0, {vocab_size})")
+    return np.array(arr, dtype=np.int32)
+
+
+def check_stop_sequences(stop_sequences, vocab_size):
+    if stop_sequences is None:
+        return ()
+    if isinstance(stop_sequences, (str, bytes)) or not hasattr(stop_sequences, "__iter__"):
+        raise ValueError("stop_sequences must be a list of token-id sequences")
+    result = []
+    for i, seq in enumerate(stop_sequences):
+        if _is_int(seq):
+            raise ValueError("stop_sequences must be a list of token-id sequences, not of ids")
+        result.append(tuple(check_tokens(f"stop_sequences[{i}]", seq, vocab_size).tolist()))
+    return tuple(result)
+
+
+def check_seed(seed):
+    if seed is None:
+        return secrets.randbits(64)
+    if not _is_int(seed) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def check_prefill_chunk(chunk, default):
+    return default if chunk is None else check_int("prefill_chunk", chunk, 1)
+
+
+def generation_params(config, *, max_tokens, loops, temperature, top_k, top_p, cache_window,
+                      repetition_penalty, stop_sequences, seed, prefill_chunk, default_chunk):
+    """Check every generation argument; `config` is the model's ModelConfig."""
+    return GenerationParams(
+        max_tokens=check_int("max_tokens", max_tokens, 1),
+        loops=check_loops(loops, config.default_loops),
+        cache_window=check_int("cache_window", cache_window, 0),
+        temperature=check_real("temperature", temperature, 0.0, True),
+        top_k=check_int("top_k", top_k, 0),
+        top_p=check_real("top_p", top_p, 0.0, False, 1.0),
+        repetition_penalty=check_real("repetition_penalty", repetition_penalty, 0.0, False),
+        stop_sequences=check_stop_sequences(stop_sequences, config.vocab_size),
+        seed=check_seed(seed),
+        prefill_chunk=check_prefill_chunk(prefill_chunk, default_chunk),
+    )
+
+
+def check_length(n_tokens, max_seq_len):
+    """The seed's RuntimeError for a sequence that cannot fit the model's context."""
+    if n_tokens > max_seq_len:
+        raise RuntimeError(f"sequence length {n_tokens} exceeds max_seq_len {max_seq_len}")
+
+
+def stop_reached(emitted, params, eos_id):
+    """spec §5.3: eos, then stop sequences on the emitted tokens, then max_tokens."""
+    if eos_id >= 0 and emitted[-1] == eos_id:
+        return True
+    for seq in params.stop_sequences:
+        if len(emitted) >= len(seq) and tuple(emitted[-len(seq):]) == seq:
+            return True
+    return len(emitted) >= params.max_tokens

@@ -1,0 +1,66 @@
+"""Random looped models of any shape and weight format, reproducible from a seed.
+
+Used by tests and benchmarks. Weights are drawn so activations stay in a realistic range:
+fan-in scaled projections, residual branches scaled by 1/sqrt(2 * depth), norm gains near 1,
+logits with a standard deviation of about 3.
+"""
+import numpy as np
+
+from .config import ModelConfig
+from .modelfile import save_model
+from .quantize import quantize_model
+
+DEFAULT_CONFIG = dict(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                      ffn_dim=128, n_pre_blocks=1, default_loops=4, max_seq_len=256,
+                      weight_format="int8", group_size=0, tied_head=False, name="random")
+DEFAULT_INT4_GROUP = 32
+
+
+def random_config(**overrides):
+    """A ModelConfig from DEFAULT_CONFIG and overrides (int4 gets a default group size)."""
+    fields = {**DEFAULT_CONFIG, **overrides}
+    if fields["weight_format"] == "int4" and not fields.get("group_size"):
+        fields["group_size"] = DEFAULT_INT4_GROUP
+    config = ModelConfig(**fields)
+    config.validate()
+    return config
+
+
+def random_float_weights(config, seed=0):
+    """Float32 weights in the layout tinyloop.quantize.quantize_model expects."""
+    rng = np.random.default_rng(seed)
+    d, H, G, D, F, V = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+                        config.ffn_dim, config.vocab_size)
+    residual = 1.0 / np.sqrt(2.0 * (config.n_pre_blocks + config.default_loops))
+
+    def normal(shape, std):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def gain():
+        return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+
+    w = {"tok_emb": normal((V, d), 1.0)}
+    for b in config.block_prefixes():
+        w[f"{b}.attn_norm"], w[f"{b}.mlp_norm"] = gain(), gain()
+        w[f"{b}.wq"] = normal((H * D, d), d ** -0.5)
+        w[f"{b}.wk"] = normal((G * D, d), d ** -0.5)
+        w[f"{b}.wv"] = normal((G * D, d), d ** -0.5)
+        w[f"{b}.wo"] = normal((d, H * D), (H * D) ** -0.5 * residual)
+        w[f"{b}.w_gate"] = normal((F, d), d ** -0.5)
+        w[f"{b}.w_up"] = normal((F, d), d ** -0.5)
+        w[f"{b}.w_down"] = normal((d, F), F ** -0.5 * residual)
+    if config.tied_head:
+        w["final_norm"] = np.ones(d, np.float32)
+        w["tok_emb"] *= np.float32(3.0 / np.sqrt(d))
+    else:
+        w["final_norm"] = gain()
+        w["head"] = normal((V, d), 3.0 / np.sqrt(d))
+    return w
+
+
+def random_model(path, seed=0, **overrides):
+    """Write a random model to `path`; returns its ModelConfig. Overrides are config fields."""
+    config = random_config(**overrides)
+    config, tensors = quantize_model(config, random_float_weights(config, seed))
+    save_model(path, config, tensors)
+    return config
