@@ -1,0 +1,268 @@
+"""Prefix-cache planning ledger.
+
+Contract
+--------
+``PrefixCacheManager(block_size)`` keeps an ordered, duplicate-free set of
+registered token prefixes and answers planning questions about prompts:
+
+* ``add_prefix(tokens)`` registers a prefix (an empty prefix is refused with
+  ``ValueError``; re-registering an equal prefix is a no-op).
+* ``match_prefix(prompt)`` is the length of the longest registered prefix that
+  is wholly a prefix of ``prompt`` (0 if none).  It walks a token trie, so it
+  costs O(len(prompt)) whatever the number of registered prefixes.
+* ``split_prompt(prompt)`` -> ``(reusable_prefix, suffix, hit_len)``.
+* ``chunked_prefill_plan(prompt)`` / ``chunked_suffix_prefill_plan(prompt)``
+  cut the prompt / the uncached suffix into ``block_size`` tuples (the last
+  one may be shorter).
+* ``cache_stats(prompt)`` -> ``{'hit_tokens', 'uncached_tokens', 'reuse_ratio'}``.
+
+Token sequences may be lists, tuples, ranges or 1-D array-likes exposing
+``tolist()`` (numpy arrays); each token must be a non-negative integer (bools,
+floats, strings and nested sequences are refused).  Everything is stored and
+returned as plain Python ``int``.  The module is dependency-free: numpy is
+handled by duck typing only.
+
+This class is only a ledger: it holds no KV.  Binding to a model is meant to be
+added through the ``_make_entry`` hook (see its docstring), which lets a
+subclass attach per-prefix data (e.g. KV) atomically at registration time and
+retrieve it for the prefix found by ``_longest_match``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["PrefixCacheManager"]
+
+Tokens = tuple[int, ...]
+
+
+class _TrieNode:
+    """One trie node: children keyed by token; ``index`` of the registered
+    prefix ending here (``None`` when no registered prefix ends here)."""
+
+    __slots__ = ("children", "index")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _TrieNode] = {}
+        self.index: int | None = None
+
+
+def _is_bool(x: Any) -> bool:
+    # Python bool is an int subclass; numpy's bool scalar is named bool_/bool.
+    return isinstance(x, bool) or type(x).__name__ in ("bool_", "bool")
+
+
+def _check_block_size(block_size: Any) -> int:
+    if _is_bool(block_size):
+        raise TypeError(f"block_size must be an integer, not {type(block_size).__name__}")
+    try:
+        value = operator.index(block_size)
+    except TypeError:
+        raise TypeError(
+            f"block_size must be an integer, not {type(block_size).__name__}"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {value}")
+    return int(value)
+
+
+def _as_tokens(tokens: Any, what: str = "tokens") -> Tokens:
+    """Validate ``tokens`` and return them as a tuple of plain Python ints.
+
+    Accepts a list, tuple, range or a 1-D array-like with ``tolist()``.
+    Raises ``TypeError`` for a wrong container or a non-integer token and
+    ``ValueError`` for a non-1-D array or a negative token.
+    """
+    if hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):
+        ndim = tokens.ndim
+        if ndim != 1:
+            raise ValueError(f"{what} must be a 1-D sequence of token ids, got a {ndim}-D array")
+        items = tokens.tolist()  # numpy -> plain Python scalars
+    elif isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"{what} must be a sequence of integer token ids, not {type(tokens).__name__}"
+        )
+    elif isinstance(tokens, Sequence):
+        items = tokens
+    else:
+        raise TypeError(
+            f"{what} must be a list, tuple or 1-D integer array of token ids, "
+            f"not {type(tokens).__name__}"
+        )
+
+    out = []
+    for i, tok in enumerate(items):
+        if _is_bool(tok):
+            raise TypeError(f"{what}[{i}] is a bool, not an integer token id")
+        try:
+            value = operator.index(tok)
+        except TypeError:
+            raise TypeError(
+                f"{what}[{i}] must be an integer token id, not {type(tok).__name__} ({tok!r})"
+            ) from None
+        if value < 0:
+            raise ValueError(f"{what}[{i}] is a negative token id ({value})")
+        out.append(int(value))
+    return tuple(out)
+
+
+class PrefixCacheManager:
+    """Ledger of registered token prefixes for prefix-cache planning.
+
+    Parameters
+    ----------
+    block_size:
+        Positive integer; the chunk size used by the ``chunked_*`` plans.
+        ``TypeError`` if it is not an integer (bools and floats included),
+        ``ValueError`` if it is ``<= 0``.
+
+    Semantics where the design brief is silent:
+
+    * An empty prefix is refused with ``ValueError`` (it can never produce a
+      hit and has no KV to hold).
+    * Negative token ids are refused with ``ValueError``.
+    * An empty prompt is valid: no hit, empty plans, ratio ``0.0``.
+    * A prompt equal to a registered prefix is a full hit (empty suffix).
+    """
+
+    def __init__(self, block_size: int = 4) -> None:
+        self._block_size = _check_block_size(block_size)
+        self._prefixes: list[Tokens] = []
+        # Per-prefix data built by the ``_make_entry`` hook (None by default).
+        self._entries: list[Any] = []
+        self._root = _TrieNode()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def cached_prefixes(self) -> list[Tokens]:
+        """Registered prefixes as tuples, in registration order (a fresh list)."""
+        return list(self._prefixes)
+
+    @property
+    def chunked_prefixes(self) -> list[list[Tokens]]:
+        """Each registered prefix cut into ``block_size`` tuples, same order."""
+        return [self._chunk(p) for p in self._prefixes]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self._block_size}, prefixes={len(self._prefixes)})"
+
+    # ---------------------------------------------------------- registration
+
+    def add_prefix(self, tokens: Any) -> bool:
+        """Register ``tokens`` as a cached prefix.
+
+        Returns ``True`` if the prefix was newly registered and ``False`` if an
+        equal prefix was already registered (duplicates are ignored).  An empty
+        prefix raises ``ValueError``; bad tokens raise ``TypeError`` /
+        ``ValueError``.  If the ``_make_entry`` hook raises, nothing is
+        registered.
+        """
+        key = _as_tokens(tokens, "prefix")
+        if not key:
+            raise ValueError("prefix must contain at least one token")
+
+        # Find (or plan) the terminal node without mutating the trie yet.
+        node: _TrieNode | None = self._root
+        for tok in key:
+            node = node.children.get(tok)
+            if node is None:
+                break
+        if node is not None and node.index is not None:
+            return False  # duplicate
+
+        index = len(self._prefixes)
+        entry = self._make_entry(key, index)  # may raise: ledger unchanged
+
+        node = self._root
+        for tok in key:
+            child = node.children.get(tok)
+            if child is None:
+                child = node.children[tok] = _TrieNode()
+            node = child
+        node.index = index
+        self._prefixes.append(key)
+        self._entries.append(entry)
+        return True
+
+    def _make_entry(self, prefix: Tokens, index: int) -> Any:
+        """Extension hook: build the data held for a newly registered prefix.
+
+        Called by ``add_prefix`` with the validated prefix (tuple of ints) and
+        the index it will get in ``cached_prefixes``, *before* anything is
+        committed; raising aborts the registration.  The return value is
+        stored in ``self._entries[index]``.  The base ledger holds nothing and
+        returns ``None``; a model-bound subclass would run the prefix and
+        return its KV here.
+        """
+        return None
+
+    # --------------------------------------------------------------- queries
+
+    def _longest_match(self, prompt: Tokens) -> tuple[int, int | None]:
+        """Walk the trie along ``prompt`` (already validated).
+
+        Returns ``(hit_len, index)`` where ``index`` is the position in
+        ``cached_prefixes`` of the longest registered prefix of ``prompt``
+        (``None`` and ``hit_len == 0`` if there is none).  O(len(prompt)).
+        """
+        node = self._root
+        hit_len, hit_index = 0, None
+        for depth, tok in enumerate(prompt, 1):
+            node = node.children.get(tok)
+            if node is None:
+                break
+            if node.index is not None:
+                hit_len, hit_index = depth, node.index
+        return hit_len, hit_index
+
+    def match_prefix(self, prompt: Any) -> int:
+        """Length of the longest registered prefix that is wholly a prefix of
+        ``prompt``; 0 if none (a registered prefix longer than the prompt never
+        matches)."""
+        return self._longest_match(_as_tokens(prompt, "prompt"))[0]
+
+    def split_prompt(self, prompt: Any) -> tuple[list[int], list[int], int]:
+        """Return ``(reusable_prefix, suffix, hit_len)`` as lists of ints, with
+        ``reusable_prefix + suffix == list(prompt)`` and
+        ``hit_len == len(reusable_prefix)``."""
+        toks = _as_tokens(prompt, "prompt")
+        hit, _ = self._longest_match(toks)
+        return list(toks[:hit]), list(toks[hit:]), hit
+
+    def chunked_prefill_plan(self, prompt: Any) -> list[Tokens]:
+        """The whole prompt cut into ``block_size`` tuples (short tail kept)."""
+        return self._chunk(_as_tokens(prompt, "prompt"))
+
+    def chunked_suffix_prefill_plan(self, prompt: Any) -> list[Tokens]:
+        """Only the uncached suffix cut into ``block_size`` tuples; ``[]`` on a
+        full hit (or an empty prompt)."""
+        toks = _as_tokens(prompt, "prompt")
+        hit, _ = self._longest_match(toks)
+        return self._chunk(toks[hit:])
+
+    def cache_stats(self, prompt: Any) -> dict[str, int | float]:
+        """``{'hit_tokens', 'uncached_tokens', 'reuse_ratio'}`` for ``prompt``;
+        ``reuse_ratio = round(hit / len(prompt), 4)``, ``0.0`` for an empty
+        prompt."""
+        toks = _as_tokens(prompt, "prompt")
+        hit, _ = self._longest_match(toks)
+        n = len(toks)
+        return {
+            "hit_tokens": hit,
+            "uncached_tokens": n - hit,
+            "reuse_ratio": round(hit / n, 4) if n else 0.0,
+        }
+
+    # --------------------------------------------------------------- helpers
+
+    def _chunk(self, toks: Tokens) -> list[Tokens]:
+        b = self._block_size
+        return [toks[i:i + b] for i in range(0, len(toks), b)]
