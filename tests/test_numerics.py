@@ -1,0 +1,125 @@
+"""Unit tests of the spec's primitives (docs/spec.md §2, §5) in the numpy reference."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from tinyloop.fallback import numerics as N
+from tinyloop.fallback.sampling import NumericError, rng, sample
+from tinyloop.params import GenerationParams
+
+f32s = st.floats(-1e6, 1e6, width=32, allow_nan=False)
+
+
+def test_exp2_constants_match_the_spec_bits():
+    bits = [0x3F800000, 0x3F317215, 0x3E75FED5, 0x3D634186, 0x3C1E9E34, 0x3AA2B764, 0x39648C8E]
+    assert [np.float32(c).view(np.uint32) for c in N.EXP2_COEFFS] == bits
+    assert np.float32(N.LOG2E).view(np.uint32) == 0x3FB8AA3B
+
+
+def test_exp2s_is_accurate_exact_at_integers_and_monotone():
+    x = np.linspace(-125.9, 125.9, 200001, dtype=np.float32)
+    y = N.exp2s(x)
+    assert y.dtype == np.float32
+    assert np.max(np.abs(y / np.exp2(x.astype(np.float64)) - 1)) < 1e-7
+    assert np.all(np.diff(y) >= 0)
+    ints = np.arange(-126, 127, dtype=np.float32)
+    assert np.array_equal(N.exp2s(ints), np.exp2(ints))
+
+
+def test_exp2s_clamps_and_maps_nan_to_the_lower_bound():
+    y = N.exp2s(np.array([-1000, 1000, np.nan, -np.inf, np.inf], np.float32))
+    assert y.tolist() == [2.0 ** -126, 2.0 ** 126, 2.0 ** -126, 2.0 ** -126, 2.0 ** 126]
+
+
+@given(st.lists(f32s, min_size=1, max_size=64))
+def test_q8_reconstructs_within_half_a_step(values):
+    x = np.array(values, np.float32)
+    q, s = N.quantize_rows(x[None])
+    amax = np.abs(x).max()
+    if amax < 2.0 ** -64:
+        assert not q.any() and s[0] == 0
+    else:
+        assert np.abs(q).max() == 127
+        assert s[0] == np.float32(amax) / np.float32(127)
+        assert np.all(np.abs(q[0] * np.float64(s[0]) - x) <= 0.5001 * s[0] + 1e-30)
+
+
+def test_q8_rounds_half_to_even_and_handles_zero_tiny_and_nonfinite_rows():
+    q, s = N.quantize_rows(np.array([[127.0, 0.5, 1.5, 2.5, -0.5]], np.float32))
+    assert q.tolist() == [[127, 0, 2, 2, 0]] and s[0] == 1.0
+    q, s = N.quantize_rows(np.zeros((2, 4), np.float32) + np.array([[0], [1e-30]], np.float32))
+    assert not q.any() and not s.any()
+    q, s = N.quantize_rows(np.array([[np.inf, 1.0, np.nan]], np.float32))
+    assert q.tolist() == [[-127, 0, -127]] and np.isinf(s[0])
+    q, s = N.quantize_rows(np.array([[3.0, np.nan, -1.5]], np.float32))
+    assert q.tolist() == [[127, -127, -64]]
+
+
+def test_q4_uses_seven_levels():
+    q, s = N.quantize_rows(np.array([[1.0, -0.5, 0.25, 0.07]], np.float32), qmax=7)
+    assert q.tolist() == [[7, -4, 2, 0]] and s[0] == np.float32(1) / np.float32(7)
+
+
+def test_rms_quantize_follows_the_spec_order():
+    x = np.array([[0.3, -1.2, 2.0, 0.0, 0.7]], np.float32)
+    q, a = N.rms_quantize(x, 1e-5)
+    _, s = N.quantize_rows(x)
+    t = np.float32(int((q.astype(np.int64) ** 2).sum()))
+    t = np.float32(np.float32(np.float32(t * s[0]) * s[0]) / np.float32(5))
+    t = np.sqrt(np.float32(t + np.float32(1e-5)))
+    assert a[0] == np.float32(s[0] / t)
+    assert abs(float(a[0]) * 127 - 2.0 / np.sqrt((x.astype(np.float64) ** 2).mean())) < 0.02
+
+
+def test_rng_is_splitmix64():
+    # the first outputs of the reference SplitMix64 generator seeded with 0
+    assert rng(0, 0) == 0xE220A8397B1DCDAF
+    assert rng(0, 1) == 0x6E789E6AA1B965F4
+    assert rng(2**64 - 1, 5) != rng(2**64 - 2, 5)
+
+
+def params(**kw):
+    base = dict(max_tokens=1, loops=1, cache_window=0, temperature=1.0, top_k=0, top_p=1.0,
+                repetition_penalty=1.0, stop_sequences=(), seed=0, prefill_chunk=1)
+    return GenerationParams(**{**base, **kw})
+
+
+def test_sampling_rejects_non_finite_logits():
+    with pytest.raises(NumericError, match="non-finite logits"):
+        sample(np.array([0.0, np.nan], np.float32), [], params(), 0)
+
+
+def test_greedy_takes_the_lowest_id_on_ties():
+    z = np.array([1.0, 3.0, 3.0, 2.0], np.float32)
+    assert sample(z, [], params(temperature=0.0), 0) == 1
+
+
+def test_repetition_penalty_is_ctrl_style():
+    z = np.array([2.0, 1.9, -1.0], np.float32)
+    assert sample(z, [0], params(temperature=0.0, repetition_penalty=2.0), 0) == 1
+    assert sample(z, [0, 0, 2], params(temperature=0.0, repetition_penalty=1.0), 0) == 0
+
+
+def test_small_top_p_keeps_only_the_top_candidate():
+    z = np.array([0.0, 0.1, 0.05], np.float32)
+    picks = {sample(z, [], params(top_p=1e-6, seed=s), 0) for s in range(50)}
+    assert picks == {1}
+
+
+def test_top_k_restricts_the_candidates():
+    z = np.array([0.0, 0.3, 0.2, 0.1], np.float32)
+    picks = {sample(z, [], params(top_k=2, seed=s), p) for s in range(30) for p in range(5)}
+    assert picks == {1, 2}
+
+
+def test_sampled_frequencies_follow_the_softmax():
+    z = np.array([1.0, 0.0, -1.0, 2.0], np.float32)
+    draws = np.array([sample(z, [], params(seed=7), p) for p in range(20000)])
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    probs = np.exp(z) / np.exp(z).sum()
+    assert np.max(np.abs(freq - probs)) < 0.015
+
+
+def test_tiny_temperature_overflow_takes_the_top_candidate():
+    z = np.array([3e38, 1.0], np.float32)
+    assert sample(z, [], params(temperature=1e-30), 0) == 0
