@@ -173,13 +173,9 @@ class Model:
     def build_prefix_cache(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
         """Prefill `prompt` once at depth `loops`; the result serves any depth <= loops."""
         engine = self._live_engine()
-        tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
-        loops = P.check_loops(loops, self._config.default_loops)
-        window = P.check_int("cache_window", cache_window, 0)
-        chunk = P.check_prefill_chunk(prefill_chunk, self._prefill_chunk)
-        P.check_length(len(tokens), self._config.max_seq_len)
+        args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)
         with _out_of_memory_as_runtime_error():
-            return PrefixCache(self, engine.build_prefix(tokens, loops, window, chunk))
+            return PrefixCache(self, engine.build_prefix(*args))
 
     def generate_from_prefix_cache(self, prefix, max_tokens=32, loops=None, temperature=0.0,
                                    top_k=50, top_p=1.0, cache_window=None, repetition_penalty=1.0,
@@ -217,13 +213,18 @@ class Model:
     def logits(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
         """Logits at every position of `prompt`: float32 array (len(prompt), vocab_size)."""
         engine = self._live_engine()
+        args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)
+        with _out_of_memory_as_runtime_error():
+            return engine.logits(*args)
+
+    def _prompt_run(self, prompt, loops, cache_window, prefill_chunk):
+        """Checked (tokens, loops, window, chunk) for running a prompt without decoding."""
         tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
         loops = P.check_loops(loops, self._config.default_loops)
         window = P.check_int("cache_window", cache_window, 0)
         chunk = P.check_prefill_chunk(prefill_chunk, self._prefill_chunk)
         P.check_length(len(tokens), self._config.max_seq_len)
-        with _out_of_memory_as_runtime_error():
-            return engine.logits(tokens, loops, window, chunk)
+        return tokens, loops, window, chunk
 
     @staticmethod
     def _result(tokens, emitted, logits, return_logits):
