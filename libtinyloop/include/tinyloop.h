@@ -1,0 +1,289 @@
+/*
+ * tinyloop.h — the C API of libtinyloop, the CPU backend of TinyLoop.
+ *
+ * TinyLoop runs looped (depth-recurrent, weight-shared) transformer language models stored in
+ * `.tinyloop` files. Every result is bit-identical to the numerics contract in docs/spec.md,
+ * whatever the thread count, SIMD path, prefill chunking, forking or prefix reuse.
+ *
+ * This header is the single source of truth of the C API: the Python binding derives its cffi
+ * cdef from it mechanically (strip the `#` lines, TL_API and the extern "C" guard), so it holds
+ * no other macros, no bitfields, no inline or variadic functions, and enums with explicit values.
+ *
+ * Conventions
+ *  - Every fallible call returns a tl_status; on failure it sets a thread-local message that
+ *    tl_last_error() returns. The library never exits or aborts on bad input.
+ *  - Handles are opaque. Each `*_create` / `*_open` / `*_build` / `*_fork` has a matching
+ *    `*_free`; `*_free(NULL)` is a no-op. Output handles are set only on TL_OK (else NULL).
+ *  - Parameter structs are passed by pointer; their first field `size` must be set to
+ *    sizeof(the struct) (the `*_default()` initializers do that), so the ABI can grow.
+ *    Output structs are filled up to the caller's `size`.
+ *  - Threading: a tl_model may be used from many threads at once. A tl_seq must be used by one
+ *    thread at a time. A tl_prefix is immutable and may be read from many threads at once.
+ *  - Caller buffers are borrowed for the duration of the call only.
+ */
+#ifndef TINYLOOP_H
+#define TINYLOOP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32) && defined(TINYLOOP_BUILDING)
+#define TL_API __declspec(dllexport)
+#elif defined(_WIN32)
+#define TL_API __declspec(dllimport)
+#elif defined(__GNUC__)
+#define TL_API __attribute__((visibility("default")))
+#else
+#define TL_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ===== Versions ============================================================================ */
+
+/* ABI version of this header: 1. Bumped on any incompatible change. Thread-safe. */
+TL_API int tl_abi_version(void);
+/* Library version, e.g. "0.1.0" (a static string; never free it). Thread-safe. */
+TL_API const char* tl_version_string(void);
+
+/* ===== Errors ============================================================================== */
+
+typedef enum tl_status {
+    TL_OK = 0,
+    TL_ERR_INVALID_ARGUMENT = 1, /* a parameter breaks its documented rule                    */
+    TL_ERR_OUT_OF_RANGE = 2,     /* a token id outside [0, vocab_size)                        */
+    TL_ERR_SEQ_TOO_LONG = 3,     /* the sequence would exceed max_seq_len                     */
+    TL_ERR_LOOPS_MISMATCH = 4,   /* more loops requested than a prefix was built with         */
+    TL_ERR_WINDOW_MISMATCH = 5,  /* cache_window differs from the prefix's                    */
+    TL_ERR_CLOSED = 6,           /* "model was closed"                                        */
+    TL_ERR_OUT_OF_MEMORY = 7,    /* "out of memory"                                           */
+    TL_ERR_BAD_FILE = 8,         /* the model file breaks docs/spec.md §6                      */
+    TL_ERR_IO = 9,               /* the model file cannot be opened, sized or mapped          */
+    TL_ERR_NUMERIC = 10,         /* non-finite logits during generation                       */
+    TL_ERR_UNSUPPORTED = 11,     /* e.g. an ISA this CPU lacks                                 */
+    TL_ERR_WRONG_MODEL = 12,     /* an object used with another model (reserved for bindings)  */
+    TL_ERR_INTERNAL = 13         /* a bug in libtinyloop (e.g. a thread could not start)       */
+} tl_status;
+
+/* Static English name of a status, e.g. "out of memory". Thread-safe. */
+TL_API const char* tl_status_string(tl_status status);
+/* Message of the last failed call on this thread, naming the problem (e.g. "token id 300 at
+ * index 2 is out of range [0, 256)"). Valid until the next failing call on this thread;
+ * owned by the library. "" if nothing failed yet. */
+TL_API const char* tl_last_error(void);
+
+/* ===== CPU kernels ========================================================================= */
+
+typedef enum tl_isa {
+    TL_ISA_AUTO = 0,        /* the fastest path this CPU supports                            */
+    TL_ISA_SCALAR = 1,      /* portable C                                                     */
+    TL_ISA_AVX2 = 2,        /* AVX2                                                           */
+    TL_ISA_AVX512_VNNI = 3  /* AVX-512 F/BW/VL + VNNI                                         */
+} tl_isa;
+
+/* Whether this CPU (and build) can run `isa`. TL_ISA_AUTO and TL_ISA_SCALAR: always true. */
+TL_API bool tl_cpu_supports(tl_isa isa);
+
+/* ===== Memory accounting ==================================================================== */
+
+/* Counters over every allocation the library makes (weights repacked for SIMD, KV blocks,
+ * prefixes, scratch). The file mapping itself is not counted. */
+typedef struct tl_memory_stats {
+    size_t size;         /* in: sizeof(tl_memory_stats)                                      */
+    size_t bytes_in_use; /* bytes currently allocated                                        */
+    size_t peak_bytes;   /* high-water mark since start or tl_memory_reset_peak()            */
+    size_t n_allocs;     /* allocations currently live                                       */
+} tl_memory_stats;
+
+/* Snapshot of the counters. Thread-safe. TL_ERR_INVALID_ARGUMENT if out is NULL or too small. */
+TL_API tl_status tl_memory_stats_get(tl_memory_stats* out);
+/* Set peak_bytes to the current bytes_in_use. Thread-safe. */
+TL_API void tl_memory_reset_peak(void);
+/* TEST-ONLY fault injection: the allocation that comes after `n` more successful ones fails
+ * (n = 0: the next one), once; then injection switches itself off. n < 0 switches it off.
+ * Process-wide; not meant for production use. */
+TL_API void tl_debug_fail_alloc_after(int64_t n);
+
+/* ===== Models ============================================================================== */
+
+typedef struct tl_model tl_model;
+
+typedef struct tl_model_params {
+    size_t size;            /* sizeof(tl_model_params)                                       */
+    uint32_t n_threads;     /* worker threads of the model's pool; 0 = all online cores       */
+    uint32_t kv_block_size; /* positions per KV cache block; 0 = 16                          */
+    tl_isa isa;             /* kernel path; TL_ISA_AUTO = best available. Forcing one the CPU
+                               lacks is TL_ERR_UNSUPPORTED.                                  */
+} tl_model_params;
+
+/* Defaults: all cores, blocks of 16, automatic ISA. */
+TL_API tl_model_params tl_model_params_default(void);
+
+/* Map the file at `path` read-only, validate it (docs/spec.md §6) and prepare the kernels.
+ * params may be NULL (defaults). On success *out owns a new model: release it with
+ * tl_model_free. Errors: TL_ERR_IO, TL_ERR_BAD_FILE, TL_ERR_UNSUPPORTED, TL_ERR_OUT_OF_MEMORY,
+ * TL_ERR_INVALID_ARGUMENT. Thread-safe. */
+TL_API tl_status tl_model_open(const char* path, const tl_model_params* params, tl_model** out);
+
+/* The file's configuration (docs/spec.md §6.1). */
+typedef struct tl_model_config {
+    size_t size;            /* in: sizeof(tl_model_config)                                    */
+    uint32_t vocab_size;
+    uint32_t d_model;
+    uint32_t n_heads;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;
+    uint32_t ffn_dim;
+    uint32_t n_pre_blocks;
+    uint32_t default_loops;
+    uint32_t max_seq_len;
+    uint32_t weight_format; /* 1 = int8, 2 = int4                                             */
+    uint32_t group_size;    /* int4 group size; 0 for int8                                    */
+    uint32_t tied_head;     /* 1: the LM head is the embedding                                */
+    int32_t bos_id;         /* -1 = none                                                      */
+    int32_t eos_id;         /* -1 = none                                                      */
+    uint32_t tokenizer;     /* 0 = none, 1 = bytes                                            */
+    float rope_theta;
+    float rms_eps;
+    char name[64];          /* UTF-8, NUL-terminated                                          */
+} tl_model_config;
+
+/* Copy the configuration into *out (out->size set by the caller). Thread-safe.
+ * TL_ERR_CLOSED after tl_model_close. */
+TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out);
+
+/* How the model runs on this machine. */
+typedef struct tl_model_runtime {
+    size_t size;            /* in: sizeof(tl_model_runtime)                                   */
+    tl_isa isa;             /* the kernel path chosen (never TL_ISA_AUTO)                     */
+    uint32_t n_threads;     /* threads of the pool, including the calling thread              */
+    uint32_t kv_block_size; /* positions per KV block                                         */
+    size_t weight_bytes;    /* bytes of repacked weights held by the library                  */
+} tl_model_runtime;
+
+TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* out);
+
+/* Mark the model closed: every later call with it (or with sequences and prefixes made from
+ * it) returns TL_ERR_CLOSED ("model was closed"). The weights are released once no sequence,
+ * prefix or running call uses them. Idempotent. The handle itself stays valid memory until
+ * tl_model_free. Thread-safe. */
+TL_API void tl_model_close(tl_model* model);
+/* Close (if needed) and free the handle. NULL is a no-op. Not concurrently with other calls
+ * on the same handle. */
+TL_API void tl_model_free(tl_model* model);
+
+/* ===== Sequences ============================================================================ */
+
+/* A sequence: tokens run through the model at a fixed depth, with their KV cache. Holds a
+ * reference to the model's weights. Use from one thread at a time. */
+typedef struct tl_seq tl_seq;
+
+/* An empty sequence at depth `loops` (0 = the model's default_loops; at most 1024) with
+ * sliding window `cache_window` (0 = full context). *out is owned by the caller
+ * (tl_seq_free). Thread-safe with respect to the model. */
+TL_API tl_status tl_seq_create(tl_model* model, uint32_t loops, uint32_t cache_window,
+                               tl_seq** out);
+
+/* Append `n` >= 1 tokens, run in chunks of `chunk` tokens (0 = all at once; any chunking
+ * gives identical results). logits_out: NULL, or [vocab_size] floats receiving the logits of
+ * the last token. On any error the sequence is left unchanged. Errors include
+ * TL_ERR_OUT_OF_RANGE (token ids), TL_ERR_SEQ_TOO_LONG, TL_ERR_CLOSED, TL_ERR_OUT_OF_MEMORY. */
+TL_API tl_status tl_seq_prefill(tl_seq* seq, const int32_t* tokens, size_t n, size_t chunk,
+                                float* logits_out);
+/* As tl_seq_prefill, but logits_all ([n][vocab_size] floats, required) receives the logits
+ * of every appended position. */
+TL_API tl_status tl_seq_prefill_all(tl_seq* seq, const int32_t* tokens, size_t n, size_t chunk,
+                                    float* logits_all);
+/* Append one token; logits_out: NULL or [vocab_size] floats for its logits. */
+TL_API tl_status tl_seq_decode(tl_seq* seq, int32_t token, float* logits_out);
+/* Logits ([vocab_size] floats) of the sequence's last token, recomputed from its stored final
+ * hidden state (so a sequence made from a prefix needs no prefill). TL_ERR_INVALID_ARGUMENT
+ * on an empty sequence. */
+TL_API tl_status tl_seq_last_logits(const tl_seq* seq, float* logits_out);
+/* A new sequence with the same tokens and cache: every full KV block is shared, nothing is
+ * copied; the two then evolve independently. *out owned by the caller. Do not call while
+ * another thread uses `seq`. */
+TL_API tl_status tl_seq_fork(const tl_seq* seq, tl_seq** out);
+/* Tokens in the sequence (0 for NULL). */
+TL_API size_t tl_seq_length(const tl_seq* seq);
+/* Depth and window of the sequence (either pointer may be NULL). */
+TL_API void tl_seq_shape(const tl_seq* seq, uint32_t* loops, uint32_t* cache_window);
+/* Free the sequence and its references to KV blocks and weights. NULL is a no-op. */
+TL_API void tl_seq_free(tl_seq* seq);
+
+/* ===== Prefixes ============================================================================= */
+
+/* An immutable prompt prefix run once at depth L_b with window W: the KV of its
+ * n_pre_blocks + L_b layers and the last token's hidden state after each loop iteration, so
+ * sequences at any depth L <= L_b start from it with no recomputation (docs/spec.md §5.4).
+ * Holds a reference to the model's weights; shareable between threads. */
+typedef struct tl_prefix tl_prefix;
+
+/* Run tokens[0..n) (n >= 1, copied) at depth `loops` (0 = default) with window `cache_window`,
+ * prefilling in chunks of `chunk` tokens (0 = all at once). *out owned by the caller
+ * (tl_prefix_free). Thread-safe with respect to the model. */
+TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t n,
+                                 uint32_t loops, uint32_t cache_window, size_t chunk,
+                                 tl_prefix** out);
+/* Facts about a prefix; any output pointer may be NULL. nbytes counts its KV blocks, hidden
+ * states and token copy. Thread-safe. */
+TL_API void tl_prefix_info(const tl_prefix* prefix, size_t* n_tokens, uint32_t* loops,
+                           uint32_t* cache_window, size_t* nbytes);
+/* The prefix's own copy of its tokens (borrowed: valid while the prefix lives); *n (may be
+ * NULL) receives their count. */
+TL_API const int32_t* tl_prefix_tokens(const tl_prefix* prefix, size_t* n);
+/* Free the prefix; blocks still shared by sequences live on in them. NULL is a no-op. */
+TL_API void tl_prefix_free(tl_prefix* prefix);
+/* A sequence continuing the prefix at depth `loops` (0 = the prefix's; must be <= the
+ * prefix's, else TL_ERR_LOOPS_MISMATCH) with the prefix's window. Shares every prefix block;
+ * copies none. *out owned by the caller. Thread-safe (the prefix is only read). */
+TL_API tl_status tl_seq_from_prefix(const tl_prefix* prefix, uint32_t loops, tl_seq** out);
+
+/* ===== Generation =========================================================================== */
+
+typedef struct tl_gen_params {
+    size_t size;               /* sizeof(tl_gen_params)                                        */
+    size_t max_tokens;         /* tokens to emit at most; >= 1                                 */
+    uint32_t loops;            /* depth; 0 = model default (or the prefix's, from a prefix)    */
+    uint32_t cache_window;     /* sliding window; 0 = full. From a prefix: must equal the
+                                  prefix's (TL_ERR_WINDOW_MISMATCH otherwise)                  */
+    float temperature;         /* finite, >= 0; 0 = greedy (argmax, ties to the lowest id)     */
+    int32_t top_k;             /* >= 0; 0 = off                                                */
+    float top_p;               /* in (0, 1]; 1 = off                                           */
+    float repetition_penalty;  /* finite, > 0; 1 = off                                         */
+    uint64_t seed;             /* key of the counter-based generator (docs/spec.md §5.2)       */
+    size_t prefill_chunk;      /* prompt tokens per forward chunk; 0 = the whole prompt        */
+    const int32_t* stop_tokens;  /* all stop sequences, concatenated (borrowed)                */
+    const size_t* stop_lengths;  /* [n_stop] lengths, each >= 1                                */
+    size_t n_stop;             /* number of stop sequences                                     */
+} tl_gen_params;
+
+/* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,
+ * seed 0, whole-prompt prefill, no stop sequences. */
+TL_API tl_gen_params tl_gen_params_default(void);
+
+/* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). out_tokens (capacity
+ * params->max_tokens) receives the emitted tokens only, *n_out their count. out_logits: NULL
+ * or [max_tokens][vocab_size] floats receiving the logits each emitted token was sampled from
+ * (before penalty and temperature). Every parameter is validated before any work.
+ * Thread-safe: many threads may generate with one model at once. */
+TL_API tl_status tl_generate(tl_model* model, const int32_t* prompt, size_t n,
+                             const tl_gen_params* params, int32_t* out_tokens, size_t* n_out,
+                             float* out_logits);
+/* As tl_generate on the prompt prefix.tokens + suffix[0..n_suffix) (suffix may be NULL with
+ * n_suffix 0): identical tokens and logits, but the prefix's part is not recomputed. loops 0
+ * means the prefix's depth; a larger depth is TL_ERR_LOOPS_MISMATCH, a different
+ * cache_window TL_ERR_WINDOW_MISMATCH. Thread-safe: many threads may continue one prefix at
+ * once (it is only read; no prefix block is copied). */
+TL_API tl_status tl_generate_from_prefix(const tl_prefix* prefix, const int32_t* suffix,
+                                         size_t n_suffix, const tl_gen_params* params,
+                                         int32_t* out_tokens, size_t* n_out, float* out_logits);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TINYLOOP_H */

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# libtinyloop CI checks (about 2-4 minutes on 2 cores):
+#   1. Release build + ctest (unit, loader, model, allocation-failure and — when Python 3 with
+#      the tinyloop Python package is installed — golden tests vs the numpy backend)
+#   2. ASan + UBSan build (-fno-sanitize-recover=all) + the same ctest suite
+#   3. install into a temporary prefix, then build the C example against it twice: with
+#      find_package(tinyloop) and with pkg-config; run it on a small generated model.
+# usage: libtinyloop/run_ci_checks.sh [WORK_DIR]   (default: a fresh temporary directory)
+# Exits nonzero on the first failure.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+work=${1:-$(mktemp -d "${TMPDIR:-/tmp}/tinyloop-ci.XXXXXX")}
+jobs=${JOBS:-2}
+mkdir -p "$work"
+echo "== libtinyloop CI in $work"
+
+echo "== 1/3 release build + tests"
+# golden tests need the tinyloop Python package installed for this python3 (see tests/)
+python=$(command -v python3)
+golden=(-DPython3_EXECUTABLE="$python" -DTINYLOOP_REQUIRE_GOLDEN="${TINYLOOP_REQUIRE_GOLDEN:-OFF}")
+cmake -S "$here" -B "$work/release" -DCMAKE_BUILD_TYPE=Release "${golden[@]}" >/dev/null
+cmake --build "$work/release" -j "$jobs"
+ctest --test-dir "$work/release" --output-on-failure -j "$jobs"
+
+echo "== 2/3 sanitizer build (ASan + UBSan) + tests"
+cmake -S "$here" -B "$work/sanitize" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZE=ON "${golden[@]}" >/dev/null
+cmake --build "$work/sanitize" -j "$jobs"
+ctest --test-dir "$work/sanitize" --output-on-failure -j "$jobs"
+
+echo "== 3/3 install + example"
+cmake --install "$work/release" --prefix "$work/prefix" >/dev/null
+"$work/release/tests/make_test_model" "$work/model.tinyloop"
+cmake -S "$repo/examples/c" -B "$work/example" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
+cmake --build "$work/example" -j "$jobs"
+"$work/example/prefix_threads" "$work/model.tinyloop" 12
+pc_dir=$(dirname "$(find "$work/prefix" -name tinyloop.pc | head -n 1)")
+libdir=$(PKG_CONFIG_PATH="$pc_dir" pkg-config --variable=libdir tinyloop)
+# shellcheck disable=SC2046
+cc -std=c11 -O2 -o "$work/prefix_threads_pc" "$repo/examples/c/prefix_threads.c" \
+   $(PKG_CONFIG_PATH="$pc_dir" pkg-config --cflags --libs tinyloop) -pthread -Wl,-rpath,"$libdir"
+"$work/prefix_threads_pc" "$work/model.tinyloop" 4 >/dev/null
+echo "== libtinyloop CI checks passed"

@@ -1,0 +1,103 @@
+/* attention.c — one query head against the int8 KV cache, exactly as docs/spec.md §4.1, and
+ * the scalar segment kernels. Pass 1 computes every visible score S_j (an exact integer dot
+ * product, then two f32 multiplies) and the NaN-ignoring maxima M and svmax; pass 2 turns the
+ * exponentials into integers E_j and U_j and sums E_j and U_j * vq_j exactly in i64. Keys are
+ * visited segment by segment in position order, but any order gives the same sums. */
+#include "attention.h"
+
+#include <math.h>
+
+#include "numerics.h"
+#include "quant.h"
+
+/* ---- scalar kernels ---------------------------------------------------------------------- */
+
+static void scores_scalar(const tl_attn_scratch* s, const int8_t* k, const float* sk, size_t n, size_t D,
+                          float c, float* scores) {
+    for (size_t j = 0; j < n; j++) {
+        int32_t dot = 0;
+        for (size_t d = 0; d < D; d++) dot += (int32_t)s->qq[d] * k[j * D + d];
+        scores[j] = ((float)dot * c) * sk[j];
+    }
+}
+
+static int64_t weights_scalar(const float* scores, const float* sv, size_t n, float M, float kappa,
+                              int32_t* u, bool* nan_weight) {
+    int64_t den = 0;
+    for (size_t j = 0; j < n; j++) {
+        const float e = tl_exp2s((scores[j] - M) * TL_LOG2E);
+        den += (int64_t)tl_rint(e * 16777216.0f);   /* E_j = rint(e_j * 2^24) <= 2^24 */
+        const float uf = tl_rint(e * (sv[j] * kappa)); /* <= 2^24 + 2, or NaN if sv[j] = inf */
+        *nan_weight |= uf != uf;
+        u[j] = uf == uf ? (int32_t)uf : 0;
+    }
+    return den;
+}
+
+static void accumulate_scalar(const int32_t* u, const int8_t* v, size_t n, size_t D, int64_t* num) {
+    for (size_t j = 0; j < n; j++)
+        for (size_t d = 0; d < D; d++) num[d] += (int64_t)u[j] * v[j * D + d];
+}
+
+const tl_attn_kernels tl_attn_scalar = {scores_scalar, weights_scalar, accumulate_scalar};
+
+/* ---- driver --------------------------------------------------------------------------------- */
+
+/* The visible segments: for span index si, slots [from, to) of its block. */
+typedef struct segment {
+    tl_kv_block* block;
+    size_t from, to;
+} segment;
+
+static size_t next_segment(const tl_kv_table* kv, size_t* si, size_t lo, size_t hi, segment* seg) {
+    while (*si < kv->n_spans) {
+        const tl_kv_span* sp = &kv->spans[(*si)++];
+        if (sp->start > hi) return 0;
+        seg->block = sp->block;
+        seg->from = lo > sp->start ? lo - sp->start : 0;
+        seg->to = hi - sp->start + 1 < sp->count ? hi - sp->start + 1 : sp->count;
+        if (seg->to > seg->from) return seg->to - seg->from;
+    }
+    return 0;
+}
+
+void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
+               uint32_t kv_head, size_t t, uint32_t window, const float* qh, float* o, tl_attn_scratch* s) {
+    const size_t D = g->head_dim;
+    const size_t lo = (window && t + 1 > window) ? t + 1 - window : 0;
+    const float sq = tl_quantize_row(qh, D, 127, s->qq);
+    for (size_t d = 0; d < D; d++) s->qq16[d] = s->qq[d];
+    const float c = sq / sqrtf((float)D);
+    float M = -INFINITY, svmax = -INFINITY;
+    segment seg;
+    size_t si = tl_kv_find(kv, lo), index = 0, n;
+    while ((n = next_segment(kv, &si, lo, t, &seg))) {
+        float* scores = s->scores + index;
+        kern->scores(s, tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * D,
+                     tl_kv_key_scales(g, seg.block, layer, kv_head) + seg.from, n, D, c, scores);
+        const float* sv = tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from;
+        for (size_t j = 0; j < n; j++) {
+            M = tl_fmax(M, scores[j]);
+            svmax = tl_fmax(svmax, sv[j]);
+        }
+        index += n;
+    }
+    if (!(svmax > 0.0f)) { /* every visible value row is zero */
+        for (size_t d = 0; d < D; d++) o[d] = 0.0f;
+        return;
+    }
+    const float kappa = 16777216.0f / svmax; /* 2^24 / svmax */
+    for (size_t d = 0; d < D; d++) s->num[d] = 0;
+    int64_t den = 0;
+    bool nan_weight = false;
+    si = tl_kv_find(kv, lo);
+    index = 0;
+    while ((n = next_segment(kv, &si, lo, t, &seg))) {
+        den += kern->weights(s->scores + index, tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, n, M,
+                             kappa, s->u, &nan_weight);
+        kern->accumulate(s->u, tl_kv_values(g, seg.block, layer, kv_head) + seg.from * D, n, D, s->num);
+        index += n;
+    }
+    const float fden = (float)den;
+    for (size_t d = 0; d < D; d++) o[d] = nan_weight ? NAN : ((float)s->num[d] / fden) * svmax;
+}

@@ -1,0 +1,18 @@
+/* forward.h — the forward pass of docs/spec.md §4 over a chunk of tokens. */
+#ifndef TL_FORWARD_H
+#define TL_FORWARD_H
+
+#include "seq.h"
+
+/* Run tokens[0..T) at positions s->n .. s->n+T-1 through all s->n_layers layers, writing
+ * their KV into s->kv (already reserved for those positions). Outputs (each may be NULL
+ * except last_hidden): logits_all [T][V]; last_hidden [d] = final hidden state of the last
+ * token; loop_states [loops][d] = the last token's state after each loop iteration.
+ * Fails only with TL_ERR_OUT_OF_MEMORY, before touching the cache. */
+tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+                     float* last_hidden, float* loop_states);
+
+/* logits[V] = head(NQ(x)) for one hidden state x[d] (docs/spec.md §4, "Head"). */
+tl_status tl_head_logits(tl_engine* e, const float* x, float* logits);
+
+#endif

@@ -1,0 +1,82 @@
+/* kvcache.h — the paged int8 KV cache (docs/spec.md §4.2), reference-counted blocks.
+ *
+ * A block holds `block_size` consecutive positions starting at `start`, for `n_layers` cache
+ * layers; per (layer, kv head) it stores kq[bs][D] i8, vq[bs][D] i8, sk[bs] f32, sv[bs] f32.
+ * A table (one per sequence or prefix) is an ordered list of spans covering positions 0 .. n-1
+ * contiguously: span i uses the first `count` slots of its block. Blocks are shared between
+ * tables by reference count; a table writes only into a block it holds alone (refs == 1), so
+ * a shared block is immutable and forking or continuing a prefix copies no block: the new
+ * position simply opens a fresh block. Block memory is released when the last table drops it.
+ * Paging never changes a value: attention reads exactly the (kq, sk, vq, sv) that were written. */
+#ifndef TL_KVCACHE_H
+#define TL_KVCACHE_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tinyloop.h"
+
+typedef struct tl_kv_geom {
+    uint32_t block_size, n_kv_heads, head_dim;
+    size_t head_bytes; /* one (layer, kv head) of a block, 64-byte multiple */
+} tl_kv_geom;
+
+typedef struct tl_kv_block {
+    atomic_uint refs;
+    uint32_t start;    /* first position */
+    uint32_t n_layers;
+    size_t bytes;      /* whole allocation, for accounting */
+    /* data follows, 64-byte aligned */
+} tl_kv_block;
+
+typedef struct tl_kv_span {
+    tl_kv_block* block; /* NULL once released by the window */
+    uint32_t start, count;
+} tl_kv_span;
+
+typedef struct tl_kv_table {
+    tl_kv_span* spans;
+    size_t n_spans, cap;
+    size_t first_live;  /* spans before it were released */
+} tl_kv_table;
+
+/* Where a table stood before a reservation, to roll back to. */
+typedef struct tl_kv_mark {
+    size_t n_spans;
+    uint32_t last_count;
+} tl_kv_mark;
+
+tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim);
+
+/* The table's current extent, to roll back to after later reservations. */
+tl_kv_mark tl_kv_mark_now(const tl_kv_table* t);
+/* Make room for positions n .. n+T-1 in n_layers layers. On failure (out of memory) the
+ * table is unchanged. */
+tl_status tl_kv_reserve(tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n, size_t T);
+void tl_kv_rollback(tl_kv_table* t, tl_kv_mark mark);
+/* Release the blocks whose positions are all <= n - window (window > 0). */
+void tl_kv_release_outside(tl_kv_table* t, size_t n, uint32_t window);
+/* dst (empty) shares every live block of src. */
+tl_status tl_kv_share(tl_kv_table* dst, const tl_kv_table* src);
+void tl_kv_clear(tl_kv_table* t);
+/* Bytes of the live blocks the table references. */
+size_t tl_kv_bytes(const tl_kv_table* t);
+/* Index of the span holding position pos (which must be covered). */
+size_t tl_kv_find(const tl_kv_table* t, size_t pos);
+
+/* Per-(layer, kv head) arrays of a block. */
+static inline int8_t* tl_kv_keys(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
+    return (int8_t*)b + 64 + ((size_t)layer * g->n_kv_heads + h) * g->head_bytes;
+}
+static inline int8_t* tl_kv_values(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
+    return tl_kv_keys(g, b, layer, h) + (size_t)g->block_size * g->head_dim;
+}
+static inline float* tl_kv_key_scales(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
+    return (float*)(tl_kv_values(g, b, layer, h) + (size_t)g->block_size * g->head_dim);
+}
+static inline float* tl_kv_value_scales(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
+    return tl_kv_key_scales(g, b, layer, h) + g->block_size;
+}
+
+#endif

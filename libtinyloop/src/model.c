@@ -1,0 +1,208 @@
+/* model.c — tl_model handles and their engines: open (map, validate, repack, start the
+ * pool), configuration queries, close/free, and the reference counting that keeps the
+ * weights alive while sequences and prefixes use them. */
+#include <pthread.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "alloc.h"
+#include "cpu.h"
+#include "engine.h"
+#include "errors.h"
+
+enum { MAX_THREADS = 1024, MAX_BLOCK_SIZE = 1 << 16 };
+
+struct tl_model {
+    pthread_mutex_t lock; /* guards engine against a concurrent close */
+    tl_engine* engine;    /* NULL once closed */
+};
+
+static const char* isa_name(tl_isa isa) {
+    switch (isa) {
+    case TL_ISA_AUTO: return "auto";
+    case TL_ISA_SCALAR: return "scalar";
+    case TL_ISA_AVX2: return "avx2";
+    case TL_ISA_AVX512_VNNI: return "avx512-vnni";
+    }
+    return "unknown";
+}
+
+void tl_engine_ref(tl_engine* e) { atomic_fetch_add(&e->refs, 1); }
+
+static void engine_destroy(tl_engine* e) {
+    tl_pool_destroy(e->pool);
+    for (size_t i = 0; e->linears && i < e->n_linears; i++) tl_linear_release(&e->linears[i]);
+    tl_free(e->linears);
+    tl_file_close(&e->file);
+    tl_free(e);
+}
+
+void tl_engine_unref(tl_engine* e) {
+    if (e && atomic_fetch_sub(&e->refs, 1) == 1) engine_destroy(e);
+}
+
+tl_status tl_engine_check_open(const tl_engine* e) {
+    return atomic_load(&e->closed) ? tl_fail(TL_ERR_CLOSED, "model was closed") : TL_OK;
+}
+
+tl_status tl_engine_resolve_loops(const tl_engine* e, uint32_t loops, uint32_t* out) {
+    if (loops == 0) loops = e->file.cfg.default_loops;
+    if (loops > TL_MAX_LOOPS) return tl_fail(TL_ERR_INVALID_ARGUMENT, "loops > %d", TL_MAX_LOOPS);
+    *out = loops;
+    return TL_OK;
+}
+
+tl_status tl_engine_check_tokens(const tl_engine* e, const int32_t* tokens, size_t n, const char* what) {
+    const uint32_t V = e->file.cfg.vocab_size;
+    for (size_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= V)
+            return tl_fail(TL_ERR_OUT_OF_RANGE, "%s: token id %d at index %zu is out of range [0, %u)",
+                           what, tokens[i], i, V);
+    return TL_OK;
+}
+
+tl_status tl_model_acquire(tl_model* model, tl_engine** out) {
+    *out = NULL;
+    if (!model) return tl_fail(TL_ERR_INVALID_ARGUMENT, "model is NULL");
+    pthread_mutex_lock(&model->lock);
+    tl_engine* e = model->engine;
+    if (e) tl_engine_ref(e);
+    pthread_mutex_unlock(&model->lock);
+    if (!e) return tl_fail(TL_ERR_CLOSED, "model was closed");
+    *out = e;
+    return TL_OK;
+}
+
+TL_API tl_model_params tl_model_params_default(void) {
+    tl_model_params p;
+    memset(&p, 0, sizeof p);
+    p.size = sizeof p;
+    p.n_threads = 0;
+    p.kv_block_size = 0;
+    p.isa = TL_ISA_AUTO;
+    return p;
+}
+
+static tl_status resolve_params(const tl_model_params* given, tl_model_params* p) {
+    *p = tl_model_params_default();
+    if (given) {
+        if (given->size < sizeof(size_t))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_model_params.size must be set (sizeof(tl_model_params))");
+        memcpy(p, given, given->size < sizeof *p ? given->size : sizeof *p);
+    }
+    if (p->n_threads == 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        p->n_threads = cores > 0 ? (uint32_t)(cores < MAX_THREADS ? cores : MAX_THREADS) : 1;
+    }
+    if (p->n_threads > MAX_THREADS)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_threads must be <= %d, got %u", MAX_THREADS, p->n_threads);
+    if (p->kv_block_size == 0) p->kv_block_size = 16;
+    if (p->kv_block_size > MAX_BLOCK_SIZE)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_block_size must be <= %d, got %u", MAX_BLOCK_SIZE,
+                       p->kv_block_size);
+    if ((int)p->isa < TL_ISA_AUTO || (int)p->isa > TL_ISA_AVX512_VNNI)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "isa must be 0 .. 3, got %d", (int)p->isa);
+    if (!tl_isa_available(p->isa))
+        return tl_fail(TL_ERR_UNSUPPORTED, "isa %s is not supported by this CPU or build", isa_name(p->isa));
+    if (p->isa == TL_ISA_AUTO) p->isa = tl_isa_best();
+    return TL_OK;
+}
+
+static tl_status engine_create(const char* path, const tl_model_params* p, tl_engine** out) {
+    *out = NULL;
+    tl_engine* e = tl_alloc_zeroed(1, sizeof *e);
+    if (!e) return tl_fail_oom("model");
+    atomic_init(&e->refs, 1);
+    atomic_init(&e->closed, false);
+    e->isa = p->isa;
+    tl_status st = tl_file_open(path, &e->file);
+    if (st != TL_OK) {
+        tl_free(e);
+        return st;
+    }
+    const tl_config* c = &e->file.cfg;
+    e->kv_geom = tl_kv_geom_make(p->kv_block_size, c->n_kv_heads, c->head_dim);
+    e->n_linears = e->file.n_linears;
+    e->linears = tl_alloc_zeroed(e->n_linears, sizeof *e->linears);
+    if (!e->linears) st = tl_fail_oom("linears");
+    for (size_t i = 0; st == TL_OK && i < e->n_linears; i++) {
+        st = tl_linear_prepare(&e->linears[i], &e->file.linears[i], e->isa);
+        if (st == TL_OK) e->weight_bytes += tl_linear_bytes(&e->linears[i]);
+    }
+    if (st == TL_OK) st = tl_pool_create(p->n_threads, &e->pool);
+    if (st != TL_OK) {
+        engine_destroy(e);
+        return st;
+    }
+    *out = e;
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_open(const char* path, const tl_model_params* params, tl_model** out) {
+    if (!out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    tl_model_params p;
+    tl_status st = resolve_params(params, &p);
+    if (st != TL_OK) return st;
+    tl_model* m = tl_alloc_zeroed(1, sizeof *m);
+    if (!m) return tl_fail_oom("model handle");
+    st = engine_create(path, &p, &m->engine);
+    if (st != TL_OK) {
+        tl_free(m);
+        return st;
+    }
+    pthread_mutex_init(&m->lock, NULL);
+    *out = m;
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out) {
+    if (!out || out->size < sizeof(size_t))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL or out->size not set");
+    tl_engine* e;
+    tl_status st = tl_model_acquire((tl_model*)model, &e);
+    if (st != TL_OK) return st;
+    const tl_config* c = tl_engine_config(e);
+    tl_model_config full = {
+        sizeof full, c->vocab_size, c->d_model, c->n_heads, c->n_kv_heads, c->head_dim, c->ffn_dim,
+        c->n_pre_blocks, c->default_loops, c->max_seq_len, c->weight_format, c->group_size,
+        c->tied_head, c->bos_id, c->eos_id, c->tokenizer, c->rope_theta, c->rms_eps, {0}};
+    memcpy(full.name, c->name, sizeof full.name);
+    const size_t size = out->size < sizeof full ? out->size : sizeof full;
+    full.size = size;
+    memcpy(out, &full, size);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* out) {
+    if (!out || out->size < sizeof(size_t))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL or out->size not set");
+    tl_engine* e;
+    tl_status st = tl_model_acquire((tl_model*)model, &e);
+    if (st != TL_OK) return st;
+    tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
+                             e->weight_bytes};
+    const size_t size = out->size < sizeof full ? out->size : sizeof full;
+    full.size = size;
+    memcpy(out, &full, size);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
+TL_API void tl_model_close(tl_model* model) {
+    if (!model) return;
+    pthread_mutex_lock(&model->lock);
+    tl_engine* e = model->engine;
+    model->engine = NULL;
+    if (e) atomic_store(&e->closed, true);
+    pthread_mutex_unlock(&model->lock);
+    tl_engine_unref(e);
+}
+
+TL_API void tl_model_free(tl_model* model) {
+    if (!model) return;
+    tl_model_close(model);
+    pthread_mutex_destroy(&model->lock);
+    tl_free(model);
+}

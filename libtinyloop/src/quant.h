@@ -1,0 +1,24 @@
+/* quant.h — row operations of docs/spec.md §2.2, §2.3 and §2.6: Q8/Q4 row quantization, the
+ * fused RMSNorm-quantize NQ, and rotate-half RoPE. Shapes are per row. */
+#ifndef TL_QUANT_H
+#define TL_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* §2.2 Q(x, qmax): x[n] -> q[n] in [-qmax, qmax]; returns the scale s (0 for tiny rows). */
+float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q);
+/* §2.3 NQ(x): x[n] -> q[n]; returns the matmul input scale a. */
+float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q);
+/* §2.5 SwiGLU in place: gate[i] = silu(gate[i]) * up[i]. */
+void tl_swiglu_row(float* gate, const float* up, size_t n);
+
+/* AVX2 forms of tl_quantize_row and tl_swiglu_row (rows_avx2.c), bit-identical; call only
+ * when the CPU has AVX2. */
+float tl_quantize_row_avx2(const float* x, size_t n, int qmax, int8_t* q);
+void tl_swiglu_row_avx2(float* gate, const float* up, size_t n);
+
+/* §2.6 RoPE in place on one head x[D] with the position's table rows cos[D/2], sin[D/2]. */
+void tl_rope_head(float* x, size_t D, const float* cos, const float* sin);
+
+#endif

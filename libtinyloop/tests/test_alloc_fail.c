@@ -1,0 +1,122 @@
+/* test_alloc_fail.c — allocation-failure injection sweep. For each operation and each k =
+ * 0, 1, ... the k-th allocation fails, until the operation succeeds. Every failure must give
+ * TL_ERR_OUT_OF_MEMORY with "out of memory" in the message, free everything it allocated
+ * (bytes_in_use back to the baseline; ASan checks the rest), leave a sequence unchanged, and
+ * leave the model usable with unchanged results. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+static const char* path;
+static int32_t prompt[21];
+static int32_t reference[8];
+
+static size_t in_use(void) {
+    tl_memory_stats st = {.size = sizeof st};
+    tl_memory_stats_get(&st);
+    return st.bytes_in_use;
+}
+
+static tl_status greedy(tl_model* m, int32_t* out) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 8;
+    gp.prefill_chunk = 5;
+    size_t n;
+    return tl_generate(m, prompt, 21, &gp, out, &n, NULL);
+}
+
+typedef tl_status (*op_fn)(tl_model* m);
+
+static tl_status op_open(tl_model* unused) {
+    (void)unused;
+    tl_model_params p = tl_model_params_default();
+    p.n_threads = 3;
+    tl_model* m = NULL;
+    tl_status st = tl_model_open(path, &p, &m);
+    tl_model_free(m);
+    return st;
+}
+
+static tl_status op_prefill_decode(tl_model* m) {
+    tl_seq* s = NULL;
+    float logits[256];
+    tl_status st = tl_seq_create(m, 2, 7, &s);
+    if (st == TL_OK) st = tl_seq_prefill(s, prompt, 21, 4, logits);
+    if (st == TL_OK) st = tl_seq_decode(s, 3, logits);
+    if (st != TL_OK && s) CHECK(tl_seq_length(s) == 0 || tl_seq_length(s) == 21, "partial prefill left behind");
+    tl_seq_free(s);
+    return st;
+}
+
+static tl_status op_fork(tl_model* m) {
+    tl_seq* s = NULL;
+    tl_seq* f = NULL;
+    tl_status st = tl_seq_create(m, 0, 0, &s);
+    if (st == TL_OK) st = tl_seq_prefill(s, prompt, 10, 0, NULL);
+    if (st == TL_OK) st = tl_seq_fork(s, &f);
+    if (st == TL_OK) st = tl_seq_decode(f, 1, NULL);
+    tl_seq_free(f);
+    tl_seq_free(s);
+    return st;
+}
+
+static tl_status op_prefix(tl_model* m) {
+    tl_prefix* p = NULL;
+    tl_seq* s = NULL;
+    int32_t out[8];
+    size_t n;
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 4;
+    gp.temperature = 0.7f;
+    tl_status st = tl_prefix_build(m, prompt, 15, 3, 0, 6, &p);
+    if (st == TL_OK) st = tl_seq_from_prefix(p, 2, &s);
+    if (st == TL_OK) st = tl_generate_from_prefix(p, prompt + 15, 3, &gp, out, &n, NULL);
+    tl_seq_free(s);
+    tl_prefix_free(p);
+    return st;
+}
+
+static tl_status op_generate(tl_model* m) {
+    int32_t out[8];
+    return greedy(m, out);
+}
+
+static void sweep(const char* name, op_fn op, tl_model* m) {
+    const size_t baseline = in_use();
+    int k = 0;
+    for (;; k++) {
+        tl_debug_fail_alloc_after(k);
+        const tl_status st = op(m);
+        tl_debug_fail_alloc_after(-1);
+        if (st == TL_OK) break;
+        CHECK(st == TL_ERR_OUT_OF_MEMORY, "%s, k=%d: status %d: %s", name, k, st, tl_last_error());
+        CHECK(strstr(tl_last_error(), "out of memory") != NULL, "%s, k=%d: message %s", name, k, tl_last_error());
+        CHECK(in_use() == baseline, "%s, k=%d: %zu bytes leaked", name, k, in_use() - baseline);
+        if (m) {
+            int32_t out[8];
+            CHECK_OK(greedy(m, out));
+            CHECK(memcmp(out, reference, sizeof out) == 0, "%s, k=%d: model results changed", name, k);
+        }
+        if (k > 100000 || tu_failures > 10) break;
+    }
+    CHECK(in_use() == baseline, "%s: %zu bytes leaked after success", name, in_use() - baseline);
+    printf("%s: %d injected failures handled\n", name, k);
+}
+
+int main(void) {
+    tu_spec spec = tu_spec_default();
+    spec.int4 = 1;
+    spec.group_size = 8;
+    path = tu_write_model("alloc.tinyloop", &spec);
+    for (int i = 0; i < 21; i++) prompt[i] = (i * 37 + 11) % 256;
+    tl_model* m = tu_open(path, 2, TL_ISA_AUTO, 4);
+    CHECK_OK(greedy(m, reference));
+    sweep("open", op_open, NULL);
+    sweep("prefill+decode", op_prefill_decode, m);
+    sweep("fork", op_fork, m);
+    sweep("prefix", op_prefix, m);
+    sweep("generate", op_generate, m);
+    tl_model_free(m);
+    return tu_finish("test_alloc_fail");
+}

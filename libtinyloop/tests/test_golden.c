@@ -1,0 +1,187 @@
+/* test_golden.c — reproduce the numpy reference bit for bit (vectors from make_golden.py).
+ *
+ * usage: test_golden GOLDEN_DIR
+ * Runs every case of GOLDEN_DIR/manifest.txt on every kernel path this CPU has (scalar with
+ * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and
+ * compares logits by bit pattern and tokens exactly. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+enum { MAX_FIELDS = 24 };
+
+typedef struct fields {
+    int n;
+    char key[MAX_FIELDS][32];
+    char value[MAX_FIELDS][256];
+} fields;
+
+static const char* golden_dir;
+
+static const char* get(const fields* f, const char* key) {
+    for (int i = 0; i < f->n; i++)
+        if (strcmp(f->key[i], key) == 0) return f->value[i];
+    return NULL;
+}
+
+static uint64_t get_u64(const fields* f, const char* key) {
+    const char* v = get(f, key);
+    return v ? strtoull(v, NULL, 0) : 0;
+}
+
+static float get_f32(const fields* f, const char* key) {
+    const uint32_t bits = (uint32_t)get_u64(f, key);
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* Contents of a golden file (malloc'd); *n = bytes / elem. */
+static void* load(const char* name, size_t elem, size_t* n) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", golden_dir, name);
+    FILE* f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "cannot open %s\n", path);
+        exit(2);
+    }
+    fseek(f, 0, SEEK_END);
+    const long bytes = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    void* data = malloc(bytes ? (size_t)bytes : 1);
+    if (fread(data, 1, (size_t)bytes, f) != (size_t)bytes) exit(2);
+    fclose(f);
+    *n = (size_t)bytes / elem;
+    return data;
+}
+
+static tl_gen_params gen_params(const fields* f, int32_t** stops, size_t** lengths) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = get_u64(f, "max_tokens");
+    gp.loops = (uint32_t)get_u64(f, "loops");
+    gp.cache_window = (uint32_t)get_u64(f, "window");
+    gp.temperature = get_f32(f, "temperature");
+    gp.top_k = (int32_t)get_u64(f, "top_k");
+    gp.top_p = get_f32(f, "top_p");
+    gp.repetition_penalty = get_f32(f, "penalty");
+    gp.seed = get_u64(f, "seed");
+    gp.prefill_chunk = get_u64(f, "chunk");
+    *stops = NULL;
+    *lengths = NULL;
+    if (get(f, "stops")) {
+        size_t n_tokens;
+        *stops = load(get(f, "stops"), sizeof(int32_t), &n_tokens);
+        *lengths = calloc(MAX_FIELDS, sizeof(size_t));
+        char list[256];
+        snprintf(list, sizeof list, "%s", get(f, "stop_lengths"));
+        for (char* tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) (*lengths)[gp.n_stop++] = strtoull(tok, NULL, 10);
+        gp.stop_tokens = *stops;
+        gp.stop_lengths = *lengths;
+    }
+    return gp;
+}
+
+static void run_case(const char* kind, const fields* f, tl_model* m, const char* where) {
+    size_t n_prompt, n_expect;
+    int32_t* prompt = load(get(f, "prompt"), sizeof(int32_t), &n_prompt);
+    tl_model_config cfg = {.size = sizeof cfg};
+    CHECK_OK(tl_model_config_get(m, &cfg));
+    const uint32_t V = cfg.vocab_size;
+    if (strcmp(kind, "logits") == 0) {
+        float* want = load(get(f, "expect"), sizeof(float), &n_expect);
+        float* got = malloc(n_prompt * V * sizeof(float));
+        tl_seq* s = NULL;
+        CHECK_OK(tl_seq_create(m, (uint32_t)get_u64(f, "loops"), (uint32_t)get_u64(f, "window"), &s));
+        CHECK_OK(tl_seq_prefill_all(s, prompt, n_prompt, get_u64(f, "chunk"), got));
+        size_t bad = 0;
+        while (bad < n_expect && memcmp(&got[bad], &want[bad], sizeof(float)) == 0) bad++;
+        CHECK(n_expect == n_prompt * V && bad == n_expect,
+              "%s: %s: first difference at position %zu, id %zu: %.9g vs numpy %.9g", where, get(f, "expect"),
+              bad / V, bad % V, bad < n_expect ? (double)got[bad] : 0.0, bad < n_expect ? (double)want[bad] : 0.0);
+        tl_seq_free(s);
+        free(want), free(got);
+    } else {
+        int32_t* want = load(get(f, "expect"), sizeof(int32_t), &n_expect);
+        int32_t* stops;
+        size_t* lengths;
+        tl_gen_params gp = gen_params(f, &stops, &lengths);
+        int32_t* got = calloc(gp.max_tokens, sizeof(int32_t));
+        size_t n_got = 0;
+        if (strcmp(kind, "generate") == 0) {
+            CHECK_OK(tl_generate(m, prompt, n_prompt, &gp, got, &n_got, NULL));
+        } else {
+            tl_prefix* p = NULL;
+            CHECK_OK(tl_prefix_build(m, prompt, n_prompt, (uint32_t)get_u64(f, "prefix_loops"), gp.cache_window, 0, &p));
+            CHECK_OK(tl_generate_from_prefix(p, NULL, 0, &gp, got, &n_got, NULL));
+            tl_prefix_free(p);
+        }
+        CHECK(n_got == n_expect && memcmp(got, want, n_got * sizeof(int32_t)) == 0,
+              "%s: %s: %zu tokens (first %d) vs numpy %zu (first %d)", where, get(f, "expect"), n_got,
+              n_got ? got[0] : -1, n_expect, n_expect ? want[0] : -1);
+        free(want), free(got), free(stops), free(lengths);
+    }
+    free(prompt);
+}
+
+typedef struct config {
+    tl_isa isa;
+    uint32_t threads, block_size;
+} config;
+
+int main(int argc, char** argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_golden GOLDEN_DIR\n");
+        return 2;
+    }
+    golden_dir = argv[1];
+    char path[1024];
+    snprintf(path, sizeof path, "%s/manifest.txt", golden_dir);
+    FILE* manifest = fopen(path, "r");
+    if (!manifest) {
+        fprintf(stderr, "cannot open %s\n", path);
+        return 2;
+    }
+    config configs[3] = {{TL_ISA_SCALAR, 1, 16}};
+    int n_configs = 1;
+    for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AVX512_VNNI; isa++)
+        if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4};
+    char line[4096], model_name[256] = "";
+    tl_model* models[3] = {NULL};
+    int n_cases = 0;
+    while (fgets(line, sizeof line, manifest)) {
+        char kind[32];
+        fields f = {0};
+        char* tok = strtok(line, " \n");
+        if (!tok) continue;
+        snprintf(kind, sizeof kind, "%s", tok);
+        while ((tok = strtok(NULL, " \n")) && f.n < MAX_FIELDS) {
+            char* eq = strchr(tok, '=');
+            if (!eq) continue;
+            *eq = 0;
+            snprintf(f.key[f.n], sizeof f.key[f.n], "%s", tok);
+            snprintf(f.value[f.n], sizeof f.value[f.n], "%s", eq + 1);
+            f.n++;
+        }
+        if (strcmp(get(&f, "model"), model_name) != 0) {
+            snprintf(model_name, sizeof model_name, "%s", get(&f, "model"));
+            snprintf(path, sizeof path, "%s/%s", golden_dir, model_name);
+            for (int c = 0; c < n_configs; c++) {
+                tl_model_free(models[c]);
+                models[c] = tu_open(path, configs[c].threads, configs[c].isa, configs[c].block_size);
+            }
+        }
+        for (int c = 0; c < n_configs; c++) {
+            char where[512];
+            snprintf(where, sizeof where, "%s isa %d threads %u", model_name, configs[c].isa, configs[c].threads);
+            if (models[c]) run_case(kind, &f, models[c], where);
+        }
+        n_cases++;
+        if (tu_failures > 30) break;
+    }
+    fclose(manifest);
+    for (int c = 0; c < n_configs; c++) tl_model_free(models[c]);
+    printf("test_golden: %d cases x %d kernel paths\n", n_cases, n_configs);
+    CHECK(n_cases > 0, "no cases in the manifest");
+    return tu_finish("test_golden");
+}

@@ -1,0 +1,366 @@
+/* test_model.c — the public API end to end, on models written by test_util: invariance of
+ * logits and tokens under thread count, kernel path, chunking, block size, forking, prefixes,
+ * depth nesting and windows; block sharing (forks and prefix continuations copy no block);
+ * argument validation with its messages; closed models; concurrent use of one model. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+enum { N_PROMPT = 37 };
+
+static tu_spec specs[4];
+static const char* paths[4];
+static int32_t prompt[N_PROMPT];
+
+/* Logits of every position of tokens[0..n), as [n][V] (malloc'd). */
+static float* all_logits(tl_model* m, const int32_t* tokens, size_t n, uint32_t loops, uint32_t window,
+                         size_t chunk, uint32_t V) {
+    float* out = malloc(n * V * sizeof(float));
+    tl_seq* s = NULL;
+    CHECK_OK(tl_seq_create(m, loops, window, &s));
+    CHECK_OK(tl_seq_prefill_all(s, tokens, n, chunk, out));
+    tl_seq_free(s);
+    return out;
+}
+
+static size_t bytes_in_use(void) {
+    tl_memory_stats st = {.size = sizeof st};
+    tl_memory_stats_get(&st);
+    return st.bytes_in_use;
+}
+
+/* Threads, kernel paths, chunking and block sizes all give the same bits. */
+static void test_invariance(int which) {
+    const tu_spec* sp = &specs[which];
+    const uint32_t V = sp->vocab;
+    tl_model* ref_model = tu_open(paths[which], 1, TL_ISA_SCALAR, 16);
+    float* ref = all_logits(ref_model, prompt, N_PROMPT, 2, 0, 0, V);
+    float* ref_w = all_logits(ref_model, prompt, N_PROMPT, 3, 5, 0, V);
+    const uint32_t threads[] = {1, 2, 3, 7};
+    const size_t chunks[] = {0, 1, 4, 16};
+    const uint32_t blocks[] = {1, 3, 16};
+    for (tl_isa isa = TL_ISA_SCALAR; isa <= TL_ISA_AVX512_VNNI; isa++) {
+        if (!tl_cpu_supports(isa)) continue;
+        for (int i = 0; i < 4; i++) {
+            tl_model* m = tu_open(paths[which], threads[i], isa, blocks[i % 3]);
+            float* got = all_logits(m, prompt, N_PROMPT, 2, 0, chunks[i], V);
+            CHECK(tu_same_bits(got, ref, N_PROMPT * V), "model %d isa %d threads %u chunk %zu block %u", which, isa,
+                  threads[i], chunks[i], blocks[i % 3]);
+            free(got);
+            got = all_logits(m, prompt, N_PROMPT, 3, 5, chunks[3 - i], V);
+            CHECK(tu_same_bits(got, ref_w, N_PROMPT * V), "window 5: model %d isa %d threads %u", which, isa, threads[i]);
+            free(got);
+            tl_model_free(m);
+        }
+    }
+    /* prefill + decode == prefill_all, and last logits agree */
+    tl_seq* s = NULL;
+    float* last = malloc(V * sizeof(float));
+    CHECK_OK(tl_seq_create(ref_model, 2, 0, &s));
+    CHECK_OK(tl_seq_prefill(s, prompt, 20, 7, last));
+    CHECK(tu_same_bits(last, ref + 19 * V, V), "prefill last logits");
+    for (size_t i = 20; i < N_PROMPT; i++) {
+        CHECK_OK(tl_seq_decode(s, prompt[i], last));
+        CHECK(tu_same_bits(last, ref + i * V, V), "decode at %zu", i);
+    }
+    float* again = malloc(V * sizeof(float));
+    CHECK_OK(tl_seq_last_logits(s, again));
+    CHECK(tu_same_bits(again, last, V), "tl_seq_last_logits");
+    CHECK(tl_seq_length(s) == N_PROMPT, "length");
+    tl_seq_free(s);
+    free(again), free(last), free(ref), free(ref_w);
+    tl_model_free(ref_model);
+}
+
+/* Forks share blocks and evolve independently; prefixes serve every depth <= theirs. */
+static void test_fork_prefix(void) {
+    const tu_spec* sp = &specs[0];
+    const uint32_t V = sp->vocab;
+    tl_model* m = tu_open(paths[0], 2, TL_ISA_AUTO, 4);
+    float* ref3 = all_logits(m, prompt, N_PROMPT, 3, 0, 0, V);
+    float* logits = malloc(V * sizeof(float));
+
+    tl_seq* a = NULL;
+    tl_seq* b = NULL;
+    CHECK_OK(tl_seq_create(m, 3, 0, &a));
+    CHECK_OK(tl_seq_prefill(a, prompt, 22, 0, NULL)); /* 5 full blocks of 4 + a partial one */
+    size_t before = bytes_in_use();
+    CHECK_OK(tl_seq_fork(a, &b));
+    CHECK(bytes_in_use() - before < 4096, "fork copied %zu bytes", bytes_in_use() - before);
+    /* a continues with the prompt, b with other tokens; a must match the reference */
+    const int32_t other[3] = {7, 8, 9};
+    for (int i = 0; i < 3; i++) CHECK_OK(tl_seq_decode(b, other[i], logits));
+    for (size_t i = 22; i < N_PROMPT; i++) {
+        CHECK_OK(tl_seq_decode(a, prompt[i], logits));
+        CHECK(tu_same_bits(logits, ref3 + i * V, V), "forked parent at %zu", i);
+    }
+    int32_t mixed[25];
+    memcpy(mixed, prompt, 22 * sizeof(int32_t));
+    memcpy(mixed + 22, other, sizeof other);
+    float* ref_b = all_logits(m, mixed, 25, 3, 0, 0, V);
+    CHECK_OK(tl_seq_last_logits(b, logits));
+    CHECK(tu_same_bits(logits, ref_b + 24 * V, V), "fork child");
+    tl_seq_free(a);
+    tl_seq_free(b);
+    free(ref_b);
+
+    /* prefix at depth 3 serves depths 1, 2, 3 exactly; 4 is refused */
+    tl_prefix* p = NULL;
+    CHECK_OK(tl_prefix_build(m, prompt, 30, 3, 0, 8, &p));
+    size_t n_tokens, nbytes;
+    uint32_t loops, window;
+    tl_prefix_info(p, &n_tokens, &loops, &window, &nbytes);
+    CHECK(n_tokens == 30 && loops == 3 && window == 0 && nbytes > 0, "prefix info");
+    size_t nt;
+    const int32_t* toks = tl_prefix_tokens(p, &nt);
+    CHECK(nt == 30 && memcmp(toks, prompt, 30 * sizeof(int32_t)) == 0, "prefix tokens");
+    for (uint32_t L = 1; L <= 3; L++) {
+        float* ref = all_logits(m, prompt, N_PROMPT, L, 0, 0, V);
+        tl_seq* s = NULL;
+        CHECK_OK(tl_seq_from_prefix(p, L, &s));
+        CHECK_OK(tl_seq_last_logits(s, logits));
+        CHECK(tu_same_bits(logits, ref + 29 * V, V), "prefix at depth %u: first logits", L);
+        for (size_t i = 30; i < N_PROMPT; i++) {
+            CHECK_OK(tl_seq_decode(s, prompt[i], logits));
+            CHECK(tu_same_bits(logits, ref + i * V, V), "prefix at depth %u: position %zu", L, i);
+        }
+        tl_seq_free(s);
+        free(ref);
+    }
+    tl_seq* s = NULL;
+    CHECK_STATUS(tl_seq_from_prefix(p, 4, &s), TL_ERR_LOOPS_MISMATCH);
+    CHECK(strstr(tl_last_error(), "loops mismatch") != NULL, "%s", tl_last_error());
+
+    /* N continuations share every prefix block */
+    before = bytes_in_use();
+    tl_seq* conts[4];
+    for (int i = 0; i < 4; i++) CHECK_OK(tl_seq_from_prefix(p, 0, &conts[i]));
+    CHECK(bytes_in_use() - before < 4 * 2048, "4 continuations allocated %zu bytes", bytes_in_use() - before);
+    for (int i = 0; i < 4; i++) tl_seq_free(conts[i]);
+
+    /* generation from the prefix == generation from the whole prompt */
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 12;
+    gp.temperature = 0.9f;
+    gp.top_k = 0;
+    gp.seed = 1234;
+    gp.loops = 2;
+    int32_t out_a[12], out_b[12];
+    size_t na, nb;
+    float* la = malloc(12 * V * sizeof(float));
+    float* lb = malloc(12 * V * sizeof(float));
+    CHECK_OK(tl_generate(m, prompt, 33, &gp, out_a, &na, la));
+    CHECK_OK(tl_generate_from_prefix(p, prompt + 30, 3, &gp, out_b, &nb, lb));
+    CHECK(na == nb && memcmp(out_a, out_b, na * sizeof(int32_t)) == 0 && tu_same_bits(la, lb, na * V),
+          "generate_from_prefix with a suffix");
+    CHECK_OK(tl_generate(m, prompt, 30, &gp, out_a, &na, la));
+    CHECK_OK(tl_generate_from_prefix(p, NULL, 0, &gp, out_b, &nb, lb));
+    CHECK(na == nb && memcmp(out_a, out_b, na * sizeof(int32_t)) == 0 && tu_same_bits(la, lb, na * V),
+          "generate_from_prefix");
+    gp.cache_window = 4;
+    CHECK_STATUS(tl_generate_from_prefix(p, NULL, 0, &gp, out_b, &nb, NULL), TL_ERR_WINDOW_MISMATCH);
+    CHECK(strstr(tl_last_error(), "cache_window mismatch") != NULL, "%s", tl_last_error());
+    gp.cache_window = 0;
+    gp.loops = 5;
+    CHECK_STATUS(tl_generate_from_prefix(p, NULL, 0, &gp, out_b, &nb, NULL), TL_ERR_LOOPS_MISMATCH);
+    CHECK(strstr(tl_last_error(), "loops mismatch: prefix built at loops=3, requested 5") != NULL, "%s", tl_last_error());
+
+    /* a windowed prefix */
+    tl_prefix* pw = NULL;
+    gp.loops = 0;
+    gp.cache_window = 6;
+    CHECK_OK(tl_prefix_build(m, prompt, 30, 2, 6, 0, &pw));
+    CHECK_STATUS(tl_generate(m, prompt, 30, &(tl_gen_params){0}, out_a, &na, NULL), TL_ERR_INVALID_ARGUMENT);
+    gp.loops = 2;
+    CHECK_OK(tl_generate(m, prompt, 30, &gp, out_a, &na, la));
+    CHECK_OK(tl_generate_from_prefix(pw, NULL, 0, &gp, out_b, &nb, lb));
+    CHECK(na == nb && memcmp(out_a, out_b, na * sizeof(int32_t)) == 0 && tu_same_bits(la, lb, na * V),
+          "windowed prefix");
+    tl_prefix_free(pw);
+
+    /* closing the model: the prefix stays valid memory but every use fails cleanly */
+    tl_model_close(m);
+    CHECK_STATUS(tl_seq_from_prefix(p, 0, &s), TL_ERR_CLOSED);
+    CHECK(strcmp(tl_last_error(), "model was closed") == 0, "%s", tl_last_error());
+    CHECK_STATUS(tl_generate_from_prefix(p, NULL, 0, &gp, out_b, &nb, NULL), TL_ERR_CLOSED);
+    CHECK_STATUS(tl_generate(m, prompt, 3, &gp, out_b, &nb, NULL), TL_ERR_CLOSED);
+    CHECK_STATUS(tl_seq_create(m, 0, 0, &s), TL_ERR_CLOSED);
+    tl_model_config cfg = {.size = sizeof cfg};
+    CHECK_STATUS(tl_model_config_get(m, &cfg), TL_ERR_CLOSED);
+    tl_model_free(m);
+    tl_prefix_free(p); /* releases the weights last */
+    free(ref3), free(logits), free(la), free(lb);
+}
+
+/* Windowed sequences release blocks: memory stays bounded however long the sequence. */
+static void test_window_memory(void) {
+    tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 4);
+    tl_seq* s = NULL;
+    CHECK_OK(tl_seq_create(m, 2, 5, &s));
+    CHECK_OK(tl_seq_prefill(s, prompt, 8, 0, NULL));
+    const size_t early = bytes_in_use();
+    for (int i = 0; i < 80; i++) CHECK_OK(tl_seq_decode(s, prompt[i % N_PROMPT], NULL));
+    CHECK(bytes_in_use() <= early + 2048 + 2 * 4 * 4 * 1024, "window: %zu -> %zu bytes", early, bytes_in_use());
+    tl_seq_free(s);
+    tl_model_free(m);
+}
+
+static void test_validation(void) {
+    tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 0);
+    tl_seq* s = NULL;
+    CHECK_OK(tl_seq_create(m, 0, 0, &s));
+    uint32_t loops, window;
+    tl_seq_shape(s, &loops, &window);
+    CHECK(loops == specs[0].loops && window == 0, "default loops");
+    const int32_t bad[4] = {1, 2, 300, 4};
+    CHECK_STATUS(tl_seq_prefill(s, bad, 4, 0, NULL), TL_ERR_OUT_OF_RANGE);
+    CHECK(strstr(tl_last_error(), "token id 300 at index 2 is out of range [0, 256)") != NULL, "%s", tl_last_error());
+    CHECK(tl_seq_length(s) == 0, "failed prefill changed the sequence");
+    int32_t* longp = calloc(specs[0].max_seq + 1, sizeof(int32_t));
+    CHECK_STATUS(tl_seq_prefill(s, longp, specs[0].max_seq + 1, 0, NULL), TL_ERR_SEQ_TOO_LONG);
+    CHECK(strstr(tl_last_error(), "exceeds max_seq_len") != NULL, "%s", tl_last_error());
+    CHECK_STATUS(tl_seq_prefill(s, longp, 0, 0, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_seq_last_logits(s, (float[1]){0}), TL_ERR_INVALID_ARGUMENT);
+    tl_seq_free(s);
+    CHECK_STATUS(tl_seq_create(m, 1025, 0, &s), TL_ERR_INVALID_ARGUMENT);
+    CHECK(s == NULL, "output handle set on failure");
+
+    tl_gen_params gp = tl_gen_params_default();
+    int32_t out[64];
+    size_t n_out;
+    gp.max_tokens = 0;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(tl_last_error(), "max_tokens < 1") == 0, "%s", tl_last_error());
+    gp = tl_gen_params_default();
+    gp.temperature = -1.0f;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "temperature") != NULL, "%s", tl_last_error());
+    gp = tl_gen_params_default();
+    gp.temperature = 1.0f / 0.0f;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    gp = tl_gen_params_default();
+    gp.top_p = 0.0f;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "top_p") != NULL, "%s", tl_last_error());
+    gp.top_p = 1.5f;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    gp = tl_gen_params_default();
+    gp.top_k = -1;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    gp = tl_gen_params_default();
+    gp.repetition_penalty = 0.0f;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "repetition_penalty") != NULL, "%s", tl_last_error());
+    gp = tl_gen_params_default();
+    const int32_t stops[3] = {1, 2, 3};
+    const size_t lens[2] = {2, 0};
+    gp.stop_tokens = stops;
+    gp.stop_lengths = lens;
+    gp.n_stop = 2;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "stop_sequences[1] is empty") != NULL, "%s", tl_last_error());
+    gp = tl_gen_params_default();
+    gp.max_tokens = specs[0].max_seq;
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, out, &n_out, NULL), TL_ERR_SEQ_TOO_LONG);
+    gp = tl_gen_params_default();
+    CHECK_STATUS(tl_generate(m, prompt, 0, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_generate(m, bad, 4, &gp, out, &n_out, NULL), TL_ERR_OUT_OF_RANGE);
+    CHECK_STATUS(tl_generate(m, prompt, 4, &gp, NULL, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+
+    /* stop rules: a stop sequence equal to the greedy continuation stops right after it */
+    gp = tl_gen_params_default();
+    gp.max_tokens = 10;
+    int32_t greedy[10];
+    size_t n_greedy;
+    CHECK_OK(tl_generate(m, prompt, 10, &gp, greedy, &n_greedy, NULL));
+    CHECK(n_greedy == 10, "max_tokens");
+    const size_t stop_len[1] = {2};
+    gp.stop_tokens = greedy + 3;
+    gp.stop_lengths = stop_len;
+    gp.n_stop = 1;
+    CHECK_OK(tl_generate(m, prompt, 10, &gp, out, &n_out, NULL));
+    CHECK(n_out <= 5 && memcmp(out, greedy, n_out * sizeof(int32_t)) == 0, "stop sequence: %zu tokens", n_out);
+
+    tl_model_params mp = tl_model_params_default();
+    mp.isa = (tl_isa)9;
+    tl_model* m2 = NULL;
+    CHECK_STATUS(tl_model_open(paths[0], &mp, &m2), TL_ERR_INVALID_ARGUMENT);
+    for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AVX512_VNNI; isa++) {
+        if (tl_cpu_supports(isa)) continue;
+        mp.isa = isa;
+        CHECK_STATUS(tl_model_open(paths[0], &mp, &m2), TL_ERR_UNSUPPORTED);
+    }
+    tl_model_runtime rt = {.size = sizeof rt};
+    CHECK_OK(tl_model_runtime_get(m, &rt));
+    CHECK(rt.isa != TL_ISA_AUTO && rt.n_threads == 1 && rt.kv_block_size == 16, "runtime");
+    CHECK(tl_abi_version() == 1 && strlen(tl_version_string()) > 0, "versions");
+    CHECK(strcmp(tl_status_string(TL_ERR_CLOSED), "model was closed") == 0 &&
+              strcmp(tl_status_string(TL_ERR_OUT_OF_MEMORY), "out of memory") == 0, "status strings");
+    tl_model_free(NULL);
+    tl_seq_free(NULL);
+    tl_prefix_free(NULL);
+    free(longp);
+    tl_model_free(m);
+}
+
+/* One model, many threads generating at once: same tokens as serially. */
+typedef struct gen_job {
+    tl_model* model;
+    uint64_t seed;
+    int32_t out[16];
+    size_t n;
+    tl_status status;
+} gen_job;
+
+static void* gen_thread(void* arg) {
+    gen_job* j = arg;
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 16;
+    gp.temperature = 1.0f;
+    gp.seed = j->seed;
+    j->status = tl_generate(j->model, prompt, 9, &gp, j->out, &j->n, NULL);
+    return NULL;
+}
+
+static void test_concurrency(void) {
+    tl_model* m = tu_open(paths[1], 2, TL_ISA_AUTO, 0);
+    gen_job serial[4], parallel[4];
+    pthread_t threads[4];
+    for (int i = 0; i < 4; i++) {
+        serial[i] = (gen_job){.model = m, .seed = (uint64_t)i * 77};
+        gen_thread(&serial[i]);
+        parallel[i] = serial[i];
+        memset(parallel[i].out, 0, sizeof parallel[i].out);
+        pthread_create(&threads[i], NULL, gen_thread, &parallel[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(threads[i], NULL);
+        CHECK(parallel[i].status == TL_OK && serial[i].status == TL_OK && parallel[i].n == serial[i].n &&
+                  memcmp(parallel[i].out, serial[i].out, serial[i].n * sizeof(int32_t)) == 0,
+              "thread %d", i);
+    }
+    tl_model_free(m);
+}
+
+int main(void) {
+    tu_spec base = tu_spec_default();
+    specs[0] = base;                                                     /* int8, GQA, n_pre 1 */
+    specs[1] = base, specs[1].int4 = 1, specs[1].group_size = 16;        /* int4 */
+    specs[2] = base, specs[2].n_pre = 0, specs[2].tied = 1, specs[2].vocab = 263, specs[2].kv_heads = 1;
+    specs[3] = base, specs[3].int4 = 1, specs[3].group_size = 6, specs[3].n_pre = 2, specs[3].d = 36,
+    specs[3].ffn = 42, specs[3].heads = 3, specs[3].kv_heads = 3; /* group size 6: scalar fallback */
+    const char* names[4] = {"m0.tinyloop", "m1.tinyloop", "m2.tinyloop", "m3.tinyloop"};
+    for (int i = 0; i < 4; i++) paths[i] = tu_write_model(names[i], &specs[i]);
+    uint64_t rng = 42;
+    for (int i = 0; i < N_PROMPT; i++) prompt[i] = tu_uniform(&rng, 0, 255);
+    const size_t baseline = bytes_in_use();
+    for (int i = 0; i < 4; i++) test_invariance(i);
+    test_fork_prefix();
+    test_window_memory();
+    test_validation();
+    test_concurrency();
+    CHECK(bytes_in_use() == baseline, "leak: %zu bytes still in use", bytes_in_use() - baseline);
+    return tu_finish("test_model");
+}

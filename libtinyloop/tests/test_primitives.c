@@ -1,0 +1,422 @@
+/* test_primitives.c — unit tests of the numerics primitives (docs/spec.md §2, §3, §5), each
+ * against an independent reference written here: exp2s from the spec's bit patterns, Q8/NQ
+ * edge cases, the rint helper, CRC-32, the counter RNG, int4 unpacking, every available
+ * matmul path against a naive exact reference, and sampling against a full-sort reference. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+#include "crc32.h"
+#include "cpu.h"
+#include "matmul.h"
+#include "numerics.h"
+#include "quant.h"
+#include "sampling.h"
+#include "test_util.h"
+
+static float from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ---- exp2s ---------------------------------------------------------------------------- */
+
+/* The spec's algorithm with the constants taken from the bit-pattern column. */
+static float ref_exp2s(float x) {
+    static const uint32_t c[7] = {0x3f800000, 0x3f317215, 0x3e75fed5, 0x3d634186,
+                                  0x3c1e9e34, 0x3aa2b764, 0x39648c8e};
+    x = (x >= -126.0f) ? x : -126.0f;
+    x = (x <= 126.0f) ? x : 126.0f;
+    const float n = floorf(x);
+    const float f = x - n;
+    float p = from_bits(c[6]);
+    for (int i = 5; i >= 0; i--) {
+        p = p * f;
+        p = p + from_bits(c[i]);
+    }
+    return p * from_bits((uint32_t)((int)n + 127) << 23);
+}
+
+static void test_exp2(void) {
+    CHECK(tl_f32_to_bits(TL_LOG2E) == 0x3fb8aa3b, "LOG2E bits %08x", tl_f32_to_bits(TL_LOG2E));
+    CHECK(tl_exp2s(0.0f) == 1.0f, "exp2s(0) = %g", (double)tl_exp2s(0.0f));
+    CHECK(tl_exp2s(-0.0f) == 1.0f, "exp2s(-0)");
+    uint64_t rng = 7;
+    for (int i = 0; i < 200000; i++) {
+        const float x = (float)((double)(tu_next(&rng) >> 11) / 9007199254740992.0 * 300.0 - 150.0);
+        const float got = tl_exp2s(x), want = ref_exp2s(x);
+        CHECK(tl_f32_to_bits(got) == tl_f32_to_bits(want), "exp2s(%.9g) = %a, reference %a", (double)x,
+              (double)got, (double)want);
+        if (fabsf(x) <= 126.0f) {
+            const double rel = fabs((double)got / exp2((double)x) - 1.0);
+            CHECK(rel < 1e-7, "exp2s(%.9g) relative error %g", (double)x, rel);
+        }
+        if (tu_failures > 20) return;
+    }
+    const float specials[] = {126.0f, -126.0f, 1e30f, -1e30f, INFINITY, -INFINITY, NAN, 1e-45f, -0.5f, 0.999999f};
+    for (size_t i = 0; i < sizeof specials / sizeof *specials; i++) {
+        const float got = tl_exp2s(specials[i]), want = ref_exp2s(specials[i]);
+        CHECK(tl_f32_to_bits(got) == tl_f32_to_bits(want), "exp2s(%g)", (double)specials[i]);
+        CHECK(isfinite(got) && got > 0 && got >= 1.17549435e-38f, "exp2s(%g) = %g is not normal", (double)specials[i],
+              (double)got);
+    }
+    CHECK(tl_exp2s(NAN) == tl_exp2s(-126.0f), "NaN clamps to -126");
+    /* silu in the spec's order */
+    const float v = 0.7f, t = 1.0f + ref_exp2s(-v * TL_LOG2E);
+    CHECK(tl_silu(v) == v / t, "silu");
+}
+
+/* ---- rint, Q8, NQ ---------------------------------------------------------------------- */
+
+static void test_rint(void) {
+    const float ties[][2] = {{0.5f, 0}, {1.5f, 2}, {2.5f, 2}, {-0.5f, -0.0f}, {-1.5f, -2}, {-2.5f, -2},
+                             {126.5f, 126}, {8388607.5f, 8388608}, {16777215.0f, 16777215.0f}};
+    for (size_t i = 0; i < sizeof ties / sizeof *ties; i++)
+        CHECK(tl_rint(ties[i][0]) == ties[i][1], "rint(%g) = %g", (double)ties[i][0], (double)tl_rint(ties[i][0]));
+    uint64_t rng = 3;
+    for (int i = 0; i < 200000; i++) {
+        const float x = from_bits((uint32_t)tu_next(&rng));
+        if (!isfinite(x)) continue;
+        CHECK(tl_rint(x) == rintf(x), "rint(%a)", (double)x);
+        /* the branch-free variant, for |x| <= 2^22 (as integers: -0 and +0 agree) */
+        const float small = (float)((double)(tu_next(&rng) >> 11) / 9007199254740992.0 * 8388608.0 - 4194304.0);
+        CHECK((int32_t)tl_rint_small(small) == (int32_t)rintf(small), "rint_small(%a)", (double)small);
+        const float half = (float)tu_uniform(&rng, -1000, 1000) + 0.5f;
+        CHECK((int32_t)tl_rint_small(half) == (int32_t)rintf(half), "rint_small(%g)", (double)half);
+        if (tu_failures > 20) return;
+    }
+}
+
+static void test_quantize(void) {
+    int8_t q[8];
+    const float zeros[4] = {0, -0.0f, 0, 0};
+    CHECK(tl_quantize_row(zeros, 4, 127, q) == 0.0f && !q[0] && !q[1], "zero row");
+    const float tiny[3] = {5.42e-20f, -5.42e-20f, 1e-30f}; /* below 2^-64 = 5.421010862e-20 */
+    CHECK(tl_quantize_row(tiny, 3, 127, q) == 0.0f && !q[0] && !q[1] && !q[2], "tiny row quantizes to zero");
+    const float at_limit[2] = {from_bits(0x1f800000), 0};
+    CHECK(tl_quantize_row(at_limit, 2, 127, q) == from_bits(0x1f800000) / 127.0f && q[0] == 127, "2^-64 row is live");
+    /* amax 127 -> r = 1 exactly: ties go to even */
+    const float halves[8] = {127, 2.5f, 3.5f, -2.5f, -3.5f, 0.5f, -0.5f, 126.5f};
+    const int8_t want[8] = {127, 2, 4, -2, -4, 0, 0, 126};
+    CHECK(tl_quantize_row(halves, 8, 127, q) == 1.0f, "scale of amax 127");
+    CHECK(memcmp(q, want, 8) == 0, "ties to even: %d %d %d %d %d %d %d %d", q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]);
+    /* Q4: qmax 7 */
+    const float q4in[3] = {7, 3.5f, -7};
+    CHECK(tl_quantize_row(q4in, 3, 7, q) == 1.0f && q[0] == 7 && q[1] == 4 && q[2] == -7, "Q4");
+    /* NaN and inf rows: defined results, no crash */
+    const float with_nan[3] = {NAN, 2.0f, -1.0f};
+    const float s = tl_quantize_row(with_nan, 3, 127, q);
+    CHECK(s == 2.0f / 127.0f && q[0] == -127 && q[1] == 127, "NaN row: s=%g q0=%d", (double)s, q[0]);
+    const float with_inf[3] = {INFINITY, 1.0f, -INFINITY};
+    CHECK(isinf(tl_quantize_row(with_inf, 3, 127, q)) && q[1] == 0 && q[0] == -127 && q[2] == -127, "inf row");
+    /* NQ against the formula written out */
+    const float x[5] = {0.3f, -1.7f, 2.2f, 0.01f, -0.4f};
+    int8_t qq[5];
+    const float a = tl_rms_quantize_row(x, 5, 1e-5f, qq);
+    int8_t q8[5];
+    const float s8 = tl_quantize_row(x, 5, 127, q8);
+    int64_t ss = 0;
+    for (int i = 0; i < 5; i++) ss += q8[i] * q8[i];
+    float t = (float)ss;
+    t = t * s8;
+    t = t * s8;
+    t = t / 5.0f;
+    t = t + 1e-5f;
+    t = sqrtf(t);
+    CHECK(a == s8 / t && memcmp(qq, q8, 5) == 0, "NQ");
+    CHECK(tl_rms_quantize_row(zeros, 4, 1e-5f, q) == 0.0f, "NQ of zeros has a = 0");
+}
+
+/* AVX2 row operations against the scalar ones, odd lengths, NaN / inf / tie inputs. */
+static void test_rows_avx2(void) {
+    if (!tl_isa_available(TL_ISA_AVX2)) return;
+    uint64_t rng = 77;
+    float x[203], g1[203], g2[203], up[203];
+    int8_t q1[203], q2[203];
+    for (int round = 0; round < 3000; round++) {
+        const size_t n = (size_t)tu_uniform(&rng, 1, 203);
+        const float spread = from_bits((uint32_t)tu_uniform(&rng, 0x30000000, 0x4f000000));
+        for (size_t i = 0; i < n; i++) {
+            x[i] = (float)tu_uniform(&rng, -100000, 100000) / 100000.0f * spread;
+            if (round % 4 == 0) x[i] = (float)tu_uniform(&rng, -254, 254) / 2.0f; /* ties */
+            if (round % 50 == 1 && i % 7 == 3) x[i] = NAN;
+            if (round % 97 == 2 && i == n / 2) x[i] = -INFINITY;
+            up[i] = (float)tu_uniform(&rng, -1000, 1000) / 100.0f;
+        }
+        const int qmax = round % 3 ? 127 : 7;
+        const float s1 = tl_quantize_row(x, n, qmax, q1), s2 = tl_quantize_row_avx2(x, n, qmax, q2);
+        CHECK(tl_f32_to_bits(s1) == tl_f32_to_bits(s2) && memcmp(q1, q2, n) == 0, "Q row n=%zu round %d", n, round);
+        memcpy(g1, x, n * sizeof(float));
+        memcpy(g2, x, n * sizeof(float));
+        tl_swiglu_row(g1, up, n);
+        tl_swiglu_row_avx2(g2, up, n);
+        CHECK(memcmp(g1, g2, n * sizeof(float)) == 0, "swiglu row n=%zu round %d", n, round);
+        if (tu_failures > 20) return;
+    }
+}
+
+/* ---- CRC and RNG ----------------------------------------------------------------------- */
+
+static void test_crc_rng(void) {
+    CHECK(tl_crc32(0, "123456789", 9) == 0xcbf43926u, "crc32 check value");
+    uint8_t buf[3 * 256];
+    for (int i = 0; i < 768; i++) buf[i] = (uint8_t)i;
+    CHECK(tl_crc32(0, buf, 768) == 0xb0c0df2au, "crc32 of 0..255 x3");
+    uint64_t rng = 11;
+    for (size_t n = 0; n < 300; n += 7) {
+        for (size_t i = 0; i < n; i++) buf[i] = (uint8_t)tu_next(&rng);
+        const size_t cut = n / 3;
+        CHECK(tl_crc32(tl_crc32(0, buf, cut), buf + cut, n - cut) == tu_crc32(buf, n), "crc32 incremental, n=%zu", n);
+    }
+    /* values computed independently (Python big-int SplitMix64) */
+    CHECK(tl_rng(0, 0) == 0xe220a8397b1dcdafull, "rng(0, 0)");
+    CHECK(tl_rng(42, 7) == 0xccf635ee9e9e2fa4ull, "rng(42, 7)");
+    CHECK(tl_rng(UINT64_MAX, 1ull << 40) == 0x68c83d31fa6f683full, "rng(2^64-1, 2^40)");
+    CHECK(tl_rng(0x123456789abcdefull, 999999) == 0x1ffee2d5e612d1c3ull, "rng(0x123456789abcdef, 999999)");
+}
+
+/* ---- matmul paths ------------------------------------------------------------------------- */
+
+typedef struct mm_case {
+    uint32_t R, K, gs; /* gs 0 = int8 */
+    size_t T;
+    int extreme;       /* all weights and activations at their most negative */
+} mm_case;
+
+static int nibble_value(const uint8_t* w4, size_t k) {
+    const int nib = (k & 1) ? w4[k / 2] >> 4 : w4[k / 2] & 15;
+    return nib >= 8 ? nib - 16 : nib;
+}
+
+static void run_case(const mm_case* c, uint64_t* rng) {
+    const size_t R = c->R, K = c->K, T = c->T, stride = (K + 7) / 8 * 8;
+    int8_t* w8 = malloc(R * K);
+    uint8_t* w4 = malloc(R * K / 2 + 1);
+    uint8_t* mult = malloc(c->gs ? R * (K / c->gs) : 1);
+    float* ws = malloc(R * sizeof(float));
+    tl_acts A = {T, stride, calloc(T, stride), calloc(T, stride), calloc(T, sizeof(int32_t)), malloc(T * sizeof(float))};
+    for (size_t i = 0; i < R * K; i++) w8[i] = c->extreme ? -128 : (int8_t)tu_uniform(rng, -128, 127);
+    for (size_t i = 0; i < R * K / 2; i++) w4[i] = c->extreme ? 0x88 : (uint8_t)tu_next(rng);
+    for (size_t i = 0; c->gs && i < R * (K / c->gs); i++) mult[i] = c->extreme ? 255 : (uint8_t)tu_uniform(rng, 0, 255);
+    for (size_t j = 0; j < R; j++) ws[j] = (float)tu_uniform(rng, 1, 1000) / 4096.0f;
+    for (size_t t = 0; t < T; t++) {
+        for (size_t k = 0; k < K; k++) A.q[t * stride + k] = c->extreme ? -127 : (int8_t)tu_uniform(rng, -127, 127);
+        A.scale[t] = (float)tu_uniform(rng, 1, 1000) / 1024.0f;
+    }
+    const tl_linear_src src = {(uint32_t)R, (uint32_t)K, c->gs, c->gs ? NULL : w8, c->gs ? w4 : NULL,
+                               c->gs ? mult : NULL, ws};
+    /* naive reference: exact i64 sums */
+    float* want = malloc(T * R * sizeof(float));
+    for (size_t t = 0; t < T; t++)
+        for (size_t j = 0; j < R; j++) {
+            int64_t acc = 0;
+            for (size_t k = 0; k < K; k++) {
+                const int64_t w = c->gs ? (int64_t)nibble_value(w4 + j * (K / 2), k) * mult[j * (K / c->gs) + k / c->gs]
+                                        : w8[j * K + k];
+                acc += w * A.q[t * stride + k];
+            }
+            CHECK(acc >= INT32_MIN && acc <= INT32_MAX, "test case breaks the accumulator bound");
+            want[t * R + j] = 0.5f;
+            tl_emit(&want[t * R + j], (int32_t)acc, A.scale[t], ws[j], true);
+        }
+    float* got = malloc(T * R * sizeof(float));
+    tl_pool* pool;
+    tl_pool_create(3, &pool);
+    for (tl_isa isa = TL_ISA_SCALAR; isa <= TL_ISA_AVX512_VNNI; isa++) {
+        if (!tl_isa_available(isa)) continue;
+        tl_linear lin;
+        CHECK_OK(tl_linear_prepare(&lin, &src, isa));
+        for (size_t t = 0; t < T; t++) tl_acts_finish_row(&A, t);
+        for (size_t i = 0; i < T * R; i++) got[i] = 0.5f;
+        tl_linear_run(&lin, &A, got, R, true, pool);
+        CHECK(tu_same_bits(got, want, T * R), "isa %d: R=%u K=%u gs=%u T=%zu extreme=%d differs from the reference",
+              isa, c->R, c->K, c->gs, c->T, c->extreme);
+        tl_linear_release(&lin);
+    }
+    tl_pool_destroy(pool);
+    free(w8), free(w4), free(mult), free(ws), free(A.q), free(A.qx), free(A.qsum), free(A.scale), free(want), free(got);
+}
+
+static void test_matmul(void) {
+    uint64_t rng = 5;
+    const uint32_t Rs[] = {1, 7, 8, 16, 17, 40, 100};
+    const uint32_t Ks[] = {8, 16, 24, 40, 64, 96, 120};
+    const size_t Ts[] = {1, 2, 3, 4, 5, 8, 9, 17};
+    for (size_t r = 0; r < sizeof Rs / sizeof *Rs; r++)
+        for (size_t k = 0; k < sizeof Ks / sizeof *Ks; k++)
+            for (size_t t = 0; t < sizeof Ts / sizeof *Ts; t += 1 + (r + k) % 3) {
+                mm_case c = {Rs[r], Ks[k], 0, Ts[t], 0};
+                run_case(&c, &rng);
+                const uint32_t groups[] = {2, 6, 8, 16, 24, 40, 64};
+                for (size_t g = 0; g < sizeof groups / sizeof *groups; g++)
+                    if (Ks[k] % groups[g] == 0) {
+                        c.gs = groups[g];
+                        run_case(&c, &rng);
+                    }
+            }
+    const uint32_t odd_K[] = {1, 3, 5, 13, 77};
+    for (size_t k = 0; k < sizeof odd_K / sizeof *odd_K; k++) {
+        mm_case c = {19, odd_K[k], 0, 6, 0};
+        run_case(&c, &rng);
+    }
+    /* accumulator extremes: int8 K = 2^16 (127 * 128 * K < 2^31), int4 K = 8192 with m = 255 */
+    const mm_case big8 = {3, 65536, 0, 2, 1}, big4 = {17, 8192, 32, 3, 1}, big4b = {9, 8192, 8192, 2, 1};
+    run_case(&big8, &rng);
+    run_case(&big4, &rng);
+    run_case(&big4b, &rng);
+}
+
+/* ---- attention kernels ---------------------------------------------------------------- */
+
+/* The AVX2 segment kernels against the scalar ones: head sizes with and without SIMD tails,
+ * segments longer than the i32 flush interval, extreme values, NaN and infinite inputs. */
+static void test_attention_kernels(void) {
+    if (!tl_isa_available(TL_ISA_AVX2)) return;
+    uint64_t rng = 21;
+    const size_t Ds[] = {2, 12, 16, 20, 32, 40, 64, 66, 128};
+    const size_t ns[] = {1, 2, 7, 8, 9, 31, 513, 1100};
+    for (size_t di = 0; di < sizeof Ds / sizeof *Ds; di++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+            const size_t D = Ds[di], n = ns[ni];
+            int8_t* k = malloc(n * D);
+            int8_t* qq = malloc(D);
+            int16_t* qq16 = malloc(D * sizeof(int16_t));
+            float* sk = malloc(n * sizeof(float));
+            float* sv = malloc(n * sizeof(float));
+            float* s1 = malloc(n * sizeof(float));
+            float* s2 = malloc(n * sizeof(float));
+            int32_t* u1 = malloc(n * sizeof(int32_t));
+            int32_t* u2 = malloc(n * sizeof(int32_t));
+            int64_t* num1 = calloc(D, sizeof(int64_t));
+            int64_t* num2 = calloc(D, sizeof(int64_t));
+            const int extreme = ni % 3 == 0;
+            for (size_t i = 0; i < n * D; i++) k[i] = extreme ? -127 : (int8_t)tu_uniform(&rng, -127, 127);
+            for (size_t d = 0; d < D; d++) qq16[d] = qq[d] = extreme ? 127 : (int8_t)tu_uniform(&rng, -127, 127);
+            for (size_t j = 0; j < n; j++) {
+                sk[j] = (float)tu_uniform(&rng, 1, 1000) / 65536.0f;
+                sv[j] = (float)tu_uniform(&rng, 0, 1000) / 4096.0f;
+            }
+            if (n > 8 && di % 2) sv[n / 2] = INFINITY; /* NaN weights */
+            tl_attn_scratch scratch = {NULL, NULL, NULL, qq, qq16};
+            const float c = 0.37f;
+            tl_attn_scalar.scores(&scratch, k, sk, n, D, c, s1);
+            tl_attn_avx2.scores(&scratch, k, sk, n, D, c, s2);
+            CHECK(tu_same_bits(s1, s2, n), "attention scores D=%zu n=%zu", D, n);
+            if (n > 3) s1[3] = s2[3] = NAN;
+            float M = -INFINITY, svmax = 0;
+            for (size_t j = 0; j < n; j++) M = tl_fmax(M, s1[j]), svmax = tl_fmax(svmax, sv[j]);
+            if (svmax == 0) svmax = 1;
+            const float kappa = 16777216.0f / svmax;
+            bool nan1 = false, nan2 = false;
+            const int64_t den1 = tl_attn_scalar.weights(s1, sv, n, M, kappa, u1, &nan1);
+            const int64_t den2 = tl_attn_avx2.weights(s2, sv, n, M, kappa, u2, &nan2);
+            CHECK(den1 == den2 && nan1 == nan2 && memcmp(u1, u2, n * sizeof(int32_t)) == 0,
+                  "attention weights D=%zu n=%zu", D, n);
+            if (extreme)
+                for (size_t j = 0; j < n; j++) u1[j] = u2[j] = 16777218; /* 2^24 + 2, the largest U */
+            tl_attn_scalar.accumulate(u1, k, n, D, num1);
+            tl_attn_avx2.accumulate(u2, k, n, D, num2);
+            CHECK(memcmp(num1, num2, D * sizeof(int64_t)) == 0, "attention accumulate D=%zu n=%zu", D, n);
+            free(k), free(qq), free(qq16), free(sk), free(sv), free(s1), free(s2), free(u1), free(u2), free(num1),
+                free(num2);
+        }
+}
+
+/* ---- sampling ------------------------------------------------------------------------------ */
+
+static const float* ref_z;
+static int ref_order(const void* a, const void* b) {
+    const int32_t x = *(const int32_t*)a, y = *(const int32_t*)b;
+    if (ref_z[x] != ref_z[y]) return ref_z[x] > ref_z[y] ? -1 : 1;
+    return (x > y) - (x < y);
+}
+
+/* Spec §5.1 written out with a full sort of the vocabulary. */
+static int32_t ref_sample(const tl_sampler* s, const float* logits, uint32_t V, const uint8_t* seen, uint64_t pos) {
+    float* z = malloc(V * sizeof(float));
+    int32_t* order = malloc(V * sizeof(int32_t));
+    int64_t* w = malloc(V * sizeof(int64_t));
+    for (uint32_t i = 0; i < V; i++) {
+        z[i] = logits[i];
+        if (s->penalty != 1.0f && seen[i]) z[i] = z[i] > 0 ? z[i] / s->penalty : z[i] * s->penalty;
+        order[i] = (int32_t)i;
+    }
+    ref_z = z;
+    qsort(order, V, sizeof *order, ref_order);
+    int32_t result = order[0];
+    if (s->temperature != 0.0f && !isinf(z[order[0]] / s->temperature)) {
+        size_t kept = (s->top_k > 0 && (uint32_t)s->top_k < V) ? (size_t)s->top_k : V;
+        const float m = z[order[0]] / s->temperature;
+        int64_t total = 0;
+        for (size_t i = 0; i < kept; i++) {
+            w[i] = (int64_t)rintf(ref_exp2s((z[order[i]] / s->temperature - m) * TL_LOG2E) * 1048576.0f);
+            total += w[i];
+        }
+        const int64_t P = (int64_t)rintf(s->top_p * 1048576.0f);
+        size_t n = 0;
+        int64_t cum = 0;
+        while (n < kept) {
+            cum += w[n++];
+            if (cum * 1048576 >= P * total) break;
+        }
+        const uint64_t r = tl_rng(s->seed, pos) % (uint64_t)cum;
+        int64_t run = 0;
+        for (size_t i = 0; i < n; i++) {
+            run += w[i];
+            if ((uint64_t)run > r) {
+                result = order[i];
+                break;
+            }
+        }
+    }
+    free(z), free(order), free(w);
+    return result;
+}
+
+static void test_sampling(void) {
+    uint64_t rng = 9;
+    const uint32_t V = 1000;
+    float* logits = malloc(V * sizeof(float));
+    uint8_t* seen = calloc(V, 1);
+    tl_sample_scratch scratch = {malloc(V * sizeof(float)), malloc(V * sizeof(int32_t)), malloc(V * sizeof(int64_t))};
+    const float temps[] = {0.0f, 0.05f, 0.7f, 1.0f, 2.5f, 1e-39f};
+    const int32_t top_ks[] = {0, 1, 5, 50, 999, 1000, 5000};
+    const float top_ps[] = {1.0f, 0.9f, 0.3f, 1e-7f};
+    const float penalties[] = {1.0f, 1.3f, 0.8f};
+    for (int round = 0; round < 1500; round++) {
+        const float spread = (float)tu_uniform(&rng, 1, 40);
+        for (uint32_t i = 0; i < V; i++) {
+            logits[i] = (float)tu_uniform(&rng, -1000, 1000) / 1000.0f * spread;
+            if (round % 5 == 0) logits[i] = (float)tu_uniform(&rng, -3, 3); /* many ties */
+            seen[i] = tu_uniform(&rng, 0, 9) == 0;
+        }
+        tl_sampler s = {temps[round % 6], top_ks[round % 7], top_ps[round % 4], penalties[round % 3], tu_next(&rng)};
+        const uint64_t pos = tu_next(&rng) % 5000;
+        int32_t got = -1;
+        CHECK_OK(tl_sample(&s, logits, V, seen, pos, &scratch, &got));
+        const int32_t want = ref_sample(&s, logits, V, seen, pos);
+        CHECK(got == want, "round %d: sampled %d, reference %d (T=%g k=%d p=%g rho=%g)", round, got, want,
+              (double)s.temperature, s.top_k, (double)s.top_p, (double)s.penalty);
+        if (tu_failures > 20) break;
+    }
+    logits[17] = NAN;
+    tl_sampler s = {1.0f, 0, 1.0f, 1.0f, 0};
+    int32_t tok;
+    CHECK_STATUS(tl_sample(&s, logits, V, seen, 0, &scratch, &tok), TL_ERR_NUMERIC);
+    CHECK(strstr(tl_last_error(), "non-finite logits") != NULL, "message: %s", tl_last_error());
+    free(logits), free(seen), free(scratch.z), free(scratch.order), free(scratch.weights);
+}
+
+int main(void) {
+    test_exp2();
+    test_rint();
+    test_quantize();
+    test_rows_avx2();
+    test_crc_rng();
+    test_matmul();
+    test_attention_kernels();
+    test_sampling();
+    return tu_finish("test_primitives");
+}
