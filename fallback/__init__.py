@@ -1,9 +1,10 @@
 """Pure-Python backends of TinyLoop (installed as `tinyloop.fallback`).
 
-`NumpyEngine` is the reference: the executable form of docs/spec.md that every other backend
-is tested against. It needs nothing but numpy.
+`Engine` with the default `NumpyKernels` is the reference: the executable form of
+docs/spec.md that every other backend is tested against. It needs nothing but numpy. The numba
+kernel sets (numba_cpu, numba_cuda) are imported only by the backend that opens them.
 """
-from .engine import NumpyEngine, Prefix
+from .engine import Engine, Prefix
 from .sampling import NumericError
 
-__all__ = ["NumpyEngine", "NumericError", "Prefix"]
+__all__ = ["Engine", "NumericError", "Prefix"]

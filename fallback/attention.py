@@ -9,6 +9,12 @@ import numpy as np
 from .numerics import F32, LOG2E, TWO_24, exp2s, int_to_f32, nan_ignoring_max, quantize_rows
 
 
+def key_range(pos0, n_tok, window):
+    """[lo, hi): the cached positions that queries pos0 .. pos0+n_tok-1 can see (spec §4.1)."""
+    lo = max(0, pos0 - window + 1) if window else 0
+    return lo, pos0 + n_tok
+
+
 def visible_keys(query_pos, key_pos, window):
     """(T, S) bool: key j is visible from query t (causal, and inside the window if W > 0)."""
     mask = key_pos[None, :] <= query_pos[:, None]
@@ -46,3 +52,13 @@ def attend(qh, kq, sk, vq, sv, visible):
         o = (int_to_f32(num) / int_to_f32(den)[..., None]) * svmax[:, None, None]
         out[:, heads] = np.where(live[:, None, None], o, F32(0))
     return out.reshape(n_tok, n_heads * head_dim)
+
+
+def attend_cached(qh, cache, layer, pos0):
+    """Attention of T queries at positions pos0 .. pos0+T-1 over one layer of a KVCache.
+
+    qh: (T, H, D) float32. Reads the visible keys as contiguous arrays; returns (T, H * D).
+    """
+    lo, hi = key_range(pos0, len(qh), cache.window)
+    visible = visible_keys(np.arange(pos0, hi), np.arange(lo, hi), cache.window)
+    return attend(qh, *cache.read(layer, lo, hi), visible)

@@ -1,7 +1,9 @@
-"""The numpy backend: sequences, chunked prefill, decode, generation and prefixes.
+"""The Python engine: sequences, chunked prefill, decode, generation and prefixes.
 
-This is the executable form of docs/spec.md. Callers (tinyloop.Model) pass only checked
-arguments: int32 prompts with ids in range and a tinyloop.params.GenerationParams.
+One engine serves every Python backend; its arithmetic comes from a kernel set
+(fallback/forward.py). With `NumpyKernels` it is the numpy backend, the executable form of
+docs/spec.md. Callers (tinyloop.Model) pass only checked arguments: int32 prompts with ids in
+range and a tinyloop.params.GenerationParams.
 """
 from dataclasses import dataclass, field
 
@@ -9,9 +11,8 @@ import numpy as np
 
 from tinyloop.params import stop_reached
 
-from .forward import forward_chunk, head_logits
-from .kvcache import BlockPool, KVCache
-from .sampling import sample
+from .forward import NumpyKernels, forward_chunk, head_logits
+from .kvcache import KVCache
 from .weights import Weights
 
 
@@ -22,7 +23,7 @@ class Prefix:
     loops: int
     cache_window: int
     cache: KVCache
-    loop_states: list = field(repr=False)   # loops x (d,) float32
+    loop_states: list = field(repr=False)   # loops x (1, d) float32, in the kernels' arrays
 
     @property
     def nbytes(self):
@@ -32,13 +33,15 @@ class Prefix:
         self.cache.free()
 
 
-class NumpyEngine:
-    name = "numpy"
+class Engine:
+    """A model's weights and KV pool, run by one kernel set (NumpyKernels by default)."""
 
-    def __init__(self, config, tensors, block_size=16):
+    def __init__(self, config, tensors, block_size=16, kernels=NumpyKernels):
         self.config = config
-        self.weights = Weights(config, tensors)
-        self.pool = BlockPool(block_size, config.n_kv_heads, config.head_dim)
+        self.kernels = kernels
+        self.name = kernels.name
+        self.weights = Weights(config, tensors, kernels.linear, kernels.table)
+        self.pool = kernels.new_pool(block_size, config.n_kv_heads, config.head_dim)
 
     def new_cache(self, loops, window):
         return KVCache(self.pool, self.config.n_pre_blocks + loops, window)
@@ -49,14 +52,14 @@ class NumpyEngine:
         for start in range(0, len(tokens), chunk):
             piece = tokens[start:start + chunk]
             states = [] if layer_states is not None else None
-            x = forward_chunk(self.weights, cache, piece, states)
+            x = forward_chunk(self.kernels, self.weights, cache, piece, states)
             if layer_states is not None and start + chunk >= len(tokens):
                 layer_states.extend(states)
             if all_logits:
-                outputs.append(head_logits(self.weights, x))
+                outputs.append(head_logits(self.kernels, self.weights, x))
         if all_logits:
             return np.concatenate(outputs)
-        return head_logits(self.weights, x[-1:])[0]
+        return head_logits(self.kernels, self.weights, self.kernels.last_row(x))[0]
 
     def logits(self, tokens, loops, window, chunk):
         cache = self.new_cache(loops, window)
@@ -65,7 +68,8 @@ class NumpyEngine:
         finally:
             cache.free()
 
-    def generate(self, prompt, params):
+    def generate(self, prompt, params, want_logits=False):
+        """Returns (emitted ids, per-step logits); the logits are kept whatever want_logits says."""
         cache = self.new_cache(params.loops, params.cache_window)
         logits = self.prefill(cache, prompt, params.prefill_chunk)
         return self._decode(cache, logits, list(prompt.tolist()), params)
@@ -76,15 +80,15 @@ class NumpyEngine:
         self.prefill(cache, prompt, chunk, layer_states=states)
         return Prefix(prompt.copy(), loops, window, cache, states)
 
-    def generate_from_prefix(self, prefix, suffix, params):
+    def generate_from_prefix(self, prefix, suffix, params, want_logits=False):
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth
         params.loops <= prefix.loops (checked by the caller)."""
         cache = prefix.cache.fork(self.config.n_pre_blocks + params.loops)
         if len(suffix):
             logits = self.prefill(cache, suffix, params.prefill_chunk)
         else:
-            x = prefix.loop_states[params.loops - 1][None, :]
-            logits = head_logits(self.weights, x)[0]
+            x = prefix.loop_states[params.loops - 1]
+            logits = head_logits(self.kernels, self.weights, x)[0]
         history = prefix.tokens.tolist() + suffix.tolist()
         return self._decode(cache, logits, history, params)
 
@@ -93,14 +97,14 @@ class NumpyEngine:
         emitted, step_logits = [], []
         try:
             while True:
-                token = sample(logits, history, params, len(history))
+                token = self.kernels.sample(logits, history, params, len(history))
                 step_logits.append(logits)
                 history.append(token)
                 emitted.append(token)
                 if stop_reached(emitted, params, self.config.eos_id):
                     return emitted, step_logits
-                x = forward_chunk(self.weights, cache, np.array([token], np.int32))
-                logits = head_logits(self.weights, x)[0]
+                x = forward_chunk(self.kernels, self.weights, cache, np.array([token], np.int32))
+                logits = head_logits(self.kernels, self.weights, x)[0]
         finally:
             cache.free()
 

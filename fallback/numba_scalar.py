@@ -1,0 +1,123 @@
+"""The spec's scalar numerics (docs/spec.md §2–§4) once, for every numba target.
+
+`build(jit, ops)` compiles these functions for one target: numba CPU (`njit`) or numba CUDA
+(`cuda.jit(device=True)`, also under the simulator). `ops` supplies the float operations whose
+lowering differs between targets:
+
+    mul, add, sub        one correctly rounded float32 operation each, never fused: plain
+                         `* + -` on the CPU (LLVM contracts only under fastmath, which is off);
+                         libdevice's fmul_rn / fadd_rn / fsub_rn on CUDA (NVVM would otherwise
+                         contract a*b+c into fma.rn.f32 even without fastmath)
+    rint                 round half to even, float32 -> float32
+    floor, sqrt          float32 -> float32 (sqrt correctly rounded)
+    f32_from_bits        int32 bit pattern -> float32
+
+Every value is float32 and every constant a float32 scalar: a float64 literal would promote a
+whole expression. Division is written `/`, correctly rounded on both targets (CUDA's
+`div.rn.f32` while fastmath is off). Integers are converted to float32 once.
+"""
+from types import SimpleNamespace
+
+import numpy as np
+
+from .numerics import EXP2_COEFFS, LOG2E, Q_TINY, TWO_24
+
+F32 = np.float32
+C0, C1, C2, C3, C4, C5, C6 = EXP2_COEFFS
+EXP2_LO, EXP2_HI = F32(-126), F32(126)
+ONE = F32(1)
+QMAX8 = F32(127)
+
+
+def build(jit, ops):
+    """The scalar kernels for one target; returns a namespace of compiled functions."""
+    mul, add, sub, rint, floor, sqrt, f32_from_bits = (
+        ops.mul, ops.add, ops.sub, ops.rint, ops.floor, ops.sqrt, ops.f32_from_bits)
+
+    @jit
+    def clamp(x, lo, hi):
+        """spec §2.1: NaN becomes lo."""
+        x = x if x >= lo else lo
+        return x if x <= hi else hi
+
+    @jit
+    def exp2s(x):
+        """spec §2.4: 2**x from a Horner polynomial and an exact power-of-two scale."""
+        x = clamp(x, EXP2_LO, EXP2_HI)
+        n = floor(x)
+        f = sub(x, n)
+        p = add(mul(C6, f), C5)
+        p = add(mul(p, f), C4)
+        p = add(mul(p, f), C3)
+        p = add(mul(p, f), C2)
+        p = add(mul(p, f), C1)
+        p = add(mul(p, f), C0)
+        return mul(p, f32_from_bits(np.int32((np.int32(n) + 127) << 23)))
+
+    @jit
+    def silu_times(g, u):
+        """spec §2.5: silu(g) * u with silu(v) = v / (1 + exps(-v))."""
+        e = exp2s(mul(-g, LOG2E))
+        return mul(g / add(ONE, e), u)
+
+    @jit
+    def quantize_row(x, q, qmax):
+        """spec §2.2 Q(x, qmax) of one row x (n,) float32 into q (n,) int8; returns the scale."""
+        amax = F32(0)
+        for i in range(x.shape[0]):
+            v = abs(x[i])
+            if v > amax:                 # NaN never wins: the NaN-ignoring max
+                amax = v
+        if not amax >= Q_TINY:
+            for i in range(x.shape[0]):
+                q[i] = 0
+            return F32(0)
+        r = qmax / amax
+        lo = -qmax
+        for i in range(x.shape[0]):
+            q[i] = np.int8(rint(clamp(mul(x[i], r), lo, qmax)))
+        return amax / qmax
+
+    @jit
+    def rms_scale(q, s, eps):
+        """spec §2.3: the NQ input scale a of a row already quantized to (q (n,) int8, s)."""
+        ss = np.int64(0)
+        for i in range(q.shape[0]):
+            v = np.int64(q[i])
+            ss += v * v
+        t = mul(F32(ss), s)
+        t = mul(t, s)
+        t = t / F32(q.shape[0])
+        t = sqrt(add(t, eps))
+        return s / t
+
+    @jit
+    def linear_out(acc, a, ws):
+        """spec §3: y = ((f32) acc * a) * ws."""
+        return mul(mul(F32(acc), a), ws)
+
+    @jit
+    def rope_pair(x1, x2, c, s):
+        """spec §2.6: (x1 * c - x2 * s, x2 * c + x1 * s)."""
+        return sub(mul(x1, c), mul(x2, s)), add(mul(x2, c), mul(x1, s))
+
+    @jit
+    def attention_score(dot, c, sk):
+        """spec §4.1: S = ((f32) dot * c) * sk."""
+        return mul(mul(F32(dot), c), sk)
+
+    @jit
+    def attention_weights(score, m, sv, kappa):
+        """spec §4.1: (E_j, U_j) as integral float32 values, from S_j, M, sv_j and κ."""
+        e = exp2s(mul(sub(score, m), LOG2E))
+        return rint(mul(e, TWO_24)), rint(mul(e, mul(sv, kappa)))
+
+    @jit
+    def attention_out(num, den, svmax):
+        """spec §4.1: o_d = ((f32) num_d / (f32) den) * svmax (num, den exact integers)."""
+        return mul(F32(num) / F32(den), svmax)
+
+    return SimpleNamespace(clamp=clamp, exp2s=exp2s, silu_times=silu_times,
+                           quantize_row=quantize_row, rms_scale=rms_scale, linear_out=linear_out,
+                           rope_pair=rope_pair, attention_score=attention_score,
+                           attention_weights=attention_weights, attention_out=attention_out)

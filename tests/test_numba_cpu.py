@@ -1,0 +1,188 @@
+"""The numba CPU kernels against the numpy reference on the edges a random model never hits:
+non-finite and tiny rows, accumulators at the spec's bound, all-zero value rows, padding
+tails, sampling with ties and overflow; plus the compiled code itself (no FMA) and
+thread-count invariance."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+numba = pytest.importorskip("numba", reason="the numba backend needs numba")
+import llvmlite.binding  # noqa: E402  (comes with numba)
+
+import tinyloop  # noqa: E402
+from tinyloop.fallback import forward as ref  # noqa: E402
+from tinyloop.fallback import numba_cpu  # noqa: E402
+from tinyloop.fallback.attention import attend_cached  # noqa: E402
+from tinyloop.fallback.kvcache import KVCache  # noqa: E402
+from tinyloop.fallback.sampling import NumericError, sample as reference_sample  # noqa: E402
+from tinyloop.fallback.weights import Linear  # noqa: E402
+from tinyloop.params import GenerationParams  # noqa: E402
+
+KERNELS = numba_cpu.NumbaKernels(threads=2)
+SPECIAL = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, 2.0 ** -64, 2.0 ** -65, 3e38,
+                    -3e38, 0.5, -0.5, 1.5, 2.5, 126.5, -126.5, 127.0, -200.0, 88.0, -88.0],
+                   np.float32)
+
+
+def bits(*arrays):
+    return [np.ascontiguousarray(a).view(np.uint8).tobytes() for a in arrays]
+
+
+def edge_rows(rng, n):
+    """Rows mixing random values with specials, tiny rows, zero rows and exact-tie rows."""
+    rows = [rng.standard_normal(n) * 10 ** rng.uniform(-3, 3) for _ in range(6)]
+    rows += [rng.choice(SPECIAL, n), np.zeros(n), np.full(n, 1e-30), np.arange(n) - n / 2]
+    rows += [np.where(rng.random(n) < 0.3, np.nan, rng.standard_normal(n))]
+    return np.array(rows, np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 301])
+def test_row_quantizers_match_on_edge_rows(n):
+    x = edge_rows(np.random.default_rng(n), n)
+    with np.errstate(all="ignore"):
+        assert bits(*KERNELS.quantize_rows(x)) == bits(*ref.quantize_rows(x))
+        assert bits(*KERNELS.rms_quantize(x, 1e-5)) == bits(*ref.rms_quantize(x, 1e-5))
+
+
+def test_swiglu_and_exp2_match_on_special_values():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([SPECIAL, rng.standard_normal(2000).astype(np.float32) * 30,
+                             np.linspace(-130, 130, 5201, dtype=np.float32)])
+    gu = np.concatenate([values[None], np.roll(values, 7)[None]], axis=1)
+    with np.errstate(all="ignore"):
+        assert bits(KERNELS.swiglu(gu)) == bits(ref.swiglu(gu))
+
+
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 5])
+@pytest.mark.parametrize("n_out", [1, 4, 6, 13])
+def test_linear_matches_for_every_tail(n_tok, n_out):
+    rng = np.random.default_rng(n_tok * 100 + n_out)
+    w = rng.integers(-127, 128, (n_out, 40), dtype=np.int8)
+    scale = rng.random(n_out).astype(np.float32)
+    q = rng.integers(-127, 128, (n_tok, 40), dtype=np.int8)
+    a = rng.random(n_tok).astype(np.float32)
+    assert bits(KERNELS.linear(w, scale)(q, a)) == bits(Linear(w, scale)(q, a))
+
+
+def test_int8_accumulator_at_its_largest():
+    """K = 2**16 inputs of 127 * 127: acc = 2**16 * 16129, the largest an int8 file allows."""
+    k = 2 ** 16
+    w = np.stack([np.full(k, 127), np.full(k, -127), np.tile([127, -127], k // 2)]).astype(np.int8)
+    q = np.full((2, k), 127, np.int8)
+    a, scale = np.ones(2, np.float32), np.ones(3, np.float32)
+    got = KERNELS.linear(w, scale)(q, a)
+    assert bits(got) == bits(Linear(w, scale)(q, a))
+    assert got[0].tolist() == [np.float32(k * 16129), np.float32(-k * 16129), 0.0]
+
+
+def test_int4_accumulator_at_the_spec_bound():
+    """127 * 8 * K * max(m) just below 2**31 (spec §3), every term of one sign."""
+    k, group = 8256, 32
+    assert 127 * 8 * k * 255 <= 2 ** 31 - 1
+    packed = np.full((2, k // 2), 0x88, np.uint8)            # every value -8
+    m = np.full((2, k // group), 255, np.uint8)
+    q = np.full((1, k), -127, np.int8)
+    a, scale = np.ones(1, np.float32), np.ones(2, np.float32)
+    got = KERNELS.linear(packed, scale, m, group)(q, a)
+    assert bits(got) == bits(Linear(packed, scale, m, group)(q, a))
+    assert got[0, 0] == np.float32(127 * 8 * k * 255)
+
+
+@pytest.mark.parametrize("window", [0, 1, 4, 11])
+def test_attention_matches_with_zero_value_rows_and_gqa(window):
+    """Keys written in uneven chunks over 5-position blocks; some value rows are all zero
+    (sv = 0), so some queries see only zero values (svmax = 0, output 0)."""
+    rng = np.random.default_rng(window)
+    n_heads, n_kv, head_dim, n = 6, 2, 8, 23
+    cache = KVCache(KERNELS.new_pool(5, n_kv, head_dim), 1, window)    # both read this one
+    for pos0, chunk in ((0, 4), (4, 1), (5, 9), (14, 9)):
+        kh = rng.standard_normal((chunk, n_kv, head_dim)).astype(np.float32)
+        vh = rng.standard_normal((chunk, n_kv, head_dim)).astype(np.float32)
+        vh[rng.random((chunk, n_kv)) < 0.5] = 0
+        cache.write(0, pos0, *ref.quantize_rows(kh), *ref.quantize_rows(vh))
+    qh = (rng.standard_normal((n - 14, n_heads, head_dim)) * 4).astype(np.float32)
+    assert bits(KERNELS.attend(qh, cache, 0, 14)) == bits(attend_cached(qh, cache, 0, 14))
+    cache.free()
+
+
+def test_thread_count_never_changes_a_bit(model_files):
+    prompt = list(range(1, 40))
+    logits = []
+    for threads in (1, 2):
+        with tinyloop.Model(model_files["int4-mha"], backend="numba", threads=threads) as model:
+            logits.append(model.logits(prompt, prefill_chunk=16))
+    assert bits(logits[0]) == bits(logits[1])
+
+
+FMA_PROBE = """
+import json, sys
+import numba, tinyloop
+from tinyloop.fallback import numba_cpu
+with tinyloop.Model(sys.argv[1], backend="numba") as model:
+    model.generate([1, 2, 3], max_tokens=3, cache_window=2)
+found = {}
+for f in list(vars(numba_cpu).values()) + list(vars(numba_cpu.S).values()):
+    if isinstance(f, numba.core.dispatcher.Dispatcher) and f.signatures:
+        asm = "".join(f.inspect_asm().values())
+        found[f.__name__] = [asm.count("vmulss"), [line.strip() for line in asm.splitlines()
+                             if any(op in line for op in FMA_OPS)]]
+print(json.dumps(found))
+"""
+FMA_OPS = ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")
+
+
+def test_no_kernel_contains_a_fused_multiply_add(model_files, tmp_path):
+    """Compiles every numba_cpu kernel afresh (an empty NUMBA_CACHE_DIR: cached code cannot be
+    inspected), runs a model through them and reads their x86 assembly."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", f"FMA_OPS = {FMA_OPS!r}" + FMA_PROBE,
+                          str(model_files["int8-gqa"])], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    found = json.loads(out)
+    kernels = {name for name in found if name.endswith("_kernel")}
+    assert kernels == {"quantize_rows_kernel", "rms_quantize_kernel", "linear_kernel",
+                       "attend_kernel", "split_heads_kernel", "swiglu_kernel"}
+    assert sum(n_mul for n_mul, _ in found.values()) > 0          # float code was inspected
+    assert {name: lines for name, (_, lines) in found.items() if lines} == {}
+
+
+def test_the_fma_check_can_fail():
+    """Control: with fastmath, LLVM does contract a*b+c on this CPU."""
+    if "+fma" not in llvmlite.binding.get_host_cpu_features().flatten():
+        pytest.skip("this CPU has no FMA instructions")
+    fused = numba.njit(fastmath=True)(lambda a, b, c: a * b + c)
+    fused(np.float32(1), np.float32(2), np.float32(3))
+    asm = "".join(fused.inspect_asm().values())
+    assert any(op in asm for op in FMA_OPS)
+
+
+logit_rows = st.one_of(
+    st.lists(st.floats(-30, 30, width=32), min_size=2, max_size=300),
+    st.lists(st.sampled_from([0.0, 1.0, 1.0, -2.5, 7.25, 3e38, -3e38]), min_size=2, max_size=50))
+
+
+@given(z=logit_rows, data=st.data())
+def test_sampler_picks_the_reference_token(z, data):
+    """Ties, huge spreads, tiny temperatures (z / T overflows), every top-k / top-p."""
+    z = np.array(z, np.float32)
+    params = GenerationParams(
+        max_tokens=1, loops=1, cache_window=0, stop_sequences=(), prefill_chunk=1,
+        temperature=data.draw(st.sampled_from([0.0, 1e-30, 0.05, 0.7, 1.0, 3.0])),
+        top_k=data.draw(st.integers(0, len(z) + 1)), top_p=data.draw(st.floats(1e-6, 1.0)),
+        repetition_penalty=data.draw(st.sampled_from([1.0, 0.7, 1.3])),
+        seed=data.draw(st.integers(0, 2**64 - 1)))
+    history = data.draw(st.lists(st.integers(0, len(z) - 1), max_size=8))
+    with np.errstate(over="ignore"):                  # the penalty may overflow to inf
+        for pos in range(3):
+            got = numba_cpu.sample(z, history, params, pos)
+            assert got == reference_sample(z, history, params, pos)
+
+
+def test_sampler_rejects_non_finite_logits():
+    with pytest.raises(NumericError, match="non-finite logits"):
+        numba_cpu.sample(np.array([0.0, np.inf], np.float32), [], None, 0)
