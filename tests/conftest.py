@@ -2,6 +2,10 @@
 
 HYPOTHESIS_PROFILE selects `dev` (quick), `ci` (the default in .ci/run) or `deep` (>= 2000
 examples per property; see docs/testing.md).
+
+Backends are skipped by declared availability (`tinyloop.backend_available`), never silently:
+the skip says why, and a backend named in TINYLOOP_REQUIRE_BACKENDS (comma-separated; CI names
+native and numba) fails instead of skipping.
 """
 import os
 
@@ -53,6 +57,43 @@ def models(model_files):
     yield opened
     for model in opened.values():
         model.close()
+
+
+def env_names(variable, default=""):
+    return [name for name in os.environ.get(variable, default).split(",") if name]
+
+
+def require_backend(name):
+    """Skip (or, if TINYLOOP_REQUIRE_BACKENDS names it, fail) when `name` cannot open here."""
+    ok, why = tinyloop.backend_available(name)
+    if not ok:
+        message = f"backend {name!r} is not available: {why}"
+        if name in env_names("TINYLOOP_REQUIRE_BACKENDS"):
+            pytest.fail(message + " (required by TINYLOOP_REQUIRE_BACKENDS)")
+        pytest.skip(message)
+
+
+@pytest.fixture
+def require_native():
+    require_backend("native")
+
+
+@pytest.fixture(scope="session")
+def models_by_backend(model_files):
+    """backend name -> {shape name -> open Model}; opened on first use, closed at the end."""
+    opened = {}
+
+    def get(backend):
+        require_backend(backend)
+        if backend not in opened:
+            opened[backend] = {name: tinyloop.Model(path, backend=backend)
+                               for name, path in model_files.items()}
+        return opened[backend]
+
+    yield get
+    for models in opened.values():
+        for model in models.values():
+            model.close()
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import pytest
 
 import tinyloop
 
+from conftest import require_backend
+
 GOOD = [1, 2, 3]
 
 
@@ -68,24 +70,29 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["numpy", "native", "numba"])
 @pytest.mark.parametrize("call, error, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_raises_documented_error(small_model, call, error, fragment):
-    before = small_model.generate([4, 5, 6], max_tokens=4)
+def test_bad_input_raises_documented_error(models_by_backend, backend, call, error, fragment):
+    model = models_by_backend(backend)["int8-gqa"]
+    before = model.generate([4, 5, 6], max_tokens=4)
     with pytest.raises(error) as info:
-        call(small_model)
+        call(model)
     assert type(info.value) is error
     assert fragment in str(info.value)
-    assert small_model.generate([4, 5, 6], max_tokens=4) == before
+    assert model.generate([4, 5, 6], max_tokens=4) == before
 
 
-def test_prefix_from_another_model_is_refused(models):
+@pytest.mark.parametrize("backend", ["numpy", "native"])
+def test_prefix_from_another_model_is_refused(models_by_backend, models, backend):
     prefix = models["int8-gqa"].build_prefix_cache(GOOD)
     with pytest.raises(ValueError, match="another model"):
-        models["int4-mha"].generate_from_prefix_cache(prefix)
+        models_by_backend(backend)["int4-mha"].generate_from_prefix_cache(prefix)
 
 
-def test_closed_model_raises_runtime_error_everywhere(model_files):
-    model = tinyloop.Model(model_files["int8-gqa"], backend="numpy")
+@pytest.mark.parametrize("backend", ["numpy", "native"])
+def test_closed_model_raises_runtime_error_everywhere(model_files, backend):
+    require_backend(backend)
+    model = tinyloop.Model(model_files["int8-gqa"], backend=backend)
     prefix = model.build_prefix_cache(GOOD)
     model.close()
     model.close()  # idempotent
@@ -126,13 +133,15 @@ def test_unknown_backend_is_refused(model_files, monkeypatch):
         tinyloop.Model(model_files["int8-gqa"])
 
 
-def test_bad_file_raises_model_format_error(tmp_path):
+@pytest.mark.parametrize("backend", ["numpy", "native"])
+def test_bad_file_raises_model_format_error(tmp_path, backend):
+    require_backend(backend)
     path = tmp_path / "bad.tinyloop"
     path.write_bytes(b"NOTALOOP" + bytes(300))
-    with pytest.raises(tinyloop.ModelFormatError):
-        tinyloop.Model(path, backend="numpy")
+    with pytest.raises(tinyloop.ModelFormatError, match="magic"):
+        tinyloop.Model(path, backend=backend)
     with pytest.raises(FileNotFoundError):
-        tinyloop.Model(tmp_path / "missing.tinyloop", backend="numpy")
+        tinyloop.Model(tmp_path / "missing.tinyloop", backend=backend)
 
 
 def test_prefix_cache_copies_the_prompt(small_model):

@@ -4,6 +4,7 @@ Every backend and every execution path returns bit-identical logits and identica
 (docs/spec.md). Start with `tinyloop.Model`.
 """
 from ._version import __version__
+from .backends import backend_available, backend_info
 from .config import ModelConfig
 from .errors import ModelFormatError
 from .model import Model, PrefixCache
@@ -12,4 +13,16 @@ from .prefix_manager import PrefixCacheManager
 from .random_model import random_model
 
 __all__ = ["Model", "ModelConfig", "ModelFormatError", "PrefixCache", "PrefixCacheManager",
-           "__version__", "load_model", "random_model", "save_model"]
+           "__version__", "backend", "backend_available", "backend_features", "backend_info",
+           "load_model", "random_model", "save_model"]
+
+
+def __getattr__(name):
+    """`tinyloop.backend` (what backend="auto" opens) and `tinyloop.backend_features`, in the
+    style of python-zstandard; computed on first use so importing tinyloop loads nothing."""
+    from . import backends as _backends
+    if name == "backend":
+        return _backends.resolve_backend_name("auto")
+    if name == "backend_features":
+        return _backends.backend_features()
+    raise AttributeError(f"module 'tinyloop' has no attribute {name!r}")

@@ -11,8 +11,7 @@ import threading
 import numpy as np
 
 from . import params as P
-from .backend import open_engine
-from .modelfile import load_model
+from .backends import open_engine
 
 KV_MODE_VARIABLES = ("TINYLOOP_KV_H_MODE", "TINYLOOP_KV_INT4")
 DEFAULT_PREFILL_CHUNK = 512
@@ -105,9 +104,9 @@ class Model:
             P.check_int("threads", threads, 1)
         path = _default_model_path() if path is None else os.fspath(path)
         self.path = path
-        self._config, tensors = load_model(path)
-        self._engine, self.backend = open_engine(backend, self._config, tensors,
-                                                 block_size=self._block_size, threads=threads)
+        self._engine, self.backend = open_engine(backend, path, block_size=self._block_size,
+                                                 threads=threads)
+        self._config = self._engine.config
         self._lock = threading.Lock()
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -167,7 +166,7 @@ class Model:
                               repetition_penalty, stop_sequences, seed, prefill_chunk)
         P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
         with _out_of_memory_as_runtime_error():
-            emitted, logits = engine.generate(tokens, params)
+            emitted, logits = engine.generate(tokens, params, return_logits)
         return self._result(tokens, emitted, logits, return_logits)
 
     def build_prefix_cache(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
@@ -207,7 +206,8 @@ class Model:
         tokens = np.concatenate([prefix._state.tokens, rest])
         P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
         with _out_of_memory_as_runtime_error():
-            emitted, logits = engine.generate_from_prefix(prefix._state, rest, params)
+            emitted, logits = engine.generate_from_prefix(prefix._state, rest, params,
+                                                           return_logits)
         return self._result(tokens, emitted, logits, return_logits)
 
     def logits(self, prompt, loops=None, cache_window=0, prefill_chunk=None):

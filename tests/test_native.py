@@ -1,0 +1,117 @@
+"""The cffi binding of libtinyloop: complete, ABI-checked, with safe handle lifetimes.
+
+Skips when the native backend is not available (declared feature "native"); with
+TINYLOOP_REQUIRE_NATIVE=1 (as in .ci/run) a missing library fails instead.
+"""
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import tinyloop
+from tinyloop import _library
+
+pytestmark = pytest.mark.usefixtures("require_native")
+
+
+def header_functions():
+    text = _library.header_path(tinyloop.backend_info("native")["library"]).read_text()
+    return set(re.findall(r"TL_API\s+[\w\s\*]+?\b(tl_\w+)\s*\(", text))
+
+
+def test_every_header_function_is_bound_and_exported():
+    ffi, lib, path, _ = _library.load_library()
+    declared = header_functions()
+    assert len(declared) >= 25
+    for name in declared:
+        assert callable(getattr(lib, name)), name
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True,
+                              text=True, check=True).stdout
+    exported = set(re.findall(r"\bT (tl_\w+)", exported))
+    assert exported == declared
+
+
+def test_abi_mismatch_is_an_import_error_naming_both_versions(monkeypatch):
+    monkeypatch.setattr(_library, "ABI_VERSION", 999)
+    with pytest.raises(ImportError, match="ABI version 1; this tinyloop package needs 999"):
+        _library.load_library()
+
+
+def test_cdef_is_derived_from_the_header_without_edits():
+    text = _library.header_path(tinyloop.backend_info("native")["library"]).read_text()
+    cdef = _library.cdef_from_header(text)
+    assert "TL_API" not in cdef and "#" not in cdef and 'extern "C"' not in cdef
+    for name in header_functions():
+        assert name in cdef
+
+
+def test_closing_a_model_fails_later_calls_cleanly(model_files):
+    model = tinyloop.Model(model_files["int8-gqa"], backend="native")
+    prefix = model.build_prefix_cache([1, 2, 3])
+    engine, state = model._engine, prefix._state
+    model.close()
+    model.close()
+    with pytest.raises(RuntimeError, match="model was closed"):
+        model.generate_from_prefix_cache(prefix)
+    # the C side refuses too, even when reached directly
+    params = tinyloop.params.generation_params(
+        engine.config, max_tokens=2, loops=None, temperature=0.0, top_k=0, top_p=1.0,
+        cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=0, prefill_chunk=None,
+        default_chunk=8)
+    with pytest.raises(RuntimeError, match="model was closed"):
+        engine.generate_from_prefix(state, np.zeros(0, np.int32), params)
+
+
+def test_prefix_outlives_a_dropped_model_reference(model_files):
+    model = tinyloop.Model(model_files["int8-gqa"], backend="native")
+    expected = model.generate([4, 5, 6], max_tokens=5)
+    prefix = model.build_prefix_cache([4, 5, 6])
+    del model
+    import gc
+    gc.collect()
+    assert prefix._model.generate_from_prefix_cache(prefix, max_tokens=5) == expected
+
+
+def test_interpreter_shutdown_with_live_objects_is_silent(model_files):
+    script = textwrap.dedent(f"""
+        import tinyloop
+        model = tinyloop.Model({str(model_files['int8-gqa'])!r}, backend="native")
+        prefix = model.build_prefix_cache([1, 2, 3, 4])
+        other = tinyloop.Model({str(model_files['int4-mha'])!r}, backend="native")
+        cycle = [model, prefix, other]
+        cycle.append(cycle)
+        print(len(model.generate_from_prefix_cache(prefix, max_tokens=3)))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "7"
+    assert done.stderr == ""
+
+
+def test_threads_sharing_one_prefix_get_what_sequential_calls_get(models_by_backend):
+    model = models_by_backend("native")["int8-gqa"]
+    prefix = model.build_prefix_cache(list(range(1, 40)))
+    kwargs = [dict(max_tokens=12, temperature=0.9, seed=s) for s in range(8)]
+    sequential = [model.generate_from_prefix_cache(prefix, **kw) for kw in kwargs]
+    results = [None] * 8
+
+    def work(i):
+        results[i] = model.generate_from_prefix_cache(prefix, **kwargs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == sequential
+
+
+def test_backend_info_names_the_library(models_by_backend):
+    info = tinyloop.backend_info("native")
+    assert info["available"] and info["library"].endswith(".so")
+    assert info["origin"] in ("package", "TINYLOOP_LIBRARY")
+    assert "native" in tinyloop.backend_features

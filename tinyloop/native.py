@@ -1,0 +1,166 @@
+"""The native backend: libtinyloop driven through cffi.
+
+Every C handle is wrapped with ffi.gc right after its NULL check; the destructor closes over
+the loaded library, so objects collected at interpreter shutdown still free cleanly. cffi
+releases the GIL during every C call, so threads sharing one model run in parallel. A failed
+call is turned into the exception type the Python API documents, with the library's message.
+"""
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelFormatError
+
+TOKENIZERS = {0: "none", 1: "bytes"}
+WEIGHT_FORMATS = {1: "int8", 2: "int4"}
+
+
+def _error_types(lib):
+    value_errors = (lib.TL_ERR_INVALID_ARGUMENT, lib.TL_ERR_OUT_OF_RANGE, lib.TL_ERR_WRONG_MODEL)
+    table = {status: ValueError for status in value_errors}
+    table[lib.TL_ERR_BAD_FILE] = ModelFormatError
+    table[lib.TL_ERR_IO] = OSError
+    return table
+
+
+class NativePrefix:
+    """A tl_prefix handle and what the Python side needs to know about it."""
+
+    def __init__(self, engine, handle, tokens, loops, window):
+        self.handle = handle
+        self.tokens = tokens          # (n,) int32 copy
+        self.loops = loops
+        self.cache_window = window
+        self._engine = engine
+
+    @property
+    def nbytes(self):
+        nbytes = self._engine.ffi.new("size_t*")
+        self._engine.lib.tl_prefix_info(self.handle, self._engine.ffi.NULL, self._engine.ffi.NULL,
+                                        self._engine.ffi.NULL, nbytes)
+        return int(nbytes[0])
+
+    def free(self):
+        if self.handle is not None:
+            self._engine.ffi.release(self.handle)
+            self.handle = None
+
+
+class NativeEngine:
+    name = "native"
+
+    def __init__(self, loaded, path, *, block_size, threads):
+        self.ffi, self.lib, self.library_path, self.library_origin = loaded
+        self._errors = _error_types(self.lib)
+        params = self.ffi.new("tl_model_params*", self.lib.tl_model_params_default())
+        params.kv_block_size = block_size
+        params.n_threads = threads or 0
+        out = self.ffi.new("tl_model**")
+        self._check(self.lib.tl_model_open(str(path).encode(), params, out))
+        lib = self.lib
+        self.model = self.ffi.gc(out[0], lambda handle: lib.tl_model_free(handle))
+        self.config = self._read_config()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _check(self, status):
+        if status != self.lib.TL_OK:
+            message = self.ffi.string(self.lib.tl_last_error()).decode("utf-8", "replace")
+            if status == self.lib.TL_ERR_IO and "No such file" in message:
+                raise FileNotFoundError(message)
+            raise self._errors.get(status, RuntimeError)(message)
+
+    def _owned(self, out, free):
+        lib = self.lib
+        return self.ffi.gc(out[0], lambda handle: getattr(lib, free)(handle))
+
+    def _read_config(self):
+        c = self.ffi.new("tl_model_config*")
+        c.size = self.ffi.sizeof("tl_model_config")
+        self._check(self.lib.tl_model_config_get(self.model, c))
+        return ModelConfig(
+            vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.n_heads,
+            n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ffn_dim=c.ffn_dim,
+            n_pre_blocks=c.n_pre_blocks, default_loops=c.default_loops,
+            max_seq_len=c.max_seq_len, weight_format=WEIGHT_FORMATS[c.weight_format],
+            group_size=c.group_size, tied_head=bool(c.tied_head), bos_id=c.bos_id,
+            eos_id=c.eos_id, tokenizer=TOKENIZERS[c.tokenizer], rope_theta=c.rope_theta,
+            rms_eps=c.rms_eps, name=self.ffi.string(c.name).decode("utf-8"))
+
+    def runtime(self):
+        r = self.ffi.new("tl_model_runtime*")
+        r.size = self.ffi.sizeof("tl_model_runtime")
+        self._check(self.lib.tl_model_runtime_get(self.model, r))
+        isa = {1: "scalar", 2: "avx2", 3: "avx512-vnni"}.get(r.isa, str(r.isa))
+        return {"isa": isa, "threads": r.n_threads, "kv_block_size": r.kv_block_size,
+                "weight_bytes": r.weight_bytes}
+
+    def _tokens(self, tokens):
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        return tokens, self.ffi.from_buffer("int32_t[]", tokens)
+
+    def _gen_params(self, params, keep):
+        p = self.ffi.new("tl_gen_params*", self.lib.tl_gen_params_default())
+        p.max_tokens = params.max_tokens
+        p.loops = params.loops
+        p.cache_window = params.cache_window
+        p.temperature = params.temperature
+        p.top_k = params.top_k
+        p.top_p = params.top_p
+        p.repetition_penalty = params.repetition_penalty
+        p.seed = params.seed
+        p.prefill_chunk = params.prefill_chunk
+        if params.stop_sequences:
+            flat = [t for seq in params.stop_sequences for t in seq]
+            keep.append(self.ffi.new("int32_t[]", flat))
+            keep.append(self.ffi.new("size_t[]", [len(s) for s in params.stop_sequences]))
+            p.stop_tokens, p.stop_lengths = keep[-2], keep[-1]
+            p.n_stop = len(params.stop_sequences)
+        return p
+
+    def _run_generation(self, call, params, want_logits):
+        """call(gen_params, out_tokens, n_out, out_logits) -> status."""
+        keep = []
+        p = self._gen_params(params, keep)
+        out_tokens = self.ffi.new("int32_t[]", params.max_tokens)
+        n_out = self.ffi.new("size_t*")
+        logits = np.empty((params.max_tokens, self.config.vocab_size), np.float32) if want_logits else None
+        out_logits = self.ffi.from_buffer("float[]", logits) if want_logits else self.ffi.NULL
+        self._check(call(p, out_tokens, n_out, out_logits))
+        n = int(n_out[0])
+        emitted = list(self.ffi.unpack(out_tokens, n))
+        return emitted, (list(logits[:n]) if want_logits else None)
+
+    # -- the engine interface ---------------------------------------------------------------
+    def generate(self, prompt, params, want_logits=False):
+        prompt, buf = self._tokens(prompt)
+        return self._run_generation(
+            lambda p, toks, n, lg: self.lib.tl_generate(self.model, buf, len(prompt), p, toks, n, lg),
+            params, want_logits)
+
+    def build_prefix(self, prompt, loops, window, chunk):
+        prompt, buf = self._tokens(prompt)
+        out = self.ffi.new("tl_prefix**")
+        self._check(self.lib.tl_prefix_build(self.model, buf, len(prompt), loops, window, chunk, out))
+        return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), loops, window)
+
+    def generate_from_prefix(self, prefix, suffix, params, want_logits=False):
+        suffix, buf = self._tokens(suffix)
+        return self._run_generation(
+            lambda p, toks, n, lg: self.lib.tl_generate_from_prefix(
+                prefix.handle, buf, len(suffix), p, toks, n, lg),
+            params, want_logits)
+
+    def logits(self, tokens, loops, window, chunk):
+        out = self.ffi.new("tl_seq**")
+        self._check(self.lib.tl_seq_create(self.model, loops, window, out))
+        seq = self._owned(out, "tl_seq_free")
+        tokens, buf = self._tokens(tokens)
+        result = np.empty((len(tokens), self.config.vocab_size), np.float32)
+        try:
+            self._check(self.lib.tl_seq_prefill_all(seq, buf, len(tokens), chunk,
+                                                    self.ffi.from_buffer("float[]", result)))
+        finally:
+            self.ffi.release(seq)
+        return result
+
+    def close(self):
+        self.lib.tl_model_close(self.model)
