@@ -76,7 +76,7 @@ def test_prefix_outlives_a_dropped_model_reference(model_files):
     assert prefix._model.generate_from_prefix_cache(prefix, max_tokens=5) == expected
 
 
-def test_interpreter_shutdown_with_live_objects_is_silent(model_files):
+def test_interpreter_shutdown_with_live_objects_is_silent(model_files, tmp_path):
     script = textwrap.dedent(f"""
         import tinyloop
         model = tinyloop.Model({str(model_files['int8-gqa'])!r}, backend="native")
@@ -87,7 +87,7 @@ def test_interpreter_shutdown_with_live_objects_is_silent(model_files):
         print(len(model.generate_from_prefix_cache(prefix, max_tokens=3)))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=tmp_path)  # not the source tree: it shadows the package
     assert done.returncode == 0 and done.stdout.strip() == "7"
     assert done.stderr == ""
 

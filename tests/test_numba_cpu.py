@@ -142,7 +142,7 @@ def test_no_kernel_contains_a_fused_multiply_add(model_files, tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", f"FMA_OPS = {FMA_OPS!r}" + FMA_PROBE,
                           str(model_files["int8-gqa"])], env=env, capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, cwd=tmp_path).stdout
     found = json.loads(out)
     kernels = {name for name in found if name.endswith("_kernel")}
     assert kernels == {"quantize_rows_kernel", "rms_quantize_kernel", "linear_kernel",

@@ -26,8 +26,8 @@ print("ok")
 """
 
 
-def test_numpy_backend_works_without_numba_and_cffi(model_files):
+def test_numpy_backend_works_without_numba_and_cffi(model_files, tmp_path):
     out = subprocess.run([sys.executable, "-c", PROBE, str(model_files["int8-gqa"])],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, cwd=tmp_path)  # not the source tree
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
