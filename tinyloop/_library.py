@@ -55,10 +55,8 @@ def load_library():
         import cffi
     except ImportError as exc:
         raise LibraryUnavailable(f"cffi is not installed ({exc})") from None
-    tried = []
     for path, origin in library_candidates():
         if not path.is_file():
-            tried.append(f"{path} (missing)")
             continue
         ffi = cffi.FFI()
         ffi.cdef(cdef_from_header(header_path(path).read_text()))
@@ -71,4 +69,6 @@ def load_library():
             raise LibraryUnavailable(f"{path} has ABI version {found}; this tinyloop package "
                                      f"needs {ABI_VERSION} (rebuild or reinstall tinyloop)")
         return ffi, lib, path, origin
-    raise LibraryUnavailable("libtinyloop not found: " + "; ".join(tried))
+    where = os.environ.get("TINYLOOP_LIBRARY") or PACKAGE_LIB_DIR
+    raise LibraryUnavailable(f"libtinyloop is not in {where} (was tinyloop installed without "
+                             "a C compiler? see docs/install.md)")
