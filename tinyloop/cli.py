@@ -1,19 +1,19 @@
-"""The `tinyloop` command line: `demo` (the main job) and `generate`.
+"""The `tinyloop` command line: `demo` (the main job), `generate` and `info`.
 
 Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or input (argparse convention).
 """
 import argparse
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from . import Model, random_model
+from . import Model
 from ._version import __version__
+from .backends import backend_features, backend_info
 
-DEMO_SHAPE = dict(vocab_size=512, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32,
-                  ffn_dim=352, n_pre_blocks=1, default_loops=4, max_seq_len=512,
-                  name="random-demo")
+SYSTEM_PROMPT = ("In the beginning God created the heaven and the earth. And the earth was "
+                 "without form, and void; and darkness was upon the face of the deep.\n")
+REQUESTS = ("And God said", "And the LORD spake unto Moses, saying,", "Blessed are they",
+            "And Jesus answered and said")
 
 
 def _timed(fn):
@@ -23,40 +23,58 @@ def _timed(fn):
 
 
 def run_demo(args, out):
-    """A shared prefix and several requests, without and with the prefix cache."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "demo.tinyloop"
-        random_model(path, seed=args.seed, **DEMO_SHAPE)
-        with Model(path, backend=args.backend) as model:
-            shared = [(7 * i + 3) % 512 for i in range(args.prefix_tokens)]
-            requests = [[100 + r, 200 + r, 300 + r] for r in range(args.requests)]
-            print(f"model: random looped model d_model={DEMO_SHAPE['d_model']}, "
-                  f"loops={DEMO_SHAPE['default_loops']}, backend={model.backend}", file=out)
-            plain, t_plain = _timed(lambda: [model.generate(shared + r, max_tokens=args.max_tokens)
-                                             for r in requests])
-            prefix, t_build = _timed(lambda: model.build_prefix_cache(shared))
-            cached, t_cached = _timed(lambda: [model.generate_from_prefix_cache(
-                prefix, suffix=r, max_tokens=args.max_tokens) for r in requests])
-            for r, tokens in zip(requests, cached):
-                print(f"request {r}: {tokens[len(shared) + len(r):]}", file=out)
-            total = t_build + t_cached
-            print(f"\n{'run':<22}{'seconds':>10}", file=out)
-            print(f"{'without prefix cache':<22}{t_plain:>10.3f}", file=out)
-            print(f"{'with prefix cache':<22}{total:>10.3f}   (build {t_build:.3f})", file=out)
-            print(f"speedup {t_plain / total:.2f}x, prefix {len(shared)} tokens reused "
-                  f"{len(requests)} times, {prefix.nbytes} bytes of KV", file=out)
-            same = cached == plain
-            print(f"identical tokens with and without the cache: {same}", file=out)
-            return 0 if same else 1
+    """A shared system prompt and several requests, without and with the prefix cache."""
+    with Model(args.model, backend=args.backend, threads=args.threads) as model:
+        cfg = model.config()
+        print(f"model {cfg['name']}: d_model {cfg['d_model']}, {cfg['n_pre_blocks']} pre block(s) "
+              f"+ loop block x {cfg['default_loops']}, backend {model.backend}\n", file=out)
+        system = model.encode(SYSTEM_PROMPT)
+        requests = [model.encode(" " + r if i else r) for i, r in enumerate(REQUESTS)]
+        kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        plain, t_plain = _timed(lambda: [model.generate(system + r, **kw) for r in requests])
+        prefix, t_build = _timed(lambda: model.build_prefix_cache(system))
+        cached, t_cached = _timed(lambda: [model.generate_from_prefix_cache(prefix, suffix=r, **kw)
+                                           for r in requests])
+        for r, tokens in zip(requests, cached):
+            print(f"> {model.decode(r).strip()}{model.decode(tokens[len(system) + len(r):])}\n",
+                  file=out)
+        reused = len(system) * len(requests)
+        total = t_build + t_cached
+        print(f"{'run':<24}{'seconds':>9}  prefilled tokens", file=out)
+        print(f"{'without prefix cache':<24}{t_plain:>9.3f}  {sum(len(system) + len(r) for r in requests)}",
+              file=out)
+        print(f"{'with prefix cache':<24}{total:>9.3f}  {len(system) + sum(map(len, requests))}"
+              f"   (prefix built once in {t_build:.3f} s)", file=out)
+        print(f"speedup {t_plain / total:.2f}x; {reused} prompt tokens reused from one "
+              f"{len(system)}-token prefix ({prefix.nbytes} bytes of KV)", file=out)
+        same = cached == plain
+        print(f"identical tokens with and without the cache: {'yes' if same else 'NO'}", file=out)
+        return 0 if same else 1
 
 
 def run_generate(args, out):
-    tokens = [int(t) for t in args.tokens.split(",")]
+    with Model(args.model, backend=args.backend, threads=args.threads) as model:
+        is_text = model.config()["tokenizer"] == "bytes" and not args.ids
+        prompt = model.encode(args.prompt) if is_text else [int(t) for t in args.prompt.split(",")]
+        (result, t) = _timed(lambda: model.generate(
+            prompt, max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+            seed=args.seed))
+        emitted = result[len(prompt):]
+        print(model.decode(result) if is_text else " ".join(map(str, emitted)), file=out)
+        print(f"[{model.backend}: {len(prompt)} prompt + {len(emitted)} new tokens in {t:.3f} s]",
+              file=sys.stderr)
+    return 0
+
+
+def run_info(args, out):
+    info = backend_info(args.backend)
     with Model(args.model, backend=args.backend) as model:
-        result = model.generate(tokens, max_tokens=args.max_tokens, loops=args.loops,
-                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed)
-    print(" ".join(map(str, result[len(tokens):])), file=out)
+        for key, value in model.config().items():
+            print(f"{key:>16}: {value}", file=out)
+    print(f"{'backend':>16}: {info['chosen']} ({info['reason'] or 'requested'})", file=out)
+    print(f"{'library':>16}: {info['library']} {info['library_version'] or ''}", file=out)
+    print(f"{'features':>16}: {', '.join(sorted(backend_features()))}", file=out)
     return 0
 
 
@@ -64,24 +82,30 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="tinyloop", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tinyloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="shared-prefix requests with and without prefix caching")
-    demo.add_argument("--backend", default="auto")
-    demo.add_argument("--prefix-tokens", type=int, default=192)
-    demo.add_argument("--requests", type=int, default=4)
-    demo.add_argument("--max-tokens", type=int, default=16)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(run=run_demo)
-    gen = sub.add_parser("generate", help="generate token ids from a model file")
-    gen.add_argument("model")
-    gen.add_argument("tokens", help="comma-separated prompt token ids")
-    gen.add_argument("--backend", default="auto")
-    gen.add_argument("--max-tokens", type=int, default=32)
+
+    def command(name, run, help):
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--model", default=None, help="a .tinyloop file (default: the demo model)")
+        p.add_argument("--backend", default="auto")
+        p.add_argument("--threads", type=int, default=None)
+        p.set_defaults(run=run)
+        return p
+
+    demo = command("demo", run_demo, "shared-prefix requests with and without prefix caching")
+    demo.add_argument("--max-tokens", type=int, default=60)
+    demo.add_argument("--temperature", type=float, default=0.7)
+    demo.add_argument("--seed", type=int, default=1)
+    gen = command("generate", run_generate, "generate text (or token ids) from a prompt")
+    gen.add_argument("prompt", help="text, or comma-separated token ids with --ids")
+    gen.add_argument("--ids", action="store_true", help="the prompt is token ids")
+    gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--loops", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.set_defaults(run=run_generate)
+    command("info", run_info, "model configuration and the backend chosen")
     return parser
 
 

@@ -143,6 +143,22 @@ class Model:
         state = "closed" if self.closed else self.backend
         return f"Model({self.path!r}, {state}, {self._config.name or 'unnamed'})"
 
+    # -- text (models whose tokenizer is "bytes") ------------------------------------------
+    def encode(self, text):
+        """UTF-8 bytes of `text` as token ids (models with the bytes tokenizer)."""
+        self._require_bytes_tokenizer()
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens):
+        """Text of byte token ids; never raises on partial or invalid UTF-8 (uses U+FFFD)."""
+        self._require_bytes_tokenizer()
+        return bytes(P.check_tokens("tokens", tokens, 256).tolist()).decode("utf-8", "replace")
+
+    def _require_bytes_tokenizer(self):
+        if self._config.tokenizer != "bytes":
+            raise ValueError(f"model {self._config.name or self.path!r} has no byte tokenizer "
+                             f"(tokenizer={self._config.tokenizer!r}); pass token ids")
+
     # -- generation -------------------------------------------------------------------------
     def _params(self, max_tokens, loops, temperature, top_k, top_p, cache_window,
                 repetition_penalty, stop_sequences, seed, prefill_chunk):
