@@ -68,11 +68,13 @@ class Engine:
         finally:
             cache.free()
 
-    def generate(self, prompt, params, want_logits=False):
-        """Returns (emitted ids, per-step logits); the logits are kept whatever want_logits says."""
+    def generate(self, prompt, params, want_logits=False, on_token=None):
+        """Returns (emitted ids, per-step logits); the logits are kept whatever want_logits says.
+        on_token(id), if given, is called after each emitted token; if it raises, generation
+        stops and the exception propagates."""
         cache = self.new_cache(params.loops, params.cache_window)
         logits = self.prefill(cache, prompt, params.prefill_chunk)
-        return self._decode(cache, logits, list(prompt.tolist()), params)
+        return self._decode(cache, logits, list(prompt.tolist()), params, on_token)
 
     def build_prefix(self, prompt, loops, window, chunk):
         cache = self.new_cache(loops, window)
@@ -80,7 +82,7 @@ class Engine:
         self.prefill(cache, prompt, chunk, layer_states=states)
         return Prefix(prompt.copy(), loops, window, cache, states)
 
-    def generate_from_prefix(self, prefix, suffix, params, want_logits=False):
+    def generate_from_prefix(self, prefix, suffix, params, want_logits=False, on_token=None):
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth
         params.loops <= prefix.loops (checked by the caller)."""
         cache = prefix.cache.fork(self.config.n_pre_blocks + params.loops)
@@ -90,9 +92,9 @@ class Engine:
             x = prefix.loop_states[params.loops - 1]
             logits = head_logits(self.kernels, self.weights, x)[0]
         history = prefix.tokens.tolist() + suffix.tolist()
-        return self._decode(cache, logits, history, params)
+        return self._decode(cache, logits, history, params, on_token)
 
-    def _decode(self, cache, logits, history, params):
+    def _decode(self, cache, logits, history, params, on_token=None):
         """Sample until a stop rule fires. Returns (emitted ids, [(V,) logits per emitted id])."""
         emitted, step_logits = [], []
         try:
@@ -101,6 +103,8 @@ class Engine:
                 step_logits.append(logits)
                 history.append(token)
                 emitted.append(token)
+                if on_token is not None:
+                    on_token(token)
                 if stop_reached(emitted, params, self.config.eos_id):
                     return emitted, step_logits
                 x = forward_chunk(self.kernels, self.weights, cache, np.array([token], np.int32))

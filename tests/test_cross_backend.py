@@ -108,3 +108,29 @@ def test_long_context_matches_numpy(backend, tmp_path):
             want, got_run = ref.generate(prompt, **kw), got.generate(prompt, **kw)
             assert got_run[0] == want[0]
             assert same_bits(got_run[1], want[1])
+
+
+class StopStreaming(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", ["numpy", "native", "numba"])
+def test_on_token_streams_every_emitted_token_and_can_stop(models_by_backend, name):
+    model = models_by_backend(name)["int8-gqa"]
+    prefix = model.build_prefix_cache([3, 4, 5])
+    for run in (lambda **kw: model.generate([3, 4, 5, 6], **kw),
+                lambda **kw: model.generate_from_prefix_cache(prefix, suffix=[6], **kw)):
+        seen = []
+        out = run(max_tokens=9, temperature=0.8, seed=5, on_token=seen.append)
+        assert seen == out[4:] and len(seen) == 9
+
+        def stop_after_three(token):
+            if len(seen) == 3:
+                raise StopStreaming
+            seen.append(token)
+
+        seen = []
+        with pytest.raises(StopStreaming):
+            run(max_tokens=9, temperature=0.8, seed=5, on_token=stop_after_three)
+        assert seen == out[4:7]
+        assert run(max_tokens=9, temperature=0.8, seed=5) == out    # still usable

@@ -3,6 +3,7 @@
 Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or input (argparse convention).
 """
 import argparse
+import codecs
 import sys
 import time
 
@@ -53,17 +54,33 @@ def run_demo(args, out):
 
 
 def run_generate(args, out):
+    """Stream the continuation as it is sampled, then one stats line on stderr."""
     with Model(args.model, backend=args.backend, threads=args.threads) as model:
         is_text = model.config()["tokenizer"] == "bytes" and not args.ids
         prompt = model.encode(args.prompt) if is_text else [int(t) for t in args.prompt.split(",")]
-        (result, t) = _timed(lambda: model.generate(
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        first = []
+
+        def show(token):
+            if not first:
+                first.append(time.perf_counter())
+            piece = decoder.decode(bytes([token])) if is_text else f"{token} "
+            print(piece, end="", file=out, flush=True)
+
+        if is_text:
+            print(args.prompt, end="", file=out)
+        start = time.perf_counter()
+        result = model.generate(
             prompt, max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-            seed=args.seed))
-        emitted = result[len(prompt):]
-        print(model.decode(result) if is_text else " ".join(map(str, emitted)), file=out)
-        print(f"[{model.backend}: {len(prompt)} prompt + {len(emitted)} new tokens in {t:.3f} s]",
-              file=sys.stderr)
+            seed=args.seed, on_token=show)
+        end = time.perf_counter()
+        print(file=out)
+        n_new = len(result) - len(prompt)
+        prefill = len(prompt) / max(first[0] - start, 1e-9)
+        decode = (n_new - 1) / max(end - first[0], 1e-9) if n_new > 1 else float("nan")
+        print(f"[backend {model.backend}, prompt {len(prompt)} tokens, reused 0, "
+              f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s]", file=sys.stderr)
     return 0
 
 

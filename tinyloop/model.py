@@ -170,8 +170,11 @@ class Model:
 
     def generate(self, prompt, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
                  cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
-                 prefill_chunk=None, return_logits=False):
+                 prefill_chunk=None, return_logits=False, on_token=None):
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
+
+        on_token(id), if given, is called with each emitted id as soon as it is sampled
+        (streaming); an exception it raises stops generation and propagates.
 
         With return_logits=True returns (tokens, logits) where logits is a float32 array
         (n_emitted, vocab_size): the logits each emitted token was sampled from.
@@ -182,7 +185,7 @@ class Model:
                               repetition_penalty, stop_sequences, seed, prefill_chunk)
         P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
         with _out_of_memory_as_runtime_error():
-            emitted, logits = engine.generate(tokens, params, return_logits)
+            emitted, logits = engine.generate(tokens, params, return_logits, on_token)
         return self._result(tokens, emitted, logits, return_logits)
 
     def build_prefix_cache(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
@@ -195,7 +198,7 @@ class Model:
     def generate_from_prefix_cache(self, prefix, max_tokens=32, loops=None, temperature=0.0,
                                    top_k=50, top_p=1.0, cache_window=None, repetition_penalty=1.0,
                                    stop_sequences=(), seed=None, suffix=None, prefill_chunk=None,
-                                   return_logits=False):
+                                   return_logits=False, on_token=None):
         """Decode from a PrefixCache. `loops=None` and `cache_window=None` mean the prefix's.
 
         `suffix` (optional token ids) is fed after the prefix before decoding: the usual shared
@@ -223,7 +226,7 @@ class Model:
         P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
         with _out_of_memory_as_runtime_error():
             emitted, logits = engine.generate_from_prefix(prefix._state, rest, params,
-                                                           return_logits)
+                                                           return_logits, on_token)
         return self._result(tokens, emitted, logits, return_logits)
 
     def logits(self, prompt, loops=None, cache_window=0, prefill_chunk=None):

@@ -116,25 +116,43 @@ class NativeEngine:
             p.n_stop = len(params.stop_sequences)
         return p
 
-    def _run_generation(self, call, params, want_logits):
+    def _token_callback(self, on_token, raised):
+        """A C tl_token_fn calling on_token; an exception stops generation and is kept."""
+        def onerror(exc_type, exc, tb):
+            raised.append(exc)
+            return 1
+
+        def call(user_data, token):
+            on_token(int(token))
+            return 0
+
+        return self.ffi.callback("tl_token_fn", call, onerror=onerror)
+
+    def _run_generation(self, call, params, want_logits, on_token):
         """call(gen_params, out_tokens, n_out, out_logits) -> status."""
-        keep = []
+        keep, raised = [], []
         p = self._gen_params(params, keep)
+        if on_token is not None:
+            keep.append(self._token_callback(on_token, raised))
+            p.on_token = keep[-1]
         out_tokens = self.ffi.new("int32_t[]", params.max_tokens)
         n_out = self.ffi.new("size_t*")
         logits = np.empty((params.max_tokens, self.config.vocab_size), np.float32) if want_logits else None
         out_logits = self.ffi.from_buffer("float[]", logits) if want_logits else self.ffi.NULL
-        self._check(call(p, out_tokens, n_out, out_logits))
+        status = call(p, out_tokens, n_out, out_logits)
+        if raised:
+            raise raised[0]
+        self._check(status)
         n = int(n_out[0])
         emitted = list(self.ffi.unpack(out_tokens, n))
         return emitted, (list(logits[:n]) if want_logits else None)
 
     # -- the engine interface ---------------------------------------------------------------
-    def generate(self, prompt, params, want_logits=False):
+    def generate(self, prompt, params, want_logits=False, on_token=None):
         prompt, buf = self._tokens(prompt)
         return self._run_generation(
             lambda p, toks, n, lg: self.lib.tl_generate(self.model, buf, len(prompt), p, toks, n, lg),
-            params, want_logits)
+            params, want_logits, on_token)
 
     def build_prefix(self, prompt, loops, window, chunk):
         prompt, buf = self._tokens(prompt)
@@ -142,12 +160,12 @@ class NativeEngine:
         self._check(self.lib.tl_prefix_build(self.model, buf, len(prompt), loops, window, chunk, out))
         return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), loops, window)
 
-    def generate_from_prefix(self, prefix, suffix, params, want_logits=False):
+    def generate_from_prefix(self, prefix, suffix, params, want_logits=False, on_token=None):
         suffix, buf = self._tokens(suffix)
         return self._run_generation(
             lambda p, toks, n, lg: self.lib.tl_generate_from_prefix(
                 prefix.handle, buf, len(suffix), p, toks, n, lg),
-            params, want_logits)
+            params, want_logits, on_token)
 
     def logits(self, tokens, loops, window, chunk):
         out = self.ffi.new("tl_seq**")

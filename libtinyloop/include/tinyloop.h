@@ -244,6 +244,10 @@ TL_API tl_status tl_seq_from_prefix(const tl_prefix* prefix, uint32_t loops, tl_
 
 /* ===== Generation =========================================================================== */
 
+/* Called after each emitted token (in order, on the calling thread); return nonzero to stop
+ * generation there: the call then returns TL_OK with the tokens emitted so far. */
+typedef int (*tl_token_fn)(void* user_data, int32_t token);
+
 typedef struct tl_gen_params {
     size_t size;               /* sizeof(tl_gen_params)                                        */
     size_t max_tokens;         /* tokens to emit at most; >= 1                                 */
@@ -259,10 +263,12 @@ typedef struct tl_gen_params {
     const int32_t* stop_tokens;  /* all stop sequences, concatenated (borrowed)                */
     const size_t* stop_lengths;  /* [n_stop] lengths, each >= 1                                */
     size_t n_stop;             /* number of stop sequences                                     */
+    tl_token_fn on_token;      /* NULL, or called after each emitted token (streaming, cancel) */
+    void* user_data;           /* passed to on_token                                           */
 } tl_gen_params;
 
 /* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,
- * seed 0, whole-prompt prefill, no stop sequences. */
+ * seed 0, whole-prompt prefill, no stop sequences, no token callback. */
 TL_API tl_gen_params tl_gen_params_default(void);
 
 /* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). out_tokens (capacity

@@ -100,7 +100,8 @@ static tl_status sample_loop(tl_seq* s, const int32_t* head, size_t n_head, cons
         if (out_logits) memcpy(out_logits + i * V, logits, V * sizeof(float));
         seen[token] = 1;
         *n_out = i + 1;
-        if ((c->eos_id >= 0 && token == c->eos_id) || ends_with_stop(p, out_tokens, i + 1) ||
+        if ((p->on_token && p->on_token(p->user_data, token) != 0) ||
+            (c->eos_id >= 0 && token == c->eos_id) || ends_with_stop(p, out_tokens, i + 1) ||
             i + 1 == p->max_tokens)
             break;
         st = tl_seq_decode(s, token, logits);

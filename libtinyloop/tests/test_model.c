@@ -194,6 +194,39 @@ static void test_fork_prefix(void) {
     free(ref3), free(logits), free(la), free(lb);
 }
 
+/* on_token sees every emitted token in order; a nonzero return stops generation there. */
+typedef struct streamed {
+    int32_t tokens[16];
+    size_t n, stop_after;
+} streamed;
+
+static int collect_token(void* user_data, int32_t token) {
+    streamed* st = user_data;
+    st->tokens[st->n++] = token;
+    return st->n == st->stop_after;
+}
+
+static void test_token_callback(void) {
+    tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 4);
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 10;
+    gp.temperature = 0.8f;
+    gp.seed = 7;
+    int32_t plain[10], out[10];
+    size_t n_plain, n;
+    CHECK_OK(tl_generate(m, prompt, 20, &gp, plain, &n_plain, NULL));
+    streamed st = {.stop_after = 0};
+    gp.on_token = collect_token;
+    gp.user_data = &st;
+    CHECK_OK(tl_generate(m, prompt, 20, &gp, out, &n, NULL));
+    CHECK(n == n_plain && st.n == n && memcmp(st.tokens, plain, n * sizeof(int32_t)) == 0,
+          "streamed tokens differ from the returned ones");
+    st = (streamed){.stop_after = 3};
+    CHECK_OK(tl_generate(m, prompt, 20, &gp, out, &n, NULL));
+    CHECK(n == 3 && st.n == 3 && memcmp(out, plain, 3 * sizeof(int32_t)) == 0, "stop after 3: %zu", n);
+    tl_model_free(m);
+}
+
 /* Windowed sequences release blocks: memory stays bounded however long the sequence. */
 static void test_window_memory(void) {
     tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 4);
@@ -359,6 +392,7 @@ int main(void) {
     for (int i = 0; i < 4; i++) test_invariance(i);
     test_fork_prefix();
     test_window_memory();
+    test_token_callback();
     test_validation();
     test_concurrency();
     CHECK(bytes_in_use() == baseline, "leak: %zu bytes still in use", bytes_in_use() - baseline);
