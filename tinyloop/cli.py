@@ -86,9 +86,13 @@ def run_generate(args, out):
 
 def run_info(args, out):
     info = backend_info(args.backend)
-    with Model(args.model, backend=args.backend) as model:
+    with Model(args.model, backend=args.backend, threads=args.threads) as model:
         for key, value in model.config().items():
             print(f"{key:>16}: {value}", file=out)
+        if model.backend == "native":
+            runtime = model._engine.runtime()
+            print(f"{'runtime':>16}: {runtime['isa']} kernels, {runtime['threads']} threads, "
+                  f"KV blocks of {runtime['kv_block_size']}", file=out)
     print(f"{'backend':>16}: {info['chosen']} ({info['reason'] or 'requested'})", file=out)
     print(f"{'library':>16}: {info['library']} {info['library_version'] or ''}", file=out)
     print(f"{'features':>16}: {', '.join(sorted(backend_features()))}", file=out)

@@ -56,8 +56,7 @@ class NativeEngine:
         params.n_threads = threads or 0
         out = self.ffi.new("tl_model**")
         self._check(self.lib.tl_model_open(str(path).encode(), params, out))
-        lib = self.lib
-        self.model = self.ffi.gc(out[0], lambda handle: lib.tl_model_free(handle))
+        self.model = self._owned(out, "tl_model_free")
         self.config = self._read_config()
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -69,8 +68,11 @@ class NativeEngine:
             raise self._errors.get(status, RuntimeError)(message)
 
     def _owned(self, out, free):
-        lib = self.lib
-        return self.ffi.gc(out[0], lambda handle: getattr(lib, free)(handle))
+        """The new handle in *out, freed by the library's `free` function when collected."""
+        if out[0] == self.ffi.NULL:
+            raise RuntimeError(f"libtinyloop returned success but no handle (for {free})")
+        release = getattr(self.lib, free)     # keeps the library alive inside the destructor
+        return self.ffi.gc(out[0], release)
 
     def _read_config(self):
         c = self.ffi.new("tl_model_config*")
