@@ -156,11 +156,24 @@ TL_API tl_status tl_model_open(const char* path, const tl_model_params* params, 
     return TL_OK;
 }
 
-TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out) {
-    if (!out || out->size < sizeof(size_t))
+/* Shared start of the versioned getters: `out` must carry its size; the model must be open. */
+static tl_status begin_get(const tl_model* model, const void* out, tl_engine** e) {
+    if (!out || *(const size_t*)out < sizeof(size_t))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL or out->size not set");
+    return tl_model_acquire((tl_model*)model, e);
+}
+
+/* Copy `full` (whose first field is its size) into the caller's struct, up to the caller's
+ * size, so an older caller with a shorter struct gets the fields it knows. */
+static void copy_versioned(void* out, void* full, size_t full_size) {
+    const size_t size = *(size_t*)out < full_size ? *(size_t*)out : full_size;
+    *(size_t*)full = size;
+    memcpy(out, full, size);
+}
+
+TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out) {
     tl_engine* e;
-    tl_status st = tl_model_acquire((tl_model*)model, &e);
+    tl_status st = begin_get(model, out, &e);
     if (st != TL_OK) return st;
     const tl_config* c = tl_engine_config(e);
     tl_model_config full = {
@@ -168,24 +181,18 @@ TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out
         c->n_pre_blocks, c->default_loops, c->max_seq_len, c->weight_format, c->group_size,
         c->tied_head, c->bos_id, c->eos_id, c->tokenizer, c->rope_theta, c->rms_eps, {0}};
     memcpy(full.name, c->name, sizeof full.name);
-    const size_t size = out->size < sizeof full ? out->size : sizeof full;
-    full.size = size;
-    memcpy(out, &full, size);
+    copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);
     return TL_OK;
 }
 
 TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* out) {
-    if (!out || out->size < sizeof(size_t))
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL or out->size not set");
     tl_engine* e;
-    tl_status st = tl_model_acquire((tl_model*)model, &e);
+    tl_status st = begin_get(model, out, &e);
     if (st != TL_OK) return st;
     tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
                              e->weight_bytes};
-    const size_t size = out->size < sizeof full ? out->size : sizeof full;
-    full.size = size;
-    memcpy(out, &full, size);
+    copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);
     return TL_OK;
 }
