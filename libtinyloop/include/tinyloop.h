@@ -96,9 +96,11 @@ typedef struct tl_memory_stats {
     size_t bytes_in_use; /* bytes currently allocated                                        */
     size_t peak_bytes;   /* high-water mark since start or tl_memory_reset_peak()            */
     size_t n_allocs;     /* allocations currently live                                       */
+    size_t total_allocs; /* allocations made since start (successful ones)                   */
 } tl_memory_stats;
 
-/* Snapshot of the counters. Thread-safe. TL_ERR_INVALID_ARGUMENT if out is NULL or too small. */
+/* Snapshot of the counters, filled up to out->size. Thread-safe. TL_ERR_INVALID_ARGUMENT if
+ * out is NULL or out->size does not cover the first three counters. */
 TL_API tl_status tl_memory_stats_get(tl_memory_stats* out);
 /* Set peak_bytes to the current bytes_in_use. Thread-safe. */
 TL_API void tl_memory_reset_peak(void);
@@ -117,9 +119,11 @@ typedef struct tl_model_params {
     uint32_t kv_block_size; /* positions per KV cache block; 0 = 16                          */
     tl_isa isa;             /* kernel path; TL_ISA_AUTO = best available. Forcing one the CPU
                                lacks is TL_ERR_UNSUPPORTED.                                  */
+    size_t prefix_cache_bytes; /* budget of the automatic prefix cache (docs/spec.md §4.3);
+                               0 = no automatic prefix cache                                 */
 } tl_model_params;
 
-/* Defaults: all cores, blocks of 16, automatic ISA. */
+/* Defaults: all cores, blocks of 16, automatic ISA, no automatic prefix cache. */
 TL_API tl_model_params tl_model_params_default(void);
 
 /* Map the file at `path` read-only, validate it (docs/spec.md §6) and prepare the kernels.
@@ -165,6 +169,25 @@ typedef struct tl_model_runtime {
 } tl_model_runtime;
 
 TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* out);
+
+/* Counters of the automatic prefix cache (all zero when the model has none). */
+typedef struct tl_prefix_cache_stats {
+    size_t size;               /* in: sizeof(tl_prefix_cache_stats)                          */
+    uint64_t lookups;          /* tl_generate calls (and batch requests) that consulted it   */
+    uint64_t hit_tokens;       /* prompt positions those calls took from cached blocks       */
+    uint64_t prefilled_tokens; /* prompt positions they computed                              */
+    uint64_t inserted_blocks;  /* blocks added                                                */
+    uint64_t evicted_blocks;   /* blocks evicted to stay within the budget                    */
+    size_t blocks;             /* blocks held now                                             */
+    size_t bytes_in_use;       /* bytes of those blocks (each block's whole allocation)       */
+    size_t budget_bytes;       /* tl_model_params.prefix_cache_bytes                          */
+} tl_prefix_cache_stats;
+
+/* Snapshot of the counters. Thread-safe. TL_ERR_CLOSED after tl_model_close. */
+TL_API tl_status tl_model_prefix_cache_stats(tl_model* model, tl_prefix_cache_stats* out);
+/* Drop every cached block (blocks in use by sequences and prefixes live on in them); the
+ * counters are kept. Thread-safe. TL_ERR_CLOSED after tl_model_close. */
+TL_API tl_status tl_model_prefix_cache_clear(tl_model* model);
 
 /* Mark the model closed: every later call with it (or with sequences and prefixes made from
  * it) returns TL_ERR_CLOSED ("model was closed"). The weights are released once no sequence,
@@ -228,8 +251,9 @@ typedef struct tl_prefix tl_prefix;
 TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t n,
                                  uint32_t loops, uint32_t cache_window, size_t chunk,
                                  tl_prefix** out);
-/* Facts about a prefix; any output pointer may be NULL. nbytes counts its KV blocks, hidden
- * states and token copy. Thread-safe. */
+/* Facts about a prefix; any output pointer may be NULL. nbytes = the bytes of the KV blocks
+ * it holds (each block's whole allocation, docs/c-api.md) + 4 * loops * d_model (its hidden
+ * states) + 4 * n_tokens (its token copy). Thread-safe. */
 TL_API void tl_prefix_info(const tl_prefix* prefix, size_t* n_tokens, uint32_t* loops,
                            uint32_t* cache_window, size_t* nbytes);
 /* The prefix's own copy of its tokens (borrowed: valid while the prefix lives); *n (may be
@@ -265,13 +289,19 @@ typedef struct tl_gen_params {
     size_t n_stop;             /* number of stop sequences                                     */
     tl_token_fn on_token;      /* NULL, or called after each emitted token (streaming, cancel) */
     void* user_data;           /* passed to on_token                                           */
+    const char* cache_salt;    /* NULL or a NUL-terminated tenant key (borrowed): the automatic
+                                  prefix cache shares blocks only between requests with equal
+                                  salts (NULL and "" are equal)                               */
 } tl_gen_params;
 
 /* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,
  * seed 0, whole-prompt prefill, no stop sequences, no token callback. */
 TL_API tl_gen_params tl_gen_params_default(void);
 
-/* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). out_tokens (capacity
+/* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). With an automatic prefix
+ * cache the longest cached block-aligned prefix of the prompt is reused and only the rest is
+ * prefilled (in chunks), then the prompt's full blocks are offered to the cache; the tokens
+ * and logits are the same either way. out_tokens (capacity
  * params->max_tokens) receives the emitted tokens only, *n_out their count. out_logits: NULL
  * or [max_tokens][vocab_size] floats receiving the logits each emitted token was sampled from
  * (before penalty and temperature). Every parameter is validated before any work.
@@ -287,6 +317,28 @@ TL_API tl_status tl_generate(tl_model* model, const int32_t* prompt, size_t n,
 TL_API tl_status tl_generate_from_prefix(const tl_prefix* prefix, const int32_t* suffix,
                                          size_t n_suffix, const tl_gen_params* params,
                                          int32_t* out_tokens, size_t* n_out, float* out_logits);
+
+/* One request of a batch. */
+typedef struct tl_request {
+    size_t size;                 /* sizeof(tl_request)                                        */
+    const tl_prefix* prefix;     /* NULL, or a prefix of this model the prompt continues       */
+    const int32_t* prompt;       /* the tokens (after the prefix's); may be NULL if n_prompt 0 */
+    size_t n_prompt;             /* >= 1 without a prefix                                     */
+    const tl_gen_params* params; /* NULL = tl_gen_params_default()                            */
+    int32_t* out_tokens;         /* [params->max_tokens]: the emitted tokens                  */
+    float* out_logits;           /* NULL or [max_tokens][vocab_size], as in tl_generate        */
+    size_t n_out;                /* out: tokens emitted                                       */
+} tl_request;
+
+/* Generate for every request at once: each prompt is run (through the automatic prefix cache
+ * when the model has one; a request with a prefix shares its blocks), then every live
+ * sequence is decoded in one batched step per token until each meets its own stop rule.
+ * Requests may differ in every parameter, depth and window included. Each request's tokens
+ * and logits are bit-identical to tl_generate (or tl_generate_from_prefix) of it alone.
+ * Every request is validated before any work; the first invalid one fails the call with a
+ * message naming its index. On a later failure (out of memory, non-finite logits) the call
+ * fails and each n_out says how far its request got. Thread-safe like tl_generate. */
+TL_API tl_status tl_generate_batch(tl_model* model, tl_request* requests, size_t n_requests);
 
 #ifdef __cplusplus
 }

@@ -4,6 +4,7 @@
 #include "alloc.h"
 
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,7 @@ enum { HEADER = 64 };
 static atomic_size_t bytes_in_use;
 static atomic_size_t peak_bytes;
 static atomic_size_t live_allocs;
+static atomic_size_t total_allocs;
 static atomic_int_fast64_t fail_countdown = -1;  /* -1 = injection off */
 
 /* True when this allocation must fail by injection (consumes one countdown step). */
@@ -44,6 +46,7 @@ void* tl_alloc(size_t bytes) {
     while (now > peak && !atomic_compare_exchange_weak(&peak_bytes, &peak, now)) {
     }
     atomic_fetch_add(&live_allocs, 1);
+    atomic_fetch_add(&total_allocs, 1);
     return (char*)base + HEADER;
 }
 
@@ -68,11 +71,12 @@ void tl_free(void* p) {
 }
 
 TL_API tl_status tl_memory_stats_get(tl_memory_stats* out) {
-    if (!out || out->size < sizeof(tl_memory_stats))
+    if (!out || out->size < offsetof(tl_memory_stats, total_allocs))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_memory_stats_get: out is NULL or out->size too small");
     out->bytes_in_use = atomic_load(&bytes_in_use);
     out->peak_bytes = atomic_load(&peak_bytes);
     out->n_allocs = atomic_load(&live_allocs);
+    if (out->size >= sizeof *out) out->total_allocs = atomic_load(&total_allocs);
     return TL_OK;
 }
 

@@ -11,6 +11,7 @@
 #include "kvcache.h"
 #include "loader.h"
 #include "matmul.h"
+#include "prefix_cache.h"
 #include "threadpool.h"
 
 enum { TL_MAX_LOOPS = 1024 }; /* as the Python layer (tinyloop/params.py MAX_LOOPS) */
@@ -25,6 +26,7 @@ typedef struct tl_engine {
     size_t n_linears;
     tl_pool* pool;
     size_t weight_bytes;
+    tl_pcache* pcache;   /* the automatic prefix cache; NULL when the model has none */
 } tl_engine;
 
 static inline const tl_config* tl_engine_config(const tl_engine* e) { return &e->file.cfg; }

@@ -1,5 +1,11 @@
-/* forward.c — the forward pass (docs/spec.md §4) of a chunk of T tokens through every layer of
- * a sequence, the pre blocks then the loop block L times, each layer with its own KV cache.
+/* forward.c — the forward pass (docs/spec.md §4) of T rows through every layer, the pre blocks
+ * then the loop block L times, each layer with its own KV cache. The rows are either a chunk of
+ * one sequence (positions n .. n+T-1) or one new token of each of T sequences (batched decode);
+ * either way row t knows its sequence and position, and nothing else differs.
+ *
+ * A batch may mix depths: its rows are ordered by layer count, deepest first, so layer l runs
+ * on the first `active` rows (those with more than l layers) and a row leaves the batch with
+ * its final state once its layers are done.
  *
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool. Each
@@ -19,11 +25,12 @@
 #include "quant.h"
 
 typedef struct fwd {
-    tl_seq* seq;
     const tl_engine* e;
     const tl_config* c;
-    const int32_t* tokens;
-    size_t T, pos0;          /* tokens, position of the first                     */
+    size_t T;                /* rows in this layer (the active ones)              */
+    tl_seq** seqs;           /* [T] the sequence of each row                      */
+    size_t* pos;             /* [T] the position of each row                      */
+    int32_t* tokens;         /* [T]                                               */
     size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                               */
     uint32_t layer;          /* current layer                                     */
     bool simd;               /* SIMD kernels: acts need qx/qsum; AVX2 row operations */
@@ -62,6 +69,9 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys) {
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
     if (cfg->ffn_dim > kmax) kmax = cfg->ffn_dim;
     kmax = round8(kmax);
+    f->seqs = take(c, T * sizeof(tl_seq*));
+    f->pos = take(c, T * sizeof(size_t));
+    f->tokens = take(c, T * sizeof(int32_t));
     f->x = take(c, T * cfg->d_model * sizeof(float));
     f->qkv = take(c, T * f->qkv_dim * sizeof(float));
     f->o = take(c, T * f->hd * sizeof(float));
@@ -112,13 +122,14 @@ static void task_kv_write(void* ctx, size_t t, unsigned worker) {
     (void)worker;
     fwd* f = ctx;
     const tl_config* c = f->c;
-    const size_t D = c->head_dim, pos = f->pos0 + t;
+    const size_t D = c->head_dim, pos = f->pos[t];
     const float* cos = f->e->file.rope_cos + pos * (D / 2);
     const float* sin = f->e->file.rope_sin + pos * (D / 2);
     float* z = f->qkv + t * f->qkv_dim;
     for (uint32_t h = 0; h < c->n_heads + c->n_kv_heads; h++) tl_rope_head(z + h * D, D, cos, sin);
     const tl_kv_geom* g = &f->e->kv_geom;
-    const tl_kv_span* span = &f->seq->kv.spans[tl_kv_find(&f->seq->kv, pos)];
+    const tl_kv_table* kv = &f->seqs[t]->kv;
+    const tl_kv_span* span = &kv->spans[tl_kv_find(kv, pos)];
     const size_t slot = pos - span->start;
     for (uint32_t h = 0; h < c->n_kv_heads; h++) {
         const float* k = z + ((size_t)c->n_heads + h) * D;
@@ -136,8 +147,10 @@ static void task_attention(void* ctx, size_t item, unsigned worker) {
     const tl_config* c = f->c;
     const size_t H = c->n_heads, D = c->head_dim, t = item / H, h = item % H;
     const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
-    tl_attend(f->e->isa == TL_ISA_SCALAR ? &tl_attn_scalar : &tl_attn_avx2, &f->e->kv_geom, &f->seq->kv, f->layer, kv_head, f->pos0 + t, f->seq->window,
-              f->qkv + t * f->qkv_dim + h * D, f->o + t * f->hd + h * D, &f->attn[worker]);
+    const tl_seq* s = f->seqs[t];
+    tl_attend(f->e->isa == TL_ISA_SCALAR ? &tl_attn_scalar : &tl_attn_avx2, &f->e->kv_geom, &s->kv,
+              f->layer, kv_head, f->pos[t], s->window, f->qkv + t * f->qkv_dim + h * D,
+              f->o + t * f->hd + h * D, &f->attn[worker]);
 }
 
 /* gate := silu(gate) * up, then acts row t = Q8 of it. */
@@ -189,40 +202,103 @@ static void embed(fwd* f) {
     }
 }
 
-tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
-                     float* last_hidden, float* loop_states) {
-    fwd f;
-    memset(&f, 0, sizeof f);
-    f.seq = s;
-    f.e = s->engine;
-    f.c = tl_engine_config(s->engine);
-    f.tokens = tokens;
-    f.T = T;
-    f.pos0 = s->n;
-    f.qkv_dim = ((size_t)f.c->n_heads + 2 * (size_t)f.c->n_kv_heads) * f.c->head_dim;
-    f.hd = (size_t)f.c->n_heads * f.c->head_dim;
-    f.simd = f.e->isa != TL_ISA_SCALAR;
-    const unsigned workers = tl_pool_threads(f.e->pool);
+/* Allocate the scratch of T rows whose positions are all below max_keys. */
+static tl_status begin(fwd* f, const tl_engine* e, size_t T, size_t max_keys, void** arena_out) {
+    memset(f, 0, sizeof *f);
+    f->e = e;
+    f->c = tl_engine_config(e);
+    f->T = T;
+    f->qkv_dim = ((size_t)f->c->n_heads + 2 * (size_t)f->c->n_kv_heads) * f->c->head_dim;
+    f->hd = (size_t)f->c->n_heads * f->c->head_dim;
+    f->simd = e->isa != TL_ISA_SCALAR;
+    const unsigned workers = tl_pool_threads(e->pool);
     carve arena = {0, NULL};
-    layout(&f, &arena, workers, s->n + T);
+    layout(f, &arena, workers, max_keys);
     arena.base = tl_alloc(arena.used);
     if (!arena.base) return tl_fail_oom("forward scratch");
     arena.used = 0;
-    layout(&f, &arena, workers, s->n + T);
+    layout(f, &arena, workers, max_keys);
+    *arena_out = arena.base;
+    return TL_OK;
+}
 
+/* Every layer of the rows (ordered deepest first); after loop iteration i the state of the
+ * last row goes to loop_states[i] when that is not NULL. */
+static void run_layers(fwd* f, float* loop_states) {
+    const size_t d = f->c->d_model, rows = f->T;
+    for (f->layer = 0; f->layer < f->seqs[0]->n_layers; f->layer++) {
+        while (f->T > 0 && f->seqs[f->T - 1]->n_layers <= f->layer) f->T--;
+        run_layer(f);
+        if (loop_states && f->layer >= f->c->n_pre_blocks)
+            memcpy(loop_states + (f->layer - f->c->n_pre_blocks) * d, f->x + (f->T - 1) * d, d * sizeof(float));
+    }
+    f->T = rows;
+}
+
+/* logits[T][V] of every row's final state. */
+static void head_rows(fwd* f, float* logits) {
+    const size_t d = f->c->d_model;
+    quantize_rows(f, f->x, d, d, true);
+    tl_linear_run(tl_engine_head(f->e), &f->acts, logits, f->c->vocab_size, false, f->e->pool);
+}
+
+tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+                     float* last_hidden, float* loop_states) {
+    fwd f;
+    void* arena;
+    tl_status st = begin(&f, s->engine, T, s->n + T, &arena);
+    if (st != TL_OK) return st;
+    for (size_t t = 0; t < T; t++) {
+        f.seqs[t] = s;
+        f.pos[t] = s->n + t;
+        f.tokens[t] = tokens[t];
+    }
     const size_t d = f.c->d_model;
     embed(&f);
-    for (f.layer = 0; f.layer < s->n_layers; f.layer++) {
-        run_layer(&f);
-        if (loop_states && f.layer >= f.c->n_pre_blocks)
-            memcpy(loop_states + (f.layer - f.c->n_pre_blocks) * d, f.x + (T - 1) * d, d * sizeof(float));
-    }
+    run_layers(&f, loop_states);
     memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
-    if (logits_all) {
-        quantize_rows(&f, f.x, d, d, true);
-        tl_linear_run(tl_engine_head(f.e), &f.acts, logits_all, f.c->vocab_size, false, f.e->pool);
+    if (logits_all) head_rows(&f, logits_all);
+    tl_free(arena);
+    return TL_OK;
+}
+
+tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* logits) {
+    const tl_engine* e = seqs[0]->engine;
+    size_t max_keys = 0;
+    for (size_t b = 0; b < B; b++)
+        if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
+    fwd f;
+    void* arena;
+    const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
+    float* sorted_logits = tl_alloc(B * V * sizeof(float));
+    size_t* order = tl_alloc(B * sizeof(size_t));
+    tl_status st = sorted_logits && order ? begin(&f, e, B, max_keys, &arena) : tl_fail_oom("batch scratch");
+    if (st != TL_OK) {
+        tl_free(sorted_logits);
+        tl_free(order);
+        return st;
     }
-    tl_free(arena.base);
+    /* rows deepest first; a stable insertion sort keeps the callers' order among equals */
+    for (size_t b = 0; b < B; b++) {
+        size_t r = b;
+        for (; r > 0 && seqs[order[r - 1]]->n_layers < seqs[b]->n_layers; r--) order[r] = order[r - 1];
+        order[r] = b;
+    }
+    for (size_t r = 0; r < B; r++) {
+        f.seqs[r] = seqs[order[r]];
+        f.pos[r] = f.seqs[r]->n;
+        f.tokens[r] = tokens[order[r]];
+    }
+    embed(&f);
+    run_layers(&f, NULL);
+    head_rows(&f, sorted_logits);
+    for (size_t r = 0; r < B; r++) {
+        memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
+        memcpy(logits + order[r] * V, sorted_logits + r * V, V * sizeof(float));
+    }
+    tl_free(arena);
+    tl_free(sorted_logits);
+    tl_free(order);
     return TL_OK;
 }
 

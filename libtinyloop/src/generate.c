@@ -1,7 +1,7 @@
 /* generate.c — tl_generate and tl_generate_from_prefix (docs/spec.md §5): validate every
- * parameter before any work, run the prompt (or take the prefix's state), then sample,
- * append, check the stop rules (eos, stop sequences on the emitted tokens, max_tokens) and
- * decode the new token, until a rule stops it. */
+ * parameter before any work, run the prompt (through the automatic prefix cache) or take the
+ * prefix's state, then sample, append, check the stop rules (eos, stop sequences on the
+ * emitted tokens, max_tokens) and decode the new token, until a rule stops it. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -9,8 +9,7 @@
 
 #include "alloc.h"
 #include "errors.h"
-#include "sampling.h"
-#include "seq.h"
+#include "generate.h"
 
 TL_API tl_gen_params tl_gen_params_default(void) {
     tl_gen_params p;
@@ -67,83 +66,94 @@ static tl_status check_length(const tl_config* c, size_t n0, size_t max_tokens) 
     return TL_OK;
 }
 
-/* Whether the emitted tokens end with one of the stop sequences. */
-static bool ends_with_stop(const tl_gen_params* p, const int32_t* emitted, size_t n) {
-    const int32_t* stop = p->stop_tokens;
-    for (size_t i = 0; i < p->n_stop; stop += p->stop_lengths[i], i++) {
-        const size_t len = p->stop_lengths[i];
-        if (len <= n && memcmp(emitted + n - len, stop, len * sizeof *stop) == 0) return true;
+tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
+                       const tl_gen_params* given, tl_gen_params* p) {
+    tl_status st = tl_engine_check_open(e);
+    if (st != TL_OK) return st;
+    if (prefix && prefix->engine != e)
+        return tl_fail(TL_ERR_WRONG_MODEL, "the prefix was built by another model");
+    if (n && !prompt) return tl_fail(TL_ERR_INVALID_ARGUMENT, prefix ? "suffix is NULL but n_suffix > 0" : "prompt is NULL");
+    if (!prefix && n == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is empty");
+    st = tl_engine_check_tokens(e, prompt, n, prefix ? "suffix" : "prompt");
+    if (st == TL_OK) st = resolve_params(e, given, p);
+    if (st != TL_OK) return st;
+    if (!prefix) {
+        st = check_length(tl_engine_config(e), n, p->max_tokens);
+        return st == TL_OK ? tl_engine_resolve_loops(e, p->loops, &p->loops) : st;
     }
-    return false;
+    if (p->loops == 0) p->loops = prefix->loops;
+    if (p->loops > prefix->loops)
+        return tl_fail(TL_ERR_LOOPS_MISMATCH,
+                       "loops mismatch: prefix built at loops=%u, requested %u (a prefix serves loops <= its own)",
+                       prefix->loops, p->loops);
+    if (p->cache_window != prefix->window)
+        return tl_fail(TL_ERR_WINDOW_MISMATCH, "cache_window mismatch: prefix built with cache_window=%u, requested %u",
+                       prefix->window, p->cache_window);
+    return check_length(tl_engine_config(e), prefix->n + n, p->max_tokens);
 }
 
-/* The sampling loop from a sequence whose last logits are in `logits`; the history (for the
- * repetition penalty) is the tokens already in the sequence: head[0..n_head) then
- * tail[0..n_tail). */
-static tl_status sample_loop(tl_seq* s, const int32_t* head, size_t n_head, const int32_t* tail,
-                             size_t n_tail, const tl_gen_params* p, float* logits, int32_t* out_tokens,
-                             size_t* n_out, float* out_logits) {
-    const tl_config* c = tl_engine_config(s->engine);
-    const uint32_t V = c->vocab_size;
-    tl_sample_scratch w = {tl_alloc(V * sizeof(float)), tl_alloc(V * sizeof(int32_t)),
-                           tl_alloc(V * sizeof(int64_t))};
-    uint8_t* seen = tl_alloc_zeroed(V, 1);
-    tl_status st = (w.z && w.order && w.weights && seen) ? TL_OK : tl_fail_oom("sampler");
-    const tl_sampler sampler = {p->temperature, p->top_k, p->top_p, p->repetition_penalty, p->seed};
-    for (size_t i = 0; st == TL_OK && i < n_head; i++) seen[head[i]] = 1;
-    for (size_t i = 0; st == TL_OK && i < n_tail; i++) seen[tail[i]] = 1;
-    for (size_t i = 0; st == TL_OK && i < p->max_tokens; i++) {
-        int32_t token;
-        st = tl_sample(&sampler, logits, V, seen, s->n, &w, &token);
-        if (st != TL_OK) break;
-        out_tokens[i] = token;
-        if (out_logits) memcpy(out_logits + i * V, logits, V * sizeof(float));
-        seen[token] = 1;
-        *n_out = i + 1;
-        if ((p->on_token && p->on_token(p->user_data, token) != 0) ||
-            (c->eos_id >= 0 && token == c->eos_id) || ends_with_stop(p, out_tokens, i + 1) ||
-            i + 1 == p->max_tokens)
-            break;
-        st = tl_seq_decode(s, token, logits);
+/* Run the prompt into the empty sequence s, reusing the longest cached prefix of it. */
+static tl_status run_prompt(tl_engine* e, tl_seq* s, const int32_t* prompt, size_t n, const tl_gen_params* p,
+                            float* logits) {
+    if (!e->pcache) return tl_seq_run(s, prompt, n, p->prefill_chunk, NULL, logits, NULL, true);
+    const tl_pcache_key key = {p->cache_salt, p->cache_window, s->n_layers};
+    size_t hit;
+    tl_pcache_lookup(e->pcache, &key, prompt, n, &s->kv, &hit);
+    s->n = hit;
+    tl_status st = tl_seq_run(s, prompt + hit, n - hit, p->prefill_chunk, NULL, logits, NULL, false);
+    if (st != TL_OK) return st;
+    tl_pcache_insert(e->pcache, &key, prompt, n, &s->kv);
+    tl_kv_release_outside(&s->kv, s->n, s->window);
+    return TL_OK;
+}
+
+tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
+                       const tl_gen_params* p, tl_seq** out, float* logits) {
+    tl_seq* s = NULL;
+    tl_status st = prefix ? tl_seq_from_prefix(prefix, p->loops, &s) : tl_seq_new(e, p->loops, p->cache_window, &s);
+    if (st == TL_OK) {
+        if (!prefix) st = run_prompt(e, s, prompt, n, p, logits);
+        else if (n) st = tl_seq_run(s, prompt, n, p->prefill_chunk, NULL, logits, NULL, true);
+        else st = tl_seq_last_logits(s, logits);
     }
-    tl_free(w.z);
-    tl_free(w.order);
-    tl_free(w.weights);
-    tl_free(seen);
+    if (st != TL_OK) {
+        tl_seq_free(s);
+        s = NULL;
+    }
+    *out = s;
     return st;
 }
 
-static tl_status check_outputs(int32_t* out_tokens, size_t* n_out) {
+/* The whole of one request, decoded alone. */
+static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
+                              const tl_gen_params* params, int32_t* out_tokens, size_t* n_out, float* out_logits) {
     if (n_out) *n_out = 0;
     if (!out_tokens || !n_out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens or n_out is NULL");
-    return TL_OK;
+    tl_gen_params p;
+    tl_status st = tl_gen_check(e, prefix, prompt, n, params, &p);
+    if (st != TL_OK) return st;
+    tl_stream s;
+    st = tl_stream_init(&s, e, &p, out_tokens, out_logits, n_out);
+    if (st != TL_OK) return st;
+    st = tl_gen_start(e, prefix, prompt, n, &p, &s.seq, s.logits);
+    if (prefix) tl_stream_see(&s, prefix->tokens, prefix->n);
+    tl_stream_see(&s, prompt, n);
+    int32_t token;
+    while (st == TL_OK && (st = tl_stream_sample(&s, &token)) == TL_OK && !s.done)
+        st = tl_seq_decode(s.seq, token, s.logits);
+    tl_stream_free(&s);
+    return st;
 }
 
 TL_API tl_status tl_generate(tl_model* model, const int32_t* prompt, size_t n, const tl_gen_params* params,
                              int32_t* out_tokens, size_t* n_out, float* out_logits) {
-    tl_status st = check_outputs(out_tokens, n_out);
-    if (st != TL_OK) return st;
     tl_engine* e;
-    st = tl_model_acquire(model, &e);
-    if (st != TL_OK) return st;
-    tl_gen_params p;
-    tl_seq* s = NULL;
-    float* logits = NULL;
-    if (!prompt || n == 0) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is empty");
-    if (st == TL_OK) st = tl_engine_check_tokens(e, prompt, n, "prompt");
-    if (st == TL_OK) st = resolve_params(e, params, &p);
-    if (st == TL_OK) st = check_length(tl_engine_config(e), n, p.max_tokens);
-    uint32_t loops = 0;
-    if (st == TL_OK) st = tl_engine_resolve_loops(e, p.loops, &loops);
-    if (st == TL_OK) st = tl_seq_new(e, loops, p.cache_window, &s);
-    if (st == TL_OK) {
-        logits = tl_alloc(tl_engine_config(e)->vocab_size * sizeof(float));
-        if (!logits) st = tl_fail_oom("logits");
+    tl_status st = tl_model_acquire(model, &e);
+    if (st != TL_OK) {
+        if (n_out) *n_out = 0;
+        return st;
     }
-    if (st == TL_OK) st = tl_seq_run(s, prompt, n, p.prefill_chunk, NULL, logits, NULL);
-    if (st == TL_OK) st = sample_loop(s, prompt, n, NULL, 0, &p, logits, out_tokens, n_out, out_logits);
-    tl_free(logits);
-    tl_seq_free(s);
+    st = generate_one(e, NULL, prompt, n, params, out_tokens, n_out, out_logits);
     tl_engine_unref(e);
     return st;
 }
@@ -151,36 +161,9 @@ TL_API tl_status tl_generate(tl_model* model, const int32_t* prompt, size_t n, c
 TL_API tl_status tl_generate_from_prefix(const tl_prefix* prefix, const int32_t* suffix, size_t n_suffix,
                                          const tl_gen_params* params, int32_t* out_tokens, size_t* n_out,
                                          float* out_logits) {
-    tl_status st = check_outputs(out_tokens, n_out);
-    if (st != TL_OK) return st;
-    if (!prefix) return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefix is NULL");
-    if (n_suffix && !suffix) return tl_fail(TL_ERR_INVALID_ARGUMENT, "suffix is NULL but n_suffix > 0");
-    tl_engine* e = prefix->engine;
-    st = tl_engine_check_open(e);
-    if (st == TL_OK) st = tl_engine_check_tokens(e, suffix, n_suffix, "suffix");
-    tl_gen_params p;
-    if (st == TL_OK) st = resolve_params(e, params, &p);
-    if (st != TL_OK) return st;
-    const uint32_t loops = p.loops ? p.loops : prefix->loops;
-    if (loops > prefix->loops)
-        return tl_fail(TL_ERR_LOOPS_MISMATCH,
-                       "loops mismatch: prefix built at loops=%u, requested %u (a prefix serves loops <= its own)",
-                       prefix->loops, loops);
-    if (p.cache_window != prefix->window)
-        return tl_fail(TL_ERR_WINDOW_MISMATCH, "cache_window mismatch: prefix built with cache_window=%u, requested %u",
-                       prefix->window, p.cache_window);
-    st = check_length(tl_engine_config(e), prefix->n + n_suffix, p.max_tokens);
-    if (st != TL_OK) return st;
-    tl_seq* s = NULL;
-    float* logits = tl_alloc(tl_engine_config(e)->vocab_size * sizeof(float));
-    if (!logits) return tl_fail_oom("logits");
-    st = tl_seq_from_prefix(prefix, loops, &s);
-    if (st == TL_OK)
-        st = n_suffix ? tl_seq_run(s, suffix, n_suffix, p.prefill_chunk, NULL, logits, NULL)
-                      : tl_seq_last_logits(s, logits);
-    if (st == TL_OK)
-        st = sample_loop(s, prefix->tokens, prefix->n, suffix, n_suffix, &p, logits, out_tokens, n_out, out_logits);
-    tl_free(logits);
-    tl_seq_free(s);
-    return st;
+    if (!prefix) {
+        if (n_out) *n_out = 0;
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefix is NULL");
+    }
+    return generate_one(prefix->engine, prefix, suffix, n_suffix, params, out_tokens, n_out, out_logits);
 }

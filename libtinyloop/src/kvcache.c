@@ -26,7 +26,7 @@ static tl_kv_block* block_new(const tl_kv_geom* g, uint32_t n_layers, uint32_t s
     return b;
 }
 
-static void block_unref(tl_kv_block* b) {
+void tl_kv_block_release(tl_kv_block* b) {
     if (b && atomic_fetch_sub(&b->refs, 1) == 1) tl_free(b);
 }
 
@@ -75,7 +75,7 @@ tl_status tl_kv_reserve(tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, 
 }
 
 void tl_kv_rollback(tl_kv_table* t, tl_kv_mark mark) {
-    while (t->n_spans > mark.n_spans) block_unref(t->spans[--t->n_spans].block);
+    while (t->n_spans > mark.n_spans) tl_kv_block_release(t->spans[--t->n_spans].block);
     if (t->n_spans) t->spans[t->n_spans - 1].count = mark.last_count;
 }
 
@@ -85,10 +85,17 @@ void tl_kv_release_outside(tl_kv_table* t, size_t n, uint32_t window) {
         tl_kv_span* s = &t->spans[t->first_live];
         /* last position start + count - 1 <= n - window */
         if ((size_t)s->start + s->count + window > n + 1) break;
-        block_unref(s->block);
+        tl_kv_block_release(s->block);
         s->block = NULL;
         t->first_live++;
     }
+}
+
+tl_status tl_kv_push_shared(tl_kv_table* t, tl_kv_block* b, uint32_t start, uint32_t count) {
+    if (!grow(t, t->n_spans + 1)) return tl_fail_oom("KV span table");
+    tl_kv_block_retain(b);
+    t->spans[t->n_spans++] = (tl_kv_span){b, start, count};
+    return TL_OK;
 }
 
 tl_status tl_kv_share(tl_kv_table* dst, const tl_kv_table* src) {
@@ -98,14 +105,14 @@ tl_status tl_kv_share(tl_kv_table* dst, const tl_kv_table* src) {
     if (!grow(dst, live)) return tl_fail_oom("KV span table");
     for (size_t i = 0; i < live; i++) {
         dst->spans[i] = src->spans[src->first_live + i];
-        atomic_fetch_add(&dst->spans[i].block->refs, 1);
+        tl_kv_block_retain(dst->spans[i].block);
     }
     dst->n_spans = live;
     return TL_OK;
 }
 
 void tl_kv_clear(tl_kv_table* t) {
-    for (size_t i = t->first_live; i < t->n_spans; i++) block_unref(t->spans[i].block);
+    for (size_t i = t->first_live; i < t->n_spans; i++) tl_kv_block_release(t->spans[i].block);
     tl_free(t->spans);
     memset(t, 0, sizeof *t);
 }

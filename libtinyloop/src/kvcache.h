@@ -57,6 +57,8 @@ tl_status tl_kv_reserve(tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, 
 void tl_kv_rollback(tl_kv_table* t, tl_kv_mark mark);
 /* Release the blocks whose positions are all <= n - window (window > 0). */
 void tl_kv_release_outside(tl_kv_table* t, size_t n, uint32_t window);
+/* Append a span of `count` positions from `start` that shares block b (one more reference). */
+tl_status tl_kv_push_shared(tl_kv_table* t, tl_kv_block* b, uint32_t start, uint32_t count);
 /* dst (empty) shares every live block of src. */
 tl_status tl_kv_share(tl_kv_table* dst, const tl_kv_table* src);
 void tl_kv_clear(tl_kv_table* t);
@@ -64,6 +66,11 @@ void tl_kv_clear(tl_kv_table* t);
 size_t tl_kv_bytes(const tl_kv_table* t);
 /* Index of the span holding position pos (which must be covered). */
 size_t tl_kv_find(const tl_kv_table* t, size_t pos);
+
+/* A block's reference count, for holders other than tables (the prefix cache). */
+static inline void tl_kv_block_retain(tl_kv_block* b) { atomic_fetch_add(&b->refs, 1); }
+static inline unsigned tl_kv_block_refs(const tl_kv_block* b) { return atomic_load(&b->refs); }
+void tl_kv_block_release(tl_kv_block* b);
 
 /* Per-(layer, kv head) arrays of a block. */
 static inline int8_t* tl_kv_keys(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {

@@ -30,6 +30,7 @@ static const char* isa_name(tl_isa isa) {
 void tl_engine_ref(tl_engine* e) { atomic_fetch_add(&e->refs, 1); }
 
 static void engine_destroy(tl_engine* e) {
+    tl_pcache_free(e->pcache);
     tl_pool_destroy(e->pool);
     for (size_t i = 0; e->linears && i < e->n_linears; i++) tl_linear_release(&e->linears[i]);
     tl_free(e->linears);
@@ -130,6 +131,10 @@ static tl_status engine_create(const char* path, const tl_model_params* p, tl_en
         if (st == TL_OK) e->weight_bytes += tl_linear_bytes(&e->linears[i]);
     }
     if (st == TL_OK) st = tl_pool_create(p->n_threads, &e->pool);
+    if (st == TL_OK && p->prefix_cache_bytes) {
+        e->pcache = tl_pcache_new(&e->kv_geom, p->prefix_cache_bytes);
+        if (!e->pcache) st = tl_fail_oom("prefix cache");
+    }
     if (st != TL_OK) {
         engine_destroy(e);
         return st;
@@ -197,6 +202,28 @@ TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* o
     return TL_OK;
 }
 
+TL_API tl_status tl_model_prefix_cache_stats(tl_model* model, tl_prefix_cache_stats* out) {
+    tl_engine* e;
+    tl_status st = begin_get(model, out, &e);
+    if (st != TL_OK) return st;
+    tl_prefix_cache_stats full;
+    memset(&full, 0, sizeof full);
+    full.size = sizeof full;
+    if (e->pcache) full = tl_pcache_stats(e->pcache);
+    copy_versioned(out, &full, sizeof full);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_prefix_cache_clear(tl_model* model) {
+    tl_engine* e;
+    tl_status st = tl_model_acquire(model, &e);
+    if (st != TL_OK) return st;
+    if (e->pcache) tl_pcache_clear(e->pcache);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
 TL_API void tl_model_close(tl_model* model) {
     if (!model) return;
     pthread_mutex_lock(&model->lock);
@@ -204,6 +231,7 @@ TL_API void tl_model_close(tl_model* model) {
     model->engine = NULL;
     if (e) atomic_store(&e->closed, true);
     pthread_mutex_unlock(&model->lock);
+    if (e && e->pcache) tl_pcache_clear(e->pcache); /* cached blocks go now, not with the last user */
     tl_engine_unref(e);
 }
 

@@ -27,7 +27,7 @@ TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t 
         if (p) p->loop_states = tl_alloc_zeroed((size_t)loops * d, sizeof(float));
         if (!p || !p->tokens || !p->loop_states) st = tl_fail_oom("prefix");
     }
-    if (st == TL_OK) st = tl_seq_run(s, tokens, n, chunk, NULL, NULL, p->loop_states);
+    if (st == TL_OK) st = tl_seq_run(s, tokens, n, chunk, NULL, NULL, p->loop_states, true);
     if (st == TL_OK) {
         memcpy(p->tokens, tokens, n * sizeof(int32_t));
         p->n = n;
@@ -56,8 +56,9 @@ TL_API void tl_prefix_info(const tl_prefix* p, size_t* n_tokens, uint32_t* loops
     if (loops) *loops = p ? p->loops : 0;
     if (cache_window) *cache_window = p ? p->window : 0;
     if (nbytes)
-        *nbytes = p ? tl_kv_bytes(&p->kv) + tl_alloc_size(p->loop_states) + tl_alloc_size(p->tokens) +
-                          sizeof *p
+        *nbytes = p ? tl_kv_bytes(&p->kv) +
+                          sizeof(float) * p->loops * tl_engine_config(p->engine)->d_model +
+                          sizeof(int32_t) * p->n
                     : 0;
 }
 

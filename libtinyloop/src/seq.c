@@ -41,7 +41,7 @@ TL_API tl_status tl_seq_create(tl_model* model, uint32_t loops, uint32_t cache_w
 }
 
 tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, float* logits_all,
-                     float* logits_last, float* loop_states) {
+                     float* logits_last, float* loop_states, bool release_window) {
     tl_engine* e = s->engine;
     const tl_config* c = tl_engine_config(e);
     tl_status st = tl_engine_check_open(e);
@@ -73,7 +73,7 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, f
         s->n = n_before;
     } else {
         memcpy(s->last_hidden, hidden, c->d_model * sizeof(float));
-        tl_kv_release_outside(&s->kv, s->n, s->window);
+        if (release_window) tl_kv_release_outside(&s->kv, s->n, s->window);
     }
     tl_free(hidden);
     return st;
@@ -82,19 +82,19 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, f
 TL_API tl_status tl_seq_prefill(tl_seq* seq, const int32_t* tokens, size_t n, size_t chunk,
                                 float* logits_out) {
     if (!seq) return tl_fail(TL_ERR_INVALID_ARGUMENT, "seq is NULL");
-    return tl_seq_run(seq, tokens, n, chunk, NULL, logits_out, NULL);
+    return tl_seq_run(seq, tokens, n, chunk, NULL, logits_out, NULL, true);
 }
 
 TL_API tl_status tl_seq_prefill_all(tl_seq* seq, const int32_t* tokens, size_t n, size_t chunk,
                                     float* logits_all) {
     if (!seq) return tl_fail(TL_ERR_INVALID_ARGUMENT, "seq is NULL");
     if (!logits_all) return tl_fail(TL_ERR_INVALID_ARGUMENT, "logits_all is NULL");
-    return tl_seq_run(seq, tokens, n, chunk, logits_all, NULL, NULL);
+    return tl_seq_run(seq, tokens, n, chunk, logits_all, NULL, NULL, true);
 }
 
 TL_API tl_status tl_seq_decode(tl_seq* seq, int32_t token, float* logits_out) {
     if (!seq) return tl_fail(TL_ERR_INVALID_ARGUMENT, "seq is NULL");
-    return tl_seq_run(seq, &token, 1, 0, NULL, logits_out, NULL);
+    return tl_seq_run(seq, &token, 1, 0, NULL, logits_out, NULL, true);
 }
 
 TL_API tl_status tl_seq_last_logits(const tl_seq* seq, float* logits_out) {

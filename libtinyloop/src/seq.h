@@ -30,8 +30,9 @@ struct tl_prefix {
 tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out);
 /* Prefill with optional per-position logits ([n][V]) or last logits ([V]) and optional
  * loop states of the last token ([loops][d]). All-or-nothing: on error the sequence is
- * unchanged. */
+ * unchanged. release_window: drop the blocks the window no longer sees afterwards (false
+ * lets the caller offer them to the prefix cache first, then call tl_kv_release_outside). */
 tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, float* logits_all,
-                     float* logits_last, float* loop_states);
+                     float* logits_last, float* loop_states, bool release_window);
 
 #endif
