@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyloop.params import stop_reached
+from tinyloop.params import CACHE_STAT_NAMES, stop_reached
 
 from .forward import NumpyKernels, forward_chunk, head_logits
 from .kvcache import KVCache
+from .prefix_cache import PrefixCache
 from .weights import Weights
 
 
@@ -27,27 +28,31 @@ class Prefix:
 
     @property
     def nbytes(self):
-        return self.cache.nbytes
+        """KV blocks held, plus the loop states and the token copy (docs/api.md)."""
+        return self.cache.nbytes + 4 * self.loops * self.loop_states[0].shape[-1] + 4 * len(self.tokens)
 
     def free(self):
         self.cache.free()
 
 
 class Engine:
-    """A model's weights and KV pool, run by one kernel set (NumpyKernels by default)."""
+    """A model's weights and KV pool, run by one kernel set (NumpyKernels by default), with an
+    automatic prefix cache of `prefix_cache_bytes` (0: none)."""
 
-    def __init__(self, config, tensors, block_size=16, kernels=NumpyKernels):
+    def __init__(self, config, tensors, block_size=16, kernels=NumpyKernels, prefix_cache_bytes=0):
         self.config = config
         self.kernels = kernels
         self.name = kernels.name
         self.weights = Weights(config, tensors, kernels.linear, kernels.table)
         self.pool = kernels.new_pool(block_size, config.n_kv_heads, config.head_dim)
+        self.prefix_cache = PrefixCache(self.pool, prefix_cache_bytes) if prefix_cache_bytes else None
 
     def new_cache(self, loops, window):
         return KVCache(self.pool, self.config.n_pre_blocks + loops, window)
 
-    def prefill(self, cache, tokens, chunk, layer_states=None, all_logits=False):
-        """Feed tokens in chunks; returns logits (V,) of the last token, or (n, V) of all."""
+    def prefill(self, cache, tokens, chunk, layer_states=None, all_logits=False, release=True):
+        """Feed tokens in chunks; returns logits (V,) of the last token, or (n, V) of all.
+        release=False keeps the blocks a window no longer sees (for the prefix cache)."""
         outputs = []
         for start in range(0, len(tokens), chunk):
             piece = tokens[start:start + chunk]
@@ -57,6 +62,8 @@ class Engine:
                 layer_states.extend(states)
             if all_logits:
                 outputs.append(head_logits(self.kernels, self.weights, x))
+        if release:
+            cache.release_outside_window()
         if all_logits:
             return np.concatenate(outputs)
         return head_logits(self.kernels, self.weights, self.kernels.last_row(x))[0]
@@ -73,8 +80,37 @@ class Engine:
         on_token(id), if given, is called after each emitted token; if it raises, generation
         stops and the exception propagates."""
         cache = self.new_cache(params.loops, params.cache_window)
-        logits = self.prefill(cache, prompt, params.prefill_chunk)
+        try:
+            logits = self._run_prompt(cache, prompt, params)
+        except BaseException:
+            cache.free()
+            raise
         return self._decode(cache, logits, list(prompt.tolist()), params, on_token)
+
+    def _run_prompt(self, cache, prompt, params):
+        """Prefill the prompt into the empty cache, reusing the longest cached prefix of it."""
+        if self.prefix_cache is None:
+            return self.prefill(cache, prompt, params.prefill_chunk)
+        key = (params.cache_salt, params.cache_window)
+        hit = self.prefix_cache.lookup(*key, cache, prompt)
+        logits = self.prefill(cache, prompt[hit:], params.prefill_chunk, release=False)
+        self.prefix_cache.insert(*key, cache, prompt)
+        cache.release_outside_window()
+        return logits
+
+    def generate_batch(self, requests, want_logits=False):
+        """requests: (prefix or None, tokens, params, on_token) each. The reference runs them
+        one after another: batching changes no result, only speed. Returns [(emitted, logits)]."""
+        return [self.generate_from_prefix(prefix, tokens, params, on_token=on_token) if prefix is not None
+                else self.generate(tokens, params, on_token=on_token)
+                for prefix, tokens, params, on_token in requests]
+
+    def cache_stats(self):
+        return self.prefix_cache.stats() if self.prefix_cache is not None else dict.fromkeys(CACHE_STAT_NAMES, 0)
+
+    def clear_prefix_cache(self):
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def build_prefix(self, prompt, loops, window, chunk):
         cache = self.new_cache(loops, window)
@@ -86,11 +122,14 @@ class Engine:
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth
         params.loops <= prefix.loops (checked by the caller)."""
         cache = prefix.cache.fork(self.config.n_pre_blocks + params.loops)
-        if len(suffix):
-            logits = self.prefill(cache, suffix, params.prefill_chunk)
-        else:
-            x = prefix.loop_states[params.loops - 1]
-            logits = head_logits(self.kernels, self.weights, x)[0]
+        try:
+            if len(suffix):
+                logits = self.prefill(cache, suffix, params.prefill_chunk)
+            else:
+                logits = head_logits(self.kernels, self.weights, prefix.loop_states[params.loops - 1])[0]
+        except BaseException:
+            cache.free()
+            raise
         history = prefix.tokens.tolist() + suffix.tolist()
         return self._decode(cache, logits, history, params, on_token)
 
@@ -108,9 +147,11 @@ class Engine:
                 if stop_reached(emitted, params, self.config.eos_id):
                     return emitted, step_logits
                 x = forward_chunk(self.kernels, self.weights, cache, np.array([token], np.int32))
+                cache.release_outside_window()
                 logits = head_logits(self.kernels, self.weights, x)[0]
         finally:
             cache.free()
 
     def close(self):
+        self.clear_prefix_cache()
         self.weights = None

@@ -1,7 +1,8 @@
 """Forward pass of a looped model over a chunk of tokens (docs/spec.md §4), for any kernel set.
 
 `forward_chunk` runs T new tokens at positions cache.length .. cache.length+T-1 through every
-layer of the cache, writing their keys and values, and returns the final hidden states.
+layer of the cache, writing their keys and values, and returns the final hidden states. It
+releases nothing: the caller drops blocks a window no longer sees once its call is done.
 
 The orchestration here is shared by every Python backend; the arithmetic comes from a *kernel
 set*, an object with the attributes of `NumpyKernels` (the reference, the spec in numpy).
@@ -108,7 +109,6 @@ def forward_chunk(kernels, weights, cache, tokens, layer_states=None):
         if layer_states is not None and layer >= n_pre:
             layer_states.append(kernels.last_row(x))
     cache.length += len(tokens)
-    cache.release_outside_window()
     return x
 
 

@@ -9,6 +9,7 @@ native and numba) fails instead of skipping.
 """
 import os
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -71,6 +72,23 @@ def require_backend(name):
         if name in env_names("TINYLOOP_REQUIRE_BACKENDS"):
             pytest.fail(message + " (required by TINYLOOP_REQUIRE_BACKENDS)")
         pytest.skip(message)
+
+
+def same_bits(a, b):
+    """Arrays equal bit for bit (float32 compared through their uint32 patterns)."""
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def open_models(model_files, backend, **kwargs):
+    """name -> a Model of every file in model_files opened with `backend` and kwargs."""
+    return {name: tinyloop.Model(path, backend=backend, **kwargs) for name, path in model_files.items()}
+
+
+@pytest.fixture(scope="module", params=["numpy", "native"])
+def numpy_or_native(request):
+    """Each of the two engines that implement every feature natively (not numba's reuse)."""
+    require_backend(request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 
 import tinyloop
 
-from conftest import MODEL_SHAPES, env_names, require_backend
+from conftest import MODEL_SHAPES, env_names, open_models, require_backend, same_bits
 from test_paths import prompts, sampling
 
 
@@ -25,10 +25,6 @@ LONG_SHAPE = dict(vocab_size=700, d_model=96, n_heads=4, n_kv_heads=2, head_dim=
                   n_pre_blocks=1, default_loops=2, max_seq_len=320)
 
 
-def same_bits(a, b):
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
-
-
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request):
     require_backend(request.param)
@@ -38,8 +34,7 @@ def backend(request):
 @pytest.fixture(scope="module")
 def under_test(backend, model_files):
     """name -> a Model of MODEL_SHAPES[name] opened with the backend under test."""
-    opened = {name: tinyloop.Model(path, backend=backend, block_size=4)
-              for name, path in model_files.items()}
+    opened = open_models(model_files, backend, block_size=4)
     yield opened
     for model in opened.values():
         model.close()

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tinyloop
+from conftest import same_bits
 from tinyloop import backend_available
 
 TINY = dict(vocab_size=48, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=24,
@@ -41,10 +42,6 @@ def cuda_backend():
     if not ok:
         required = "numba-cuda" in os.environ.get("TINYLOOP_REQUIRE_BACKENDS", "").split(",")
         (pytest.fail if required else pytest.skip)(f"backend 'numba-cuda' is not available: {why}")
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
+import tinyloop
+from conftest import MODEL_SHAPES
 from tinyloop.prefix_manager import PrefixCacheManager
 
 
@@ -414,3 +416,62 @@ def test_prop_non_integer_token_rejected(head, bad, tail):
     with pytest.raises(TypeError):
         m.match_prefix(seq)
     assert m.cached_prefixes == []
+
+
+# -- bound to a model: the registered prefixes hold real KV ------------------------------------
+
+@pytest.fixture(scope="module")
+def bound_model(numpy_or_native, tmp_path_factory):
+    path = tmp_path_factory.mktemp("manager") / "m.tinyloop"
+    tinyloop.random_model(path, seed=4, **MODEL_SHAPES["int8-gqa"])
+    model = tinyloop.Model(path, backend=numpy_or_native, prefix_cache_bytes=0)
+    yield model
+    model.close()
+
+
+@given(data=st.data())
+def test_bound_manager_generates_what_the_model_generates(bound_model, data):
+    vocab = bound_model.config()["vocab_size"]
+    token_lists = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16)
+    manager = PrefixCacheManager(data.draw(st.integers(1, 6)), model=bound_model)
+    registered = data.draw(st.lists(token_lists, max_size=3))
+    for prefix in registered:
+        manager.add_prefix(prefix)
+    for _ in range(3):
+        prompt = data.draw(st.sampled_from(registered) if registered and data.draw(st.booleans())
+                           else token_lists)
+        prompt = prompt + data.draw(st.lists(st.integers(0, vocab - 1), max_size=6))
+        kwargs = dict(max_tokens=data.draw(st.integers(1, 4)), seed=data.draw(st.integers(0, 99)),
+                      temperature=data.draw(st.sampled_from([0.0, 0.9])),
+                      loops=data.draw(st.integers(1, bound_model.config()["default_loops"])))
+        assert manager.generate(prompt, **kwargs) == bound_model.generate(prompt, **kwargs)
+
+
+def test_bound_manager_pins_one_prefix_cache_per_registered_prefix(bound_model):
+    manager = PrefixCacheManager(4, model=bound_model, loops=2)
+    assert manager.add_prefix([1, 2, 3, 4, 5]) and not manager.add_prefix([1, 2, 3, 4, 5])
+    manager.add_prefix([1, 2])
+    first, second = manager.prefix_cache(0), manager.prefix_cache(1)
+    assert list(first.prompt) == [1, 2, 3, 4, 5] and list(second.prompt) == [1, 2]
+    assert first.loops == 2 and first.nbytes > second.nbytes > 0
+    assert manager.cached_prefixes == [(1, 2, 3, 4, 5), (1, 2)]
+    assert manager.cache_stats([1, 2, 3, 4, 5, 6]) == {
+        "hit_tokens": 5, "uncached_tokens": 1, "reuse_ratio": 0.8333}
+    with pytest.raises(RuntimeError, match="loops mismatch"):
+        manager.generate([1, 2, 3, 4, 5, 6], loops=3)
+
+
+def test_a_failed_prefill_registers_nothing(bound_model):
+    manager = PrefixCacheManager(4, model=bound_model)
+    with pytest.raises(ValueError, match="out of range"):
+        manager.add_prefix([1, 10**6])
+    assert manager.cached_prefixes == []
+
+
+def test_an_unbound_manager_cannot_generate():
+    manager = PrefixCacheManager(4)
+    manager.add_prefix([1, 2])
+    with pytest.raises(RuntimeError, match="has no model"):
+        manager.generate([1, 2, 3])
+    with pytest.raises(RuntimeError, match="has no model"):
+        manager.prefix_cache(0)

@@ -4,7 +4,7 @@ Every backend and every execution path returns bit-identical logits and identica
 (docs/spec.md). Start with `tinyloop.Model`.
 """
 from ._version import __version__
-from .backends import backend_available, backend_info
+from .backends import backend_available, backend_info, native_memory_stats
 from .config import ModelConfig
 from .errors import ModelFormatError
 from .model import Model, PrefixCache
@@ -14,7 +14,7 @@ from .random_model import random_model
 
 __all__ = ["Model", "ModelConfig", "ModelFormatError", "PrefixCache", "PrefixCacheManager",
            "__version__", "backend", "backend_available", "backend_features", "backend_info",
-           "load_model", "random_model", "save_model"]
+           "load_model", "native_memory_stats", "random_model", "save_model"]
 
 
 def __getattr__(name):

@@ -119,7 +119,26 @@ def _warn_fallback_once():
         warnings.warn(f"tinyloop: {reason}", FallbackWarning, stacklevel=4)
 
 
-def open_engine(backend, path, *, block_size, threads):
+def native_memory_stats(reset_peak=False):
+    """The native library's own allocation counters (docs/c-api.md, tl_memory_stats):
+    {'bytes_in_use', 'peak_bytes', 'n_allocs'}, over every model in this process. With
+    reset_peak=True the peak restarts from the current use after the snapshot. Raises
+    RuntimeError when the native library is not available."""
+    try:
+        ffi, lib, _, _ = native_library()
+    except ImportError as exc:
+        raise RuntimeError(f"the native library is not available: {exc}") from None
+    stats = ffi.new("tl_memory_stats*")
+    stats.size = ffi.sizeof("tl_memory_stats")
+    if lib.tl_memory_stats_get(stats) != lib.TL_OK:
+        raise RuntimeError(ffi.string(lib.tl_last_error()).decode())
+    if reset_peak:
+        lib.tl_memory_reset_peak()
+    return {"bytes_in_use": int(stats.bytes_in_use), "peak_bytes": int(stats.peak_bytes),
+            "n_allocs": int(stats.n_allocs)}
+
+
+def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0):
     """Open the model file at `path` with `backend`; returns (engine, backend name)."""
     requested = requested_backend(backend)
     name = resolve_backend_name(requested)
@@ -130,14 +149,18 @@ def open_engine(backend, path, *, block_size, threads):
         raise RuntimeError(f"backend {name!r} is not available: {why}")
     if name == "native":
         from .native import NativeEngine
-        return NativeEngine(native_library(), path, block_size=block_size, threads=threads), name
+        return NativeEngine(native_library(), path, block_size=block_size, threads=threads,
+                            prefix_cache_bytes=prefix_cache_bytes), name
     from .fallback import Engine
     from .modelfile import load_model
     config, tensors = load_model(path)
     if name == "numba":
         from .fallback.numba_cpu import NumbaKernels
-        return Engine(config, tensors, block_size, NumbaKernels(threads)), name
-    if name == "numba-cuda":
+        kernels = NumbaKernels(threads)
+    elif name == "numba-cuda":
         from .fallback.numba_cuda import CudaKernels
-        return Engine(config, tensors, block_size, CudaKernels()), name
-    return Engine(config, tensors, block_size=block_size), name
+        kernels = CudaKernels()
+    else:
+        from .fallback.forward import NumpyKernels
+        kernels = NumpyKernels
+    return Engine(config, tensors, block_size, kernels, prefix_cache_bytes), name

@@ -15,6 +15,10 @@ from .backends import open_engine
 
 KV_MODE_VARIABLES = ("TINYLOOP_KV_H_MODE", "TINYLOOP_KV_INT4")
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
+# The keyword arguments of a generation request (generate_batch's `params` and `per_request`).
+REQUEST_ARGUMENTS = ("max_tokens", "loops", "temperature", "top_k", "top_p", "cache_window",
+                     "repetition_penalty", "stop_sequences", "seed", "prefill_chunk", "cache_salt")
 
 
 def _check_kv_mode(kv_mode):
@@ -92,20 +96,23 @@ class Model:
     """A looped language model loaded from a .tinyloop file.
 
     Model(path=None, *, backend="auto", threads=None, kv_mode=None, block_size=16,
-          prefill_chunk=512). `path=None` loads the bundled demo model.
+          prefill_chunk=512, prefix_cache_bytes=256 MiB). `path=None` loads the bundled demo
+    model; `prefix_cache_bytes=0` switches the automatic prefix cache off.
     """
 
     def __init__(self, path=None, *, backend="auto", threads=None, kv_mode=None,
-                 block_size=16, prefill_chunk=DEFAULT_PREFILL_CHUNK):
+                 block_size=16, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+                 prefix_cache_bytes=DEFAULT_PREFIX_CACHE_BYTES):
         self.kv_mode = _check_kv_mode(kv_mode)
         self._block_size = P.check_int("block_size", block_size, 1)
         self._prefill_chunk = P.check_int("prefill_chunk", prefill_chunk, 1)
+        cache_bytes = P.check_int("prefix_cache_bytes", prefix_cache_bytes, 0)
         if threads is not None:
             P.check_int("threads", threads, 1)
         path = _default_model_path() if path is None else os.fspath(path)
         self.path = path
         self._engine, self.backend = open_engine(backend, path, block_size=self._block_size,
-                                                 threads=threads)
+                                                 threads=threads, prefix_cache_bytes=cache_bytes)
         self._config = self._engine.config
         self._lock = threading.Lock()
 
@@ -160,17 +167,49 @@ class Model:
                              f"(tokenizer={self._config.tokenizer!r}); pass token ids")
 
     # -- generation -------------------------------------------------------------------------
-    def _params(self, max_tokens, loops, temperature, top_k, top_p, cache_window,
-                repetition_penalty, stop_sequences, seed, prefill_chunk):
+    def _params(self, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
+                cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
+                prefill_chunk=None, cache_salt=None):
         return P.generation_params(
             self._config, max_tokens=max_tokens, loops=loops, temperature=temperature,
             top_k=top_k, top_p=top_p, cache_window=cache_window,
             repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-            prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk)
+            prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk, cache_salt=cache_salt)
+
+    def _request(self, prompt, prefix, kwargs):
+        """Check one request: (all tokens, the tokens to run, GenerationParams). With a
+        prefix, `prompt` is the suffix (None or empty allowed) and loops/cache_window default
+        to the prefix's."""
+        if prefix is None:
+            tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
+            params = self._params(**kwargs)
+            P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
+            return tokens, tokens, params
+        if not isinstance(prefix, PrefixCache):
+            raise ValueError(f"prefix must be a PrefixCache, got {type(prefix).__name__}")
+        if prefix._model is not self:
+            raise ValueError("prefix was built by another model")
+        kwargs = dict(kwargs)
+        if kwargs.get("loops") is None:
+            kwargs["loops"] = prefix.loops
+        if kwargs.get("cache_window") is None:
+            kwargs["cache_window"] = prefix.cache_window
+        params = self._params(**kwargs)
+        if params.loops > prefix.loops:
+            raise RuntimeError(f"loops mismatch: prefix built at loops={prefix.loops}, "
+                               f"requested {params.loops} (a prefix serves loops <= its own)")
+        if params.cache_window != prefix.cache_window:
+            raise RuntimeError(f"cache_window mismatch: prefix built with "
+                               f"cache_window={prefix.cache_window}, requested {params.cache_window}")
+        rest = (np.zeros(0, np.int32) if prompt is None or len(prompt) == 0
+                else P.check_tokens("suffix", prompt, self._config.vocab_size))
+        tokens = np.concatenate([prefix._state.tokens, rest])
+        P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
+        return tokens, rest, params
 
     def generate(self, prompt, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
                  cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
-                 prefill_chunk=None, return_logits=False, on_token=None):
+                 prefill_chunk=None, return_logits=False, on_token=None, cache_salt=None):
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
 
         on_token(id), if given, is called with each emitted id as soon as it is sampled
@@ -178,12 +217,16 @@ class Model:
 
         With return_logits=True returns (tokens, logits) where logits is a float32 array
         (n_emitted, vocab_size): the logits each emitted token was sampled from.
+
+        The automatic prefix cache reuses the longest cached block-aligned prefix of the
+        prompt; only requests with the same `cache_salt` share blocks. Results never change.
         """
         engine = self._live_engine()
-        tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
-        params = self._params(max_tokens, loops, temperature, top_k, top_p, cache_window,
-                              repetition_penalty, stop_sequences, seed, prefill_chunk)
-        P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
+        tokens, _, params = self._request(prompt, None, dict(
+            max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
+            top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
+            stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
+            cache_salt=cache_salt))
         with _out_of_memory_as_runtime_error():
             emitted, logits = engine.generate(tokens, params, return_logits, on_token)
         return self._result(tokens, emitted, logits, return_logits)
@@ -206,28 +249,57 @@ class Model:
         generate(prefix.prompt + suffix, ...) returns. The prefix itself never changes.
         """
         engine = self._live_engine()
-        if not isinstance(prefix, PrefixCache):
-            raise ValueError(f"prefix must be a PrefixCache, got {type(prefix).__name__}")
-        if prefix._model is not self:
-            raise ValueError("prefix was built by another model")
-        window = prefix.cache_window if cache_window is None else cache_window
-        params = self._params(max_tokens, prefix.loops if loops is None else loops,
-                              temperature, top_k, top_p, window, repetition_penalty,
-                              stop_sequences, seed, prefill_chunk)
-        if params.loops > prefix.loops:
-            raise RuntimeError(f"loops mismatch: prefix built at loops={prefix.loops}, "
-                               f"requested {params.loops} (a prefix serves loops <= its own)")
-        if params.cache_window != prefix.cache_window:
-            raise RuntimeError(f"cache_window mismatch: prefix built with "
-                               f"cache_window={prefix.cache_window}, requested {params.cache_window}")
-        rest = (np.zeros(0, np.int32) if suffix is None or len(suffix) == 0
-                else P.check_tokens("suffix", suffix, self._config.vocab_size))
-        tokens = np.concatenate([prefix._state.tokens, rest])
-        P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
+        tokens, rest, params = self._request(suffix, prefix, dict(
+            max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
+            top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
+            stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk))
         with _out_of_memory_as_runtime_error():
             emitted, logits = engine.generate_from_prefix(prefix._state, rest, params,
                                                            return_logits, on_token)
         return self._result(tokens, emitted, logits, return_logits)
+
+    def generate_batch(self, prompts, *, prefix=None, per_request=None, return_logits=False,
+                       **params):
+        """Generate for many requests at once; returns one result per prompt, each exactly
+        what generate (or, with `prefix`, generate_from_prefix_cache with that suffix) returns.
+
+        prompts: a list of token sequences; with `prefix` (a PrefixCache) they are the
+        suffixes after it and may be empty, e.g. `[[]] * 8` for 8 continuations. `params` are
+        generate's keyword arguments, shared by every request; `per_request`, if given, is a
+        list (one per prompt) of dicts overriding them for that request, e.g. its own seed.
+        The native backend decodes all live sequences together in one batched step per token.
+        """
+        engine = self._live_engine()
+        prompts = list(prompts)
+        overrides = [{}] * len(prompts) if per_request is None else list(per_request)
+        if len(overrides) != len(prompts):
+            raise ValueError(f"per_request has {len(overrides)} entries for {len(prompts)} prompts")
+        checked = []
+        for i, (prompt, extra) in enumerate(zip(prompts, overrides)):
+            kwargs = {**params, **extra}
+            unknown = sorted(set(kwargs) - set(REQUEST_ARGUMENTS))
+            if unknown:
+                raise ValueError(f"request {i}: unknown generation argument(s) {unknown}")
+            try:
+                checked.append(self._request(prompt, prefix, kwargs))
+            except (ValueError, RuntimeError) as exc:
+                raise type(exc)(f"request {i}: {exc}") from None
+        state = None if prefix is None else prefix._state
+        with _out_of_memory_as_runtime_error():
+            results = engine.generate_batch(
+                [(state, rest, params, None) for _, rest, params in checked], return_logits)
+        return [self._result(tokens, emitted, logits, return_logits)
+                for (tokens, _, _), (emitted, logits) in zip(checked, results)]
+
+    # -- the automatic prefix cache ---------------------------------------------------------
+    def cache_stats(self):
+        """Counters of the automatic prefix cache (docs/api.md): lookups, hit_tokens,
+        prefilled_tokens, inserted_blocks, evicted_blocks, blocks, bytes_in_use, budget_bytes."""
+        return self._live_engine().cache_stats()
+
+    def clear_prefix_cache(self):
+        """Drop every cached block (blocks in use by running requests live on in them)."""
+        self._live_engine().clear_prefix_cache()
 
     def logits(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
         """Logits at every position of `prompt`: float32 array (len(prompt), vocab_size)."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFormatError
+from .params import CACHE_STAT_NAMES
 
 TOKENIZERS = {0: "none", 1: "bytes"}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}
@@ -48,12 +49,13 @@ class NativePrefix:
 class NativeEngine:
     name = "native"
 
-    def __init__(self, loaded, path, *, block_size, threads):
+    def __init__(self, loaded, path, *, block_size, threads, prefix_cache_bytes=0):
         self.ffi, self.lib, self.library_path, self.library_origin = loaded
         self._errors = _error_types(self.lib)
         params = self.ffi.new("tl_model_params*", self.lib.tl_model_params_default())
         params.kv_block_size = block_size
         params.n_threads = threads or 0
+        params.prefix_cache_bytes = prefix_cache_bytes
         out = self.ffi.new("tl_model**")
         self._check(self.lib.tl_model_open(str(path).encode(), params, out))
         self.model = self._owned(out, "tl_model_free")
@@ -110,6 +112,9 @@ class NativeEngine:
         p.repetition_penalty = params.repetition_penalty
         p.seed = params.seed
         p.prefill_chunk = params.prefill_chunk
+        if params.cache_salt:
+            keep.append(self.ffi.new("char[]", params.cache_salt.encode("utf-8")))
+            p.cache_salt = keep[-1]
         if params.stop_sequences:
             flat = [t for seq in params.stop_sequences for t in seq]
             keep.append(self.ffi.new("int32_t[]", flat))
@@ -130,24 +135,35 @@ class NativeEngine:
 
         return self.ffi.callback("tl_token_fn", call, onerror=onerror)
 
-    def _run_generation(self, call, params, want_logits, on_token):
-        """call(gen_params, out_tokens, n_out, out_logits) -> status."""
-        keep, raised = [], []
+    def _request_params(self, params, on_token, keep, raised):
+        """tl_gen_params for `params`, with on_token (if any) wired to a callback."""
         p = self._gen_params(params, keep)
         if on_token is not None:
             keep.append(self._token_callback(on_token, raised))
             p.on_token = keep[-1]
+        return p
+
+    def _outputs(self, params, want_logits):
+        """(out_tokens cdata, logits array or None, its float* or NULL) for one request."""
         out_tokens = self.ffi.new("int32_t[]", params.max_tokens)
-        n_out = self.ffi.new("size_t*")
         logits = np.empty((params.max_tokens, self.config.vocab_size), np.float32) if want_logits else None
         out_logits = self.ffi.from_buffer("float[]", logits) if want_logits else self.ffi.NULL
-        status = call(p, out_tokens, n_out, out_logits)
+        return out_tokens, logits, out_logits
+
+    def _finish(self, status, raised):
         if raised:
             raise raised[0]
         self._check(status)
+
+    def _run_generation(self, call, params, want_logits, on_token):
+        """call(gen_params, out_tokens, n_out, out_logits) -> status."""
+        keep, raised = [], []
+        p = self._request_params(params, on_token, keep, raised)
+        out_tokens, logits, out_logits = self._outputs(params, want_logits)
+        n_out = self.ffi.new("size_t*")
+        self._finish(call(p, out_tokens, n_out, out_logits), raised)
         n = int(n_out[0])
-        emitted = list(self.ffi.unpack(out_tokens, n))
-        return emitted, (list(logits[:n]) if want_logits else None)
+        return list(self.ffi.unpack(out_tokens, n)), (list(logits[:n]) if want_logits else None)
 
     # -- the engine interface ---------------------------------------------------------------
     def generate(self, prompt, params, want_logits=False, on_token=None):
@@ -181,6 +197,35 @@ class NativeEngine:
         finally:
             self.ffi.release(seq)
         return result
+
+    def generate_batch(self, requests, want_logits=False):
+        """requests: (NativePrefix or None, tokens, params, on_token) each; one
+        tl_generate_batch call. Returns [(emitted, logits or None)] in request order."""
+        reqs = self.ffi.new("tl_request[]", len(requests))
+        keep, raised, outputs = [], [], []
+        for r, (prefix, tokens, params, on_token) in zip(reqs, requests):
+            tokens, buf = self._tokens(tokens)
+            keep += [tokens, buf]
+            r.size = self.ffi.sizeof("tl_request")
+            r.prefix = prefix.handle if prefix is not None else self.ffi.NULL
+            r.prompt, r.n_prompt = (buf if len(tokens) else self.ffi.NULL), len(tokens)
+            p = self._request_params(params, on_token, keep, raised)
+            out_tokens, logits, out_logits = self._outputs(params, want_logits)
+            keep += [p, out_logits]               # the struct fields do not own what they point to
+            r.params, r.out_tokens, r.out_logits = p, out_tokens, out_logits
+            outputs.append((out_tokens, logits))
+        self._finish(self.lib.tl_generate_batch(self.model, reqs, len(requests)), raised)
+        return [(list(self.ffi.unpack(out, r.n_out)), list(logits[:r.n_out]) if want_logits else None)
+                for r, (out, logits) in zip(reqs, outputs)]
+
+    def cache_stats(self):
+        s = self.ffi.new("tl_prefix_cache_stats*")
+        s.size = self.ffi.sizeof("tl_prefix_cache_stats")
+        self._check(self.lib.tl_model_prefix_cache_stats(self.model, s))
+        return {name: int(getattr(s, name)) for name in CACHE_STAT_NAMES}
+
+    def clear_prefix_cache(self):
+        self._check(self.lib.tl_model_prefix_cache_clear(self.model))
 
     def close(self):
         self.lib.tl_model_close(self.model)

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_LOOPS = 1024
+# Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
+CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
+                    "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class GenerationParams:
     stop_sequences: tuple      # tuple of non-empty tuples of token ids
     seed: int                  # u64 key of the counter-based generator
     prefill_chunk: int         # prompt tokens per forward chunk (>= 1)
+    cache_salt: str = ""       # tenant key of the automatic prefix cache ("" = none)
 
 
 def _is_int(value):
@@ -108,12 +112,24 @@ def check_seed(seed):
     return int(seed)
 
 
+def check_cache_salt(salt):
+    """None or a str without NUL characters (it travels to C as a C string)."""
+    if salt is None:
+        return ""
+    if not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a str or None, got {type(salt).__name__}")
+    if "\0" in salt:
+        raise ValueError("cache_salt must not contain NUL characters")
+    return salt
+
+
 def check_prefill_chunk(chunk, default):
     return default if chunk is None else check_int("prefill_chunk", chunk, 1)
 
 
 def generation_params(config, *, max_tokens, loops, temperature, top_k, top_p, cache_window,
-                      repetition_penalty, stop_sequences, seed, prefill_chunk, default_chunk):
+                      repetition_penalty, stop_sequences, seed, prefill_chunk, default_chunk,
+                      cache_salt=None):
     """Check every generation argument; `config` is the model's ModelConfig."""
     return GenerationParams(
         max_tokens=check_int("max_tokens", max_tokens, 1),
@@ -126,6 +142,7 @@ def generation_params(config, *, max_tokens, loops, temperature, top_k, top_p, c
         stop_sequences=check_stop_sequences(stop_sequences, config.vocab_size),
         seed=check_seed(seed),
         prefill_chunk=check_prefill_chunk(prefill_chunk, default_chunk),
+        cache_salt=check_cache_salt(cache_salt),
     )
 
 

@@ -22,10 +22,14 @@ floats, strings and nested sequences are refused).  Everything is stored and
 returned as plain Python ``int``.  The module is dependency-free: numpy is
 handled by duck typing only.
 
-This class is only a ledger: it holds no KV.  Binding to a model is meant to be
-added through the ``_make_entry`` hook (see its docstring), which lets a
-subclass attach per-prefix data (e.g. KV) atomically at registration time and
-retrieve it for the prefix found by ``_longest_match``.
+Bound to a model (``PrefixCacheManager(block_size, model=m)``) the ledger holds
+real KV: ``add_prefix`` prefills the prefix once (a ``PrefixCache`` pinned for the
+manager's life, in ``block_size`` chunks) before registering it, and
+``generate(prompt, ...)`` executes the plan: the longest registered prefix is
+reused, only the suffix is prefilled, in ``block_size`` chunks, then decoding
+runs.  Its tokens equal ``model.generate(prompt, ...)``.  The ledger methods keep
+exactly the semantics above.  Without a model it is only a ledger; the
+``_make_entry`` hook is where the per-prefix data is built.
 """
 
 from __future__ import annotations
@@ -128,8 +132,12 @@ class PrefixCacheManager:
     * A prompt equal to a registered prefix is a full hit (empty suffix).
     """
 
-    def __init__(self, block_size: int = 4) -> None:
+    def __init__(self, block_size: int = 4, *, model: Any = None, loops: int | None = None,
+                 cache_window: int = 0) -> None:
         self._block_size = _check_block_size(block_size)
+        self._model = model
+        self._loops = loops              # depth the prefixes are built at (None: model default)
+        self._cache_window = cache_window
         self._prefixes: list[Tokens] = []
         # Per-prefix data built by the ``_make_entry`` hook (None by default).
         self._entries: list[Any] = []
@@ -140,6 +148,11 @@ class PrefixCacheManager:
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    @property
+    def model(self) -> Any:
+        """The model whose KV the registered prefixes hold, or None (a pure ledger)."""
+        return self._model
 
     @property
     def cached_prefixes(self) -> list[Tokens]:
@@ -198,11 +211,42 @@ class PrefixCacheManager:
         Called by ``add_prefix`` with the validated prefix (tuple of ints) and
         the index it will get in ``cached_prefixes``, *before* anything is
         committed; raising aborts the registration.  The return value is
-        stored in ``self._entries[index]``.  The base ledger holds nothing and
-        returns ``None``; a model-bound subclass would run the prefix and
-        return its KV here.
+        stored in ``self._entries[index]``.  Without a model the ledger holds
+        nothing (``None``); with one, the prefix's ``PrefixCache``.
         """
-        return None
+        if self._model is None:
+            return None
+        return self._model.build_prefix_cache(list(prefix), loops=self._loops,
+                                              cache_window=self._cache_window,
+                                              prefill_chunk=self._block_size)
+
+    def prefix_cache(self, index: int) -> Any:
+        """The ``PrefixCache`` of ``cached_prefixes[index]`` (model-bound managers)."""
+        self._require_model()
+        return self._entries[index]
+
+    def _require_model(self) -> None:
+        if self._model is None:
+            raise RuntimeError("this PrefixCacheManager has no model; pass model= to hold KV")
+
+    # -------------------------------------------------------------- execution
+
+    def generate(self, prompt: Any, **kwargs: Any) -> list[int]:
+        """Run ``prompt`` through the plan and generate (``kwargs`` as for
+        ``Model.generate``, ``prefill_chunk`` excepted: it is ``block_size``).
+
+        The longest registered prefix is reused, the suffix prefilled in
+        ``block_size`` chunks; returns exactly ``model.generate(prompt, ...)``.
+        """
+        self._require_model()
+        if "prefill_chunk" in kwargs:
+            raise TypeError("prefill_chunk is the manager's block_size")
+        toks = _as_tokens(prompt, "prompt")
+        hit, index = self._longest_match(toks)
+        if index is None:
+            return self._model.generate(list(toks), prefill_chunk=self._block_size, **kwargs)
+        return self._model.generate_from_prefix_cache(
+            self._entries[index], suffix=list(toks[hit:]), prefill_chunk=self._block_size, **kwargs)
 
     # --------------------------------------------------------------- queries
 
