@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyloop.params import CACHE_STAT_NAMES, stop_reached
+from tinyloop.params import CACHE_STAT_NAMES, NO_CALLBACKS, stop_reached
 
 from .forward import NumpyKernels, forward_chunk, head_logits
 from .kvcache import KVCache
@@ -50,9 +50,11 @@ class Engine:
     def new_cache(self, loops, window):
         return KVCache(self.pool, self.config.n_pre_blocks + loops, window)
 
-    def prefill(self, cache, tokens, chunk, layer_states=None, all_logits=False, release=True):
+    def prefill(self, cache, tokens, chunk, layer_states=None, all_logits=False, release=True,
+                on_chunk=None):
         """Feed tokens in chunks; returns logits (V,) of the last token, or (n, V) of all.
-        release=False keeps the blocks a window no longer sees (for the prefix cache)."""
+        release=False keeps the blocks a window no longer sees (for the prefix cache);
+        on_chunk(tokens done in this call) runs after each chunk."""
         outputs = []
         for start in range(0, len(tokens), chunk):
             piece = tokens[start:start + chunk]
@@ -62,6 +64,8 @@ class Engine:
                 layer_states.extend(states)
             if all_logits:
                 outputs.append(head_logits(self.kernels, self.weights, x))
+            if on_chunk is not None:
+                on_chunk(min(start + chunk, len(tokens)))
         if release:
             cache.release_outside_window()
         if all_logits:
@@ -75,35 +79,44 @@ class Engine:
         finally:
             cache.free()
 
-    def generate(self, prompt, params, want_logits=False, on_token=None):
+    def generate(self, prompt, params, want_logits=False, callbacks=NO_CALLBACKS):
         """Returns (emitted ids, per-step logits); the logits are kept whatever want_logits says.
-        on_token(id), if given, is called after each emitted token; if it raises, generation
-        stops and the exception propagates."""
+        callbacks.on_token(id) runs after each emitted token, callbacks.on_prefill(done, total)
+        after each prompt chunk; if one raises, generation stops and the exception propagates."""
         cache = self.new_cache(params.loops, params.cache_window)
         try:
-            logits = self._run_prompt(cache, prompt, params)
+            logits = self._run_prompt(cache, prompt, params, callbacks.on_prefill)
         except BaseException:
             cache.free()
             raise
-        return self._decode(cache, logits, list(prompt.tolist()), params, on_token)
+        return self._decode(cache, logits, list(prompt.tolist()), params, callbacks.on_token)
 
-    def _run_prompt(self, cache, prompt, params):
+    @staticmethod
+    def _progress(on_prefill, done_before, total):
+        """An on_chunk reporting to on_prefill(done, total), or None."""
+        if on_prefill is None:
+            return None
+        return lambda done: on_prefill(done_before + done, total)
+
+    def _run_prompt(self, cache, prompt, params, on_prefill):
         """Prefill the prompt into the empty cache, reusing the longest cached prefix of it."""
         if self.prefix_cache is None:
-            return self.prefill(cache, prompt, params.prefill_chunk)
+            return self.prefill(cache, prompt, params.prefill_chunk,
+                                on_chunk=self._progress(on_prefill, 0, len(prompt)))
         key = (params.cache_salt, params.cache_window)
         hit = self.prefix_cache.lookup(*key, cache, prompt)
-        logits = self.prefill(cache, prompt[hit:], params.prefill_chunk, release=False)
+        logits = self.prefill(cache, prompt[hit:], params.prefill_chunk, release=False,
+                              on_chunk=self._progress(on_prefill, hit, len(prompt)))
         self.prefix_cache.insert(*key, cache, prompt)
         cache.release_outside_window()
         return logits
 
     def generate_batch(self, requests, want_logits=False):
-        """requests: (prefix or None, tokens, params, on_token) each. The reference runs them
+        """requests: (prefix or None, tokens, params, callbacks) each. The reference runs them
         one after another: batching changes no result, only speed. Returns [(emitted, logits)]."""
-        return [self.generate_from_prefix(prefix, tokens, params, on_token=on_token) if prefix is not None
-                else self.generate(tokens, params, on_token=on_token)
-                for prefix, tokens, params, on_token in requests]
+        return [self.generate_from_prefix(prefix, tokens, params, callbacks=callbacks) if prefix is not None
+                else self.generate(tokens, params, callbacks=callbacks)
+                for prefix, tokens, params, callbacks in requests]
 
     def cache_stats(self):
         return self.prefix_cache.stats() if self.prefix_cache is not None else dict.fromkeys(CACHE_STAT_NAMES, 0)
@@ -118,20 +131,22 @@ class Engine:
         self.prefill(cache, prompt, chunk, layer_states=states)
         return Prefix(prompt.copy(), loops, window, cache, states)
 
-    def generate_from_prefix(self, prefix, suffix, params, want_logits=False, on_token=None):
+    def generate_from_prefix(self, prefix, suffix, params, want_logits=False, callbacks=NO_CALLBACKS):
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth
         params.loops <= prefix.loops (checked by the caller)."""
         cache = prefix.cache.fork(self.config.n_pre_blocks + params.loops)
+        n = len(prefix.tokens)
         try:
             if len(suffix):
-                logits = self.prefill(cache, suffix, params.prefill_chunk)
+                logits = self.prefill(cache, suffix, params.prefill_chunk, on_chunk=self._progress(
+                    callbacks.on_prefill, n, n + len(suffix)))
             else:
                 logits = head_logits(self.kernels, self.weights, prefix.loop_states[params.loops - 1])[0]
         except BaseException:
             cache.free()
             raise
         history = prefix.tokens.tolist() + suffix.tolist()
-        return self._decode(cache, logits, history, params, on_token)
+        return self._decode(cache, logits, history, params, callbacks.on_token)
 
     def _decode(self, cache, logits, history, params, on_token=None):
         """Sample until a stop rule fires. Returns (emitted ids, [(V,) logits per emitted id])."""

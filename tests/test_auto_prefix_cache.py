@@ -289,3 +289,33 @@ def test_stress_200_requests_over_5_system_prompts(backend, model_path, opened):
     stats = model.cache_stats()
     assert stats["lookups"] == 200 and stats["evicted_blocks"] > 0
     assert stats["hit_tokens"] / (stats["hit_tokens"] + stats["prefilled_tokens"]) > 0.3
+
+
+# -- prefill progress ----------------------------------------------------------------------------
+
+def test_prefill_progress_counts_reused_positions_and_can_stop_a_request(backend, model_path):
+    model = fresh(backend, model_path, 1 << 30)
+    prompt, log = list(range(30)), []
+
+    def note(done, total):
+        log.append((done, total))
+
+    first = model.generate(prompt, max_tokens=3, prefill_chunk=8, on_prefill=note)
+    assert log == [(8, 30), (16, 30), (24, 30), (30, 30)]
+    log.clear()
+    model.generate(prompt, max_tokens=3, prefill_chunk=8, on_prefill=note)   # 28 cached
+    assert log == [(30, 30)]
+    log.clear()
+    prefix = model.build_prefix_cache(prompt[:10])
+    model.generate_from_prefix_cache(prefix, suffix=prompt[10:], max_tokens=3, prefill_chunk=8,
+                                     on_prefill=note)
+    assert log == [(18, 30), (26, 30), (30, 30)]
+
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    blocks = model.cache_stats()["blocks"]
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(list(range(40, 80)), prefill_chunk=8, on_prefill=interrupt)
+    assert model.cache_stats()["blocks"] == blocks, "a stopped prompt was cached"
+    assert model.generate(prompt, max_tokens=3) == first

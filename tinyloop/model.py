@@ -209,11 +209,13 @@ class Model:
 
     def generate(self, prompt, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
                  cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
-                 prefill_chunk=None, return_logits=False, on_token=None, cache_salt=None):
+                 prefill_chunk=None, return_logits=False, on_token=None, cache_salt=None,
+                 on_prefill=None):
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
 
         on_token(id), if given, is called with each emitted id as soon as it is sampled
-        (streaming); an exception it raises stops generation and propagates.
+        (streaming); on_prefill(done, total) after each prompt chunk (progress; `done` counts
+        reused positions too). An exception either raises stops generation and propagates.
 
         With return_logits=True returns (tokens, logits) where logits is a float32 array
         (n_emitted, vocab_size): the logits each emitted token was sampled from.
@@ -228,7 +230,8 @@ class Model:
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
             cache_salt=cache_salt))
         with _out_of_memory_as_runtime_error():
-            emitted, logits = engine.generate(tokens, params, return_logits, on_token)
+            emitted, logits = engine.generate(tokens, params, return_logits,
+                                              P.Callbacks(on_token, on_prefill))
         return self._result(tokens, emitted, logits, return_logits)
 
     def build_prefix_cache(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
@@ -241,7 +244,7 @@ class Model:
     def generate_from_prefix_cache(self, prefix, max_tokens=32, loops=None, temperature=0.0,
                                    top_k=50, top_p=1.0, cache_window=None, repetition_penalty=1.0,
                                    stop_sequences=(), seed=None, suffix=None, prefill_chunk=None,
-                                   return_logits=False, on_token=None):
+                                   return_logits=False, on_token=None, on_prefill=None):
         """Decode from a PrefixCache. `loops=None` and `cache_window=None` mean the prefix's.
 
         `suffix` (optional token ids) is fed after the prefix before decoding: the usual shared
@@ -254,8 +257,8 @@ class Model:
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk))
         with _out_of_memory_as_runtime_error():
-            emitted, logits = engine.generate_from_prefix(prefix._state, rest, params,
-                                                           return_logits, on_token)
+            emitted, logits = engine.generate_from_prefix(prefix._state, rest, params, return_logits,
+                                                           P.Callbacks(on_token, on_prefill))
         return self._result(tokens, emitted, logits, return_logits)
 
     def generate_batch(self, prompts, *, prefix=None, per_request=None, return_logits=False,
@@ -287,7 +290,7 @@ class Model:
         state = None if prefix is None else prefix._state
         with _out_of_memory_as_runtime_error():
             results = engine.generate_batch(
-                [(state, rest, params, None) for _, rest, params in checked], return_logits)
+                [(state, rest, params, P.NO_CALLBACKS) for _, rest, params in checked], return_logits)
         return [self._result(tokens, emitted, logits, return_logits)
                 for (tokens, _, _), (emitted, logits) in zip(checked, results)]
 

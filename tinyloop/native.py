@@ -9,7 +9,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFormatError
-from .params import CACHE_STAT_NAMES
+from .params import CACHE_STAT_NAMES, NO_CALLBACKS
 
 TOKENIZERS = {0: "none", 1: "bytes"}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}
@@ -135,12 +135,28 @@ class NativeEngine:
 
         return self.ffi.callback("tl_token_fn", call, onerror=onerror)
 
-    def _request_params(self, params, on_token, keep, raised):
-        """tl_gen_params for `params`, with on_token (if any) wired to a callback."""
+    def _progress_callback(self, on_prefill, raised):
+        """A C tl_progress_fn calling on_prefill(done, total); an exception stops the request
+        (a KeyboardInterrupt during a long prefill lands here) and is kept."""
+        def onerror(exc_type, exc, tb):
+            raised.append(exc)
+            return 1
+
+        def call(user_data, done, total):
+            on_prefill(int(done), int(total))
+            return 0
+
+        return self.ffi.callback("tl_progress_fn", call, onerror=onerror)
+
+    def _request_params(self, params, callbacks, keep, raised):
+        """tl_gen_params for `params`, with callbacks.on_token / on_prefill wired to C."""
         p = self._gen_params(params, keep)
-        if on_token is not None:
-            keep.append(self._token_callback(on_token, raised))
+        if callbacks.on_token is not None:
+            keep.append(self._token_callback(callbacks.on_token, raised))
             p.on_token = keep[-1]
+        if callbacks.on_prefill is not None:
+            keep.append(self._progress_callback(callbacks.on_prefill, raised))
+            p.on_prefill = keep[-1]
         return p
 
     def _outputs(self, params, want_logits):
@@ -155,10 +171,10 @@ class NativeEngine:
             raise raised[0]
         self._check(status)
 
-    def _run_generation(self, call, params, want_logits, on_token):
+    def _run_generation(self, call, params, want_logits, callbacks):
         """call(gen_params, out_tokens, n_out, out_logits) -> status."""
         keep, raised = [], []
-        p = self._request_params(params, on_token, keep, raised)
+        p = self._request_params(params, callbacks, keep, raised)
         out_tokens, logits, out_logits = self._outputs(params, want_logits)
         n_out = self.ffi.new("size_t*")
         self._finish(call(p, out_tokens, n_out, out_logits), raised)
@@ -166,11 +182,11 @@ class NativeEngine:
         return list(self.ffi.unpack(out_tokens, n)), (list(logits[:n]) if want_logits else None)
 
     # -- the engine interface ---------------------------------------------------------------
-    def generate(self, prompt, params, want_logits=False, on_token=None):
+    def generate(self, prompt, params, want_logits=False, callbacks=NO_CALLBACKS):
         prompt, buf = self._tokens(prompt)
         return self._run_generation(
             lambda p, toks, n, lg: self.lib.tl_generate(self.model, buf, len(prompt), p, toks, n, lg),
-            params, want_logits, on_token)
+            params, want_logits, callbacks)
 
     def build_prefix(self, prompt, loops, window, chunk):
         prompt, buf = self._tokens(prompt)
@@ -178,12 +194,12 @@ class NativeEngine:
         self._check(self.lib.tl_prefix_build(self.model, buf, len(prompt), loops, window, chunk, out))
         return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), loops, window)
 
-    def generate_from_prefix(self, prefix, suffix, params, want_logits=False, on_token=None):
+    def generate_from_prefix(self, prefix, suffix, params, want_logits=False, callbacks=NO_CALLBACKS):
         suffix, buf = self._tokens(suffix)
         return self._run_generation(
             lambda p, toks, n, lg: self.lib.tl_generate_from_prefix(
                 prefix.handle, buf, len(suffix), p, toks, n, lg),
-            params, want_logits, on_token)
+            params, want_logits, callbacks)
 
     def logits(self, tokens, loops, window, chunk):
         out = self.ffi.new("tl_seq**")
@@ -199,17 +215,17 @@ class NativeEngine:
         return result
 
     def generate_batch(self, requests, want_logits=False):
-        """requests: (NativePrefix or None, tokens, params, on_token) each; one
+        """requests: (NativePrefix or None, tokens, params, callbacks) each; one
         tl_generate_batch call. Returns [(emitted, logits or None)] in request order."""
         reqs = self.ffi.new("tl_request[]", len(requests))
         keep, raised, outputs = [], [], []
-        for r, (prefix, tokens, params, on_token) in zip(reqs, requests):
+        for r, (prefix, tokens, params, callbacks) in zip(reqs, requests):
             tokens, buf = self._tokens(tokens)
             keep += [tokens, buf]
             r.size = self.ffi.sizeof("tl_request")
             r.prefix = prefix.handle if prefix is not None else self.ffi.NULL
             r.prompt, r.n_prompt = (buf if len(tokens) else self.ffi.NULL), len(tokens)
-            p = self._request_params(params, on_token, keep, raised)
+            p = self._request_params(params, callbacks, keep, raised)
             out_tokens, logits, out_logits = self._outputs(params, want_logits)
             keep += [p, out_logits]               # the struct fields do not own what they point to
             r.params, r.out_tokens, r.out_logits = p, out_tokens, out_logits

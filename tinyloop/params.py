@@ -32,6 +32,17 @@ class GenerationParams:
     cache_salt: str = ""       # tenant key of the automatic prefix cache ("" = none)
 
 
+@dataclass(frozen=True)
+class Callbacks:
+    """A request's callbacks (each None or a callable); an exception raised in one stops the
+    request and propagates."""
+    on_token: object = None    # on_token(id): after each emitted token
+    on_prefill: object = None  # on_prefill(done, total): after each prompt chunk
+
+
+NO_CALLBACKS = Callbacks()
+
+
 def _is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 

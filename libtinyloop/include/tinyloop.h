@@ -272,6 +272,12 @@ TL_API tl_status tl_seq_from_prefix(const tl_prefix* prefix, uint32_t loops, tl_
  * generation there: the call then returns TL_OK with the tokens emitted so far. */
 typedef int (*tl_token_fn)(void* user_data, int32_t token);
 
+/* Called after each prefill chunk of a generation's prompt (on the calling thread) with the
+ * prompt positions ready so far, those taken from a prefix or the prefix cache included, and
+ * their total; return nonzero to stop before any token is emitted: the call then returns TL_OK
+ * with none. For progress displays and cancelling long prefills. */
+typedef int (*tl_progress_fn)(void* user_data, size_t done, size_t total);
+
 typedef struct tl_gen_params {
     size_t size;               /* sizeof(tl_gen_params)                                        */
     size_t max_tokens;         /* tokens to emit at most; >= 1                                 */
@@ -292,10 +298,12 @@ typedef struct tl_gen_params {
     const char* cache_salt;    /* NULL or a NUL-terminated tenant key (borrowed): the automatic
                                   prefix cache shares blocks only between requests with equal
                                   salts (NULL and "" are equal)                               */
+    tl_progress_fn on_prefill; /* NULL, or called after each prompt chunk (progress, cancel);
+                                  gets user_data too                                          */
 } tl_gen_params;
 
 /* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,
- * seed 0, whole-prompt prefill, no stop sequences, no token callback. */
+ * seed 0, whole-prompt prefill, no stop sequences, no callbacks, no cache salt. */
 TL_API tl_gen_params tl_gen_params_default(void);
 
 /* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). With an automatic prefix

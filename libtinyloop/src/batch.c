@@ -67,7 +67,7 @@ static tl_status start_all(tl_engine* e, batch* b, tl_request* r) {
     for (size_t i = 0; i < b->n; i++) {
         tl_stream* s = &b->streams[i];
         tl_status st = tl_stream_init(s, e, &b->params[i], r[i].out_tokens, r[i].out_logits, &r[i].n_out);
-        if (st == TL_OK) st = tl_gen_start(e, r[i].prefix, r[i].prompt, r[i].n_prompt, &b->params[i], &s->seq, s->logits);
+        if (st == TL_OK) st = tl_gen_start(e, r[i].prefix, r[i].prompt, r[i].n_prompt, s);
         if (st != TL_OK) return st;
         if (r[i].prefix) tl_stream_see(s, r[i].prefix->tokens, r[i].prefix->n);
         tl_stream_see(s, r[i].prompt, r[i].n_prompt);

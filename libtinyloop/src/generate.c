@@ -94,33 +94,38 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
 
 /* Run the prompt into the empty sequence s, reusing the longest cached prefix of it. */
 static tl_status run_prompt(tl_engine* e, tl_seq* s, const int32_t* prompt, size_t n, const tl_gen_params* p,
-                            float* logits) {
-    if (!e->pcache) return tl_seq_run(s, prompt, n, p->prefill_chunk, NULL, logits, NULL, true);
+                            tl_run_opts* opts) {
+    if (!e->pcache) return tl_seq_run(s, prompt, n, p->prefill_chunk, opts);
     const tl_pcache_key key = {p->cache_salt, p->cache_window, s->n_layers};
     size_t hit;
     tl_pcache_lookup(e->pcache, &key, prompt, n, &s->kv, &hit);
     s->n = hit;
-    tl_status st = tl_seq_run(s, prompt + hit, n - hit, p->prefill_chunk, NULL, logits, NULL, false);
-    if (st != TL_OK) return st;
+    opts->progress->done = hit;
+    opts->keep_window = true;
+    tl_status st = tl_seq_run(s, prompt + hit, n - hit, p->prefill_chunk, opts);
+    if (st != TL_OK || opts->progress->stopped) return st;
     tl_pcache_insert(e->pcache, &key, prompt, n, &s->kv);
     tl_kv_release_outside(&s->kv, s->n, s->window);
     return TL_OK;
 }
 
-tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
-                       const tl_gen_params* p, tl_seq** out, float* logits) {
+tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n, tl_stream* stream) {
+    const tl_gen_params* p = stream->p;
+    tl_progress progress = {p->on_prefill, p->user_data, prefix ? prefix->n : 0, (prefix ? prefix->n : 0) + n, false};
+    tl_run_opts opts = {.logits_last = stream->logits, .progress = &progress};
     tl_seq* s = NULL;
     tl_status st = prefix ? tl_seq_from_prefix(prefix, p->loops, &s) : tl_seq_new(e, p->loops, p->cache_window, &s);
     if (st == TL_OK) {
-        if (!prefix) st = run_prompt(e, s, prompt, n, p, logits);
-        else if (n) st = tl_seq_run(s, prompt, n, p->prefill_chunk, NULL, logits, NULL, true);
-        else st = tl_seq_last_logits(s, logits);
+        if (!prefix) st = run_prompt(e, s, prompt, n, p, &opts);
+        else if (n) st = tl_seq_run(s, prompt, n, p->prefill_chunk, &opts);
+        else st = tl_seq_last_logits(s, stream->logits);
     }
     if (st != TL_OK) {
         tl_seq_free(s);
         s = NULL;
     }
-    *out = s;
+    stream->seq = s;
+    stream->done = progress.stopped;
     return st;
 }
 
@@ -135,12 +140,14 @@ static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32
     tl_stream s;
     st = tl_stream_init(&s, e, &p, out_tokens, out_logits, n_out);
     if (st != TL_OK) return st;
-    st = tl_gen_start(e, prefix, prompt, n, &p, &s.seq, s.logits);
+    st = tl_gen_start(e, prefix, prompt, n, &s);
     if (prefix) tl_stream_see(&s, prefix->tokens, prefix->n);
     tl_stream_see(&s, prompt, n);
     int32_t token;
-    while (st == TL_OK && (st = tl_stream_sample(&s, &token)) == TL_OK && !s.done)
-        st = tl_seq_decode(s.seq, token, s.logits);
+    while (st == TL_OK && !s.done) {
+        st = tl_stream_sample(&s, &token);
+        if (st == TL_OK && !s.done) st = tl_seq_decode(s.seq, token, s.logits);
+    }
     tl_stream_free(&s);
     return st;
 }

@@ -15,12 +15,6 @@
 tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                        const tl_gen_params* given, tl_gen_params* p);
 
-/* Start a checked request: a new sequence holding the prompt (reusing the automatic prefix
- * cache, then offering it the prompt's blocks) or the prefix plus suffix, and logits [V] of
- * its last token. *out owned by the caller. */
-tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
-                       const tl_gen_params* p, tl_seq** out, float* logits);
-
 /* One request's sampling state (docs/spec.md §5): the ids of its history for the repetition
  * penalty, the logits to sample the next token from, its outputs and stop rules. */
 typedef struct tl_stream {
@@ -35,6 +29,11 @@ typedef struct tl_stream {
     size_t* n_out;
     bool done;                /* a stop rule fired                           */
 } tl_stream;
+
+/* Start a checked request on a fresh stream: stream->seq holds the prompt (reusing the
+ * automatic prefix cache, then offering it the prompt's blocks) or the prefix plus suffix,
+ * and stream->logits those of its last token; stream->done if on_prefill stopped it. */
+tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n, tl_stream* stream);
 
 /* A stream for checked params p, with outputs; the history starts empty. */
 tl_status tl_stream_init(tl_stream* s, const tl_engine* e, const tl_gen_params* p, int32_t* out_tokens,

@@ -27,7 +27,10 @@ TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t 
         if (p) p->loop_states = tl_alloc_zeroed((size_t)loops * d, sizeof(float));
         if (!p || !p->tokens || !p->loop_states) st = tl_fail_oom("prefix");
     }
-    if (st == TL_OK) st = tl_seq_run(s, tokens, n, chunk, NULL, NULL, p->loop_states, true);
+    if (st == TL_OK) {
+        const tl_run_opts opts = {.loop_states = p->loop_states};
+        st = tl_seq_run(s, tokens, n, chunk, &opts);
+    }
     if (st == TL_OK) {
         memcpy(p->tokens, tokens, n * sizeof(int32_t));
         p->n = n;

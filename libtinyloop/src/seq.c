@@ -40,8 +40,15 @@ TL_API tl_status tl_seq_create(tl_model* model, uint32_t loops, uint32_t cache_w
     return st;
 }
 
-tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, float* logits_all,
-                     float* logits_last, float* loop_states, bool release_window) {
+/* Report one more chunk; true if the callback asks to stop. */
+static bool report(tl_progress* progress, size_t T) {
+    if (!progress || !progress->fn) return false;
+    progress->done += T;
+    progress->stopped = progress->fn(progress->user_data, progress->done, progress->total) != 0;
+    return progress->stopped;
+}
+
+tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, const tl_run_opts* opts) {
     tl_engine* e = s->engine;
     const tl_config* c = tl_engine_config(e);
     tl_status st = tl_engine_check_open(e);
@@ -59,21 +66,25 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, f
     if (!hidden) return tl_fail_oom("hidden state");
     const size_t n_before = s->n;
     const tl_kv_mark start = tl_kv_mark_now(&s->kv);
-    for (size_t off = 0; off < n && st == TL_OK; off += chunk) {
+    bool stopped = false;
+    for (size_t off = 0; off < n && st == TL_OK && !stopped; off += chunk) {
         const size_t T = n - off < chunk ? n - off : chunk;
         st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, T);
         if (st == TL_OK)
-            st = tl_forward(s, tokens + off, T, logits_all ? logits_all + off * c->vocab_size : NULL,
-                            hidden, off + T == n ? loop_states : NULL);
-        if (st == TL_OK) s->n += T;
+            st = tl_forward(s, tokens + off, T, opts->logits_all ? opts->logits_all + off * c->vocab_size : NULL,
+                            hidden, off + T == n ? opts->loop_states : NULL);
+        if (st == TL_OK) {
+            s->n += T;
+            stopped = report(opts->progress, T);
+        }
     }
-    if (st == TL_OK && logits_last) st = tl_head_logits(e, hidden, logits_last);
-    if (st != TL_OK) {
+    if (st == TL_OK && !stopped && opts->logits_last) st = tl_head_logits(e, hidden, opts->logits_last);
+    if (st != TL_OK || stopped) {
         tl_kv_rollback(&s->kv, start);
         s->n = n_before;
     } else {
         memcpy(s->last_hidden, hidden, c->d_model * sizeof(float));
-        if (release_window) tl_kv_release_outside(&s->kv, s->n, s->window);
+        if (!opts->keep_window) tl_kv_release_outside(&s->kv, s->n, s->window);
     }
     tl_free(hidden);
     return st;
@@ -82,19 +93,22 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, f
 TL_API tl_status tl_seq_prefill(tl_seq* seq, const int32_t* tokens, size_t n, size_t chunk,
                                 float* logits_out) {
     if (!seq) return tl_fail(TL_ERR_INVALID_ARGUMENT, "seq is NULL");
-    return tl_seq_run(seq, tokens, n, chunk, NULL, logits_out, NULL, true);
+    const tl_run_opts opts = {.logits_last = logits_out};
+    return tl_seq_run(seq, tokens, n, chunk, &opts);
 }
 
 TL_API tl_status tl_seq_prefill_all(tl_seq* seq, const int32_t* tokens, size_t n, size_t chunk,
                                     float* logits_all) {
     if (!seq) return tl_fail(TL_ERR_INVALID_ARGUMENT, "seq is NULL");
     if (!logits_all) return tl_fail(TL_ERR_INVALID_ARGUMENT, "logits_all is NULL");
-    return tl_seq_run(seq, tokens, n, chunk, logits_all, NULL, NULL, true);
+    const tl_run_opts opts = {.logits_all = logits_all};
+    return tl_seq_run(seq, tokens, n, chunk, &opts);
 }
 
 TL_API tl_status tl_seq_decode(tl_seq* seq, int32_t token, float* logits_out) {
     if (!seq) return tl_fail(TL_ERR_INVALID_ARGUMENT, "seq is NULL");
-    return tl_seq_run(seq, &token, 1, 0, NULL, logits_out, NULL, true);
+    const tl_run_opts opts = {.logits_last = logits_out};
+    return tl_seq_run(seq, &token, 1, 0, &opts);
 }
 
 TL_API tl_status tl_seq_last_logits(const tl_seq* seq, float* logits_out) {

@@ -28,11 +28,27 @@ struct tl_prefix {
 
 /* A new empty sequence (engine reference taken). */
 tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out);
-/* Prefill with optional per-position logits ([n][V]) or last logits ([V]) and optional
- * loop states of the last token ([loops][d]). All-or-nothing: on error the sequence is
- * unchanged. release_window: drop the blocks the window no longer sees afterwards (false
- * lets the caller offer them to the prefix cache first, then call tl_kv_release_outside). */
-tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, float* logits_all,
-                     float* logits_last, float* loop_states, bool release_window);
+/* A prefill's progress report: fn(user_data, done, total) after each chunk, `done` counting
+ * from its value at the start; a nonzero return sets `stopped`. */
+typedef struct tl_progress {
+    tl_progress_fn fn;
+    void* user_data;
+    size_t done, total;
+    bool stopped;
+} tl_progress;
+
+/* What a prefill produces besides the KV; every field may be NULL / false. */
+typedef struct tl_run_opts {
+    float* logits_all;     /* [n][V]: logits of every position                              */
+    float* logits_last;    /* [V]: logits of the last token                                 */
+    float* loop_states;    /* [loops][d]: the last token's state after each loop iteration  */
+    bool keep_window;      /* keep the blocks the window no longer sees (the caller offers
+                              them to the prefix cache, then calls tl_kv_release_outside)    */
+    tl_progress* progress; /* reported after each chunk; may stop the prefill               */
+} tl_run_opts;
+
+/* Prefill tokens[0..n) in chunks of `chunk` (0 = all at once). All-or-nothing: on error, or
+ * when progress stops it (then TL_OK with progress->stopped), the sequence is unchanged. */
+tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, const tl_run_opts* opts);
 
 #endif

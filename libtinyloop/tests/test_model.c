@@ -227,6 +227,44 @@ static void test_token_callback(void) {
     tl_model_free(m);
 }
 
+typedef struct progress_log {
+    size_t done[16], total, n, stop_at;
+} progress_log;
+
+static int log_progress(void* user_data, size_t done, size_t total) {
+    progress_log* log = user_data;
+    log->done[log->n++] = done;
+    log->total = total;
+    return log->n == log->stop_at;
+}
+
+/* on_prefill reports every chunk, counting reused positions, and can stop before any token. */
+static void test_prefill_progress(void) {
+    tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 4);
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 4;
+    gp.prefill_chunk = 8;
+    gp.on_prefill = log_progress;
+    progress_log log = {.stop_at = 0};
+    gp.user_data = &log;
+    int32_t plain[4], out[4];
+    size_t n_plain, n;
+    CHECK_OK(tl_generate(m, prompt, 20, &gp, plain, &n_plain, NULL));
+    CHECK(log.n == 3 && log.done[0] == 8 && log.done[1] == 16 && log.done[2] == 20 && log.total == 20,
+          "prompt of 20 in chunks of 8: %zu reports", log.n);
+    log = (progress_log){.stop_at = 2};
+    CHECK_OK(tl_generate(m, prompt, 20, &gp, out, &n, NULL));
+    CHECK(n == 0 && log.n == 2, "stopped prefill emitted %zu tokens", n);
+    tl_prefix* p = NULL;
+    CHECK_OK(tl_prefix_build(m, prompt, 12, 0, 0, 0, &p));
+    log = (progress_log){.stop_at = 0};
+    CHECK_OK(tl_generate_from_prefix(p, prompt + 12, 8, &gp, out, &n, NULL));
+    CHECK(log.n == 1 && log.done[0] == 20 && log.total == 20, "from a prefix: %zu reports", log.n);
+    CHECK(n == n_plain && memcmp(out, plain, n * sizeof(int32_t)) == 0, "progress changed the tokens");
+    tl_prefix_free(p);
+    tl_model_free(m);
+}
+
 /* Windowed sequences release blocks: memory stays bounded however long the sequence. */
 static void test_window_memory(void) {
     tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 4);
@@ -393,6 +431,7 @@ int main(void) {
     test_fork_prefix();
     test_window_memory();
     test_token_callback();
+    test_prefill_progress();
     test_validation();
     test_concurrency();
     CHECK(bytes_in_use() == baseline, "leak: %zu bytes still in use", bytes_in_use() - baseline);
