@@ -1,40 +1,15 @@
-"""Shared bench helpers: the standard shapes, timing, and result files in bench/results/."""
+"""Shared bench helpers: result files in bench/results/, and (from tinyloop.quickbench) the
+standard shapes, their model files and timing."""
 import datetime
 import json
 import platform
-import time
 from pathlib import Path
 
-import tinyloop
+from tinyloop.quickbench import SHAPES, best_of, bench_model as model_file
+
+__all__ = ["RESULTS", "SHAPES", "best_of", "machine", "model_file", "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-# The shapes every bench and issue refers to (n_pre 2, L 8, vocab 32000).
-SHAPES = {
-    "quick": dict(vocab_size=32000, d_model=512, n_heads=8, n_kv_heads=8, head_dim=64,
-                  ffn_dim=1408, n_pre_blocks=2, default_loops=8, max_seq_len=2048),
-    "full": dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128,
-                 ffn_dim=5632, n_pre_blocks=2, default_loops=8, max_seq_len=2048),
-}
-
-
-def model_file(shape, weight_format, cache_dir):
-    """Path of a random model of a standard shape, written once into cache_dir."""
-    path = Path(cache_dir) / f"{shape}-{weight_format}.tinyloop"
-    if not path.exists():
-        tinyloop.random_model(path, seed=0, weight_format=weight_format,
-                              name=f"bench-{shape}-{weight_format}", **SHAPES[shape])
-    return path
-
-
-def best_of(fn, repeats):
-    """(result, fastest wall time in seconds) over `repeats` runs."""
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return result, best
 
 
 def machine():

@@ -1,0 +1,83 @@
+"""Benchmarks shared by `tinyloop bench` and the scripts in bench/: the standard shapes, prefill
+and decode speed, and the seed's shared-prefix experiment. Every figure comes from one process,
+and comparisons are ratios of runs made side by side (these machines are shared and noisy).
+"""
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .random_model import random_model
+
+# The shapes every bench and issue refers to (n_pre 2, L 8, vocab 32000).
+SHAPES = {
+    "quick": dict(vocab_size=32000, d_model=512, n_heads=8, n_kv_heads=8, head_dim=64,
+                  ffn_dim=1408, n_pre_blocks=2, default_loops=8, max_seq_len=2048),
+    "full": dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128,
+                 ffn_dim=5632, n_pre_blocks=2, default_loops=8, max_seq_len=2048),
+}
+
+
+def bench_model(shape, weight_format, directory):
+    """Path of a random model of a standard shape, written once into `directory`."""
+    path = Path(directory) / f"{shape}-{weight_format}.tinyloop"
+    if not path.exists():
+        random_model(path, seed=0, weight_format=weight_format,
+                     name=f"bench-{shape}-{weight_format}", **SHAPES[shape])
+    return path
+
+
+def timed(fn):
+    """(fn(), wall seconds)."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def best_of(fn, repeats):
+    """(result, fastest wall time in seconds) over `repeats` runs."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        result, seconds = timed(fn)
+        best = min(best, seconds)
+    return result, best
+
+
+def speed(model, n_prefill=512, n_decode=32, repeats=1):
+    """(tokens, prefill tok/s, decode tok/s): a prefix of n_prefill random tokens built in one
+    chunk, then n_decode greedy steps from it."""
+    prompt = np.random.default_rng(1).integers(0, model.config()["vocab_size"], n_prefill)
+    prefix, t_prefill = best_of(lambda: model.build_prefix_cache(prompt, prefill_chunk=n_prefill),
+                                repeats)
+    tokens, t_decode = best_of(lambda: model.generate_from_prefix_cache(prefix, max_tokens=n_decode),
+                               repeats)
+    return tokens, n_prefill / t_prefill, n_decode / t_decode
+
+
+def shared_prefix(model, prompt, n, max_tokens=32, loops=8):
+    """The seed's table row for N requests sharing `prompt` (model without automatic cache).
+
+    NO_CACHE: each request runs the whole prompt. SHARED: one PrefixCache, N continuations in
+    turn. BATCHED: one PrefixCache, the N continuations in one generate_batch. BOUND:
+    (P + D) / (P / N + D) from the measured prefill time P and decode time D, the best SHARED
+    can reach. Greedy; `same tokens` checks that the three ways agree."""
+    kw = dict(max_tokens=max_tokens, loops=loops, temperature=0.0)
+    prefix, t_prefill = timed(lambda: model.build_prefix_cache(prompt, loops=loops))
+    alone, t_decode = timed(lambda: model.generate_from_prefix_cache(prefix, **kw))
+    no_cache, t_none = timed(lambda: [model.generate(prompt, **kw) for _ in range(n)])
+
+    def shared():
+        p = model.build_prefix_cache(prompt, loops=loops)
+        return [model.generate_from_prefix_cache(p, **kw) for _ in range(n)]
+
+    def batched():
+        p = model.build_prefix_cache(prompt, loops=loops)
+        return model.generate_batch([[]] * n, prefix=p, **kw)
+
+    shared_out, t_shared = timed(shared)
+    batched_out, t_batched = timed(batched)
+    bound = (t_prefill + t_decode) / (t_prefill / n + t_decode)
+    return {"prefix": len(prompt), "N": n, "no_cache s": t_none, "shared s": t_shared,
+            "batched s": t_batched, "shared x": t_none / t_shared, "bound x": bound,
+            "shared/bound": (t_none / t_shared) / bound, "batched x": t_none / t_batched,
+            "same tokens": no_cache == shared_out == batched_out and shared_out[0] == alone}
