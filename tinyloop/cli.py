@@ -1,63 +1,55 @@
-"""The `tinyloop` command line: `demo` (the main job), `generate` and `info`.
+"""The `tinyloop` command line: `demo` (the main job), `generate`, `info` and `bench`.
 
-Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or input (argparse convention).
+Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or input (argparse convention),
+130 interrupted (Ctrl-C, also during a long prefill).
 """
 import argparse
 import codecs
 import sys
+import tempfile
 import time
+
+import numpy as np
 
 from . import Model
 from ._version import __version__
 from .backends import backend_features, backend_info
+from .demo import run_demo
+from .quickbench import bench_model, shared_prefix, speed
 
-SYSTEM_PROMPT = ("In the beginning God created the heaven and the earth. And the earth was "
-                 "without form, and void; and darkness was upon the face of the deep.\n")
-REQUESTS = ("And God said", "And the LORD spake unto Moses, saying,", "Blessed are they",
-            "And Jesus answered and said")
-
-
-def _timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
+PROGRESS_CHUNK = 256       # prompt tokens per chunk when a progress display is on
+PROGRESS_MIN_TOKENS = 1024  # "auto" shows progress for prompts at least this long
 
 
-def run_demo(args, out):
-    """A shared system prompt and several requests, without and with the prefix cache."""
-    with Model(args.model, backend=args.backend, threads=args.threads) as model:
-        cfg = model.config()
-        print(f"model {cfg['name']}: d_model {cfg['d_model']}, {cfg['n_pre_blocks']} pre block(s) "
-              f"+ loop block x {cfg['default_loops']}, backend {model.backend}\n", file=out)
-        system = model.encode(SYSTEM_PROMPT)
-        requests = [model.encode(" " + r if i else r) for i, r in enumerate(REQUESTS)]
-        kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        plain, t_plain = _timed(lambda: [model.generate(system + r, **kw) for r in requests])
-        prefix, t_build = _timed(lambda: model.build_prefix_cache(system))
-        cached, t_cached = _timed(lambda: [model.generate_from_prefix_cache(prefix, suffix=r, **kw)
-                                           for r in requests])
-        for r, tokens in zip(requests, cached):
-            print(f"> {model.decode(r).strip()}{model.decode(tokens[len(system) + len(r):])}\n",
-                  file=out)
-        reused = len(system) * len(requests)
-        total = t_build + t_cached
-        print(f"{'run':<24}{'seconds':>9}  prefilled tokens", file=out)
-        print(f"{'without prefix cache':<24}{t_plain:>9.3f}  {sum(len(system) + len(r) for r in requests)}",
-              file=out)
-        print(f"{'with prefix cache':<24}{total:>9.3f}  {len(system) + sum(map(len, requests))}"
-              f"   (prefix built once in {t_build:.3f} s)", file=out)
-        print(f"speedup {t_plain / total:.2f}x; {reused} prompt tokens reused from one "
-              f"{len(system)}-token prefix ({prefix.nbytes} bytes of KV)", file=out)
-        same = cached == plain
-        print(f"identical tokens with and without the cache: {'yes' if same else 'NO'}", file=out)
-        return 0 if same else 1
+class PrefillProgress:
+    """An on_prefill callback printing "prefill done/total tokens" on stderr: rewritten in
+    place on a terminal, one line per chunk otherwise (--progress always)."""
+
+    def __init__(self, mode, n_prompt, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.enabled = mode == "always" or (mode == "auto" and self.tty and n_prompt >= PROGRESS_MIN_TOKENS)
+
+    def __call__(self, done, total):
+        if self.tty:
+            end = "\r\033[K" if done == total else ""
+            print(f"\rprefill {done}/{total} tokens", end=end, file=self.stream, flush=True)
+        else:
+            print(f"prefill {done}/{total} tokens", file=self.stream, flush=True)
+
+
+def _open(args, **kwargs):
+    return Model(args.model, backend=args.backend, threads=args.threads, **kwargs)
 
 
 def run_generate(args, out):
     """Stream the continuation as it is sampled, then one stats line on stderr."""
-    with Model(args.model, backend=args.backend, threads=args.threads) as model:
+    with _open(args) as model:
         is_text = model.config()["tokenizer"] == "bytes" and not args.ids
-        prompt = model.encode(args.prompt) if is_text else [int(t) for t in args.prompt.split(",")]
+        text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        parse = model.encode if is_text else (lambda s: [int(t) for t in s.split(",")])
+        prompt = parse(text)
+        stops = [parse(s) for s in args.stop]
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         first = []
 
@@ -67,26 +59,31 @@ def run_generate(args, out):
             piece = decoder.decode(bytes([token])) if is_text else f"{token} "
             print(piece, end="", file=out, flush=True)
 
+        progress = PrefillProgress(args.progress, len(prompt))
         if is_text:
-            print(args.prompt, end="", file=out)
+            print(text, end="", file=out, flush=True)
+        hits_before = model.cache_stats()["hit_tokens"]
         start = time.perf_counter()
         result = model.generate(
             prompt, max_tokens=args.max_tokens, loops=args.loops, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-            seed=args.seed, on_token=show)
+            cache_window=args.cache_window, stop_sequences=stops, seed=args.seed, on_token=show,
+            on_prefill=progress if progress.enabled else None,
+            prefill_chunk=PROGRESS_CHUNK if progress.enabled else None)
         end = time.perf_counter()
         print(file=out)
         n_new = len(result) - len(prompt)
-        prefill = len(prompt) / max(first[0] - start, 1e-9)
+        prefill = len(prompt) / max(first[0] - start, 1e-9) if first else float("nan")
         decode = (n_new - 1) / max(end - first[0], 1e-9) if n_new > 1 else float("nan")
-        print(f"[backend {model.backend}, prompt {len(prompt)} tokens, reused 0, "
+        print(f"[backend {model.backend}, prompt {len(prompt)} tokens, "
+              f"reused {model.cache_stats()['hit_tokens'] - hits_before}, "
               f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s]", file=sys.stderr)
     return 0
 
 
 def run_info(args, out):
     info = backend_info(args.backend)
-    with Model(args.model, backend=args.backend, threads=args.threads) as model:
+    with _open(args) as model:
         for key, value in model.config().items():
             print(f"{key:>16}: {value}", file=out)
         if model.backend == "native":
@@ -97,6 +94,30 @@ def run_info(args, out):
     print(f"{'library':>16}: {info['library']} {info['library_version'] or ''}", file=out)
     print(f"{'features':>16}: {', '.join(sorted(backend_features()))}", file=out)
     return 0
+
+
+def run_bench(args, out):
+    """Prefill/decode speed and the shared-prefix table on one model (bench/ has the full suite)."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = args.model or bench_model("quick", args.format, directory)
+        print(f"model {path if args.model else 'quick shape, ' + args.format} (written once, random)",
+              file=out)
+        with Model(path, backend=args.backend, threads=args.threads, prefix_cache_bytes=0) as model:
+            _, prefill, decode = speed(model, args.prefill, args.decode)
+            print(f"backend {model.backend}: prefill {args.prefill} tokens {prefill:.0f} tok/s, "
+                  f"decode {decode:.0f} tok/s", file=out)
+            vocab = model.config()["vocab_size"]
+            prompt = np.random.default_rng(0).integers(0, vocab, args.prefix).tolist()
+            loops = min(8, model.config()["default_loops"])
+            row = shared_prefix(model, prompt, args.n, args.decode, loops)
+    print(f"{args.n} requests sharing a {args.prefix}-token prompt, {args.decode} new tokens each:",
+          file=out)
+    for name in ("no_cache", "shared", "batched"):
+        print(f"  {name:<9}{row[name + ' s']:>8.3f} s", file=out)
+    print(f"  SHARED {row['shared x']:.2f}x (bound {row['bound x']:.2f}x), "
+          f"BATCHED {row['batched x']:.2f}x; identical tokens: {'yes' if row['same tokens'] else 'NO'}",
+          file=out)
+    return 0 if row["same tokens"] else 1
 
 
 def build_parser():
@@ -112,21 +133,34 @@ def build_parser():
         p.set_defaults(run=run)
         return p
 
-    demo = command("demo", run_demo, "shared-prefix requests with and without prefix caching")
+    demo = command("demo", lambda a, out: run_demo(lambda budget: _open(a, prefix_cache_bytes=budget),
+                                                   a.max_tokens, a.temperature, a.seed, out),
+                   "shared-prefix requests with and without prefix caching")
     demo.add_argument("--max-tokens", type=int, default=60)
     demo.add_argument("--temperature", type=float, default=0.7)
     demo.add_argument("--seed", type=int, default=1)
     gen = command("generate", run_generate, "generate text (or token ids) from a prompt")
-    gen.add_argument("prompt", help="text, or comma-separated token ids with --ids")
-    gen.add_argument("--ids", action="store_true", help="the prompt is token ids")
+    gen.add_argument("prompt", help="text, comma-separated token ids with --ids, or - for stdin")
+    gen.add_argument("--ids", action="store_true", help="the prompt and stops are token ids")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--loops", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--cache-window", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="a stop sequence (repeatable)")
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                     help=f"prefill progress on stderr (auto: on a terminal, prompts >= "
+                          f"{PROGRESS_MIN_TOKENS} tokens)")
     command("info", run_info, "model configuration and the backend chosen")
+    bench = command("bench", run_bench, "a quick speed run (default: random quick-shape model)")
+    bench.add_argument("--format", default="int8", choices=["int8", "int4"])
+    bench.add_argument("--prefill", type=int, default=512)
+    bench.add_argument("--decode", type=int, default=32)
+    bench.add_argument("--prefix", type=int, default=500)
+    bench.add_argument("--n", type=int, default=10)
     return parser
 
 
@@ -141,5 +175,5 @@ def main(argv=None, out=sys.stdout):
         print(f"tinyloop: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("tinyloop: interrupted", file=sys.stderr)
+        print("\ntinyloop: interrupted", file=sys.stderr)
         return 130

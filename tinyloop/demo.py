@@ -1,10 +1,58 @@
-"""The bundled demo model (docs/demo_model.md): a small looped byte-level model."""
+"""The bundled demo model (docs/demo_model.md) and `tinyloop demo`, the main job: one shared
+system prompt and several requests, run without a prefix cache, with an explicit PrefixCache
+and with the automatic prefix cache; the answers, a table of times, the reuse, and the check
+that all three runs produced identical tokens."""
+import time
 from pathlib import Path
 
 DEMO_MODEL = Path(__file__).resolve().parent / "data" / "demo.tinyloop"
+
+SYSTEM_PROMPT = ("In the beginning God created the heaven and the earth. And the earth was "
+                 "without form, and void; and darkness was upon the face of the deep.\n")
+REQUESTS = ("And God said", "And the LORD spake unto Moses, saying,", "Blessed are they",
+            "And Jesus answered and said")
 
 
 def demo_model_path():
     if not DEMO_MODEL.is_file():
         raise FileNotFoundError(f"the bundled demo model is missing from {DEMO_MODEL}")
     return str(DEMO_MODEL)
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def run_demo(open_model, max_tokens, temperature, seed, out):
+    """open_model(prefix_cache_bytes) -> a Model of the demo; returns the exit code."""
+    from .model import DEFAULT_PREFIX_CACHE_BYTES
+    with open_model(0) as model, open_model(DEFAULT_PREFIX_CACHE_BYTES) as auto:
+        cfg = model.config()
+        print(f"model {cfg['name']}: d_model {cfg['d_model']}, {cfg['n_pre_blocks']} pre block(s) "
+              f"+ loop block x {cfg['default_loops']}, backend {model.backend}\n", file=out)
+        system = model.encode(SYSTEM_PROMPT)
+        requests = [model.encode(" " + r if i else r) for i, r in enumerate(REQUESTS)]
+        kw = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        plain, t_plain = _timed(lambda: [model.generate(system + r, **kw) for r in requests])
+        prefix, t_build = _timed(lambda: model.build_prefix_cache(system))
+        explicit, t_explicit = _timed(lambda: [model.generate_from_prefix_cache(prefix, suffix=r, **kw)
+                                               for r in requests])
+        automatic, t_auto = _timed(lambda: [auto.generate(system + r, **kw) for r in requests])
+        for r, tokens in zip(requests, explicit):
+            print(f"> {model.decode(r).strip()}{model.decode(tokens[len(system) + len(r):])}\n", file=out)
+        stats = auto.cache_stats()
+        n_prompt = sum(len(system) + len(r) for r in requests)
+        rows = [("no prefix cache", t_plain, n_prompt, ""),
+                ("PrefixCache (explicit)", t_build + t_explicit, len(system) + sum(map(len, requests)),
+                 f"prefix built once in {t_build:.3f} s, {prefix.nbytes} bytes"),
+                ("automatic prefix cache", t_auto, stats["prefilled_tokens"],
+                 f"{stats['hit_tokens']} prompt tokens were cache hits")]
+        print(f"{'run':<24}{'seconds':>9}{'speedup':>9}  prompt tokens computed", file=out)
+        for name, seconds, computed, note in rows:
+            print(f"{name:<24}{seconds:>9.3f}{t_plain / seconds:>8.2f}x  {computed:<6} {note}".rstrip(),
+                  file=out)
+        same = plain == explicit == automatic
+        print(f"identical tokens with and without the cache: {'yes' if same else 'NO'}", file=out)
+        return 0 if same else 1
