@@ -5,6 +5,8 @@ reports (docs/api.md formulas).
 
 Each backend runs a cache-less twin of every cached model; a result is compared with the twin's.
 """
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -319,3 +321,26 @@ def test_prefill_progress_counts_reused_positions_and_can_stop_a_request(backend
         model.generate(list(range(40, 80)), prefill_chunk=8, on_prefill=interrupt)
     assert model.cache_stats()["blocks"] == blocks, "a stopped prompt was cached"
     assert model.generate(prompt, max_tokens=3) == first
+
+
+def test_threads_sharing_one_cache_get_what_they_get_alone(backend, model_path, opened):
+    per_block = block_bytes(backend, SHAPE["n_pre_blocks"] + 3)
+    model = fresh(backend, model_path, 10 * per_block)        # small: evictions while racing
+    rng = np.random.default_rng(9)
+    systems = [rng.integers(0, 263, size=n).tolist() for n in (18, 27, 33)]
+    calls = [(systems[i % 3] + [i], dict(max_tokens=3, temperature=0.9, seed=i)) for i in range(24)]
+    want = [opened["off"].generate(p, **kw) for p, kw in calls]
+    got = [None] * len(calls)
+
+    def work(worker):
+        for i in range(worker, len(calls), 4):
+            got[i] = model.generate(calls[i][0], **calls[i][1])
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+    stats = model.cache_stats()
+    assert stats["lookups"] == 24 and stats["bytes_in_use"] <= stats["budget_bytes"]
