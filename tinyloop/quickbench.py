@@ -43,6 +43,12 @@ def best_of(fn, repeats):
     return result, best
 
 
+def median_of(fn, repeats):
+    """(result, median wall time in seconds) over `repeats` runs."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return runs[-1][0], float(np.median([seconds for _, seconds in runs]))
+
+
 def speed(model, n_prefill=512, n_decode=32, repeats=1):
     """(tokens, prefill tok/s, decode tok/s): a prefix of n_prefill random tokens built in one
     chunk, then n_decode greedy steps from it."""
@@ -59,11 +65,11 @@ def shared_prefix(model, prompt, n, max_tokens=32, loops=8):
 
     NO_CACHE: each request runs the whole prompt. SHARED: one PrefixCache, N continuations in
     turn. BATCHED: one PrefixCache, the N continuations in one generate_batch. BOUND:
-    (P + D) / (P / N + D) from the measured prefill time P and decode time D, the best SHARED
-    can reach. Greedy; `same tokens` checks that the three ways agree."""
+    (P + D) / (P / N + D) from the prefill time P and decode time D (medians of 3 runs), the
+    best SHARED can reach. Greedy; `same tokens` checks that the three ways agree."""
     kw = dict(max_tokens=max_tokens, loops=loops, temperature=0.0)
-    prefix, t_prefill = timed(lambda: model.build_prefix_cache(prompt, loops=loops))
-    alone, t_decode = timed(lambda: model.generate_from_prefix_cache(prefix, **kw))
+    prefix, t_prefill = median_of(lambda: model.build_prefix_cache(prompt, loops=loops), 3)
+    alone, t_decode = median_of(lambda: model.generate_from_prefix_cache(prefix, **kw), 3)
     no_cache, t_none = timed(lambda: [model.generate(prompt, **kw) for _ in range(n)])
 
     def shared():
