@@ -3,6 +3,11 @@
  * outputs and compute exact integers, so the split never changes a result. */
 #include "matmul.h"
 
+enum {
+    ITEMS_PER_THREAD = 8, /* blocks per pool thread: small enough to even out a slow thread */
+    BLOCK_TILES = 4       /* blocks hold whole kernel panels (the widest is 4 tiles)        */
+};
+
 typedef struct linear_job {
     const tl_linear* lin;
     const tl_acts* acts;
@@ -23,10 +28,11 @@ static void run_rows(void* ctx, size_t item, unsigned worker) {
 }
 
 void tl_acts_finish_row(tl_acts* A, size_t t) {
-    const int8_t* q = A->q + t * A->stride;
-    uint8_t* qx = A->qx + t * A->stride;
+    const size_t K = A->stride; /* a local: the u8 stores below could alias *A, which kept GCC from vectorizing */
+    const int8_t* q = A->q + t * K;
+    uint8_t* qx = A->qx + t * K;
     int32_t sum = 0;
-    for (size_t k = 0; k < A->stride; k++) {
+    for (size_t k = 0; k < K; k++) {
         sum += q[k];
         qx[k] = (uint8_t)q[k] ^ 0x80;
     }
@@ -42,8 +48,9 @@ void tl_linear_run(const tl_linear* lin, const tl_acts* acts, float* y, size_t y
     if (lin->isa != TL_ISA_SCALAR) tile = lin->tile_rows;
     const uint32_t R = lin->src.rows;
     const uint32_t tiles = (R + tile - 1) / tile;
-    const uint32_t want_items = 4 * tl_pool_threads(pool);
+    const uint32_t want_items = ITEMS_PER_THREAD * tl_pool_threads(pool);
     const uint32_t tiles_per_item = (tiles + want_items - 1) / want_items;
-    job.rows_per_item = (tiles_per_item ? tiles_per_item : 1) * tile;
+    job.rows_per_item = ((tiles_per_item + BLOCK_TILES - 1) / BLOCK_TILES) * BLOCK_TILES * tile;
+    if (job.rows_per_item == 0) job.rows_per_item = BLOCK_TILES * tile;
     tl_pool_run(pool, (R + job.rows_per_item - 1) / job.rows_per_item, run_rows, &job);
 }

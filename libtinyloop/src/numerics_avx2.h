@@ -1,5 +1,5 @@
 /* numerics_avx2.h — 8-lane AVX2 forms of the spec's element-wise primitives (numerics.h),
- * bit-identical to the scalar ones: ordered compares for the clamp (a NaN becomes lo),
+ * bit-identical to the scalar ones: vmaxps / vminps for the clamp (a NaN becomes lo),
  * vroundps for floor and for rint (half to even), Horner as separate multiplies and adds
  * (no FMA), exact power-of-two scaling. Only for files compiled with target("avx2"). */
 #ifndef TL_NUMERICS_AVX2_H
@@ -11,10 +11,12 @@
 
 #define TL_INLINE_AVX2 static inline __attribute__((always_inline, target("avx2")))
 
-/* (x >= lo) ? x : lo, then (x <= hi) ? x : hi (spec §2.1). */
+/* (x >= lo) ? x : lo, then (x <= hi) ? x : hi (spec §2.1), for lo < hi, neither zero nor NaN.
+ * vmaxps(x, lo) = (x > lo) ? x : lo and returns lo for a NaN x (its second operand); it differs
+ * from the spec only at x == lo, where both give that value (lo is not zero, so no sign of zero
+ * is at stake). The same holds for vminps at hi, and x is no longer NaN there. */
 TL_INLINE_AVX2 __m256 tl_clamp8(__m256 x, __m256 lo, __m256 hi) {
-    x = _mm256_blendv_ps(lo, x, _mm256_cmp_ps(x, lo, _CMP_GE_OQ));
-    return _mm256_blendv_ps(hi, x, _mm256_cmp_ps(x, hi, _CMP_LE_OQ));
+    return _mm256_min_ps(_mm256_max_ps(x, lo), hi);
 }
 
 TL_INLINE_AVX2 __m256 tl_rint8(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }

@@ -6,9 +6,22 @@
 
 #include "numerics.h"
 
+/* max_i |x_i| from 0, NaN-ignoring (a NaN never compares greater), as eight independent running
+ * maxima rather than one serial chain: the values are >= +0 and never NaN, so the order in which
+ * the maxima combine cannot change the result. */
+static float abs_max(const float* x, size_t n) {
+    float m[8] = {0.0f};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) m[k] = fabsf(x[i + k]) > m[k] ? fabsf(x[i + k]) : m[k];
+    for (; i < n; i++) m[0] = fabsf(x[i]) > m[0] ? fabsf(x[i]) : m[0];
+    float amax = 0.0f;
+    for (int k = 0; k < 8; k++) amax = m[k] > amax ? m[k] : amax;
+    return amax;
+}
+
 float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q) {
-    float amax = 0.0f; /* NaN-ignoring: a NaN never compares greater */
-    for (size_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float amax = abs_max(x, n);
     if (amax < 5.421010862427522e-20f) { /* 2^-64, 0x1f800000 */
         for (size_t i = 0; i < n; i++) q[i] = 0;
         return 0.0f;
