@@ -2,11 +2,14 @@
 
 Plugs into the shared engine (fallback/engine.py) as `NumbaKernels(threads)`; everything not
 here (paged KV cache, prefixes, chunking, windows, stop rules, the generation loop) is the
-numpy backend's own code. `sample` is also used by the numba-cuda backend. Results are bit-identical to the numpy reference (tests/test_numba*.py):
+numpy backend's own code. `sample` is also used by the numba-cuda backend. Results are
+bit-identical to the numpy reference (tests/test_numba*.py):
 
-- integer matmuls accumulate exactly in int32 (docs/spec.md §3 proves the bound per tensor);
-  int4 weights are unpacked with their group multiplier folded in as int16
-  (weights.integer_weights), so int8 and int4 share one kernel;
+- integer sums are exact: the matmuls accumulate in int32 (docs/spec.md §3 proves the bound
+  per tensor), int4 weights unpacked with their group multiplier folded in as int16
+  (weights.integer_weights), so int8 and int4 share one kernel; attention's Σ U vq is split
+  so that its int32 partial sums are bounded too (_add_weighted_rows). The vector loops are
+  numba_dot's intrinsics;
 - every float operation is one float32 operation in the spec's order (numba_scalar.py); no
   kernel uses fastmath, and LLVM does not contract a*b+c into an FMA without it (checked on
   the compiled assembly by tests/test_numba_cpu.py);
@@ -15,19 +18,22 @@ numpy backend's own code. `sample` is also used by the numba-cuda backend. Resul
 
 Kernels are compiled on first use and cached on disk (`cache=True`, NUMBA_CACHE_DIR to move
 the cache). numba's cache is keyed by each function's own source file: after editing
-numba_scalar.py, touch this file (or clear the cache) so cached kernels are rebuilt.
-Every kernel is compiled parallel; before each call the kernel set sets numba's thread count
-(numba keeps it per calling thread): `threads` for work of PARALLEL_WORK or more, else one.
-A parallel region costs a wake-up of every worker, more than a decode step's small kernels
-take, and far more when another process holds a core.
+numba_scalar.py or numba_dot.py, touch this file (or clear the cache) so cached kernels are
+rebuilt. Every kernel is compiled parallel and run on `threads` threads for work of
+PARALLEL_WORK or more, else on one (numba keeps the count per calling thread). A parallel
+region ends at a barrier: when another process holds a core, a worker waits for a time
+slice, so regions shorter than a few milliseconds (all of a decode step's) run on one thread.
 """
+import threading
 from types import SimpleNamespace
 
 import numba
 import numpy as np
 from numba import njit, prange
 
-from . import numba_scalar
+from tinyloop.modelfile import unpack_int4
+
+from . import numba_dot, numba_scalar
 from .attention import key_range
 from .forward import NumpyKernels
 from .numba_arena import ArenaBlockPool
@@ -38,10 +44,15 @@ from .weights import integer_weights
 F32 = np.float32
 I32 = np.int32
 NEG_INF = F32(-np.inf)
-ROW_BLOCK = 4          # linear weights are padded to a multiple of this many rows
-PARALLEL_WORK = 1 << 21  # multiply-adds (or so) below which a kernel runs on one thread
-TWO_20 = F32(1 << 20)      # the sampler's fixed-point unit (spec §5.1)
+ROW_TILE = 4             # linear: weight rows per int_dots call
+TOKEN_TILE = 2           # linear: tokens per int_dots call (then one at a time)
+ROW_BLOCK = 16           # linear: weight rows per parallel work item, a multiple of ROW_TILE
+PV_CHUNK = 4096          # attention: keys per int32 partial sum of U vq (_add_weighted_rows)
+U_MAX = F32(2 ** 24 + 2)  # attention: the largest U_j when svmax is finite (e_j <= 1)
+PARALLEL_WORK = 1 << 26  # multiply-adds (or so) below which a kernel runs on one thread
+TWO_20 = F32(1 << 20)    # the sampler's fixed-point unit (spec §5.1)
 scalar = njit(cache=True, inline="always")   # scalar helpers: inlined where they are called
+_numba_threads = threading.local()           # .count: numba's thread count, as last set here
 
 
 @scalar
@@ -106,146 +117,201 @@ def rms_quantize_kernel(x, eps, q, a):
 
 # -- linear -------------------------------------------------------------------------------
 
-@njit(cache=True)
-def _dots_2x2(q0, q1, w0, w1):
-    """Four exact int32 dot products of two int8 activation rows with two weight rows
-    (int8, or int16 for int4)."""
-    a, b, c, d = I32(0), I32(0), I32(0), I32(0)
-    for k in range(q0.shape[0]):
-        x0 = I32(q0[k])
-        x1 = I32(q1[k])
-        y0 = I32(w0[k])
-        y1 = I32(w1[k])
-        a = I32(a + x0 * y0)
-        b = I32(b + x0 * y1)
-        c = I32(c + x1 * y0)
-        d = I32(d + x1 * y1)
-    return a, b, c, d
-
-
-@njit(cache=True)
-def _dots_1x4(q0, w0, w1, w2, w3):
-    """Four exact int32 dot products of one int8 activation row with four weight rows."""
-    a, b, c, d = I32(0), I32(0), I32(0), I32(0)
-    for k in range(q0.shape[0]):
-        x = I32(q0[k])
-        a = I32(a + x * I32(w0[k]))
-        b = I32(b + x * I32(w1[k]))
-        c = I32(c + x * I32(w2[k]))
-        d = I32(d + x * I32(w3[k]))
-    return a, b, c, d
+@scalar
+def _store_tile(accs, n_tok, n_rows, t, r, a, scale, y):
+    """y for tokens t .. t+n_tok-1 and rows r .. r+n_rows-1 (those below y's width) from
+    int_dots' accumulators."""
+    for i in range(n_tok):
+        for j in range(n_rows):
+            if r + j < y.shape[1]:
+                y[t + i, r + j] = linear_out(accs[i * n_rows + j], a[t + i], scale[r + j])
 
 
 @njit(parallel=True, cache=True)
 def linear_kernel(q, a, w, scale, y):
-    """spec §3 for T tokens: y = ((f32) acc * a) * ws with acc = Σ_k q_k w_k exact in int32.
+    """spec §3 for T tokens: y = ((f32) acc * a) * ws with acc exact in int32.
 
-    q: (T, K) int8; a: (T,) float32; w: (R', K) int8, or int16 (int4 with its multipliers
-    folded in), R' >= R a multiple of ROW_BLOCK; scale: (R',) float32 -> y: (T, R) float32.
-    Each thread takes ROW_BLOCK weight rows and runs every token over them: two tokens at a
-    time against two rows, then a last odd token against all four. (Written out here on
-    purpose: moved behind a function call, the token loop ran at half the speed.)
+    q: (T, K) int8; a: (T,) float32; w: NumbaLinear.w, R' >= R rows, a multiple of
+    ROW_BLOCK; scale: (R',) float32 -> y: (T, R) float32. Each thread takes ROW_BLOCK weight
+    rows and runs every token over them: TOKEN_TILE tokens x ROW_TILE rows per int_dots call,
+    the last tokens one row at a time (one row streams weights from memory faster than
+    several).
     """
-    n_tok, n_out = q.shape[0], y.shape[1]
-    for rb in prange(w.shape[0] // ROW_BLOCK):
-        for r in range(rb * ROW_BLOCK, (rb + 1) * ROW_BLOCK, 2):
-            for t in range(0, n_tok - 1, 2):
-                acc0, acc1, acc2, acc3 = _dots_2x2(q[t], q[t + 1], w[r], w[r + 1])
-                if r < n_out:
-                    y[t, r] = linear_out(acc0, a[t], scale[r])
-                    y[t + 1, r] = linear_out(acc2, a[t + 1], scale[r])
-                if r + 1 < n_out:
-                    y[t, r + 1] = linear_out(acc1, a[t], scale[r + 1])
-                    y[t + 1, r + 1] = linear_out(acc3, a[t + 1], scale[r + 1])
-        if n_tok % 2:
-            t, r = n_tok - 1, rb * ROW_BLOCK
-            accs = _dots_1x4(q[t], w[r], w[r + 1], w[r + 2], w[r + 3])
-            for i in range(ROW_BLOCK):
-                if r + i < n_out:
-                    y[t, r + i] = linear_out(accs[i], a[t], scale[r + i])
+    q16 = q.astype(np.int16)
+    n_tok = q.shape[0]
+    tiled = n_tok - n_tok % TOKEN_TILE
+    for rb in prange(scale.shape[0] // ROW_BLOCK):
+        first = rb * ROW_BLOCK
+        for t in range(0, tiled, TOKEN_TILE):
+            for r in range(first, first + ROW_BLOCK, ROW_TILE):
+                accs = numba_dot.int_dots(q16, t, w, r, TOKEN_TILE, ROW_TILE)
+                _store_tile(accs, TOKEN_TILE, ROW_TILE, t, r, a, scale, y)
+        for t in range(tiled, n_tok):
+            for r in range(first, first + ROW_BLOCK):
+                _store_tile(numba_dot.int_dots(q16, t, w, r, 1, 1), 1, 1, t, r, a, scale, y)
+
+
+def _pad_rows(array, n_rows):
+    return np.ascontiguousarray(np.pad(array, ((0, n_rows - len(array)), (0, 0))))
 
 
 class NumbaLinear:
-    """A linear layer's exact integer weights (weights.integer_weights), rows padded with
-    zeros to a multiple of ROW_BLOCK."""
+    """A linear layer's weights as numba_dot.int_dots reads them, rows padded with zeros to a
+    multiple of ROW_BLOCK: int8 as they are; int4 as (values int8, a multiplier per LANES
+    columns int16) when the group size is a multiple of numba_dot.LANES (1.125 bytes a
+    weight), else unpacked with the multipliers folded in (weights.integer_weights, int16)."""
 
     def __init__(self, kernels, w, scale, multipliers=None, group_size=0):
         self.kernels = kernels
         self.n_out = len(scale)
-        pad = -self.n_out % ROW_BLOCK
-        values = integer_weights(w, multipliers, group_size)
-        self.w = np.ascontiguousarray(np.pad(values, ((0, pad), (0, 0))))    # (R', K)
-        self.scale = np.pad(np.asarray(scale, F32), (0, pad))                 # (R',)
+        n_rows = self.n_out + -self.n_out % ROW_BLOCK
+        if multipliers is not None and group_size % numba_dot.LANES == 0:
+            per_lanes = np.repeat(np.asarray(multipliers, np.int16),
+                                  group_size // numba_dot.LANES, axis=1)
+            self.w = (_pad_rows(unpack_int4(w), n_rows), _pad_rows(per_lanes, n_rows))
+        else:
+            self.w = _pad_rows(integer_weights(w, multipliers, group_size), n_rows)
+        self.scale = np.pad(np.asarray(scale, F32), (0, n_rows - self.n_out))
 
     def __call__(self, q, a):
         """q: (T, K) int8, a: (T,) float32 -> (T, R) float32."""
         y = np.empty((len(q), self.n_out), F32)
-        self.kernels.use_threads(self.w.size * len(q))
-        linear_kernel(np.ascontiguousarray(q), a, self.w, self.scale, y)
+        self.kernels.launch(linear_kernel, self.kernels.threads_for(len(self.scale) * q.size),
+                            np.ascontiguousarray(q), a, self.w, self.scale, y)
         return y
 
 
 # -- attention, heads, MLP -------------------------------------------------------------------
 
+@njit(cache=True)
+def _arena_slots(table, shift, block_size, lo, hi):
+    """The arena slot (row * block_size + offset) of each position lo .. hi-1."""
+    slots = np.empty(hi - lo, np.int64)
+    for j in range(lo, hi):
+        slots[j - lo] = (np.int64(table[(j - shift) // block_size]) * block_size
+                         + (j - shift) % block_size)
+    return slots
+
+
 @scalar
-def _dot(qq, k):
-    """Exact int32 dot product of two int8 rows."""
-    acc = I32(0)
-    for d in range(qq.shape[0]):
-        acc = I32(acc + I32(qq[d]) * I32(k[d]))
-    return acc
+def _interleaved(i, n):
+    """The i-th of 0, n-1, 1, n-2, ...: with causal attention, consecutive items alternate
+    short and long key runs, so numba's equal contiguous shares of items are equal work."""
+    return i // 2 if i % 2 == 0 else n - 1 - i // 2
+
+
+@scalar
+def _nan_ignoring_max(x):
+    m = NEG_INF
+    for i in range(x.shape[0]):
+        m = x[i] if x[i] > m else m
+    return m
+
+
+@scalar
+def _quantized_queries(qh, h0, h1):
+    """Q8 of query heads h0 .. h1-1 of qh (H, D) float32 (spec §4.1): qq (H, D) int16 and
+    c = sq / sqrt(D) (H,), those heads' rows filled."""
+    n_heads, head_dim = qh.shape
+    qq, c = np.empty((n_heads, head_dim), np.int16), np.empty(n_heads, F32)
+    q8 = np.empty(head_dim, np.int8)
+    for h in range(h0, h1):
+        c[h] = quantize_row(qh[h], q8, numba_scalar.QMAX8) / np.sqrt(F32(head_dim))
+        qq[h] = q8
+    return qq, c
+
+
+@scalar
+def _scores(qq, c, h0, keys, kscale, vscale, bases, group, scores, svs):
+    """S_j (spec §4.1) of query heads h0, h0 + 1, ... into scores[h - h0, j] and the value
+    scales sv_j of their kv heads into svs[h - h0, j], for the keys at row base_j + g of
+    keys (n_slots * G, D) and of the scales (n_slots * G,). Position by position, so the
+    keys are read in memory order."""
+    for i in range(bases.shape[0]):
+        for h in range(h0, h0 + scores.shape[0]):
+            r = bases[i] + h // group
+            dot = numba_dot.int_dots(qq, h, keys, r, 1, 1)[0]
+            scores[h - h0, i] = attention_score(dot, c[h], kscale[r])
+            svs[h - h0, i] = vscale[r]
+
+
+@scalar
+def _add_weighted_rows(u, values, rows, num):
+    """num[d] += Σ_j U_j vq_jd (spec §4.1) exactly, in int64, for U (n,) float32 holding
+    integers in [0, U_MAX] and the value rows at `rows` of values (n_slots * G, D). In chunks
+    of at most PV_CHUNK keys, U is split into 12-bit halves (U >> 12 <= 4096, U & 4095),
+    each summed by int_weighted_rows in int32 (below PV_CHUNK * 4096 * 127 < 2**31); the
+    terms it leaves out (an odd chunk's last key, the columns past a multiple of LANES) are
+    added here."""
+    n_cols = values.shape[1]
+    paired_cols = n_cols - n_cols % numba_dot.LANES
+    sums = np.empty((2, n_cols), np.int32)
+    for start in range(0, u.shape[0], PV_CHUNK):
+        n = min(PV_CHUNK, u.shape[0] - start)
+        halves = np.empty((2, n), np.int16)
+        for i in range(n):
+            halves[0, i], halves[1, i] = I32(u[start + i]) >> 12, I32(u[start + i]) & 4095
+        sums[:] = 0
+        numba_dot.int_weighted_rows(halves, values, rows[start:start + n], sums, 2)
+        for d in range(paired_cols):
+            num[d] += np.int64(sums[0, d]) * 4096 + sums[1, d]
+        for i in range(start, start + n):
+            first = paired_cols if i < start + n - n % 2 else 0
+            for d in range(first, n_cols):
+                num[d] += np.int64(u[i]) * values[rows[i], d]
+
+
+@scalar
+def _head_output(scores, u, values, rows, out):
+    """spec §4.1 from one query head's scores S_j and value scales sv_j (in u) of the keys
+    at `rows` of values (n_slots * G, D) -> out (D,) float32. Overwrites u with U_j."""
+    svmax = _nan_ignoring_max(u)
+    if not svmax > 0:                    # every visible value row is zero
+        out[:] = 0
+        return
+    m, kappa = _nan_ignoring_max(scores), numba_scalar.TWO_24 / svmax
+    den, nan = np.int64(0), F32(0)
+    for i in range(u.shape[0]):          # E_j, and U_j in place of sv_j
+        e_int, u[i] = attention_weights(scores[i], m, u[i], kappa)
+        den += np.int64(e_int)
+        if not u[i] <= U_MAX:            # NaN, from inf * 0 when svmax is inf
+            nan = u[i]
+    if nan != 0:                         # the reference's sums are that NaN, and so is out
+        out[:] = attention_out(np.float64(nan), den, svmax)
+        return
+    num = np.zeros(out.shape[0], np.int64)
+    _add_weighted_rows(u, values, rows, num)
+    for d in range(out.shape[0]):
+        out[d] = attention_out(num[d], den, svmax)
 
 
 @njit(parallel=True, cache=True)
-def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window, out):
+def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window, parts, out):
     """spec §4.1 for T queries at pos0.. over the keys of one cache layer, read in place.
 
     qh: (T, H, D) float32; kq, vq: (rows, block_size, G, D) int8 and sk, sv: (rows,
     block_size, G) float32, the pool's arena; position j is in arena row
-    table[(j - shift) // block_size] at (j - shift) % block_size -> out: (T, H * D) float32.
-    Per (query, head): scores (and the values' scales) of the visible keys, their max, then
-    E and U in one element-wise pass, then the exact sums Σ E (int64) and Σ U vq (float64
-    holding integers below 2**53, as the reference does).
+    table[(j - shift) // block_size] at (j - shift) % block_size -> out: (T, H, D) float32.
+    Work items are (query, one of `parts` ranges of heads), the queries interleaved; parts > 1
+    spreads one query over threads. Per head: the scores of the visible keys, their max, E
+    and U, then the exact sums Σ E and Σ U vq.
     """
     n_tok, n_heads, head_dim = qh.shape
-    group = n_heads // kq.shape[2]
-    root = np.sqrt(F32(head_dim))
-    for th in prange(n_tok * n_heads):
-        t, h = th // n_heads, th % n_heads
-        g = h // group
-        pos = pos0 + t
-        first = max(lo, pos - window + 1) if window else lo
-        n_keys = pos + 1 - first
-        qq = np.empty(head_dim, np.int8)
-        c = quantize_row(qh[t, h], qq, numba_scalar.QMAX8) / root
-        scores, svs = np.empty(n_keys, F32), np.empty(n_keys, F32)
-        rows, offsets = np.empty(n_keys, np.int32), np.empty(n_keys, np.int32)
-        m = NEG_INF
-        svmax = NEG_INF
-        for i in range(n_keys):
-            b, o = table[(first + i - shift) // block_size], (first + i - shift) % block_size
-            rows[i], offsets[i] = b, o
-            scores[i] = attention_score(_dot(qq, kq[b, o, g]), c, sk[b, o, g])
-            svs[i] = sv[b, o, g]
-            m = scores[i] if scores[i] > m else m
-            svmax = svs[i] if svs[i] > svmax else svmax
-        row = out[t, h * head_dim:(h + 1) * head_dim]
-        row[:] = 0
-        if svmax > 0:                    # else every visible value row is zero
-            kappa = numba_scalar.TWO_24 / svmax
-            e_int, u = np.empty(n_keys, F32), np.empty(n_keys, F32)
-            for i in range(n_keys):
-                e_int[i], u[i] = attention_weights(scores[i], m, svs[i], kappa)
-            den = np.int64(0)
-            for i in range(n_keys):
-                den += np.int64(e_int[i])
-            num = np.zeros(head_dim, np.float64)
-            for i in range(n_keys):
-                u64, v = np.float64(u[i]), vq[rows[i], offsets[i], g]
-                for d in range(head_dim):
-                    num[d] += u64 * np.float64(v[d])
-            for d in range(head_dim):
-                row[d] = attention_out(num[d], den, svmax)
+    n_kv = kq.shape[2]
+    group = n_heads // n_kv
+    keys, values = kq.reshape(-1, head_dim), vq.reshape(-1, head_dim)    # row: slot * G + g
+    kscale, vscale = sk.reshape(-1), sv.reshape(-1)
+    slots = _arena_slots(table, shift, block_size, lo, pos0 + n_tok)
+    for item in prange(n_tok * parts):
+        t, part = _interleaved(item // parts, n_tok), item % parts
+        first = max(lo, pos0 + t - window + 1) if window else lo
+        bases = slots[first - lo:pos0 + t + 1 - lo] * n_kv
+        h0, h1 = part * n_heads // parts, (part + 1) * n_heads // parts
+        qq, c = _quantized_queries(qh[t], h0, h1)
+        scores, u = np.empty((h1 - h0, len(bases)), F32), np.empty((h1 - h0, len(bases)), F32)
+        _scores(qq, c, h0, keys, kscale, vscale, bases, group, scores, u)
+        for h in range(h0, h1):
+            _head_output(scores[h - h0], u[h - h0], values, bases + h // group, out[t, h])
 
 
 @njit(parallel=True, cache=True)
@@ -338,25 +404,31 @@ class NumbaKernels(NumpyKernels):
         self.threads = min(threads or numba.config.NUMBA_NUM_THREADS,
                            numba.config.NUMBA_NUM_THREADS)
 
-    def use_threads(self, work):
-        """Set the thread count for a kernel of about `work` multiply-adds."""
-        threads = self.threads if work >= PARALLEL_WORK else 1
-        if numba.get_num_threads() != threads:
+    def threads_for(self, work):
+        """`threads` for a kernel of PARALLEL_WORK multiply-adds (or so) or more, else one."""
+        return self.threads if work >= PARALLEL_WORK else 1
+
+    def launch(self, kernel, threads, *args):
+        """kernel(*args) on `threads` threads. numba keeps the count per calling thread, and
+        asking numba for it costs more than a small kernel, so the count last set here is
+        remembered (should other code change it in this thread, only timing is affected)."""
+        if getattr(_numba_threads, "count", None) != threads:
             numba.set_num_threads(threads)
+            _numba_threads.count = threads
+        kernel(*args)
 
     def linear(self, w, scale, multipliers=None, group_size=0):
         return NumbaLinear(self, w, scale, multipliers, group_size)
 
     def quantize_rows(self, x):
         q, s = np.empty(x.shape, np.int8), np.empty(x.shape[:-1], F32)
-        self.use_threads(x.size)
-        quantize_rows_kernel(x.reshape(-1, x.shape[-1]), q.reshape(-1, x.shape[-1]), s.reshape(-1))
+        self.launch(quantize_rows_kernel, self.threads_for(x.size), x.reshape(-1, x.shape[-1]),
+                    q.reshape(-1, x.shape[-1]), s.reshape(-1))
         return q, s
 
     def rms_quantize(self, x, eps):
         q, a = np.empty(x.shape, np.int8), np.empty(len(x), F32)
-        self.use_threads(x.size)
-        rms_quantize_kernel(x, F32(eps), q, a)
+        self.launch(rms_quantize_kernel, self.threads_for(x.size), x, F32(eps), q, a)
         return q, a
 
     def split_heads(self, z, cos, sin, config):
@@ -364,22 +436,23 @@ class NumbaKernels(NumpyKernels):
         qh = np.empty((n_tok, H, D), F32)
         kq, vq = np.empty((n_tok, G, D), np.int8), np.empty((n_tok, G, D), np.int8)
         sk, sv = np.empty((n_tok, G), F32), np.empty((n_tok, G), F32)
-        self.use_threads(z.size)
-        split_heads_kernel(z, cos, sin, H, G, qh, kq, sk, vq, sv)
+        self.launch(split_heads_kernel, self.threads_for(z.size), z, cos, sin, H, G, qh, kq, sk,
+                    vq, sv)
         return qh, (kq, sk, vq, sv)
 
     def attend(self, qh, cache, layer, pos0):
         lo, hi = key_range(pos0, len(qh), cache.window)
         table, shift = cache.pool.block_table(cache, layer, lo, hi)
-        out = np.empty((len(qh), qh.shape[1] * qh.shape[2]), F32)
+        out = np.empty(qh.shape, F32)
         arena = cache.pool.arena
-        self.use_threads(qh.size * (hi - lo))
-        attend_kernel(qh, arena["kq"], arena["sk"], arena["vq"], arena["sv"], table, shift,
-                      cache.pool.block_size, pos0, lo, cache.window, out)
-        return out
+        threads = self.threads_for(qh.size * (hi - lo))
+        parts = min(threads, qh.shape[1]) if len(qh) < threads else 1   # split a lone query
+        self.launch(attend_kernel, threads, qh, arena["kq"], arena["sk"], arena["vq"],
+                    arena["sv"], table, shift, cache.pool.block_size, pos0, lo, cache.window,
+                    parts, out)
+        return out.reshape(len(qh), -1)
 
     def swiglu(self, gu):
         h = np.empty((len(gu), gu.shape[1] // 2), F32)
-        self.use_threads(h.size * 16)                 # an exp2s is some 16 operations
-        swiglu_kernel(gu, h)
+        self.launch(swiglu_kernel, self.threads_for(h.size * 16), gu, h)   # exp2s: ~16 ops
         return h

@@ -59,14 +59,33 @@ def test_swiglu_and_exp2_match_on_special_values():
 
 
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 5])
-@pytest.mark.parametrize("n_out", [1, 4, 6, 13])
-def test_linear_matches_for_every_tail(n_tok, n_out):
-    rng = np.random.default_rng(n_tok * 100 + n_out)
-    w = rng.integers(-127, 128, (n_out, 40), dtype=np.int8)
+@pytest.mark.parametrize("n_out", [1, 4, 6, 13, 17])
+@pytest.mark.parametrize("n_in", [7, 40, 64])
+def test_linear_matches_for_every_tail(n_tok, n_out, n_in):
+    """Token tiles, row tiles and row blocks with remainders; inputs shorter than, not a
+    multiple of, and a multiple of numba_dot.LANES."""
+    rng = np.random.default_rng(n_tok * 100 + n_out + n_in * 10000)
+    w = rng.integers(-127, 128, (n_out, n_in), dtype=np.int8)
     scale = rng.random(n_out).astype(np.float32)
-    q = rng.integers(-127, 128, (n_tok, 40), dtype=np.int8)
+    q = rng.integers(-127, 128, (n_tok, n_in), dtype=np.int8)
     a = rng.random(n_tok).astype(np.float32)
     assert bits(KERNELS.linear(w, scale)(q, a)) == bits(Linear(w, scale)(q, a))
+
+
+@pytest.mark.parametrize("group", [2, 8, 16, 48, 96])
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_int4_linear_matches_grouped_and_folded(group, n_tok):
+    """Group sizes that are multiples of numba_dot.LANES keep a multiplier per LANES columns;
+    others have their multipliers folded into the weights."""
+    rng = np.random.default_rng(group * 10 + n_tok)
+    n_out, n_in = 21, 96
+    packed = rng.integers(0, 256, (n_out, n_in // 2), dtype=np.uint8)
+    m = rng.integers(0, 256, (n_out, n_in // group), dtype=np.uint8)
+    scale = rng.random(n_out).astype(np.float32)
+    q = rng.integers(-127, 128, (n_tok, n_in), dtype=np.int8)
+    a = rng.random(n_tok).astype(np.float32)
+    got = KERNELS.linear(packed, scale, m, group)(q, a)
+    assert bits(got) == bits(Linear(packed, scale, m, group)(q, a))
 
 
 def test_int8_accumulator_at_its_largest():
@@ -110,13 +129,53 @@ def test_attention_matches_with_zero_value_rows_and_gqa(window):
     cache.free()
 
 
-def test_thread_count_never_changes_a_bit(model_files):
+def test_attention_sums_past_one_int32_chunk_at_the_bound():
+    """4099 keys (odd, past PV_CHUNK) with every score equal, so every U_j = 2**24, and
+    every value +-127: the int32 partial sums of U vq reach their bound. head_dim 40 also
+    leaves columns past the last multiple of numba_dot.LANES."""
+    n_heads, head_dim, n = 2, 40, numba_cpu.PV_CHUNK + 3
+    rng = np.random.default_rng(0)
+    cache = KVCache(KERNELS.new_pool(16, 1, head_dim), 1, 0)
+    kh = np.ones((n, 1, head_dim), np.float32)
+    vh = np.where(rng.random((n, 1, head_dim)) < 0.5, 1, -1).astype(np.float32)
+    vh[:, :, :3] = 1                                  # columns whose sums only grow
+    cache.write(0, 0, *ref.quantize_rows(kh), *ref.quantize_rows(vh))
+    qh = np.zeros((1, n_heads, head_dim), np.float32)
+    qh[0, 1] = rng.standard_normal(head_dim)
+    assert bits(KERNELS.attend(qh, cache, 0, n - 1)) == bits(attend_cached(qh, cache, 0, n - 1))
+    cache.free()
+
+
+def test_attention_with_an_infinite_value_scale_gives_the_reference_nan():
+    """A value row holding inf quantizes to scale inf (svmax = inf): the heads of its kv
+    head get the reference's NaN, the others stay finite."""
+    rng = np.random.default_rng(1)
+    cache = KVCache(KERNELS.new_pool(4, 2, 16), 1, 0)
+    kh = rng.standard_normal((9, 2, 16)).astype(np.float32)
+    vh = rng.standard_normal((9, 2, 16)).astype(np.float32)
+    vh[2, 1, 3] = np.inf
+    with np.errstate(invalid="ignore"):
+        cache.write(0, 0, *ref.quantize_rows(kh), *ref.quantize_rows(vh))
+        qh = rng.standard_normal((6, 4, 16)).astype(np.float32)
+        got, want = KERNELS.attend(qh, cache, 0, 3), attend_cached(qh, cache, 0, 3)
+    assert np.isnan(got[:, 32:]).all() and not np.isnan(got[:, :32]).any()
+    assert bits(got) == bits(want)
+    cache.free()
+
+
+@pytest.mark.parametrize("name", ["int4-mha", "int4-eos", "int8-gqa"])
+def test_thread_count_never_changes_a_bit(model_files, monkeypatch, name):
+    """With PARALLEL_WORK 0 every kernel of these small models runs parallel, and attention
+    splits each one-token step's heads over the threads."""
+    monkeypatch.setattr(numba_cpu, "PARALLEL_WORK", 0)
     prompt = list(range(1, 40))
-    logits = []
+    runs = []
     for threads in (1, 2):
-        with tinyloop.Model(model_files["int4-mha"], backend="numba", threads=threads) as model:
-            logits.append(model.logits(prompt, prefill_chunk=16))
-    assert bits(logits[0]) == bits(logits[1])
+        with tinyloop.Model(model_files[name], backend="numba", threads=threads) as model:
+            runs.append((model.logits(prompt, prefill_chunk=16),
+                         model.generate(prompt, max_tokens=6, return_logits=True)))
+    (logits1, (tokens1, steps1)), (logits2, (tokens2, steps2)) = runs
+    assert bits(logits1, *steps1) == bits(logits2, *steps2) and tokens1 == tokens2
 
 
 FMA_PROBE = """
