@@ -2,7 +2,6 @@
 system prompt and several requests, run without a prefix cache, with an explicit PrefixCache
 and with the automatic prefix cache; the answers, a table of times, the reuse, and the check
 that all three runs produced identical tokens."""
-import time
 from pathlib import Path
 
 DEMO_MODEL = Path(__file__).resolve().parent / "data" / "demo.tinyloop"
@@ -19,15 +18,10 @@ def demo_model_path():
     return str(DEMO_MODEL)
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
-
-
 def run_demo(open_model, max_tokens, temperature, seed, out):
     """open_model(prefix_cache_bytes) -> a Model of the demo; returns the exit code."""
     from .model import DEFAULT_PREFIX_CACHE_BYTES
+    from .quickbench import timed
     with open_model(0) as model, open_model(DEFAULT_PREFIX_CACHE_BYTES) as auto:
         cfg = model.config()
         print(f"model {cfg['name']}: d_model {cfg['d_model']}, {cfg['n_pre_blocks']} pre block(s) "
@@ -35,11 +29,11 @@ def run_demo(open_model, max_tokens, temperature, seed, out):
         system = model.encode(SYSTEM_PROMPT)
         requests = [model.encode(" " + r if i else r) for i, r in enumerate(REQUESTS)]
         kw = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        plain, t_plain = _timed(lambda: [model.generate(system + r, **kw) for r in requests])
-        prefix, t_build = _timed(lambda: model.build_prefix_cache(system))
-        explicit, t_explicit = _timed(lambda: [model.generate_from_prefix_cache(prefix, suffix=r, **kw)
+        plain, t_plain = timed(lambda: [model.generate(system + r, **kw) for r in requests])
+        prefix, t_build = timed(lambda: model.build_prefix_cache(system))
+        explicit, t_explicit = timed(lambda: [model.generate_from_prefix_cache(prefix, suffix=r, **kw)
                                                for r in requests])
-        automatic, t_auto = _timed(lambda: [auto.generate(system + r, **kw) for r in requests])
+        automatic, t_auto = timed(lambda: [auto.generate(system + r, **kw) for r in requests])
         for r, tokens in zip(requests, explicit):
             print(f"> {model.decode(r).strip()}{model.decode(tokens[len(system) + len(r):])}\n", file=out)
         stats = auto.cache_stats()

@@ -123,39 +123,28 @@ class NativeEngine:
             p.n_stop = len(params.stop_sequences)
         return p
 
-    def _token_callback(self, on_token, raised):
-        """A C tl_token_fn calling on_token; an exception stops generation and is kept."""
+    def _callback(self, ctype, fn, raised):
+        """A C callback of type `ctype` calling fn with its arguments after user_data (as
+        ints); an exception stops the request (a KeyboardInterrupt during a long prefill
+        lands here) and is kept in `raised`."""
         def onerror(exc_type, exc, tb):
             raised.append(exc)
             return 1
 
-        def call(user_data, token):
-            on_token(int(token))
+        def call(user_data, *args):
+            fn(*map(int, args))
             return 0
 
-        return self.ffi.callback("tl_token_fn", call, onerror=onerror)
-
-    def _progress_callback(self, on_prefill, raised):
-        """A C tl_progress_fn calling on_prefill(done, total); an exception stops the request
-        (a KeyboardInterrupt during a long prefill lands here) and is kept."""
-        def onerror(exc_type, exc, tb):
-            raised.append(exc)
-            return 1
-
-        def call(user_data, done, total):
-            on_prefill(int(done), int(total))
-            return 0
-
-        return self.ffi.callback("tl_progress_fn", call, onerror=onerror)
+        return self.ffi.callback(ctype, call, onerror=onerror)
 
     def _request_params(self, params, callbacks, keep, raised):
         """tl_gen_params for `params`, with callbacks.on_token / on_prefill wired to C."""
         p = self._gen_params(params, keep)
         if callbacks.on_token is not None:
-            keep.append(self._token_callback(callbacks.on_token, raised))
+            keep.append(self._callback("tl_token_fn", callbacks.on_token, raised))
             p.on_token = keep[-1]
         if callbacks.on_prefill is not None:
-            keep.append(self._progress_callback(callbacks.on_prefill, raised))
+            keep.append(self._callback("tl_progress_fn", callbacks.on_prefill, raised))
             p.on_prefill = keep[-1]
         return p
 

@@ -19,7 +19,7 @@ typedef struct batch {
     size_t* live_index;     /* [n] their requests                        */
     tl_kv_mark* marks;      /* [n] their tables before the step          */
     int32_t* tokens;        /* [n] their new tokens                      */
-    float* logits;          /* [n][V]                                    */
+    float** logits;         /* [n] their streams' logits buffers         */
 } batch;
 
 static tl_status check_requests(const tl_engine* e, tl_request* r, size_t n, tl_gen_params* params) {
@@ -38,7 +38,7 @@ static tl_status check_requests(const tl_engine* e, tl_request* r, size_t n, tl_
     return TL_OK;
 }
 
-static tl_status batch_alloc(batch* b, size_t n, uint32_t V) {
+static tl_status batch_alloc(batch* b, size_t n) {
     memset(b, 0, sizeof *b);
     b->n = n;
     b->params = tl_alloc_zeroed(n, sizeof *b->params);
@@ -47,7 +47,7 @@ static tl_status batch_alloc(batch* b, size_t n, uint32_t V) {
     b->live_index = tl_alloc_zeroed(n, sizeof *b->live_index);
     b->marks = tl_alloc_zeroed(n, sizeof *b->marks);
     b->tokens = tl_alloc_zeroed(n, sizeof *b->tokens);
-    b->logits = tl_alloc_zeroed(n * (size_t)V, sizeof *b->logits);
+    b->logits = tl_alloc_zeroed(n, sizeof *b->logits);
     return b->params && b->streams && b->live && b->live_index && b->marks && b->tokens && b->logits
                ? TL_OK : tl_fail_oom("batch");
 }
@@ -85,6 +85,7 @@ static tl_status sample_all(batch* b, size_t* n_live) {
         if (st != TL_OK) return st;
         if (s->done) continue;
         b->live[*n_live] = s->seq;
+        b->logits[*n_live] = s->logits;
         b->live_index[(*n_live)++] = i;
     }
     return TL_OK;
@@ -92,7 +93,6 @@ static tl_status sample_all(batch* b, size_t* n_live) {
 
 /* One batched decode step over the live sequences (all-or-nothing on failure). */
 static tl_status step(tl_engine* e, batch* b, size_t n_live) {
-    const uint32_t V = tl_engine_config(e)->vocab_size;
     tl_status st = tl_engine_check_open(e);
     size_t tried = 0;  /* tables given a reservation attempt (a failed one changes nothing) */
     for (; st == TL_OK && tried < n_live; tried++) {
@@ -109,7 +109,6 @@ static tl_status step(tl_engine* e, batch* b, size_t n_live) {
         tl_seq* s = b->live[j];
         s->n++;
         tl_kv_release_outside(&s->kv, s->n, s->window);
-        memcpy(b->streams[b->live_index[j]].logits, b->logits + j * (size_t)V, V * sizeof(float));
     }
     return TL_OK;
 }
@@ -124,7 +123,7 @@ TL_API tl_status tl_generate_batch(tl_model* model, tl_request* requests, size_t
         return st;
     }
     batch b;
-    st = batch_alloc(&b, n_requests, tl_engine_config(e)->vocab_size);
+    st = batch_alloc(&b, n_requests);
     if (st == TL_OK) st = check_requests(e, requests, n_requests, b.params);
     if (st == TL_OK) st = start_all(e, &b, requests);
     size_t n_live = 0;

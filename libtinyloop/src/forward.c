@@ -262,7 +262,7 @@ tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_a
     return TL_OK;
 }
 
-tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* logits) {
+tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* const* logits) {
     const tl_engine* e = seqs[0]->engine;
     size_t max_keys = 0;
     for (size_t b = 0; b < B; b++)
@@ -294,7 +294,7 @@ tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B,
     head_rows(&f, sorted_logits);
     for (size_t r = 0; r < B; r++) {
         memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
-        memcpy(logits + order[r] * V, sorted_logits + r * V, V * sizeof(float));
+        memcpy(logits[order[r]], sorted_logits + r * V, V * sizeof(float));
     }
     tl_free(arena);
     tl_free(sorted_logits);

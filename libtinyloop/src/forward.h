@@ -14,11 +14,11 @@ tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_a
 
 /* One new token for each of B sequences (each with KV reserved for position seqs[b]->n),
  * run together: every linear is one GEMM over the B rows, attention reads each row's own
- * cache. Rows may differ in depth and window. Writes logits [B][V] (in the callers' order)
- * and each sequence's last_hidden; the caller advances seqs[b]->n. Each row's result is
+ * cache. Rows may differ in depth and window. Writes logits[b] ([V] each, the callers'
+ * buffers) and each sequence's last_hidden; the caller advances seqs[b]->n. Each row's result is
  * bit-identical to running its token alone. Fails only with TL_ERR_OUT_OF_MEMORY, before
  * touching any cache. */
-tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* logits);
+tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* const* logits);
 
 /* logits[V] = head(NQ(x)) for one hidden state x[d] (docs/spec.md §4, "Head"). */
 tl_status tl_head_logits(tl_engine* e, const float* x, float* logits);
