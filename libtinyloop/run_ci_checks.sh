@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # libtinyloop CI checks (about 2-4 minutes on 2 cores):
 #   1. Release build + ctest (unit, loader, model, allocation-failure and — when Python 3 with
-#      the tinyloop Python package is installed — golden tests vs the numpy backend)
-#   2. ASan + UBSan build (-fno-sanitize-recover=all) + the same ctest suite
+#      the tinyloop Python package is installed — golden tests vs the numpy backend). The CUDA
+#      backend is compiled when nvcc is found (TINYLOOP_CUDA=ON/OFF forces it); without a GPU
+#      its code is compiled and linked, and the tests check the clean "no CUDA device" refusal.
+#   2. ASan + UBSan build (-fno-sanitize-recover=all) + the same ctest suite, CPU only
 #   3. install into a temporary prefix, then build the C example against it twice: with
 #      find_package(tinyloop) and with pkg-config; run it on a small generated model.
 # usage: libtinyloop/run_ci_checks.sh [WORK_DIR]   (default: a fresh temporary directory)
@@ -20,12 +22,15 @@ echo "== 1/3 release build + tests"
 # golden tests need the tinyloop Python package installed for this python3 (see tests/)
 python=$(command -v python3)
 golden=(-DPython3_EXECUTABLE="$python" -DTINYLOOP_REQUIRE_GOLDEN="${TINYLOOP_REQUIRE_GOLDEN:-OFF}")
-cmake -S "$here" -B "$work/release" -DCMAKE_BUILD_TYPE=Release "${golden[@]}" >/dev/null
+cuda=()
+[ -n "${TINYLOOP_CUDA:-}" ] && cuda=(-DTINYLOOP_CUDA="$TINYLOOP_CUDA")
+cmake -S "$here" -B "$work/release" -DCMAKE_BUILD_TYPE=Release "${golden[@]}" "${cuda[@]}" >/dev/null
 cmake --build "$work/release" -j "$jobs"
 ctest --test-dir "$work/release" --output-on-failure -j "$jobs"
 
 echo "== 2/3 sanitizer build (ASan + UBSan) + tests"
-cmake -S "$here" -B "$work/sanitize" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZE=ON "${golden[@]}" >/dev/null
+cmake -S "$here" -B "$work/sanitize" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZE=ON -DTINYLOOP_CUDA=OFF \
+    "${golden[@]}" >/dev/null
 cmake --build "$work/sanitize" -j "$jobs"
 ctest --test-dir "$work/sanitize" --output-on-failure -j "$jobs"
 

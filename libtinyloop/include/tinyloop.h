@@ -1,5 +1,5 @@
 /*
- * tinyloop.h — the C API of libtinyloop, the CPU backend of TinyLoop.
+ * tinyloop.h — the C API of libtinyloop, the native backend of TinyLoop (CPU, and CUDA GPUs).
  *
  * TinyLoop runs looped (depth-recurrent, weight-shared) transformer language models stored in
  * `.tinyloop` files. Every result is bit-identical to the numerics contract in docs/spec.md,
@@ -87,6 +87,20 @@ typedef enum tl_isa {
 /* Whether this CPU (and build) can run `isa`. TL_ISA_AUTO and TL_ISA_SCALAR: always true. */
 TL_API bool tl_cpu_supports(tl_isa isa);
 
+/* ===== Devices ============================================================================= */
+
+typedef enum tl_device {
+    TL_DEVICE_AUTO = 0, /* today always the CPU: CUDA joins `auto` once verified on a GPU         */
+    TL_DEVICE_CPU = 1,  /* the CPU kernels (tl_isa)                                              */
+    TL_DEVICE_CUDA = 2  /* an NVIDIA GPU: the CUDA backend (a build with TINYLOOP_CUDA)          */
+} tl_device;
+
+/* TL_OK if `device` can run models here; otherwise TL_ERR_UNSUPPORTED with the reason in
+ * tl_last_error() (e.g. "libtinyloop was built without CUDA", "no CUDA device: ...").
+ * TL_ERR_INVALID_ARGUMENT for a value outside the enum. Thread-safe; never aborts, also on a
+ * machine with no GPU driver. */
+TL_API tl_status tl_device_check(tl_device device);
+
 /* ===== Memory accounting ==================================================================== */
 
 /* Counters over every allocation the library makes (weights repacked for SIMD, KV blocks,
@@ -121,9 +135,12 @@ typedef struct tl_model_params {
                                lacks is TL_ERR_UNSUPPORTED.                                  */
     size_t prefix_cache_bytes; /* budget of the automatic prefix cache (docs/spec.md §4.3);
                                0 = no automatic prefix cache                                 */
+    tl_device device;       /* where the forward pass runs; TL_DEVICE_AUTO = the CPU (for now).
+                               TL_DEVICE_CUDA without a usable GPU is TL_ERR_UNSUPPORTED.    */
+    int32_t device_index;   /* CUDA device ordinal (TL_DEVICE_CUDA only); default 0           */
 } tl_model_params;
 
-/* Defaults: all cores, blocks of 16, automatic ISA, no automatic prefix cache. */
+/* Defaults: all cores, blocks of 16, automatic ISA, no automatic prefix cache, device auto. */
 TL_API tl_model_params tl_model_params_default(void);
 
 /* Map the file at `path` read-only, validate it (docs/spec.md §6) and prepare the kernels.
@@ -165,7 +182,10 @@ typedef struct tl_model_runtime {
     tl_isa isa;             /* the kernel path chosen (never TL_ISA_AUTO)                     */
     uint32_t n_threads;     /* threads of the pool, including the calling thread              */
     uint32_t kv_block_size; /* positions per KV block                                         */
-    size_t weight_bytes;    /* bytes of repacked weights held by the library                  */
+    size_t weight_bytes;    /* bytes of repacked weights held by the library (host memory)    */
+    tl_device device;       /* where the forward pass runs (never TL_DEVICE_AUTO)              */
+    size_t device_weight_bytes; /* bytes of weights in device memory (0 on the CPU)            */
+    char device_name[64];   /* e.g. "cpu (avx2)" or "NVIDIA H200 (sm_90)"; NUL-terminated     */
 } tl_model_runtime;
 
 TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* out);

@@ -1,5 +1,5 @@
 /* engine.h — the shared, reference-counted state behind a tl_model handle: the mapped file,
- * the prepared linears, the KV geometry and the thread pool. Sequences and prefixes hold a
+ * the prepared linears, the KV geometry, the thread pool and, on a GPU, the CUDA state. Sequences and prefixes hold a
  * reference, so the weights outlive tl_model_close until the last of them is freed; every
  * public entry point first checks `closed` and fails with "model was closed". */
 #ifndef TL_ENGINE_H
@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
+#include "cuda_backend.h"
 #include "kvcache.h"
 #include "loader.h"
 #include "matmul.h"
@@ -27,6 +28,8 @@ typedef struct tl_engine {
     tl_pool* pool;
     size_t weight_bytes;
     tl_pcache* pcache;   /* the automatic prefix cache; NULL when the model has none */
+    tl_cuda* cuda;       /* the device running the forward pass; NULL = the CPU. The CPU
+                            linears stay prepared either way (tl_head_logits uses them). */
 } tl_engine;
 
 static inline const tl_config* tl_engine_config(const tl_engine* e) { return &e->file.cfg; }

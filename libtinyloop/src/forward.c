@@ -22,6 +22,7 @@
 #include "alloc.h"
 #include "attention.h"
 #include "errors.h"
+#include "forward_cuda.h"
 #include "quant.h"
 
 typedef struct fwd {
@@ -244,6 +245,7 @@ static void head_rows(fwd* f, float* logits) {
 
 tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
                      float* last_hidden, float* loop_states) {
+    if (s->engine->cuda) return tl_forward_cuda_chunk(s, tokens, T, logits_all, last_hidden, loop_states);
     fwd f;
     void* arena;
     tl_status st = begin(&f, s->engine, T, s->n + T, &arena);
@@ -262,8 +264,26 @@ tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_a
     return TL_OK;
 }
 
+/* order[0 .. B) = the rows deepest first; a stable insertion sort keeps the callers' order
+ * among equals. */
+static void sort_deepest_first(tl_seq* const* seqs, size_t B, size_t* order) {
+    for (size_t b = 0; b < B; b++) {
+        size_t r = b;
+        for (; r > 0 && seqs[order[r - 1]]->n_layers < seqs[b]->n_layers; r--) order[r] = order[r - 1];
+        order[r] = b;
+    }
+}
+
 tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* const* logits) {
     const tl_engine* e = seqs[0]->engine;
+    if (e->cuda) {
+        size_t* order = tl_alloc(B * sizeof(size_t));
+        if (!order) return tl_fail_oom("batch scratch");
+        sort_deepest_first(seqs, B, order);
+        const tl_status st = tl_forward_batch_cuda(seqs, tokens, order, B, logits);
+        tl_free(order);
+        return st;
+    }
     size_t max_keys = 0;
     for (size_t b = 0; b < B; b++)
         if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
@@ -278,12 +298,7 @@ tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B,
         tl_free(order);
         return st;
     }
-    /* rows deepest first; a stable insertion sort keeps the callers' order among equals */
-    for (size_t b = 0; b < B; b++) {
-        size_t r = b;
-        for (; r > 0 && seqs[order[r - 1]]->n_layers < seqs[b]->n_layers; r--) order[r] = order[r - 1];
-        order[r] = b;
-    }
+    sort_deepest_first(seqs, B, order);
     for (size_t r = 0; r < B; r++) {
         f.seqs[r] = seqs[order[r]];
         f.pos[r] = f.seqs[r]->n;

@@ -4,30 +4,39 @@
 #include <string.h>
 
 #include "alloc.h"
+#include "cuda_backend.h"
 #include "errors.h"
 
 _Static_assert(sizeof(tl_kv_block) <= 64, "block header must fit in 64 bytes");
 
 tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim) {
-    tl_kv_geom g = {block_size, n_kv_heads, head_dim, 0};
+    tl_kv_geom g = {block_size, n_kv_heads, head_dim, 0, NULL};
     size_t bytes = 2 * (size_t)block_size * head_dim + 2 * sizeof(float) * block_size;
     g.head_bytes = (bytes + 63) / 64 * 64;
     return g;
 }
 
 static tl_kv_block* block_new(const tl_kv_geom* g, uint32_t n_layers, uint32_t start) {
-    size_t bytes = 64 + (size_t)n_layers * g->n_kv_heads * g->head_bytes;
-    tl_kv_block* b = tl_alloc(bytes);
+    const size_t data_bytes = (size_t)n_layers * g->n_kv_heads * g->head_bytes;
+    tl_kv_block* b = tl_alloc(g->cuda ? 64 : 64 + data_bytes);
     if (!b) return NULL;
+    b->data = g->cuda ? tl_cuda_block_alloc(g->cuda, data_bytes) : (char*)b + 64;
+    if (!b->data) {
+        tl_free(b);
+        return NULL;
+    }
     atomic_init(&b->refs, 1);
     b->start = start;
     b->n_layers = n_layers;
-    b->bytes = bytes;
+    b->bytes = 64 + data_bytes;
+    b->cuda = g->cuda;
     return b;
 }
 
 void tl_kv_block_release(tl_kv_block* b) {
-    if (b && atomic_fetch_sub(&b->refs, 1) == 1) tl_free(b);
+    if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
+    if (b->cuda) tl_cuda_block_free(b->cuda, b->data);
+    tl_free(b);
 }
 
 static int grow(tl_kv_table* t, size_t need) {

@@ -17,17 +17,21 @@
 
 #include "tinyloop.h"
 
+struct tl_cuda;
+
 typedef struct tl_kv_geom {
     uint32_t block_size, n_kv_heads, head_dim;
-    size_t head_bytes; /* one (layer, kv head) of a block, 64-byte multiple */
+    size_t head_bytes;   /* one (layer, kv head) of a block, 64-byte multiple              */
+    struct tl_cuda* cuda; /* block data lives in this device's memory; NULL = host memory   */
 } tl_kv_geom;
 
 typedef struct tl_kv_block {
     atomic_uint refs;
     uint32_t start;    /* first position */
     uint32_t n_layers;
-    size_t bytes;      /* whole allocation, for accounting */
-    /* data follows, 64-byte aligned */
+    size_t bytes;      /* header + data, for accounting */
+    void* data;        /* host: right after this 64-byte header; device: a device allocation */
+    struct tl_cuda* cuda; /* owner of device data; NULL for host blocks */
 } tl_kv_block;
 
 typedef struct tl_kv_span {
@@ -47,6 +51,7 @@ typedef struct tl_kv_mark {
     uint32_t last_count;
 } tl_kv_mark;
 
+/* Host-memory geometry; set .cuda afterwards to place block data on a device. */
 tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim);
 
 /* The table's current extent, to roll back to after later reservations. */
@@ -72,9 +77,10 @@ static inline void tl_kv_block_retain(tl_kv_block* b) { atomic_fetch_add(&b->ref
 static inline unsigned tl_kv_block_refs(const tl_kv_block* b) { return atomic_load(&b->refs); }
 void tl_kv_block_release(tl_kv_block* b);
 
-/* Per-(layer, kv head) arrays of a block. */
+/* Per-(layer, kv head) arrays of a block (device addresses for a device block: only the CUDA
+ * backend may dereference those). */
 static inline int8_t* tl_kv_keys(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
-    return (int8_t*)b + 64 + ((size_t)layer * g->n_kv_heads + h) * g->head_bytes;
+    return (int8_t*)b->data + ((size_t)layer * g->n_kv_heads + h) * g->head_bytes;
 }
 static inline int8_t* tl_kv_values(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
     return tl_kv_keys(g, b, layer, h) + (size_t)g->block_size * g->head_dim;

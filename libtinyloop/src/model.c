@@ -2,6 +2,7 @@
  * pool), configuration queries, close/free, and the reference counting that keeps the
  * weights alive while sequences and prefixes use them. */
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -29,8 +30,21 @@ static const char* isa_name(tl_isa isa) {
 
 void tl_engine_ref(tl_engine* e) { atomic_fetch_add(&e->refs, 1); }
 
+TL_API tl_status tl_device_check(tl_device device) {
+    switch (device) {
+    case TL_DEVICE_AUTO:
+    case TL_DEVICE_CPU: return TL_OK;
+    case TL_DEVICE_CUDA: {
+        int n_devices = 0;
+        return tl_cuda_probe(&n_devices);
+    }
+    }
+    return tl_fail(TL_ERR_INVALID_ARGUMENT, "device must be 0 (auto), 1 (cpu) or 2 (cuda), got %d", (int)device);
+}
+
 static void engine_destroy(tl_engine* e) {
-    tl_pcache_free(e->pcache);
+    tl_pcache_free(e->pcache); /* its device blocks go back before the device state does */
+    tl_cuda_free(e->cuda);
     tl_pool_destroy(e->pool);
     for (size_t i = 0; e->linears && i < e->n_linears; i++) tl_linear_release(&e->linears[i]);
     tl_free(e->linears);
@@ -81,6 +95,8 @@ TL_API tl_model_params tl_model_params_default(void) {
     p.n_threads = 0;
     p.kv_block_size = 0;
     p.isa = TL_ISA_AUTO;
+    p.device = TL_DEVICE_AUTO;
+    p.device_index = 0;
     return p;
 }
 
@@ -106,6 +122,16 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
     if (!tl_isa_available(p->isa))
         return tl_fail(TL_ERR_UNSUPPORTED, "isa %s is not supported by this CPU or build", isa_name(p->isa));
     if (p->isa == TL_ISA_AUTO) p->isa = tl_isa_best();
+    tl_status st = tl_device_check(p->device);
+    if (st != TL_OK) return st;
+    if (p->device == TL_DEVICE_AUTO) p->device = TL_DEVICE_CPU; /* CUDA joins auto once verified */
+    if (p->device == TL_DEVICE_CUDA) {
+        int n_devices = 0;
+        tl_cuda_probe(&n_devices);
+        if (p->device_index < 0 || p->device_index >= n_devices)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "device_index %d: this machine has %d CUDA device(s)",
+                           (int)p->device_index, n_devices);
+    }
     return TL_OK;
 }
 
@@ -131,6 +157,10 @@ static tl_status engine_create(const char* path, const tl_model_params* p, tl_en
         if (st == TL_OK) e->weight_bytes += tl_linear_bytes(&e->linears[i]);
     }
     if (st == TL_OK) st = tl_pool_create(p->n_threads, &e->pool);
+    if (st == TL_OK && p->device == TL_DEVICE_CUDA) {
+        st = tl_cuda_create(&e->file, p->device_index, &e->cuda);
+        e->kv_geom.cuda = e->cuda;
+    }
     if (st == TL_OK && p->prefix_cache_bytes) {
         e->pcache = tl_pcache_new(&e->kv_geom, p->prefix_cache_bytes);
         if (!e->pcache) st = tl_fail_oom("prefix cache");
@@ -196,7 +226,10 @@ TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* o
     tl_status st = begin_get(model, out, &e);
     if (st != TL_OK) return st;
     tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
-                             e->weight_bytes};
+                             e->weight_bytes, e->cuda ? TL_DEVICE_CUDA : TL_DEVICE_CPU,
+                             e->cuda ? tl_cuda_weight_bytes(e->cuda) : 0, {0}};
+    if (e->cuda) snprintf(full.device_name, sizeof full.device_name, "%s", tl_cuda_device_name(e->cuda));
+    else snprintf(full.device_name, sizeof full.device_name, "cpu (%s)", isa_name(e->isa));
     copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);
     return TL_OK;

@@ -6,25 +6,34 @@
 #ifndef TL_NUMERICS_H
 #define TL_NUMERICS_H
 
+#include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+/* Host and device: the CUDA backend (src/cuda/) runs these same functions in its kernels. */
+#ifdef __CUDACC__
+#define TL_HD __host__ __device__
+#else
+#define TL_HD
+#endif
+
 #define TL_LOG2E 1.4426950216293335f /* 0x3fb8aa3b */
 
-static inline float tl_bits_to_f32(uint32_t u) {
+static inline TL_HD float tl_bits_to_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-static inline uint32_t tl_f32_to_bits(float f) {
+static inline TL_HD uint32_t tl_f32_to_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
 }
 
 /* §2.1: a NaN becomes lo. */
-static inline float tl_clamp(float x, float lo, float hi) {
+static inline TL_HD float tl_clamp(float x, float lo, float hi) {
     x = (x >= lo) ? x : lo;
     x = (x <= hi) ? x : hi;
     return x;
@@ -33,7 +42,7 @@ static inline float tl_clamp(float x, float lo, float hi) {
 /* rint (round half to even) for finite x, without libm: adding and subtracting 2^23 rounds
  * |x| < 2^23 to an integer in the current (round-to-nearest-even) mode; larger values
  * already are integers. */
-static inline float tl_rint(float x) {
+static inline TL_HD float tl_rint(float x) {
     const float two23 = 8388608.0f;
     if (x >= 0.0f) return x < two23 ? (x + two23) - two23 : x;
     return x > -two23 ? -((-x + two23) - two23) : x;
@@ -42,19 +51,19 @@ static inline float tl_rint(float x) {
 /* rint for |x| <= 2^22, branch-free: x + 1.5 * 2^23 lies in [2^23, 2^24), where the spacing
  * of floats is 1, so the addition itself rounds x half-to-even. (-0.5 gives +0, not -0: the
  * callers convert to integers.) */
-static inline float tl_rint_small(float x) {
+static inline TL_HD float tl_rint_small(float x) {
     const float magic = 12582912.0f; /* 1.5 * 2^23 */
     return (x + magic) - magic;
 }
 
 /* floor for x in [-126, 126] (after the exp2 clamp), exact. */
-static inline int tl_floor_small(float x) {
+static inline TL_HD int tl_floor_small(float x) {
     int n = (int)x; /* truncation toward zero */
     return ((float)n > x) ? n - 1 : n;
 }
 
 /* §2.4 exp2s: clamp, split, Horner in the fixed order, exact power-of-two scaling. */
-static inline float tl_exp2s(float x) {
+static inline TL_HD float tl_exp2s(float x) {
     x = tl_clamp(x, -126.0f, 126.0f);
     int n = tl_floor_small(x);
     float f = x - (float)n;
@@ -69,10 +78,10 @@ static inline float tl_exp2s(float x) {
 }
 
 /* §2.4 exps(x) = exp2s(x * LOG2E). */
-static inline float tl_exps(float x) { return tl_exp2s(x * TL_LOG2E); }
+static inline TL_HD float tl_exps(float x) { return tl_exp2s(x * TL_LOG2E); }
 
 /* §2.5 silu(v) = v / (1 + exps(-v)), in the spec's order. */
-static inline float tl_silu(float v) {
+static inline TL_HD float tl_silu(float v) {
     float t = -v;
     float e = tl_exps(t);
     t = 1.0f + e;
@@ -81,11 +90,23 @@ static inline float tl_silu(float v) {
 
 /* f32 -> i64 of an integral value as x86 converts (and so numpy on x86): a NaN or a value
  * outside the i64 range gives INT64_MIN instead of undefined behaviour. */
-static inline int64_t tl_to_i64(float x) {
+static inline TL_HD int64_t tl_to_i64(float x) {
     return (x >= -9.2233720368547758e18f && x < 9.2233720368547758e18f) ? (int64_t)x : INT64_MIN;
 }
 
 /* NaN-ignoring max (C fmaxf semantics, without the libm call). */
-static inline float tl_fmax(float acc, float x) { return (x > acc || acc != acc) ? x : acc; }
+static inline TL_HD float tl_fmax(float acc, float x) { return (x > acc || acc != acc) ? x : acc; }
+
+/* §2.3 NQ, steps 3-4: the matmul input scale a from ss = Σ q² (exact) and the Q8 scale s of a
+ * row of n elements. */
+static inline TL_HD float tl_nq_scale(int64_t ss, float s, size_t n, float eps) {
+    float t = (float)ss;
+    t = t * s;
+    t = t * s;
+    t = t / (float)n;
+    t = t + eps;
+    t = sqrtf(t);
+    return s / t;
+}
 
 #endif

@@ -36,13 +36,7 @@ float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q) {
     const float s = tl_quantize_row(x, n, 127, q);
     int64_t ss = 0;
     for (size_t i = 0; i < n; i++) ss += (int32_t)q[i] * q[i];
-    float t = (float)ss;
-    t = t * s;
-    t = t * s;
-    t = t / (float)n;
-    t = t + eps;
-    t = sqrtf(t);
-    return s / t;
+    return tl_nq_scale(ss, s, n, eps);
 }
 
 void tl_swiglu_row(float* gate, const float* up, size_t n) {

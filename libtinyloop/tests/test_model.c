@@ -278,6 +278,33 @@ static void test_window_memory(void) {
     tl_model_free(m);
 }
 
+/* TL_DEVICE_AUTO and TL_DEVICE_CPU open on the CPU; TL_DEVICE_CUDA opens only where
+ * tl_device_check says it can, and otherwise fails with the same reason. */
+static void test_device_selection(void) {
+    CHECK_OK(tl_device_check(TL_DEVICE_AUTO));
+    CHECK_OK(tl_device_check(TL_DEVICE_CPU));
+    CHECK_STATUS(tl_device_check((tl_device)7), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "device must be 0 (auto), 1 (cpu) or 2 (cuda), got 7"), "%s", tl_last_error());
+    tl_model_params mp = tl_model_params_default();
+    CHECK(mp.device == TL_DEVICE_AUTO && mp.device_index == 0, "device defaults");
+    tl_model* m = NULL;
+    mp.device = TL_DEVICE_CPU;
+    CHECK_OK(tl_model_open(paths[0], &mp, &m));
+    tl_model_free(m);
+    mp.device = TL_DEVICE_CUDA;
+    const tl_status cuda = tl_device_check(TL_DEVICE_CUDA);
+    if (cuda != TL_OK) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", tl_last_error());
+        CHECK(cuda == TL_ERR_UNSUPPORTED && strlen(why) > 0, "tl_device_check(CUDA): %d", (int)cuda);
+        CHECK_STATUS(tl_model_open(paths[0], &mp, &m), TL_ERR_UNSUPPORTED);
+        CHECK(m == NULL && strcmp(tl_last_error(), why) == 0, "%s", tl_last_error());
+    }
+    mp.device_index = 1 << 20;
+    CHECK_STATUS(tl_model_open(paths[0], &mp, &m), cuda == TL_OK ? TL_ERR_INVALID_ARGUMENT : TL_ERR_UNSUPPORTED);
+    CHECK(m == NULL, "output handle set on failure");
+}
+
 static void test_validation(void) {
     tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 0);
     tl_seq* s = NULL;
@@ -366,6 +393,12 @@ static void test_validation(void) {
     tl_model_runtime rt = {.size = sizeof rt};
     CHECK_OK(tl_model_runtime_get(m, &rt));
     CHECK(rt.isa != TL_ISA_AUTO && rt.n_threads == 1 && rt.kv_block_size == 16, "runtime");
+    CHECK(rt.device == TL_DEVICE_CPU && strncmp(rt.device_name, "cpu (", 5) == 0 && rt.device_weight_bytes == 0,
+          "runtime device: %d %s", (int)rt.device, rt.device_name);
+    tl_model_runtime old_rt = {.size = offsetof(tl_model_runtime, device)}; /* an older caller */
+    CHECK_OK(tl_model_runtime_get(m, &old_rt));
+    CHECK(old_rt.size == offsetof(tl_model_runtime, device) && old_rt.device == 0, "versioned runtime");
+    test_device_selection();
     CHECK(tl_abi_version() == 1 && strlen(tl_version_string()) > 0, "versions");
     CHECK(strcmp(tl_status_string(TL_ERR_CLOSED), "model was closed") == 0 &&
               strcmp(tl_status_string(TL_ERR_OUT_OF_MEMORY), "out of memory") == 0, "status strings");

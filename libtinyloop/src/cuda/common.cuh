@@ -1,0 +1,190 @@
+/* common.cuh — internals shared by the CUDA backend's files (src/cuda/): the device state
+ * behind tl_cuda, the device layout of each linear, CUDA error -> tl_status, block-wide
+ * reductions and the Q8 row quantizer as device functions, and the launch wrappers.
+ *
+ * Exactness: device code is compiled with -fmad=false -prec-div=true -prec-sqrt=true
+ * -ftz=false and no fast math, and calls the host's own primitives (numerics.h, TL_HD), so each
+ * f32 operation is the spec's single correctly rounded op. Reductions here are either exact
+ * integer sums or maxima of non-NaN values, whose result does not depend on the order.
+ *
+ * Device layouts (all zero-padded; padding never reaches an output):
+ *   activations  q [T_pad][cols_pad] i8, T_pad = T rounded up to TL_CU_TILE_M, with a scale [T]
+ *   int8 linear  w8 [rows_pad][cols_pad] i8, scale [rows_pad] f32
+ *   int4 linear  w_hi, w_lo [rows_pad][cols_pad] i8 with m*w = 128*hi + lo (tensor-core GEMM),
+ *                and, when group_size % 8 == 0, w4 [rows_pad][cols/8] u32 (8 elements a word:
+ *                byte b holds element b in its low nibble and element b+4 in its high nibble)
+ *                with m8 [rows_pad][cols/8] u8 (the group multiplier of each word) for GEMV. */
+#ifndef TL_CUDA_COMMON_CUH
+#define TL_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cuda_backend.h"
+#include "numerics.h"
+
+extern "C" {
+#include "errors.h"
+}
+
+enum {
+    TL_CU_TILE_M = 128,    /* tokens per tensor-core tile: activation rows are padded to it   */
+    TL_CU_TILE_N = 128,    /* output rows per tile: weight rows are padded to it               */
+    TL_CU_TILE_K = 64,     /* k per step: weight and activation columns are padded to it       */
+    TL_CU_GEMV_MAX_T = 16  /* fewer tokens than this run the dp4a GEMV kernels (decode)        */
+};
+
+/* 2^-64 (0x1f800000), the Q8 "tiny row" threshold, written as quant.c writes it. */
+#define TL_CU_Q8_TINY 5.421010862427522e-20f
+
+/* One linear in device memory (see the layouts above). */
+typedef struct tl_cu_linear {
+    uint32_t rows, cols;          /* R, K                                     */
+    uint32_t rows_pad, cols_pad;  /* R up to TL_CU_TILE_N, K up to TL_CU_TILE_K */
+    uint32_t group_size;          /* 0 = int8                                 */
+    int8_t* w8;                   /* int8 only                                */
+    int8_t* w_hi;                 /* int4 only                                */
+    int8_t* w_lo;                 /* int4 only                                */
+    uint32_t* w4;                 /* int4 with group_size % 8 == 0, else NULL */
+    uint8_t* m8;                  /* with w4                                  */
+    float* scale;                 /* [rows_pad]                               */
+} tl_cu_linear;
+
+/* A grow-on-demand device (or pinned host) buffer. */
+typedef struct tl_cu_buf {
+    void* p;
+    size_t cap;
+} tl_cu_buf;
+
+struct tl_cuda {
+    int device;
+    cudaStream_t stream;
+    pthread_mutex_t lock;         /* serializes tl_cuda_forward and guards the scratch below */
+    bool lock_made, stream_made;
+    cudaMemPool_t pool;           /* KV block memory (stream-ordered on `stream`); NULL = cudaMalloc */
+    tl_config cfg;
+    tl_cu_linear* lin;            /* like tl_file.linears: block * TL_PARTS + part, then the head */
+    size_t n_lin;
+    const int8_t* emb_w;          /* [V][emb_ld]: own upload, or the tied head's w8        */
+    size_t emb_ld;
+    const float* emb_s;           /* [V]                                                    */
+    int8_t* emb_w_own;
+    float* emb_s_own;
+    float* rope_cos;              /* [max_seq_len][D/2]                                     */
+    float* rope_sin;
+    size_t weight_bytes;
+    uint32_t max_cols_pad;        /* widest activation row of any linear                    */
+    uint32_t max_rows_pad_int4;   /* widest int4 output (raw scratch of the two-pass GEMM)   */
+    char name[320];
+    /* scratch of tl_cuda_forward (device unless noted) */
+    tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, io, logits, states;
+    tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
+};
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+/* TL_OK, or the failure of CUDA call `what`: TL_ERR_OUT_OF_MEMORY for an allocation failure,
+ * else TL_ERR_INTERNAL naming `what` and cudaGetErrorString. Clears the runtime's last error. */
+tl_status tl_cu_check(cudaError_t err, const char* what);
+/* tl_cu_check of cudaGetLastError() after launching kernel `what`. */
+tl_status tl_cu_launched(const char* what);
+
+#define TL_CU_TRY(expr)                 \
+    do {                                \
+        const tl_status st_ = (expr);   \
+        if (st_ != TL_OK) return st_;   \
+    } while (0)
+
+/* ---- block-wide helpers (every thread of the block calls them; blockDim.x % 32 == 0) -------- */
+
+/* Maximum of the threads' v, none NaN, combined as (x > m) ? x : m. `sh` is __shared__ [32].
+ * (For NaN-free inputs this is tl_fmax's result up to the sign of a zero, which no caller's
+ * output depends on: see attention.h.) */
+static __device__ __forceinline__ float tl_cu_block_max(float v, float* sh) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, v, off);
+        v = other > v ? other : v;
+    }
+    __syncthreads(); /* a previous call may still be reading sh */
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float m = sh[0];
+    for (unsigned w = 1; w < blockDim.x / 32; w++) m = sh[w] > m ? sh[w] : m;
+    return m;
+}
+
+/* Exact sum of the threads' v. `sh` is __shared__ [32]. */
+static __device__ __forceinline__ long long tl_cu_block_sum(long long v, long long* sh) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    long long s = 0;
+    for (unsigned w = 0; w < blockDim.x / 32; w++) s += sh[w];
+    return s;
+}
+
+/* docs/spec.md §2.2 Q8 of x[0 .. n) (global or shared) into q[0 .. n), by the whole block, as
+ * tl_quantize_row: amax from 0 ignoring NaN, the tiny-row rule, r = 127 / amax,
+ * q = rint(clamp(x * r)). Returns the scale s to every thread; *sumsq is this thread's share
+ * of Σ q² (exact; the caller sums it over the block for NQ). `sh` is __shared__ [32]. */
+static __device__ __forceinline__ float tl_cu_block_q8(const float* x, int n, int8_t* q, int* sumsq, float* sh) {
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = fabsf(x[i]);
+        m = v > m ? v : m; /* a NaN never compares greater */
+    }
+    const float amax = tl_cu_block_max(m, sh);
+    int ss = 0;
+    if (amax < TL_CU_Q8_TINY) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) q[i] = 0;
+        *sumsq = 0;
+        return 0.0f;
+    }
+    const float r = 127.0f / amax;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int v = (int)tl_rint_small(tl_clamp(x[i] * r, -127.0f, 127.0f));
+        q[i] = (int8_t)v;
+        ss += v * v;
+    }
+    *sumsq = ss;
+    return amax / 127.0f;
+}
+
+static inline size_t tl_cu_round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+/* ---- launch wrappers (all on c->stream; they check the launch) ----------------------------- */
+
+/* rows.cu */
+/* x[t][0 .. d) = embedding of rows[t].token, t < T. */
+tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x);
+/* q[t][0 .. lda) = Q8 (rms: NQ) of x[t * xs .. + n), zero beyond n; scale[t] = s (rms: a). */
+tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
+                         size_t lda, float* scale);
+/* RoPE of every Q head in place in qkv [T][(H + 2G) * D], RoPE of each K head, then Q8 of the
+ * K and V heads into each row's cache slot of `layer`. */
+tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qkv, uint32_t layer,
+                        uint32_t block_size, size_t head_bytes);
+/* gu [T][2F]: gate := silu(gate) * up (in place), then q[t] = Q8(gate), scale[t] = s. */
+tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale);
+
+/* gemm.cu */
+/* y[t][j] (stride ys) = or += ((f32)acc * scale[t]) * L->scale[j], t < T, j < R, from the
+ * activations q [T_pad][L->cols_pad]. int4 linears of T >= TL_CU_GEMV_MAX_T (or without w4) use
+ * `raw` ([T_pad][L->rows_pad] i32) as scratch. */
+tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, const float* scale, size_t T,
+                       float* y, size_t ys, bool accumulate, int32_t* raw);
+
+/* attention.cu */
+/* o [T][H * D] = attention (docs/spec.md §4.1) of each row's rotated query heads in qkv over
+ * cache layer `layer`; `scores` holds score_rows * H * max_keys floats (rows go in chunks). */
+tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_span* spans, size_t T,
+                          const float* qkv, float* o, uint32_t layer, uint32_t block_size, size_t head_bytes,
+                          uint32_t max_keys, float* scores, size_t score_rows);
+/* Rows per attention launch (at most T) whose scores fit the scratch cap: the `score_rows` to
+ * size `scores` with. */
+size_t tl_cu_attention_rows(const tl_cuda* c, size_t T, uint32_t max_keys);
+
+#endif

@@ -1,0 +1,328 @@
+/* device.cu — the CUDA backend's lifecycle (cuda_backend.h): probing, tl_cuda_create (device,
+ * stream, every weight uploaded in the layouts of common.cuh), tl_cuda_free, KV block memory
+ * and the CUDA error -> tl_status helpers.
+ *
+ * Weights are uploaded once, padded with zeros (rows to TL_CU_TILE_N, columns to TL_CU_TILE_K)
+ * so the kernels never test bounds inside their loops. An int4 linear is stored twice: the
+ * exact int8 split m*w = 128*hi + lo (|hi| <= 16, -64 <= lo < 64) that the tensor-core GEMM
+ * runs, and, when the group size is a multiple of 8, the packed nibbles + per-word multipliers
+ * of the dp4a GEMV. Both compute the same exact integer acc of docs/spec.md §3. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+tl_status tl_cu_check(cudaError_t err, const char* what) {
+    if (err == cudaSuccess) return TL_OK;
+    (void)cudaGetLastError(); /* clear it, so that a later launch check does not report it again */
+    if (err == cudaErrorMemoryAllocation)
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "out of memory (CUDA %s: %s)", what, cudaGetErrorString(err));
+    return tl_fail(TL_ERR_INTERNAL, "CUDA %s failed: %s", what, cudaGetErrorString(err));
+}
+
+tl_status tl_cu_launched(const char* what) { return tl_cu_check(cudaGetLastError(), what); }
+
+/* ---- probing -------------------------------------------------------------------------------- */
+
+/* A kernel whose attributes tell whether this build has code for the current device. */
+static __global__ void probe_kernel(int* p) {
+    if (p) *p = 0;
+}
+
+extern "C" bool tl_cuda_built(void) { return true; }
+
+extern "C" tl_status tl_cuda_probe(int* n_devices) {
+    int n = 0;
+    if (n_devices) *n_devices = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return tl_fail(TL_ERR_UNSUPPORTED, "no CUDA device: %s", cudaGetErrorString(err));
+    }
+    if (n < 1) return tl_fail(TL_ERR_UNSUPPORTED, "no CUDA device: none found");
+    if (n_devices) *n_devices = n;
+    return TL_OK;
+}
+
+/* ---- upload --------------------------------------------------------------------------------- */
+
+/* cudaMalloc + copy of `bytes` host bytes; counts them in weight_bytes. */
+static tl_status upload(tl_cuda* c, void** dst, const void* src, size_t bytes, const char* what) {
+    *dst = NULL;
+    if (bytes == 0) return TL_OK;
+    cudaError_t err = cudaMalloc(dst, bytes);
+    if (err != cudaSuccess) {
+        *dst = NULL;
+        (void)cudaGetLastError();
+        return tl_fail(TL_ERR_OUT_OF_MEMORY, "out of memory (CUDA weights: %s, %zu bytes)", what, bytes);
+    }
+    c->weight_bytes += bytes;
+    return tl_cu_check(cudaMemcpy(*dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy (weights)");
+}
+
+static int int4_at(const uint8_t* w4_row, size_t k) {
+    const uint8_t byte = w4_row[k / 2];
+    const int nib = (k & 1) ? byte >> 4 : byte & 15;
+    return (nib ^ 8) - 8;
+}
+
+/* Device copy of one linear (see common.cuh for the layouts). */
+static tl_status upload_linear(tl_cuda* c, const tl_linear_src* s, tl_cu_linear* L) {
+    memset(L, 0, sizeof *L);
+    L->rows = s->rows;
+    L->cols = s->cols;
+    L->rows_pad = (uint32_t)tl_cu_round_up(s->rows, TL_CU_TILE_N);
+    L->cols_pad = (uint32_t)tl_cu_round_up(s->cols, TL_CU_TILE_K);
+    L->group_size = s->group_size;
+    const size_t R = s->rows, K = s->cols, Rp = L->rows_pad, Kp = L->cols_pad;
+    tl_status st = TL_OK;
+
+    float* scale = (float*)calloc(Rp, sizeof(float));
+    if (!scale) return tl_fail_oom("CUDA weight staging");
+    memcpy(scale, s->scale, R * sizeof(float));
+    st = upload(c, (void**)&L->scale, scale, Rp * sizeof(float), "row scales");
+    free(scale);
+    if (st != TL_OK) return st;
+
+    if (s->group_size == 0) {
+        int8_t* w = (int8_t*)calloc(Rp * Kp, 1);
+        if (!w) return tl_fail_oom("CUDA weight staging");
+        for (size_t j = 0; j < R; j++) memcpy(w + j * Kp, s->w8 + j * K, K);
+        st = upload(c, (void**)&L->w8, w, Rp * Kp, "int8 weights");
+        free(w);
+        return st;
+    }
+
+    /* int4: the exact split m*w = 128*hi + lo for the tensor cores */
+    const size_t gs = s->group_size, ng = K / gs;
+    int8_t* hi = (int8_t*)calloc(Rp * Kp, 1);
+    int8_t* lo = (int8_t*)calloc(Rp * Kp, 1);
+    if (!hi || !lo) {
+        free(hi);
+        free(lo);
+        return tl_fail_oom("CUDA weight staging");
+    }
+    for (size_t j = 0; j < R; j++) {
+        const uint8_t* w4 = s->w4 + j * (K / 2);
+        for (size_t g = 0; g < ng; g++) {
+            const int m = s->mult[j * ng + g];
+            for (size_t k = g * gs; k < (g + 1) * gs; k++) {
+                const int v = m * int4_at(w4, k);                /* in [-2040, 2040] */
+                const int l = ((v % 128) + 128 + 64) % 128 - 64; /* v mod 128 in [-64, 64) */
+                hi[j * Kp + k] = (int8_t)((v - l) / 128);        /* exact, in [-16, 16] */
+                lo[j * Kp + k] = (int8_t)l;
+            }
+        }
+    }
+    st = upload(c, (void**)&L->w_hi, hi, Rp * Kp, "int4 weights (high part)");
+    if (st == TL_OK) st = upload(c, (void**)&L->w_lo, lo, Rp * Kp, "int4 weights (low part)");
+    free(hi);
+    free(lo);
+    if (st != TL_OK || gs % 8 != 0) return st;
+
+    /* int4, group size a multiple of 8: packed words and their multipliers for the GEMV */
+    const size_t nw = K / 8;
+    uint32_t* w4 = (uint32_t*)calloc(Rp * nw, sizeof(uint32_t));
+    uint8_t* m8 = (uint8_t*)calloc(Rp * nw, 1);
+    if (!w4 || !m8) {
+        free(w4);
+        free(m8);
+        return tl_fail_oom("CUDA weight staging");
+    }
+    for (size_t j = 0; j < R; j++) {
+        const uint8_t* src = s->w4 + j * (K / 2);
+        for (size_t wi = 0; wi < nw; wi++) {
+            uint32_t word = 0;
+            for (uint32_t b = 0; b < 4; b++) {
+                const uint32_t e0 = (uint32_t)int4_at(src, wi * 8 + b) & 15u;
+                const uint32_t e1 = (uint32_t)int4_at(src, wi * 8 + b + 4) & 15u;
+                word |= (e0 | (e1 << 4)) << (8 * b);
+            }
+            w4[j * nw + wi] = word;
+            m8[j * nw + wi] = s->mult[j * ng + wi * 8 / gs];
+        }
+    }
+    st = upload(c, (void**)&L->w4, w4, Rp * nw * sizeof(uint32_t), "int4 weights (packed)");
+    if (st == TL_OK) st = upload(c, (void**)&L->m8, m8, Rp * nw, "int4 multipliers");
+    free(w4);
+    free(m8);
+    return st;
+}
+
+static void free_linear(tl_cu_linear* L) {
+    cudaFree(L->w8);
+    cudaFree(L->w_hi);
+    cudaFree(L->w_lo);
+    cudaFree(L->w4);
+    cudaFree(L->m8);
+    cudaFree(L->scale);
+    memset(L, 0, sizeof *L);
+}
+
+/* A memory pool for KV blocks that keeps up to POOL_KEEP_BYTES of released memory cached, or
+ * NULL (then blocks use cudaMalloc / cudaFree) where the device has no memory pools. */
+enum { POOL_KEEP_BYTES = 1 << 30 };
+
+static cudaMemPool_t make_pool(int device) {
+    int supported = 0;
+    if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || !supported) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    cudaMemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = NULL;
+    if (cudaMemPoolCreate(&pool, &props) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    uint64_t keep = POOL_KEEP_BYTES;
+    if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess)
+        (void)cudaGetLastError(); /* only a cache size: the pool works without it */
+    return pool;
+}
+
+static tl_status create(tl_cuda* c, const tl_file* f, int device) {
+    int n = 0;
+    cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return tl_fail(TL_ERR_UNSUPPORTED, "no CUDA device: %s", cudaGetErrorString(err));
+    }
+    if (device < 0 || device >= n)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA device %d does not exist (%d found)", device, n);
+    TL_CU_TRY(tl_cu_check(cudaSetDevice(device), "cudaSetDevice"));
+    c->device = device;
+    cudaDeviceProp prop;
+    TL_CU_TRY(tl_cu_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties"));
+    snprintf(c->name, sizeof c->name, "%s (sm_%d%d)", prop.name, prop.major, prop.minor);
+    cudaFuncAttributes attr;
+    err = cudaFuncGetAttributes(&attr, probe_kernel);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return tl_fail(TL_ERR_UNSUPPORTED, "libtinyloop's CUDA kernels do not run on %s: %s", c->name,
+                       cudaGetErrorString(err));
+    }
+    TL_CU_TRY(tl_cu_check(cudaStreamCreate(&c->stream), "cudaStreamCreate"));
+    c->stream_made = true;
+    c->pool = make_pool(device);
+
+    c->cfg = f->cfg;
+    const tl_config* cfg = &f->cfg;
+    c->n_lin = f->n_linears;
+    c->lin = (tl_cu_linear*)calloc(c->n_lin, sizeof *c->lin);
+    if (!c->lin) return tl_fail_oom("CUDA linears");
+    for (size_t i = 0; i < c->n_lin; i++) {
+        TL_CU_TRY(upload_linear(c, &f->linears[i], &c->lin[i]));
+        const tl_cu_linear* L = &c->lin[i];
+        if (L->cols_pad > c->max_cols_pad) c->max_cols_pad = L->cols_pad;
+        if (L->group_size && L->rows_pad > c->max_rows_pad_int4) c->max_rows_pad_int4 = L->rows_pad;
+    }
+    const tl_cu_linear* head = &c->lin[c->n_lin - 1];
+    const size_t V = cfg->vocab_size, d = cfg->d_model;
+    if (cfg->tied_head && head->w8) { /* the head is the embedding: look tokens up in it */
+        c->emb_w = head->w8;
+        c->emb_ld = head->cols_pad;
+        c->emb_s = head->scale;
+    } else {
+        TL_CU_TRY(upload(c, (void**)&c->emb_w_own, f->emb_w, V * d, "embedding"));
+        TL_CU_TRY(upload(c, (void**)&c->emb_s_own, f->emb_s, V * sizeof(float), "embedding scales"));
+        c->emb_w = c->emb_w_own;
+        c->emb_ld = d;
+        c->emb_s = c->emb_s_own;
+    }
+    const size_t rope = (size_t)cfg->max_seq_len * (cfg->head_dim / 2) * sizeof(float);
+    TL_CU_TRY(upload(c, (void**)&c->rope_cos, f->rope_cos, rope, "rope.cos"));
+    TL_CU_TRY(upload(c, (void**)&c->rope_sin, f->rope_sin, rope, "rope.sin"));
+    /* plain cudaMemcpy from pageable memory may return before its DMA lands */
+    TL_CU_TRY(tl_cu_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (weights)"));
+    if (pthread_mutex_init(&c->lock, NULL) != 0) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: mutex init failed");
+    c->lock_made = true;
+    return TL_OK;
+}
+
+extern "C" tl_status tl_cuda_create(const tl_file* file, int device, tl_cuda** out) {
+    *out = NULL;
+    tl_cuda* c = (tl_cuda*)calloc(1, sizeof *c);
+    if (!c) return tl_fail_oom("CUDA backend");
+    c->device = device;
+    const tl_status st = create(c, file, device);
+    if (st != TL_OK) {
+        tl_cuda_free(c);
+        return st;
+    }
+    *out = c;
+    return TL_OK;
+}
+
+static void free_buf(tl_cu_buf* b) {
+    cudaFree(b->p);
+    b->p = NULL;
+    b->cap = 0;
+}
+
+extern "C" void tl_cuda_free(tl_cuda* c) {
+    if (!c) return;
+    cudaSetDevice(c->device);
+    if (c->stream_made) cudaStreamSynchronize(c->stream);
+    for (size_t i = 0; c->lin && i < c->n_lin; i++) free_linear(&c->lin[i]);
+    free(c->lin);
+    cudaFree(c->emb_w_own);
+    cudaFree(c->emb_s_own);
+    cudaFree(c->rope_cos);
+    cudaFree(c->rope_sin);
+    tl_cu_buf* bufs[] = {&c->x, &c->qkv, &c->o, &c->gu, &c->acts, &c->ascale, &c->raw, &c->scores, &c->io,
+                         &c->logits, &c->states};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free_buf(bufs[i]);
+    cudaFreeHost(c->host_io.p);
+    if (c->pool) cudaMemPoolDestroy(c->pool);
+    if (c->stream_made) cudaStreamDestroy(c->stream);
+    if (c->lock_made) pthread_mutex_destroy(&c->lock);
+    (void)cudaGetLastError(); /* errors while tearing down are not reported */
+    free(c);
+}
+
+extern "C" size_t tl_cuda_weight_bytes(const tl_cuda* c) { return c ? c->weight_bytes : 0; }
+
+extern "C" const char* tl_cuda_device_name(const tl_cuda* c) { return c ? c->name : ""; }
+
+/* ---- KV block memory -------------------------------------------------------------------------- */
+
+/* Blocks come from c->pool in stream order on c->stream: allocation is cheap (a sequence takes a
+ * block every block_size tokens), the zero fill and every later forward run after it on the same
+ * stream, and a release takes effect only after the work already queued there (which may still
+ * read the block) is done, without synchronizing the device as cudaFree does. Stream-ordered
+ * calls from several threads are safe; the device is set per calling thread. */
+extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
+    if (!c || bytes == 0) return NULL;
+    if (cudaSetDevice(c->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    void* p = NULL;
+    const cudaError_t err = c->pool ? cudaMallocFromPoolAsync(&p, bytes, c->pool, c->stream) : cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    if (cudaMemsetAsync(p, 0, bytes, c->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        tl_cuda_block_free(c, p);
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void tl_cuda_block_free(tl_cuda* c, void* data) {
+    if (!c || !data) return;
+    cudaSetDevice(c->device);
+    if (c->pool) cudaFreeAsync(data, c->stream);
+    else cudaFree(data); /* waits for work in flight that may still read the block */
+    (void)cudaGetLastError();
+}

@@ -1,0 +1,134 @@
+/* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
+ * Q8 / NQ of activation rows, RoPE + the Q8 K/V write into the paged cache, SwiGLU + Q8.
+ * One thread block per row (per (row, head) for RoPE/KV); every element-wise f32 step is the
+ * host's own numerics.h function, so each value is bit-identical to quant.c / forward.c.
+ *
+ * Shapes: x [T][d], qkv [T][(H + 2G) * D] (Q heads, K heads, V heads), gu [T][2F] (gate, up),
+ * activations q [T_pad][lda] i8 (zero from n to lda) with scale [T]. */
+#include "common.cuh"
+
+enum { ROW_THREADS = 256, HEAD_THREADS = 128, MAX_HEAD_DIM = 1024 };
+
+/* x[t][i] = (f32) E[token][i] * es[token]. grid T. */
+static __global__ void __launch_bounds__(ROW_THREADS)
+embed_kernel(const tl_cuda_row* rows, const int8_t* emb_w, size_t emb_ld, const float* emb_s, int d, float* x) {
+    const size_t t = blockIdx.x;
+    const size_t tok = (size_t)rows[t].token;
+    const int8_t* w = emb_w + tok * emb_ld;
+    const float s = emb_s[tok];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = (float)w[i] * s;
+}
+
+/* q[t] = Q8 or NQ of x[t] (quant.c tl_quantize_row / tl_rms_quantize_row). grid T. */
+static __global__ void __launch_bounds__(ROW_THREADS)
+quantize_kernel(const float* x, size_t xs, int n, int rms, float eps, int8_t* q, size_t lda, float* scale) {
+    __shared__ float sh[32];
+    __shared__ long long sh64[32];
+    const size_t t = blockIdx.x;
+    int8_t* qt = q + t * lda;
+    for (size_t i = (size_t)n + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
+    int ss_part;
+    const float s = tl_cu_block_q8(x + t * xs, n, qt, &ss_part, sh);
+    if (!rms) {
+        if (threadIdx.x == 0) scale[t] = s;
+        return;
+    }
+    const long long ss = tl_cu_block_sum(ss_part, sh64);
+    if (threadIdx.x == 0) scale[t] = tl_nq_scale(ss, s, n, eps);
+}
+
+/* grid T * (H + 2G): block t * (H + 2G) + hh rotates Q head hh in place (hh < H), or rotates K head
+ * hh - H and writes its Q8 (kq, sk) into the row's slot, or writes the Q8 (vq, sv) of V head
+ * hh - H - G. RoPE as tl_rope_head: two products, then the subtraction / addition. */
+static __global__ void __launch_bounds__(HEAD_THREADS)
+rope_kv_kernel(const tl_cuda_row* rows, float* qkv, size_t qkv_dim, const float* rope_cos, const float* rope_sin,
+               int H, int G, int D, uint32_t layer, uint32_t block_size, size_t head_bytes) {
+    __shared__ float buf[MAX_HEAD_DIM];
+    __shared__ float sh[32];
+    const size_t t = blockIdx.x / (unsigned)(H + 2 * G);
+    const int hh = (int)(blockIdx.x % (unsigned)(H + 2 * G)), half = D / 2;
+    const tl_cuda_row row = rows[t];
+    float* z = qkv + t * qkv_dim;
+    const float* cs = rope_cos + (size_t)row.pos * half;
+    const float* sn = rope_sin + (size_t)row.pos * half;
+    if (hh < H + G) {
+        float* x = z + (size_t)hh * D;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            const float a = x[i], b = x[i + half];
+            const float ac = a * cs[i], bs = b * sn[i];
+            const float bc = b * cs[i], as = a * sn[i];
+            const float y0 = ac - bs, y1 = bc + as;
+            if (hh < H) {
+                x[i] = y0;
+                x[i + half] = y1;
+            } else {
+                buf[i] = y0;
+                buf[i + half] = y1;
+            }
+        }
+        if (hh < H) return; /* the whole block: a query head only rotates */
+    } else {
+        const float* v = z + (size_t)hh * D;
+        for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = v[i];
+    }
+    __syncthreads();
+    const bool is_key = hh < H + G;
+    const int g = is_key ? hh - H : hh - H - G;
+    int8_t* base = (int8_t*)row.write_data + ((size_t)layer * G + g) * head_bytes;
+    const size_t bsD = (size_t)block_size * D;
+    float* scales = (float*)(base + 2 * bsD); /* sk [bs], then sv [bs] */
+    int8_t* dst = base + (is_key ? 0 : bsD) + (size_t)row.write_slot * D;
+    int unused;
+    const float s = tl_cu_block_q8(buf, D, dst, &unused, sh);
+    if (threadIdx.x == 0) scales[(is_key ? 0 : block_size) + row.write_slot] = s;
+}
+
+/* gate := silu(gate) * up, then Q8 of the gate row (forward.c task_swiglu). grid T. */
+static __global__ void __launch_bounds__(ROW_THREADS)
+swiglu_kernel(float* gu, int F, int8_t* q, size_t lda, float* scale) {
+    __shared__ float sh[32];
+    const size_t t = blockIdx.x;
+    float* gate = gu + t * 2 * (size_t)F;
+    const float* up = gate + F;
+    for (int i = threadIdx.x; i < F; i += blockDim.x) gate[i] = tl_silu(gate[i]) * up[i];
+    int8_t* qt = q + t * lda;
+    for (size_t i = (size_t)F + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
+    int unused;
+    const float s = tl_cu_block_q8(gate, F, qt, &unused, sh); /* its first barrier publishes gate */
+    if (threadIdx.x == 0) scale[t] = s;
+}
+
+/* ---- launch wrappers ------------------------------------------------------------------------- */
+
+tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x) {
+    embed_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(rows, c->emb_w, c->emb_ld, c->emb_s,
+                                                             (int)c->cfg.d_model, x);
+    return tl_cu_launched("embedding kernel");
+}
+
+tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
+                         size_t lda, float* scale) {
+    quantize_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(x, xs, (int)n, rms ? 1 : 0, c->cfg.rms_eps, q,
+                                                                lda, scale);
+    return tl_cu_launched(rms ? "NQ kernel" : "Q8 kernel");
+}
+
+tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qkv, uint32_t layer,
+                        uint32_t block_size, size_t head_bytes) {
+    const tl_config* cfg = &c->cfg;
+    if (cfg->head_dim > MAX_HEAD_DIM)
+        return tl_fail(TL_ERR_INTERNAL, "CUDA backend: head_dim %u > %d", cfg->head_dim, (int)MAX_HEAD_DIM);
+    const size_t qkv_dim = ((size_t)cfg->n_heads + 2 * (size_t)cfg->n_kv_heads) * cfg->head_dim;
+    const size_t blocks = T * (cfg->n_heads + 2 * (size_t)cfg->n_kv_heads);
+    if (blocks > 0x7fffffffu) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: %zu rows is too many", T);
+    const unsigned grid = (unsigned)blocks;
+    rope_kv_kernel<<<grid, HEAD_THREADS, 0, c->stream>>>(rows, qkv, qkv_dim, c->rope_cos, c->rope_sin,
+                                                         (int)cfg->n_heads, (int)cfg->n_kv_heads,
+                                                         (int)cfg->head_dim, layer, block_size, head_bytes);
+    return tl_cu_launched("RoPE / KV write kernel");
+}
+
+tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale) {
+    swiglu_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(gu, (int)c->cfg.ffn_dim, q, lda, scale);
+    return tl_cu_launched("SwiGLU kernel");
+}
