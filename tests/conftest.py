@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import tinyloop
+from tinyloop.quickbench import backend_kwargs
 
 settings.register_profile("dev", max_examples=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -66,7 +67,11 @@ def env_names(variable, default=""):
 
 def require_backend(name):
     """Skip (or, if TINYLOOP_REQUIRE_BACKENDS names it, fail) when `name` cannot open here."""
-    ok, why = tinyloop.backend_available(name)
+    if name == "native-cuda":
+        from tinyloop.backends import cuda_device_status
+        ok, why = cuda_device_status()
+    else:
+        ok, why = tinyloop.backend_available(name)
     if not ok:
         message = f"backend {name!r} is not available: {why}"
         if name in env_names("TINYLOOP_REQUIRE_BACKENDS"):
@@ -81,7 +86,7 @@ def same_bits(a, b):
 
 def open_models(model_files, backend, **kwargs):
     """name -> a Model of every file in model_files opened with `backend` and kwargs."""
-    return {name: tinyloop.Model(path, backend=backend, **kwargs) for name, path in model_files.items()}
+    return {name: tinyloop.Model(path, **backend_kwargs(backend), **kwargs) for name, path in model_files.items()}
 
 
 @pytest.fixture(scope="module", params=["numpy", "native"])
@@ -104,8 +109,7 @@ def models_by_backend(model_files):
     def get(backend):
         require_backend(backend)
         if backend not in opened:
-            opened[backend] = {name: tinyloop.Model(path, backend=backend)
-                               for name, path in model_files.items()}
+            opened[backend] = open_models(model_files, backend)
         return opened[backend]
 
     yield get

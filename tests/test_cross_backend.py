@@ -1,9 +1,10 @@
 """Cross-backend identity: every backend gives the numpy reference's tokens and bit-identical
 logits, on every path (chunked prefill, windows, depths, sampling, prefix + suffix, nesting).
 
-Backends under test: TINYLOOP_TEST_BACKENDS, comma-separated (default "native,numba"). One
-that cannot be opened here is skipped with the reason `tinyloop.backend_available` gives, unless
-it is named in TINYLOOP_REQUIRE_BACKENDS, which turns that skip into a failure (for CI).
+Backends under test: TINYLOOP_TEST_BACKENDS, comma-separated (default "native,numba,native-cuda";
+"native-cuda" is libtinyloop's CUDA backend, Model(backend="native", device="cuda")). One that
+cannot be opened here is skipped with the reason it cannot, unless it is named in
+TINYLOOP_REQUIRE_BACKENDS, which turns that skip into a failure (for CI and bench/gpu_check.sh).
 The backend's models use block_size 4 and the reference's 16: paging never changes a value.
 """
 
@@ -13,11 +14,11 @@ from hypothesis import given, strategies as st
 
 import tinyloop
 
-from conftest import MODEL_SHAPES, env_names, open_models, require_backend, same_bits
+from conftest import MODEL_SHAPES, backend_kwargs, env_names, open_models, require_backend, same_bits
 from test_paths import prompts, sampling
 
 
-BACKENDS = env_names("TINYLOOP_TEST_BACKENDS", "native,numba")
+BACKENDS = env_names("TINYLOOP_TEST_BACKENDS", "native,numba,native-cuda")
 model_names = st.sampled_from(sorted(MODEL_SHAPES))
 
 # A longer context than MODEL_SHAPES: 64-wide heads, many cache blocks, long windows.
@@ -95,7 +96,7 @@ def test_long_context_matches_numpy(backend, tmp_path):
     tinyloop.random_model(path, seed=5, **LONG_SHAPE)
     prompt = np.random.default_rng(3).integers(0, LONG_SHAPE["vocab_size"], 200)
     with tinyloop.Model(path, backend="numpy") as ref, \
-            tinyloop.Model(path, backend=backend, block_size=8) as got:
+            tinyloop.Model(path, **backend_kwargs(backend), block_size=8) as got:
         for window in (0, 45):
             kw = dict(cache_window=window, prefill_chunk=64)
             assert same_bits(got.logits(prompt, **kw), ref.logits(prompt, **kw))

@@ -8,7 +8,7 @@ variable once, at import):
 The simulator runs each GPU thread as a Python thread, so these models and prompts are tiny.
 Elsewhere the tests skip (or fail, when TINYLOOP_REQUIRE_BACKENDS names numba-cuda). The
 broad property suite joins with
-    TINYLOOP_TEST_BACKENDS=numba-cuda pytest tests/test_numba_backends.py
+    TINYLOOP_TEST_BACKENDS=numba-cuda pytest tests/test_cross_backend.py   (bench/gpu_check.sh runs both)
 
 The PTX of every kernel is checked twice: compiled for sm_90 without a GPU wherever
 numba-cuda and libNVVM are installed (pip install numba-cuda "cuda-toolkit[nvvm]==13.*"),

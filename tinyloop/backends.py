@@ -11,6 +11,7 @@ import threading
 import warnings
 
 BACKENDS = ("auto", "native", "numpy", "numba", "numba-cuda")
+DEVICES = ("auto", "cpu", "cuda")
 
 _native = {}                  # memo of the one library load: {"loaded": ...} or {"error": ...}
 _native_lock = threading.Lock()
@@ -79,9 +80,41 @@ def resolve_backend_name(backend):
     return "native" if ok else "numpy"
 
 
-def backend_info(backend="auto"):
-    """What `backend` resolves to here, and why: a dict for humans and tests."""
+def check_device(device):
+    """`device` if it is one of DEVICES, else ValueError."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    return device
+
+
+def requested_device(device):
+    """(device, from_env): the argument, or TINYLOOP_DEVICE when the argument is 'auto'."""
+    check_device(device)
+    if device != "auto":
+        return device, False
+    device = os.environ.get("TINYLOOP_DEVICE", "auto") or "auto"
+    if device not in DEVICES:
+        raise ValueError(f"TINYLOOP_DEVICE={device!r} is not one of {', '.join(DEVICES)}")
+    return device, device != "auto"
+
+
+def cuda_device_status():
+    """(True, "") if libtinyloop can run models on a CUDA device here, else (False, why not)."""
+    try:
+        ffi, lib, _, _ = native_library()
+    except ImportError as exc:
+        return False, f"the native library is unavailable ({exc})"
+    if lib.tl_device_check(lib.TL_DEVICE_CUDA) != lib.TL_OK:
+        return False, ffi.string(lib.tl_last_error()).decode("utf-8", "replace")
+    return True, ""
+
+
+def backend_info(backend="auto", device="auto"):
+    """What `backend` and `device` resolve to here, and why: a dict for humans and tests.
+    The device is where the native backend runs its forward pass; "auto" is the CPU until the
+    CUDA backend has been verified on a GPU (docs/install.md)."""
     requested = requested_backend(backend)
+    device, _ = requested_device(device)
     chosen = resolve_backend_name(requested)
     ok, why = backend_available(chosen)
     info = {"requested": requested, "chosen": chosen, "available": ok, "reason": why,
@@ -94,6 +127,9 @@ def backend_info(backend="auto"):
     if requested == "auto":
         info["reason"] = ("the native library loaded" if chosen == "native" else
                           f"the native library is unavailable ({native_why}); using numpy")
+    cuda_ok, cuda_why = cuda_device_status() if native_ok else (False, native_why)
+    info.update(device=("cuda" if device == "cuda" else "cpu") if chosen == "native" else "cpu",
+                cuda_available=cuda_ok, cuda_reason=cuda_why)
     return info
 
 
@@ -106,6 +142,8 @@ def backend_features():
         for isa, label in ((lib.TL_ISA_AVX2, "avx2"), (lib.TL_ISA_AVX512_VNNI, "avx512-vnni")):
             if lib.tl_cpu_supports(isa):
                 features.add(f"native-{label}")
+        if cuda_device_status()[0]:
+            features.add("native-cuda")
     for name in ("numba", "numba-cuda"):
         if backend_available(name)[0]:
             features.add(name)
@@ -138,9 +176,18 @@ def native_memory_stats(reset_peak=False):
             "n_allocs": int(stats.n_allocs)}
 
 
-def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0):
-    """Open the model file at `path` with `backend`; returns (engine, backend name)."""
+def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0, device="auto"):
+    """Open the model file at `path` with `backend` on `device`; returns (engine, backend name).
+    device="cuda" needs the native backend (backend "auto" or "native") and a usable GPU."""
     requested = requested_backend(backend)
+    device, from_env = requested_device(device)
+    if device == "cuda" and requested not in ("auto", "native"):
+        if not from_env:
+            raise ValueError(f"device='cuda' runs on the native backend, not {requested!r} "
+                             "(backend='numba-cuda' runs the numba kernels on a GPU)")
+        device = "auto"                # TINYLOOP_DEVICE steers native models only
+    if device == "cuda":
+        requested = "native"
     name = resolve_backend_name(requested)
     if requested == "auto" and name == "numpy":
         _warn_fallback_once()
@@ -150,7 +197,7 @@ def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0):
     if name == "native":
         from .native import NativeEngine
         return NativeEngine(native_library(), path, block_size=block_size, threads=threads,
-                            prefix_cache_bytes=prefix_cache_bytes), name
+                            prefix_cache_bytes=prefix_cache_bytes, device=device), name
     from .fallback import Engine
     from .modelfile import load_model
     config, tensors = load_model(path)

@@ -39,7 +39,7 @@ class PrefillProgress:
 
 
 def _open(args, **kwargs):
-    return Model(args.model, backend=args.backend, threads=args.threads, **kwargs)
+    return Model(args.model, backend=args.backend, threads=args.threads, device=args.device, **kwargs)
 
 
 def run_generate(args, out):
@@ -82,7 +82,7 @@ def run_generate(args, out):
 
 
 def run_info(args, out):
-    info = backend_info(args.backend)
+    info = backend_info(args.backend, args.device)
     with _open(args) as model:
         for key, value in model.config().items():
             print(f"{key:>16}: {value}", file=out)
@@ -90,8 +90,10 @@ def run_info(args, out):
             runtime = model._engine.runtime()
             print(f"{'runtime':>16}: {runtime['isa']} kernels, {runtime['threads']} threads, "
                   f"KV blocks of {runtime['kv_block_size']}", file=out)
+            print(f"{'device':>16}: {runtime['device_name']}", file=out)
     print(f"{'backend':>16}: {info['chosen']} ({info['reason'] or 'requested'})", file=out)
     print(f"{'library':>16}: {info['library']} {info['library_version'] or ''}", file=out)
+    print(f"{'cuda':>16}: " + ("available" if info["cuda_available"] else info["cuda_reason"]), file=out)
     print(f"{'features':>16}: {', '.join(sorted(backend_features()))}", file=out)
     return 0
 
@@ -102,7 +104,8 @@ def run_bench(args, out):
         path = args.model or bench_model("quick", args.format, directory)
         print(f"model {path if args.model else 'quick shape, ' + args.format} (written once, random)",
               file=out)
-        with Model(path, backend=args.backend, threads=args.threads, prefix_cache_bytes=0) as model:
+        with Model(path, backend=args.backend, threads=args.threads, prefix_cache_bytes=0,
+                   device=args.device) as model:
             _, prefill, decode = speed(model, args.prefill, args.decode)
             print(f"backend {model.backend}: prefill {args.prefill} tokens {prefill:.0f} tok/s, "
                   f"decode {decode:.0f} tok/s", file=out)
@@ -130,6 +133,8 @@ def build_parser():
         p.add_argument("--model", default=None, help="a .tinyloop file (default: the demo model)")
         p.add_argument("--backend", default="auto")
         p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="where the native backend runs (auto: the CPU for now)")
         p.set_defaults(run=run)
         return p
 

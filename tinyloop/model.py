@@ -96,13 +96,15 @@ class Model:
     """A looped language model loaded from a .tinyloop file.
 
     Model(path=None, *, backend="auto", threads=None, kv_mode=None, block_size=16,
-          prefill_chunk=512, prefix_cache_bytes=256 MiB). `path=None` loads the bundled demo
-    model; `prefix_cache_bytes=0` switches the automatic prefix cache off.
+          prefill_chunk=512, prefix_cache_bytes=256 MiB, device="auto"). `path=None` loads the
+    bundled demo model; `prefix_cache_bytes=0` switches the automatic prefix cache off;
+    `device="cuda"` runs the native backend's forward pass on an NVIDIA GPU ("auto" and "cpu":
+    the CPU).
     """
 
     def __init__(self, path=None, *, backend="auto", threads=None, kv_mode=None,
                  block_size=16, prefill_chunk=DEFAULT_PREFILL_CHUNK,
-                 prefix_cache_bytes=DEFAULT_PREFIX_CACHE_BYTES):
+                 prefix_cache_bytes=DEFAULT_PREFIX_CACHE_BYTES, device="auto"):
         self.kv_mode = _check_kv_mode(kv_mode)
         self._block_size = P.check_int("block_size", block_size, 1)
         self._prefill_chunk = P.check_int("prefill_chunk", prefill_chunk, 1)
@@ -112,7 +114,10 @@ class Model:
         path = _default_model_path() if path is None else os.fspath(path)
         self.path = path
         self._engine, self.backend = open_engine(backend, path, block_size=self._block_size,
-                                                 threads=threads, prefix_cache_bytes=cache_bytes)
+                                                 threads=threads, prefix_cache_bytes=cache_bytes,
+                                                 device=device)
+        self.device = (self._engine.runtime()["device"] if self.backend == "native" else
+                       "cuda" if self.backend == "numba-cuda" else "cpu")
         self._config = self._engine.config
         self._lock = threading.Lock()
 

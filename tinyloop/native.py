@@ -49,13 +49,15 @@ class NativePrefix:
 class NativeEngine:
     name = "native"
 
-    def __init__(self, loaded, path, *, block_size, threads, prefix_cache_bytes=0):
+    def __init__(self, loaded, path, *, block_size, threads, prefix_cache_bytes=0, device="auto"):
         self.ffi, self.lib, self.library_path, self.library_origin = loaded
         self._errors = _error_types(self.lib)
         params = self.ffi.new("tl_model_params*", self.lib.tl_model_params_default())
         params.kv_block_size = block_size
         params.n_threads = threads or 0
         params.prefix_cache_bytes = prefix_cache_bytes
+        params.device = {"auto": self.lib.TL_DEVICE_AUTO, "cpu": self.lib.TL_DEVICE_CPU,
+                         "cuda": self.lib.TL_DEVICE_CUDA}[device]
         out = self.ffi.new("tl_model**")
         self._check(self.lib.tl_model_open(str(path).encode(), params, out))
         self.model = self._owned(out, "tl_model_free")
@@ -94,8 +96,11 @@ class NativeEngine:
         r.size = self.ffi.sizeof("tl_model_runtime")
         self._check(self.lib.tl_model_runtime_get(self.model, r))
         isa = {1: "scalar", 2: "avx2", 3: "avx512-vnni"}.get(r.isa, str(r.isa))
+        device = "cuda" if r.device == self.lib.TL_DEVICE_CUDA else "cpu"
         return {"isa": isa, "threads": r.n_threads, "kv_block_size": r.kv_block_size,
-                "weight_bytes": r.weight_bytes}
+                "weight_bytes": r.weight_bytes, "device": device,
+                "device_name": self.ffi.string(r.device_name).decode("utf-8", "replace"),
+                "device_weight_bytes": r.device_weight_bytes}
 
     def _tokens(self, tokens):
         tokens = np.ascontiguousarray(tokens, np.int32)

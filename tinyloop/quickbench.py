@@ -2,6 +2,7 @@
 and decode speed, and the seed's shared-prefix experiment. Every figure comes from one process,
 and comparisons are ratios of runs made side by side (these machines are shared and noisy).
 """
+import os
 import time
 from pathlib import Path
 
@@ -18,8 +19,16 @@ SHAPES = {
 }
 
 
+def backend_kwargs(name):
+    """Model keyword arguments for a backend name of the benches and tests: one of
+    tinyloop.BACKENDS, or "native-cuda" = the native backend with device="cuda"."""
+    return {"backend": "native", "device": "cuda"} if name == "native-cuda" else {"backend": name}
+
+
 def bench_model(shape, weight_format, directory):
-    """Path of a random model of a standard shape, written once into `directory`."""
+    """Path of a random model of a standard shape, written once into `directory` (or into
+    TINYLOOP_BENCH_MODELS when that is set, so several benches share one file)."""
+    directory = os.environ.get("TINYLOOP_BENCH_MODELS") or directory
     path = Path(directory) / f"{shape}-{weight_format}.tinyloop"
     if not path.exists():
         random_model(path, seed=0, weight_format=weight_format,
