@@ -1,6 +1,7 @@
 """Build step of `pip install .`: compile libtinyloop with CMake and ship it in the package.
 
-All metadata lives in pyproject.toml. When no compiler (or CMake) is available the install
+All metadata lives in pyproject.toml. The CUDA backend is built when nvcc is found (set
+TINYLOOP_CUDA=OFF to skip it, ON to require it). When no compiler (or CMake) is available the install
 still succeeds, without the native library, after one clear notice; `import tinyloop` then
 runs on the pure-Python fallback. TINYLOOP_REQUIRE_NATIVE=1 turns that notice into an error.
 """
@@ -18,13 +19,13 @@ ROOT = Path(__file__).resolve().parent
 LIBRARY_SOURCE = ROOT / "libtinyloop"
 
 
-def build_libtinyloop(work_dir):
+def build_libtinyloop(work_dir, extra=()):
     """Configure and build the shared library; returns its path. Raises on any failure."""
     cmake = shutil.which("cmake")
     if cmake is None:
         raise RuntimeError("cmake not found")
     configure = [cmake, "-S", str(LIBRARY_SOURCE), "-B", str(work_dir),
-                 "-DCMAKE_BUILD_TYPE=Release", "-DTINYLOOP_BUILD_TESTS=OFF"]
+                 "-DCMAKE_BUILD_TYPE=Release", "-DTINYLOOP_BUILD_TESTS=OFF", *extra]
     build = [cmake, "--build", str(work_dir), "--target", "tinyloop", "--parallel"]
     for command in (configure, build):
         done = subprocess.run(command, capture_output=True, text=True)
@@ -32,6 +33,20 @@ def build_libtinyloop(work_dir):
             tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
             raise RuntimeError(f"{' '.join(command[:2])} failed: " + " | ".join(tail))
     return work_dir / "libtinyloop.so"
+
+
+def build_with_cuda_if_possible(work_dir):
+    """The library with its CUDA backend when nvcc is found (TINYLOOP_CUDA=ON/OFF forces it);
+    if that build fails without being forced, the CPU-only library after one notice."""
+    forced = os.environ.get("TINYLOOP_CUDA", "").upper()
+    if forced in ("ON", "OFF", "1", "0"):
+        return build_libtinyloop(work_dir / "forced", [f"-DTINYLOOP_CUDA={forced}"])
+    try:
+        return build_libtinyloop(work_dir / "default")
+    except RuntimeError as exc:
+        print(f"tinyloop: NOTICE: building libtinyloop with its CUDA backend failed ({exc}); "
+              "building it for the CPU only", file=sys.stderr)
+        return build_libtinyloop(work_dir / "cpu", ["-DTINYLOOP_CUDA=OFF"])
 
 
 class BuildPyWithLibrary(build_py):
@@ -43,7 +58,7 @@ class BuildPyWithLibrary(build_py):
         target = package_dir / "_lib"
         with tempfile.TemporaryDirectory(prefix="tinyloop-build-") as work:
             try:
-                library = build_libtinyloop(Path(work))
+                library = build_with_cuda_if_possible(Path(work))
             except Exception as exc:  # no compiler, no cmake, a build error: fall back
                 if os.environ.get("TINYLOOP_REQUIRE_NATIVE") == "1":
                     raise
