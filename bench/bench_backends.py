@@ -3,9 +3,11 @@
     python bench/bench_backends.py [--shape quick|full] [--backends numpy,...] [--prefill 512]
                                    [--threads N] [--first-call] [--name backends]
 
-Prefill: tokens/s of building a prefix of --prefill tokens (one chunk). Decode: tokens/s of
---decode greedy steps from that prefix. Every backend must produce the same tokens; the bench
-checks that too.
+Backends: tinyloop's (native, numpy, numba, numba-cuda) and native-cuda (the native backend on
+a GPU). Prefill: tokens/s of building a prefix of --prefill tokens (one chunk). Decode: tokens/s
+of --decode greedy steps from that prefix. Request: milliseconds of one generate() of the
+--prefill-token prompt plus --decode new tokens, with no prefix cache. Every backend must
+produce the same tokens; the bench checks that too.
 
 --first-call adds the cost of compiling kernels: a fresh process opens the model and runs a
 4-token prompt plus 2 decoded tokens with an empty NUMBA_CACHE_DIR (cold: every numba kernel
@@ -22,26 +24,31 @@ import numpy as np
 
 import tinyloop
 from common import SHAPES, best_of, model_file, write_results
+from tinyloop.quickbench import backend_kwargs
 
 DISK_CACHED = ("numba",)     # backends whose compiled kernels persist in NUMBA_CACHE_DIR
 FIRST_CALL = """
 import sys, time
 start = time.perf_counter()
 import tinyloop
+from tinyloop.quickbench import backend_kwargs
 threads = int(sys.argv[3]) if sys.argv[3] != "None" else None
-with tinyloop.Model(sys.argv[1], backend=sys.argv[2], threads=threads) as model:
+with tinyloop.Model(sys.argv[1], threads=threads, **backend_kwargs(sys.argv[2])) as model:
     model.generate([1, 2, 3, 4], max_tokens=2)
 print(time.perf_counter() - start)
 """
 
 
 def measure(path, backend, n_prefill, n_decode, repeats, threads=None):
-    with tinyloop.Model(path, backend=backend, prefill_chunk=n_prefill, threads=threads) as model:
+    """(tokens, prefill tok/s, decode tok/s, request ms) of one backend."""
+    with tinyloop.Model(path, prefill_chunk=n_prefill, threads=threads, prefix_cache_bytes=0,
+                        **backend_kwargs(backend)) as model:
         prompt = np.random.default_rng(1).integers(0, model.config()["vocab_size"], n_prefill)
         prefix, t_prefill = best_of(lambda: model.build_prefix_cache(prompt), repeats)
         tokens, t_decode = best_of(
             lambda: model.generate_from_prefix_cache(prefix, max_tokens=n_decode), repeats)
-    return tokens, n_prefill / t_prefill, n_decode / t_decode
+        _, t_request = best_of(lambda: model.generate(prompt, max_tokens=n_decode), repeats)
+    return tokens, n_prefill / t_prefill, n_decode / t_decode, 1000 * t_request
 
 
 def first_call_seconds(path, backend, threads, cache_dir):
@@ -82,12 +89,13 @@ def main(argv=None):
                        "threads": args.threads or "all"}
                 if args.first_call:
                     row.update(first_calls(path, backend, args.threads, cache))
-                tokens, pre, dec = measure(path, backend, args.prefill, args.decode, args.repeats,
-                                           args.threads)
+                tokens, pre, dec, request = measure(path, backend, args.prefill, args.decode,
+                                                    args.repeats, args.threads)
                 reference = tokens if reference is None else reference
                 same = tokens == reference
                 ok &= same
-                row.update({"prefill tok/s": pre, "decode tok/s": dec, "same tokens": same})
+                row.update({"prefill tok/s": pre, "decode tok/s": dec, "request ms": request,
+                            "same tokens": same})
                 rows.append(row)
                 print(row, flush=True)
     notes = f"prefill {args.prefill} tokens, decode {args.decode} tokens, n_pre 2, L 8."

@@ -18,13 +18,13 @@ import numpy as np
 
 import tinyloop
 from common import model_file, write_results
-from tinyloop.quickbench import shared_prefix
+from tinyloop.quickbench import backend_kwargs, shared_prefix
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the 407M-like shape (slow on a CPU)")
-    ap.add_argument("--backend", default="native")
+    ap.add_argument("--backend", default="native", help="a backend, or native-cuda (GPU)")
     ap.add_argument("--format", default="int4", choices=["int8", "int4"])
     ap.add_argument("--prefix", default="500,1024")
     ap.add_argument("--n", default="10,50")
@@ -34,7 +34,7 @@ def main(argv=None):
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         path = model_file(shape, args.format, cache)
-        with tinyloop.Model(path, backend=args.backend, prefix_cache_bytes=0) as model:
+        with tinyloop.Model(path, prefix_cache_bytes=0, **backend_kwargs(args.backend)) as model:
             rng = np.random.default_rng(0)
             for length in map(int, args.prefix.split(",")):
                 prompt = rng.integers(0, 32000, size=length).tolist()
