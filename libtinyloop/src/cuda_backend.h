@@ -83,6 +83,7 @@ typedef struct tl_cuda_batch {
     /* outputs, host memory */
     float* hidden;              /* [T][d] each row's final state; required                  */
     float* logits;              /* [T][V] head of each final state; NULL = not wanted       */
+    float* logits_last;         /* [V] head of row T-1's final state only; NULL = not wanted */
     float* loop_states;         /* [loops][d] state of row T-1 after each loop layer; NULL   */
 } tl_cuda_batch;
 

@@ -243,9 +243,10 @@ static void head_rows(fwd* f, float* logits) {
     tl_linear_run(tl_engine_head(f->e), &f->acts, logits, f->c->vocab_size, false, f->e->pool);
 }
 
-tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all, float* logits_last,
                      float* last_hidden, float* loop_states) {
-    if (s->engine->cuda) return tl_forward_cuda_chunk(s, tokens, T, logits_all, last_hidden, loop_states);
+    if (s->engine->cuda)
+        return tl_forward_cuda_chunk(s, tokens, T, logits_all, logits_last, last_hidden, loop_states);
     fwd f;
     void* arena;
     tl_status st = begin(&f, s->engine, T, s->n + T, &arena);
@@ -261,7 +262,7 @@ tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_a
     memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
     if (logits_all) head_rows(&f, logits_all);
     tl_free(arena);
-    return TL_OK;
+    return logits_last ? tl_head_logits(s->engine, last_hidden, logits_last) : TL_OK;
 }
 
 /* order[0 .. B) = the rows deepest first; a stable insertion sort keeps the callers' order

@@ -6,10 +6,12 @@
 
 /* Run tokens[0..T) at positions s->n .. s->n+T-1 through all s->n_layers layers, writing
  * their KV into s->kv (already reserved for those positions). Outputs (each may be NULL
- * except last_hidden): logits_all [T][V]; last_hidden [d] = final hidden state of the last
- * token; loop_states [loops][d] = the last token's state after each loop iteration.
- * Fails only with TL_ERR_OUT_OF_MEMORY, before touching the cache. */
-tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+ * except last_hidden): logits_all [T][V]; logits_last [V] = the last token's logits;
+ * last_hidden [d] = final hidden state of the last token; loop_states [loops][d] = the last
+ * token's state after each loop iteration. On the CPU it fails only with TL_ERR_OUT_OF_MEMORY,
+ * before touching the cache; on a CUDA engine also with TL_ERR_INTERNAL, possibly after
+ * writing the reserved positions' KV (callers roll the reservation back either way). */
+tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all, float* logits_last,
                      float* last_hidden, float* loop_states);
 
 /* One new token for each of B sequences (each with KV reserved for position seqs[b]->n),

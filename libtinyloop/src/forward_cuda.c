@@ -40,9 +40,10 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
 }
 
 /* Rows t < T: token tokens[t] of seqs[t] at position pos[t] (KV reserved), deepest first.
- * Writes hidden [T][d], logits [T][V] (or NULL) and loop_states of row T-1 (or NULL). */
+ * Writes hidden [T][d], logits [T][V], logits_last [V] of row T-1 and loop_states of row T-1
+ * (each output but hidden may be NULL). */
 static tl_status run_rows(tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
-                          float* hidden, float* logits, float* loop_states) {
+                          float* hidden, float* logits, float* logits_last, float* loop_states) {
     const tl_engine* e = seqs[0]->engine;
     const size_t n_spans_max = tl_cuda_count_spans(seqs, T);
     tl_cuda_row* rows = tl_alloc_zeroed(T, sizeof *rows);
@@ -55,7 +56,7 @@ static tl_status run_rows(tl_seq* const* seqs, const size_t* pos, const int32_t*
     uint32_t max_keys;
     const size_t n_spans = tl_cuda_describe(seqs, pos, tokens, T, rows, spans, &max_keys);
     const tl_cuda_batch batch = {T, rows, spans, n_spans, max_keys, e->kv_geom.block_size, e->kv_geom.head_bytes,
-                                 hidden, logits, loop_states};
+                                 hidden, logits, logits_last, loop_states};
     const tl_status st = tl_cuda_forward(e->cuda, &batch);
     tl_free(rows);
     tl_free(spans);
@@ -63,7 +64,7 @@ static tl_status run_rows(tl_seq* const* seqs, const size_t* pos, const int32_t*
 }
 
 tl_status tl_forward_cuda_chunk(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
-                                float* last_hidden, float* loop_states) {
+                                float* logits_last, float* last_hidden, float* loop_states) {
     const size_t d = tl_engine_config(s->engine)->d_model;
     tl_seq** seqs = tl_alloc(T * sizeof *seqs);
     size_t* pos = tl_alloc(T * sizeof *pos);
@@ -74,7 +75,7 @@ tl_status tl_forward_cuda_chunk(tl_seq* s, const int32_t* tokens, size_t T, floa
             seqs[t] = s;
             pos[t] = s->n + t;
         }
-        st = run_rows(seqs, pos, tokens, T, hidden, logits_all, loop_states);
+        st = run_rows(seqs, pos, tokens, T, hidden, logits_all, logits_last, loop_states);
     }
     if (st == TL_OK) memcpy(last_hidden, hidden + (T - 1) * d, d * sizeof(float));
     tl_free(seqs);
@@ -99,7 +100,7 @@ tl_status tl_forward_batch_cuda(tl_seq* const* seqs, const int32_t* tokens, cons
             pos[r] = sorted[r]->n;
             sorted_tokens[r] = tokens[order[r]];
         }
-        st = run_rows(sorted, pos, sorted_tokens, B, hidden, sorted_logits, NULL);
+        st = run_rows(sorted, pos, sorted_tokens, B, hidden, sorted_logits, NULL, NULL);
     }
     for (size_t r = 0; st == TL_OK && r < B; r++) {
         memcpy(sorted[r]->last_hidden, hidden + r * d, d * sizeof(float));

@@ -18,7 +18,7 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
 
 /* tl_forward on the device: a chunk of T tokens of one sequence. */
 tl_status tl_forward_cuda_chunk(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
-                                float* last_hidden, float* loop_states);
+                                float* logits_last, float* last_hidden, float* loop_states);
 
 /* tl_forward_batch on the device; order[0 .. B) lists the rows deepest first. */
 tl_status tl_forward_batch_cuda(tl_seq* const* seqs, const int32_t* tokens, const size_t* order, size_t B,

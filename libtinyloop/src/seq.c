@@ -70,15 +70,15 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, c
     for (size_t off = 0; off < n && st == TL_OK && !stopped; off += chunk) {
         const size_t T = n - off < chunk ? n - off : chunk;
         st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, T);
+        const bool last = off + T == n;
         if (st == TL_OK)
             st = tl_forward(s, tokens + off, T, opts->logits_all ? opts->logits_all + off * c->vocab_size : NULL,
-                            hidden, off + T == n ? opts->loop_states : NULL);
+                            last ? opts->logits_last : NULL, hidden, last ? opts->loop_states : NULL);
         if (st == TL_OK) {
             s->n += T;
             stopped = report(opts->progress, T);
         }
     }
-    if (st == TL_OK && !stopped && opts->logits_last) st = tl_head_logits(e, hidden, opts->logits_last);
     if (st != TL_OK || stopped) {
         tl_kv_rollback(&s->kv, start);
         s->n = n_before;

@@ -88,7 +88,8 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
     TL_CU_TRY(reserve(&c->scores, score_rows * H * max_keys * sizeof(float), false, "attention scores"));
     TL_CU_TRY(reserve(&c->io, io_bytes, false, "rows and spans"));
     TL_CU_TRY(reserve(&c->host_io, io_bytes, true, "rows and spans (host)"));
-    if (b->logits) TL_CU_TRY(reserve(&c->logits, T * V * sizeof(float), false, "logits"));
+    if (b->logits || b->logits_last)
+        TL_CU_TRY(reserve(&c->logits, (b->logits ? T : 1) * V * sizeof(float), false, "logits"));
     if (b->loop_states && loops) TL_CU_TRY(reserve(&c->states, loops * d * sizeof(float), false, "loop states"));
 
     float* x = (float*)c->x.p;
@@ -137,10 +138,11 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
                                                   d * sizeof(float), cudaMemcpyDeviceToDevice, s),
                                   "cudaMemcpyAsync (loop state)"));
     }
-    if (b->logits) { /* launched before the copies: a copy to pageable memory blocks the host */
+    if (b->logits || b->logits_last) { /* launched before the copies: a copy to pageable memory blocks the host */
         const tl_cu_linear* head = &c->lin[c->n_lin - 1];
-        TL_CU_TRY(tl_cu_quantize(c, x, d, d, T, true, acts, head->cols_pad, ascale));
-        TL_CU_TRY(tl_cu_linear_run(c, head, acts, ascale, T, (float*)c->logits.p, V, false, raw));
+        const size_t first = b->logits ? 0 : T - 1, n = T - first; /* every row, or the last one */
+        TL_CU_TRY(tl_cu_quantize(c, x + first * d, d, d, n, true, acts, head->cols_pad, ascale));
+        TL_CU_TRY(tl_cu_linear_run(c, head, acts, ascale, n, (float*)c->logits.p, V, false, raw));
     }
     TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(b->hidden, x, T * d * sizeof(float), cudaMemcpyDeviceToHost, s),
                           "cudaMemcpyAsync (hidden)"));
@@ -148,6 +150,10 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
         TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(b->logits, c->logits.p, T * V * sizeof(float), cudaMemcpyDeviceToHost,
                                               s),
                               "cudaMemcpyAsync (logits)"));
+    if (b->logits_last)
+        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(b->logits_last, (float*)c->logits.p + (b->logits ? (T - 1) * V : 0),
+                                              V * sizeof(float), cudaMemcpyDeviceToHost, s),
+                              "cudaMemcpyAsync (last logits)"));
     if (b->loop_states && loops)
         TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(b->loop_states, c->states.p, loops * d * sizeof(float),
                                               cudaMemcpyDeviceToHost, s),
