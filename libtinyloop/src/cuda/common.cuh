@@ -81,6 +81,11 @@ struct tl_cuda {
     /* scratch of tl_cuda_forward (device unless noted) */
     tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, io, logits, states;
     tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
+    /* CUDA graph of the decode launches (forward.cu), guarded by `lock` */
+    cudaGraphExec_t graph_exec;   /* the last pass's executable graph; NULL = none          */
+    bool graphs_off;              /* TINYLOOP_CUDA_GRAPHS=0, or a graph call failed once    */
+    pthread_mutex_t capture_lock; /* held while `stream` captures and by the KV block calls */
+    bool capture_lock_made;
 };
 
 /* ---- errors ------------------------------------------------------------------------------- */

@@ -209,8 +209,12 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
         return tl_fail(TL_ERR_UNSUPPORTED, "libtinyloop's CUDA kernels do not run on %s: %s", c->name,
                        cudaGetErrorString(err));
     }
-    TL_CU_TRY(tl_cu_check(cudaStreamCreate(&c->stream), "cudaStreamCreate"));
+    /* non-blocking: the legacy stream (another model's weight upload) never waits on it, which
+     * would fail while it captures a graph */
+    TL_CU_TRY(tl_cu_check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
     c->stream_made = true;
+    const char* graphs = getenv("TINYLOOP_CUDA_GRAPHS");
+    c->graphs_off = graphs && strcmp(graphs, "0") == 0;
     c->pool = make_pool(device);
 
     c->cfg = f->cfg;
@@ -244,6 +248,9 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
     TL_CU_TRY(tl_cu_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (weights)"));
     if (pthread_mutex_init(&c->lock, NULL) != 0) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: mutex init failed");
     c->lock_made = true;
+    if (pthread_mutex_init(&c->capture_lock, NULL) != 0)
+        return tl_fail(TL_ERR_INTERNAL, "CUDA backend: mutex init failed");
+    c->capture_lock_made = true;
     return TL_OK;
 }
 
@@ -271,6 +278,7 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     if (!c) return;
     cudaSetDevice(c->device);
     if (c->stream_made) cudaStreamSynchronize(c->stream);
+    if (c->graph_exec) cudaGraphExecDestroy(c->graph_exec);
     for (size_t i = 0; c->lin && i < c->n_lin; i++) free_linear(&c->lin[i]);
     free(c->lin);
     cudaFree(c->emb_w_own);
@@ -284,6 +292,7 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     if (c->pool) cudaMemPoolDestroy(c->pool);
     if (c->stream_made) cudaStreamDestroy(c->stream);
     if (c->lock_made) pthread_mutex_destroy(&c->lock);
+    if (c->capture_lock_made) pthread_mutex_destroy(&c->capture_lock);
     (void)cudaGetLastError(); /* errors while tearing down are not reported */
     free(c);
 }
@@ -298,7 +307,18 @@ extern "C" const char* tl_cuda_device_name(const tl_cuda* c) { return c ? c->nam
  * block every block_size tokens), the zero fill and every later forward run after it on the same
  * stream, and a release takes effect only after the work already queued there (which may still
  * read the block) is done, without synchronizing the device as cudaFree does. Stream-ordered
- * calls from several threads are safe; the device is set per calling thread. */
+ * calls from several threads are safe; the device is set per calling thread. They hold
+ * capture_lock so that they never enqueue into a graph capture of tl_cuda_forward (forward.cu). */
+static void block_free_locked(tl_cuda* c, void* data) {
+    if (c->pool) {
+        cudaFreeAsync(data, c->stream);
+    } else { /* the stream does not synchronize with the legacy stream: wait for it first */
+        cudaStreamSynchronize(c->stream);
+        cudaFree(data);
+    }
+    (void)cudaGetLastError();
+}
+
 extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
     if (!c || bytes == 0) return NULL;
     if (cudaSetDevice(c->device) != cudaSuccess) {
@@ -306,23 +326,24 @@ extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
         return NULL;
     }
     void* p = NULL;
+    pthread_mutex_lock(&c->capture_lock);
     const cudaError_t err = c->pool ? cudaMallocFromPoolAsync(&p, bytes, c->pool, c->stream) : cudaMalloc(&p, bytes);
     if (err != cudaSuccess) {
         (void)cudaGetLastError();
-        return NULL;
-    }
-    if (cudaMemsetAsync(p, 0, bytes, c->stream) != cudaSuccess) {
+        p = NULL;
+    } else if (cudaMemsetAsync(p, 0, bytes, c->stream) != cudaSuccess) {
         (void)cudaGetLastError();
-        tl_cuda_block_free(c, p);
-        return NULL;
+        block_free_locked(c, p);
+        p = NULL;
     }
+    pthread_mutex_unlock(&c->capture_lock);
     return p;
 }
 
 extern "C" void tl_cuda_block_free(tl_cuda* c, void* data) {
     if (!c || !data) return;
     cudaSetDevice(c->device);
-    if (c->pool) cudaFreeAsync(data, c->stream);
-    else cudaFree(data); /* waits for work in flight that may still read the block */
-    (void)cudaGetLastError();
+    pthread_mutex_lock(&c->capture_lock);
+    block_free_locked(c, data);
+    pthread_mutex_unlock(&c->capture_lock);
 }
