@@ -14,7 +14,8 @@
 #  3. benches: prefill/decode/request on the 407M-like shape (bench_backends.py --shape full,
 #     CUDA and the CPU side by side, identical tokens checked), the prefix-cache table
 #     (bench_prefix_cache.py --full) on CUDA, and the achieved fraction of the GPU's peaks;
-#  4. the native suites (batched decode, automatic prefix cache, windows, paths) with
+#  4. the cross-backend suite again with TINYLOOP_CUDA_GRAPHS=0 (plain launches, no graphs);
+#     the native suites (batched decode, automatic prefix cache, windows, paths) with
 #     TINYLOOP_DEVICE=cuda, so every native model of those tests runs on the GPU;
 #  5. the numba-cuda kernels on the real device (tests/test_numba_cuda.py and the cross-backend
 #     suite with backend "numba-cuda");
@@ -109,6 +110,8 @@ for r in rows:
           f'{ops / 1e12:.1f} TOPS = {ops / 1979e12:.1%} of the int8 peak; decode '
           f'{streamed / 1e12:.2f} TB/s of distinct weights = {streamed / 4.8e12:.1%} of HBM bandwidth')
 PY
+step cross_backend_cuda_no_graphs 60 env TINYLOOP_CUDA_GRAPHS=0 TINYLOOP_TEST_BACKENDS=native-cuda \
+    TINYLOOP_REQUIRE_BACKENDS=native-cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_cross_backend.py
 step native_suites_on_cuda 90 env TINYLOOP_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_batch.py tests/test_auto_prefix_cache.py \
     tests/test_window.py tests/test_paths.py
