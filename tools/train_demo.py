@@ -4,8 +4,11 @@ Contract:
     python tools/train_demo.py [--steps N] [--time-budget-min M] [--out PATH] ...
         trains a byte-level looped transformer on the KJV Bible (tools/demo_corpus.py), then writes
         the int8 .tinyloop file through tinyloop.quantize.quantize_model + modelfile.save_model.
-        Every --checkpoint-every steps it saves the float weights (--checkpoint, a torch file) and
-        exports the model file, so an interrupted run still leaves a usable model.
+        Every --checkpoint-every steps it saves the float weights and optimizer state
+        (--checkpoint, a torch file) and exports the model file, so an interrupted run still
+        leaves a usable model. --resume PATH starts from such a checkpoint (a new schedule:
+        warmup, then a cosine over this run's steps or time budget); --compile runs each block
+        through torch.compile.
     python tools/train_demo.py --eval-only [--checkpoint PATH] [--out PATH]
         prints, as markdown, validation bits per byte per depth for the float model and for the
         TinyLoop numpy engine, then TinyLoop samples.
@@ -66,6 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--checkpoint", default="/tmp/tinyloop_demo_ckpt.pt")
+    p.add_argument("--resume", metavar="PATH",
+                   help="start from this checkpoint's weights (and optimizer state, if saved)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block (about 15%% faster on CPU after a 40 s compile)")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("--eval-bytes", type=int, default=4096, help="held-out bytes for the engine")
@@ -188,9 +195,11 @@ def make_optimizer(model, args):
                              lr=args.lr, betas=(0.9, 0.95))
 
 
-def train(model, train_bytes, config, args):
+def train(model, train_bytes, config, args, opt_state=None):
     gen = torch.Generator().manual_seed(args.seed)
     opt = make_optimizer(model, args)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
     data = batches(train_bytes, args.batch, args.seq_len, gen)
     budget = args.time_budget_min * 60
     t0 = time.time()
@@ -217,13 +226,14 @@ def train(model, train_bytes, config, args):
             print(f"step {step} L={loops} train {bpb:.3f} bpb (ema {ema:.3f}) "
                   f"lr {opt.param_groups[0]['lr']:.2e} {elapsed:.0f}s", flush=True)
         if done % args.checkpoint_every == 0:
-            checkpoint(model, config, args, done)
-    checkpoint(model, config, args, done)
+            checkpoint(model, opt, config, args, done)
+    checkpoint(model, opt, config, args, done)
     print(f"trained {done} steps in {time.time() - t0:.0f}s", flush=True)
 
 
-def checkpoint(model, config, args, step):
-    torch.save({"step": step, "state": model.state_dict(), "args": vars(args)}, args.checkpoint)
+def checkpoint(model, opt, config, args, step):
+    torch.save({"step": step, "state": model.state_dict(), "optimizer": opt.state_dict(),
+                "args": vars(args)}, args.checkpoint)
     export(model, config, args.out)
     print(f"checkpoint at step {step}: {args.checkpoint}, {args.out}", flush=True)
 
@@ -296,10 +306,19 @@ def main(argv=None):
     if args.eval_only:
         model.load_state_dict(torch.load(args.checkpoint)["state"])
     else:
+        opt_state = None
+        if args.resume:
+            saved = torch.load(args.resume)
+            model.load_state_dict(saved["state"])
+            opt_state = saved.get("optimizer")
+            print(f"resumed from {args.resume} (step {saved['step']})", flush=True)
+        if args.compile:
+            for block in (*model.pre, model.loop):
+                block.forward = torch.compile(block.forward)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{n_params} parameters; train {len(train_bytes)} bytes, val {len(val_bytes)} bytes",
               flush=True)
-        train(model, train_bytes, config, args)
+        train(model, train_bytes, config, args, opt_state)
     model.eval()
     evaluate(model, val_bytes, args)
 
