@@ -47,7 +47,8 @@ def attend(qh, kq, sk, vq, sv, visible):
         svmax = nan_ignoring_max(sv_g, where=visible)                             # (T,)
         live = svmax > 0
         kappa = TWO_24 / np.where(live, svmax, F32(1))
-        u = np.rint(e * (sv[None, None, :, g] * kappa[:, None, None]))
+        with np.errstate(invalid="ignore"):       # a hidden key's sv may be inf: 0 * inf
+            u = np.where(vis, np.rint(e * (sv[None, None, :, g] * kappa[:, None, None])), 0.0)
         num = u.astype(np.float64) @ vq[:, g].astype(np.float64)                 # (T, h, D)
         o = (int_to_f32(num) / int_to_f32(den)[..., None]) * svmax[:, None, None]
         out[:, heads] = np.where(live[:, None, None], o, F32(0))

@@ -123,3 +123,19 @@ def test_sampled_frequencies_follow_the_softmax():
 def test_tiny_temperature_overflow_takes_the_top_candidate():
     z = np.array([3e38, 1.0], np.float32)
     assert sample(z, [], params(temperature=1e-30), 0) == 0
+
+
+def test_attention_ignores_keys_a_query_cannot_see():
+    """A key outside a query's view changes nothing, even with an infinite value scale in the
+    same chunk (spec §4.1 sums over visible keys only; U of a hidden key is not 0 * inf)."""
+    from tinyloop.fallback.attention import attend, visible_keys
+    rng = np.random.default_rng(0)
+    qh = rng.standard_normal((2, 2, 8)).astype(np.float32)       # T 2, H 2 (one kv head), D 8
+    kq = rng.integers(-127, 128, (2, 1, 8)).astype(np.int8)
+    vq = rng.integers(-127, 128, (2, 1, 8)).astype(np.int8)
+    sk = np.array([[0.01], [0.02]], np.float32)
+    sv = np.array([[0.03], [np.inf]], np.float32)                 # key 1: non-finite values
+    out = attend(qh, kq, sk, vq, sv, visible_keys(np.arange(2), np.arange(2), 0))
+    alone = attend(qh[:1], kq[:1], sk[:1], vq[:1], sv[:1], visible_keys(np.arange(1), np.arange(1), 0))
+    assert np.array_equal(out[0].view(np.uint32), alone[0].view(np.uint32))   # query 0 sees key 0 only
+    assert np.isnan(out[1]).all()                                  # query 1 sees sv = inf: NaN
