@@ -26,10 +26,10 @@ HELD_OUT = (
     "the Son of God.\n"
     "And he straitly charged them that they should not make him"
 ).encode("ascii")
-# Measured on the shipped file: 1.707 bits/byte at depth 6, 1.877 at depth 1. A uniform model
-# scores 8, a byte-unigram model about 4.4.
-MAX_BPB_DEFAULT_DEPTH = 1.95
-MIN_DEPTH_GAIN_BPB = 0.08
+# Measured on the shipped file: 1.682 bits/byte at depth 6, 1.758 at depth 1. A uniform model
+# scores 8, a byte-unigram model about 4.4, the model shipped before this one 1.707.
+MAX_BPB_DEFAULT_DEPTH = 1.80
+MIN_DEPTH_GAIN_BPB = 0.04
 
 
 @pytest.fixture(scope="module")

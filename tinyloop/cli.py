@@ -141,8 +141,8 @@ def build_parser():
     demo = command("demo", lambda a, out: run_demo(lambda budget: _open(a, prefix_cache_bytes=budget),
                                                    a.max_tokens, a.temperature, a.seed, out),
                    "shared-prefix requests with and without prefix caching")
-    demo.add_argument("--max-tokens", type=int, default=60)
-    demo.add_argument("--temperature", type=float, default=0.7)
+    demo.add_argument("--max-tokens", type=int, default=80)
+    demo.add_argument("--temperature", type=float, default=0.5)
     demo.add_argument("--seed", type=int, default=1)
     gen = command("generate", run_generate, "generate text (or token ids) from a prompt")
     gen.add_argument("prompt", help="text, comma-separated token ids with --ids, or - for stdin")
