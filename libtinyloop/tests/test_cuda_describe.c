@@ -3,9 +3,9 @@
  * KV spans the device reads. Two sequences, one windowed, several blocks, some released. */
 #include <string.h>
 
-#include "engine.h"
-#include "forward_cuda.h"
-#include "seq.h"
+#include "core/engine.h"
+#include "cuda/forward_cuda.h"
+#include "core/seq.h"
 #include "test_util.h"
 
 enum { BLOCK = 4, N_A = 10, N_B = 13, WINDOW_B = 6 };

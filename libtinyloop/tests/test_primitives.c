@@ -6,13 +6,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attention.h"
-#include "crc32.h"
-#include "cpu.h"
-#include "matmul.h"
-#include "numerics.h"
-#include "quant.h"
-#include "sampling.h"
+#include "cpu/attention.h"
+#include "base/crc32.h"
+#include "cpu/isa.h"
+#include "cpu/matmul.h"
+#include "core/numerics.h"
+#include "cpu/quant.h"
+#include "core/sampling.h"
 #include "test_util.h"
 
 static float from_bits(uint32_t u) {

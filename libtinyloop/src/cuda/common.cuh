@@ -22,11 +22,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "cuda_backend.h"
-#include "numerics.h"
+#include "cuda/cuda_backend.h"
+#include "core/numerics.h"
 
 extern "C" {
-#include "errors.h"
+#include "base/errors.h"
 }
 
 enum {

@@ -1,0 +1,134 @@
+/* batch.c — tl_generate_batch: every request checked, then started (its prompt run alone,
+ * through the prefix cache), then all live requests decoded together, one token each per
+ * step, through tl_forward_batch. A request leaves the batch when its own stop rule fires;
+ * since every row of a batched step is computed exactly as it would be alone, each request
+ * gets the tokens and logits it gets from tl_generate. */
+#include <stdio.h>
+#include <string.h>
+
+#include "base/alloc.h"
+#include "base/errors.h"
+#include "core/forward.h"
+#include "core/generate.h"
+
+typedef struct batch {
+    size_t n;
+    tl_gen_params* params;  /* [n] resolved                              */
+    tl_stream* streams;     /* [n]                                       */
+    tl_seq** live;          /* [n] sequences decoded in the current step */
+    size_t* live_index;     /* [n] their requests                        */
+    tl_kv_mark* marks;      /* [n] their tables before the step          */
+    int32_t* tokens;        /* [n] their new tokens                      */
+    float** logits;         /* [n] their streams' logits buffers         */
+} batch;
+
+static tl_status check_requests(const tl_engine* e, tl_request* r, size_t n, tl_gen_params* params) {
+    for (size_t i = 0; i < n; i++) {
+        tl_status st = TL_OK;
+        if (r[i].size < sizeof(size_t)) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "size not set");
+        else if (r[i].size < sizeof(tl_request)) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "size too small for this library");
+        else if (!r[i].out_tokens) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens is NULL");
+        else st = tl_gen_check(e, r[i].prefix, r[i].prompt, r[i].n_prompt, r[i].params, &params[i]);
+        if (st != TL_OK) {
+            char why[480];
+            snprintf(why, sizeof why, "%s", tl_last_error());
+            return tl_fail(st, "request %zu: %s", i, why);
+        }
+    }
+    return TL_OK;
+}
+
+static tl_status batch_alloc(batch* b, size_t n) {
+    memset(b, 0, sizeof *b);
+    b->n = n;
+    b->params = tl_alloc_zeroed(n, sizeof *b->params);
+    b->streams = tl_alloc_zeroed(n, sizeof *b->streams);
+    b->live = tl_alloc_zeroed(n, sizeof *b->live);
+    b->live_index = tl_alloc_zeroed(n, sizeof *b->live_index);
+    b->marks = tl_alloc_zeroed(n, sizeof *b->marks);
+    b->tokens = tl_alloc_zeroed(n, sizeof *b->tokens);
+    b->logits = tl_alloc_zeroed(n, sizeof *b->logits);
+    return b->params && b->streams && b->live && b->live_index && b->marks && b->tokens && b->logits
+               ? TL_OK : tl_fail_oom("batch");
+}
+
+static void batch_free(batch* b) {
+    for (size_t i = 0; b->streams && i < b->n; i++) tl_stream_free(&b->streams[i]);
+    tl_free(b->params);
+    tl_free(b->streams);
+    tl_free(b->live);
+    tl_free(b->live_index);
+    tl_free(b->marks);
+    tl_free(b->tokens);
+    tl_free(b->logits);
+}
+
+static tl_status start_all(tl_engine* e, batch* b, tl_request* r) {
+    for (size_t i = 0; i < b->n; i++) {
+        tl_stream* s = &b->streams[i];
+        tl_status st = tl_stream_init(s, e, &b->params[i], r[i].out_tokens, r[i].out_logits, &r[i].n_out);
+        if (st == TL_OK) st = tl_gen_start(e, r[i].prefix, r[i].prompt, r[i].n_prompt, s);
+        if (st != TL_OK) return st;
+        if (r[i].prefix) tl_stream_see(s, r[i].prefix->tokens, r[i].prefix->n);
+        tl_stream_see(s, r[i].prompt, r[i].n_prompt);
+    }
+    return TL_OK;
+}
+
+/* Sample every live request; those not done form the next step's batch. */
+static tl_status sample_all(batch* b, size_t* n_live) {
+    *n_live = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        tl_stream* s = &b->streams[i];
+        if (s->done) continue;
+        tl_status st = tl_stream_sample(s, &b->tokens[*n_live]);
+        if (st != TL_OK) return st;
+        if (s->done) continue;
+        b->live[*n_live] = s->seq;
+        b->logits[*n_live] = s->logits;
+        b->live_index[(*n_live)++] = i;
+    }
+    return TL_OK;
+}
+
+/* One batched decode step over the live sequences (all-or-nothing on failure). */
+static tl_status step(tl_engine* e, batch* b, size_t n_live) {
+    tl_status st = tl_engine_check_open(e);
+    size_t tried = 0;  /* tables given a reservation attempt (a failed one changes nothing) */
+    for (; st == TL_OK && tried < n_live; tried++) {
+        tl_seq* s = b->live[tried];
+        b->marks[tried] = tl_kv_mark_now(&s->kv);
+        st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, 1);
+    }
+    if (st == TL_OK) st = tl_forward_batch(b->live, b->tokens, n_live, b->logits);
+    if (st != TL_OK) {
+        for (size_t j = 0; j < tried; j++) tl_kv_rollback(&b->live[j]->kv, b->marks[j]);
+        return st;
+    }
+    for (size_t j = 0; j < n_live; j++) {
+        tl_seq* s = b->live[j];
+        s->n++;
+        tl_kv_release_outside(&s->kv, s->n, s->window);
+    }
+    return TL_OK;
+}
+
+TL_API tl_status tl_generate_batch(tl_model* model, tl_request* requests, size_t n_requests) {
+    if (!requests && n_requests) return tl_fail(TL_ERR_INVALID_ARGUMENT, "requests is NULL");
+    for (size_t i = 0; i < n_requests; i++) requests[i].n_out = 0;
+    tl_engine* e;
+    tl_status st = tl_model_acquire(model, &e);
+    if (st != TL_OK || n_requests == 0) {
+        if (st == TL_OK) tl_engine_unref(e);
+        return st;
+    }
+    batch b;
+    st = batch_alloc(&b, n_requests);
+    if (st == TL_OK) st = check_requests(e, requests, n_requests, b.params);
+    if (st == TL_OK) st = start_all(e, &b, requests);
+    size_t n_live = 0;
+    while (st == TL_OK && (st = sample_all(&b, &n_live)) == TL_OK && n_live > 0) st = step(e, &b, n_live);
+    batch_free(&b);
+    tl_engine_unref(e);
+    return st;
+}

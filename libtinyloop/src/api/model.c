@@ -1,0 +1,276 @@
+/* model.c — tl_model handles and their engines: open (map, validate, repack, start the
+ * pool), configuration queries, close/free, and the reference counting that keeps the
+ * weights alive while sequences and prefixes use them. */
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/alloc.h"
+#include "cpu/isa.h"
+#include "core/engine.h"
+#include "base/errors.h"
+
+enum { MAX_THREADS = 1024, MAX_BLOCK_SIZE = 1 << 16 };
+
+struct tl_model {
+    pthread_mutex_t lock; /* guards engine against a concurrent close */
+    tl_engine* engine;    /* NULL once closed */
+};
+
+static const char* isa_name(tl_isa isa) {
+    switch (isa) {
+    case TL_ISA_AUTO: return "auto";
+    case TL_ISA_SCALAR: return "scalar";
+    case TL_ISA_AVX2: return "avx2";
+    case TL_ISA_AVX512_VNNI: return "avx512-vnni";
+    }
+    return "unknown";
+}
+
+void tl_engine_ref(tl_engine* e) { atomic_fetch_add(&e->refs, 1); }
+
+TL_API tl_status tl_device_check(tl_device device) {
+    switch (device) {
+    case TL_DEVICE_AUTO:
+    case TL_DEVICE_CPU: return TL_OK;
+    case TL_DEVICE_CUDA: {
+        int n_devices = 0;
+        return tl_cuda_probe(&n_devices);
+    }
+    }
+    return tl_fail(TL_ERR_INVALID_ARGUMENT, "device must be 0 (auto), 1 (cpu) or 2 (cuda), got %d", (int)device);
+}
+
+static void engine_destroy(tl_engine* e) {
+    tl_pcache_free(e->pcache); /* its device blocks go back before the device state does */
+    tl_cuda_free(e->cuda);
+    tl_pool_destroy(e->pool);
+    for (size_t i = 0; e->linears && i < e->n_linears; i++) tl_linear_release(&e->linears[i]);
+    tl_free(e->linears);
+    tl_file_close(&e->file);
+    tl_free(e);
+}
+
+void tl_engine_unref(tl_engine* e) {
+    if (e && atomic_fetch_sub(&e->refs, 1) == 1) engine_destroy(e);
+}
+
+tl_status tl_engine_check_open(const tl_engine* e) {
+    return atomic_load(&e->closed) ? tl_fail(TL_ERR_CLOSED, "model was closed") : TL_OK;
+}
+
+tl_status tl_engine_resolve_loops(const tl_engine* e, uint32_t loops, uint32_t* out) {
+    if (loops == 0) loops = e->file.cfg.default_loops;
+    if (loops > TL_MAX_LOOPS) return tl_fail(TL_ERR_INVALID_ARGUMENT, "loops > %d", TL_MAX_LOOPS);
+    *out = loops;
+    return TL_OK;
+}
+
+tl_status tl_engine_check_tokens(const tl_engine* e, const int32_t* tokens, size_t n, const char* what) {
+    const uint32_t V = e->file.cfg.vocab_size;
+    for (size_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || (uint32_t)tokens[i] >= V)
+            return tl_fail(TL_ERR_OUT_OF_RANGE, "%s: token id %d at index %zu is out of range [0, %u)",
+                           what, tokens[i], i, V);
+    return TL_OK;
+}
+
+tl_status tl_model_acquire(tl_model* model, tl_engine** out) {
+    *out = NULL;
+    if (!model) return tl_fail(TL_ERR_INVALID_ARGUMENT, "model is NULL");
+    pthread_mutex_lock(&model->lock);
+    tl_engine* e = model->engine;
+    if (e) tl_engine_ref(e);
+    pthread_mutex_unlock(&model->lock);
+    if (!e) return tl_fail(TL_ERR_CLOSED, "model was closed");
+    *out = e;
+    return TL_OK;
+}
+
+TL_API tl_model_params tl_model_params_default(void) {
+    tl_model_params p;
+    memset(&p, 0, sizeof p);
+    p.size = sizeof p;
+    p.n_threads = 0;
+    p.kv_block_size = 0;
+    p.isa = TL_ISA_AUTO;
+    p.device = TL_DEVICE_AUTO;
+    p.device_index = 0;
+    return p;
+}
+
+static tl_status resolve_params(const tl_model_params* given, tl_model_params* p) {
+    *p = tl_model_params_default();
+    if (given) {
+        if (given->size < sizeof(size_t))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_model_params.size must be set (sizeof(tl_model_params))");
+        memcpy(p, given, given->size < sizeof *p ? given->size : sizeof *p);
+    }
+    if (p->n_threads == 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        p->n_threads = cores > 0 ? (uint32_t)(cores < MAX_THREADS ? cores : MAX_THREADS) : 1;
+    }
+    if (p->n_threads > MAX_THREADS)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_threads must be <= %d, got %u", MAX_THREADS, p->n_threads);
+    if (p->kv_block_size == 0) p->kv_block_size = 16;
+    if (p->kv_block_size > MAX_BLOCK_SIZE)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_block_size must be <= %d, got %u", MAX_BLOCK_SIZE,
+                       p->kv_block_size);
+    if ((int)p->isa < TL_ISA_AUTO || (int)p->isa > TL_ISA_AVX512_VNNI)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "isa must be 0 .. 3, got %d", (int)p->isa);
+    if (!tl_isa_available(p->isa))
+        return tl_fail(TL_ERR_UNSUPPORTED, "isa %s is not supported by this CPU or build", isa_name(p->isa));
+    if (p->isa == TL_ISA_AUTO) p->isa = tl_isa_best();
+    tl_status st = tl_device_check(p->device);
+    if (st != TL_OK) return st;
+    if (p->device == TL_DEVICE_AUTO) p->device = TL_DEVICE_CPU; /* CUDA joins auto once verified */
+    if (p->device == TL_DEVICE_CUDA) {
+        int n_devices = 0;
+        tl_cuda_probe(&n_devices);
+        if (p->device_index < 0 || p->device_index >= n_devices)
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "device_index %d: this machine has %d CUDA device(s)",
+                           (int)p->device_index, n_devices);
+    }
+    return TL_OK;
+}
+
+static tl_status engine_create(const char* path, const tl_model_params* p, tl_engine** out) {
+    *out = NULL;
+    tl_engine* e = tl_alloc_zeroed(1, sizeof *e);
+    if (!e) return tl_fail_oom("model");
+    atomic_init(&e->refs, 1);
+    atomic_init(&e->closed, false);
+    e->isa = p->isa;
+    tl_status st = tl_file_open(path, &e->file);
+    if (st != TL_OK) {
+        tl_free(e);
+        return st;
+    }
+    const tl_config* c = &e->file.cfg;
+    e->kv_geom = tl_kv_geom_make(p->kv_block_size, c->n_kv_heads, c->head_dim);
+    e->n_linears = e->file.n_linears;
+    e->linears = tl_alloc_zeroed(e->n_linears, sizeof *e->linears);
+    if (!e->linears) st = tl_fail_oom("linears");
+    for (size_t i = 0; st == TL_OK && i < e->n_linears; i++) {
+        st = tl_linear_prepare(&e->linears[i], &e->file.linears[i], e->isa);
+        if (st == TL_OK) e->weight_bytes += tl_linear_bytes(&e->linears[i]);
+    }
+    if (st == TL_OK) st = tl_pool_create(p->n_threads, &e->pool);
+    if (st == TL_OK && p->device == TL_DEVICE_CUDA) {
+        st = tl_cuda_create(&e->file, p->device_index, &e->cuda);
+        e->kv_geom.cuda = e->cuda;
+    }
+    if (st == TL_OK && p->prefix_cache_bytes) {
+        e->pcache = tl_pcache_new(&e->kv_geom, p->prefix_cache_bytes);
+        if (!e->pcache) st = tl_fail_oom("prefix cache");
+    }
+    if (st != TL_OK) {
+        engine_destroy(e);
+        return st;
+    }
+    *out = e;
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_open(const char* path, const tl_model_params* params, tl_model** out) {
+    if (!out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    tl_model_params p;
+    tl_status st = resolve_params(params, &p);
+    if (st != TL_OK) return st;
+    tl_model* m = tl_alloc_zeroed(1, sizeof *m);
+    if (!m) return tl_fail_oom("model handle");
+    st = engine_create(path, &p, &m->engine);
+    if (st != TL_OK) {
+        tl_free(m);
+        return st;
+    }
+    pthread_mutex_init(&m->lock, NULL);
+    *out = m;
+    return TL_OK;
+}
+
+/* Shared start of the versioned getters: `out` must carry its size; the model must be open. */
+static tl_status begin_get(const tl_model* model, const void* out, tl_engine** e) {
+    if (!out || *(const size_t*)out < sizeof(size_t))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL or out->size not set");
+    return tl_model_acquire((tl_model*)model, e);
+}
+
+/* Copy `full` (whose first field is its size) into the caller's struct, up to the caller's
+ * size, so an older caller with a shorter struct gets the fields it knows. */
+static void copy_versioned(void* out, void* full, size_t full_size) {
+    const size_t size = *(size_t*)out < full_size ? *(size_t*)out : full_size;
+    *(size_t*)full = size;
+    memcpy(out, full, size);
+}
+
+TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out) {
+    tl_engine* e;
+    tl_status st = begin_get(model, out, &e);
+    if (st != TL_OK) return st;
+    const tl_config* c = tl_engine_config(e);
+    tl_model_config full = {
+        sizeof full, c->vocab_size, c->d_model, c->n_heads, c->n_kv_heads, c->head_dim, c->ffn_dim,
+        c->n_pre_blocks, c->default_loops, c->max_seq_len, c->weight_format, c->group_size,
+        c->tied_head, c->bos_id, c->eos_id, c->tokenizer, c->rope_theta, c->rms_eps, {0}};
+    memcpy(full.name, c->name, sizeof full.name);
+    copy_versioned(out, &full, sizeof full);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* out) {
+    tl_engine* e;
+    tl_status st = begin_get(model, out, &e);
+    if (st != TL_OK) return st;
+    tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
+                             e->weight_bytes, e->cuda ? TL_DEVICE_CUDA : TL_DEVICE_CPU,
+                             e->cuda ? tl_cuda_weight_bytes(e->cuda) : 0, {0}};
+    if (e->cuda) snprintf(full.device_name, sizeof full.device_name, "%s", tl_cuda_device_name(e->cuda));
+    else snprintf(full.device_name, sizeof full.device_name, "cpu (%s)", isa_name(e->isa));
+    copy_versioned(out, &full, sizeof full);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_prefix_cache_stats(tl_model* model, tl_prefix_cache_stats* out) {
+    tl_engine* e;
+    tl_status st = begin_get(model, out, &e);
+    if (st != TL_OK) return st;
+    tl_prefix_cache_stats full;
+    memset(&full, 0, sizeof full);
+    full.size = sizeof full;
+    if (e->pcache) full = tl_pcache_stats(e->pcache);
+    copy_versioned(out, &full, sizeof full);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
+TL_API tl_status tl_model_prefix_cache_clear(tl_model* model) {
+    tl_engine* e;
+    tl_status st = tl_model_acquire(model, &e);
+    if (st != TL_OK) return st;
+    if (e->pcache) tl_pcache_clear(e->pcache);
+    tl_engine_unref(e);
+    return TL_OK;
+}
+
+TL_API void tl_model_close(tl_model* model) {
+    if (!model) return;
+    pthread_mutex_lock(&model->lock);
+    tl_engine* e = model->engine;
+    model->engine = NULL;
+    if (e) atomic_store(&e->closed, true);
+    pthread_mutex_unlock(&model->lock);
+    if (e && e->pcache) tl_pcache_clear(e->pcache); /* cached blocks go now, not with the last user */
+    tl_engine_unref(e);
+}
+
+TL_API void tl_model_free(tl_model* model) {
+    if (!model) return;
+    tl_model_close(model);
+    pthread_mutex_destroy(&model->lock);
+    tl_free(model);
+}

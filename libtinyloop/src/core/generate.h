@@ -1,0 +1,49 @@
+/* generate.h — what tl_generate, tl_generate_from_prefix and tl_generate_batch share: request
+ * checking, starting a request (its prompt run through the prefix cache, or its prefix
+ * continued) and a request's sampling state, the stream. */
+#ifndef TL_GENERATE_H
+#define TL_GENERATE_H
+
+#include <stdbool.h>
+
+#include "core/sampling.h"
+#include "core/seq.h"
+
+/* Check a request before any work: the prompt (or prefix + suffix) tokens, every parameter
+ * (defaults overlaid with `given`, resolved into *p: loops 0 becomes the depth), the depth and
+ * window against the prefix, and the total length. */
+tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
+                       const tl_gen_params* given, tl_gen_params* p);
+
+/* One request's sampling state (docs/spec.md §5): the ids of its history for the repetition
+ * penalty, the logits to sample the next token from, its outputs and stop rules. */
+typedef struct tl_stream {
+    tl_seq* seq;              /* owned                                       */
+    const tl_gen_params* p;   /* resolved (borrowed)                         */
+    tl_sampler sampler;
+    tl_sample_scratch scratch;
+    uint8_t* seen;            /* [V] ids in the history                      */
+    float* logits;            /* [V] logits of the next token                */
+    int32_t* out_tokens;      /* [max_tokens]                                */
+    float* out_logits;        /* NULL or [max_tokens][V]                     */
+    size_t* n_out;
+    bool done;                /* a stop rule fired                           */
+} tl_stream;
+
+/* Start a checked request on a fresh stream: stream->seq holds the prompt (reusing the
+ * automatic prefix cache, then offering it the prompt's blocks) or the prefix plus suffix,
+ * and stream->logits those of its last token; stream->done if on_prefill stopped it. */
+tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n, tl_stream* stream);
+
+/* A stream for checked params p, with outputs; the history starts empty. */
+tl_status tl_stream_init(tl_stream* s, const tl_engine* e, const tl_gen_params* p, int32_t* out_tokens,
+                         float* out_logits, size_t* n_out);
+/* Mark tokens as part of the history. */
+void tl_stream_see(tl_stream* s, const int32_t* tokens, size_t n);
+/* Sample the next token from s->logits, record it, call on_token and check the stop rules
+ * (setting s->done). Unless done, the caller runs *token to refill s->logits. */
+tl_status tl_stream_sample(tl_stream* s, int32_t* token);
+/* Free the scratch and the sequence. */
+void tl_stream_free(tl_stream* s);
+
+#endif

@@ -1,0 +1,143 @@
+/* kvcache.c — paged, reference-counted KV blocks and per-sequence span tables (kvcache.h). */
+#include "core/kvcache.h"
+
+#include <string.h>
+
+#include "base/alloc.h"
+#include "cuda/cuda_backend.h"
+#include "base/errors.h"
+
+_Static_assert(sizeof(tl_kv_block) <= 64, "block header must fit in 64 bytes");
+
+tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim) {
+    tl_kv_geom g = {block_size, n_kv_heads, head_dim, 0, NULL};
+    size_t bytes = 2 * (size_t)block_size * head_dim + 2 * sizeof(float) * block_size;
+    g.head_bytes = (bytes + 63) / 64 * 64;
+    return g;
+}
+
+static tl_kv_block* block_new(const tl_kv_geom* g, uint32_t n_layers, uint32_t start) {
+    const size_t data_bytes = (size_t)n_layers * g->n_kv_heads * g->head_bytes;
+    tl_kv_block* b = tl_alloc(g->cuda ? 64 : 64 + data_bytes);
+    if (!b) return NULL;
+    b->data = g->cuda ? tl_cuda_block_alloc(g->cuda, data_bytes) : (char*)b + 64;
+    if (!b->data) {
+        tl_free(b);
+        return NULL;
+    }
+    atomic_init(&b->refs, 1);
+    b->start = start;
+    b->n_layers = n_layers;
+    b->bytes = 64 + data_bytes;
+    b->cuda = g->cuda;
+    return b;
+}
+
+void tl_kv_block_release(tl_kv_block* b) {
+    if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
+    if (b->cuda) tl_cuda_block_free(b->cuda, b->data);
+    tl_free(b);
+}
+
+static int grow(tl_kv_table* t, size_t need) {
+    if (need <= t->cap) return 1;
+    size_t cap = t->cap ? t->cap : 8;
+    while (cap < need) cap *= 2;
+    tl_kv_span* spans = tl_alloc(cap * sizeof *spans);
+    if (!spans) return 0;
+    if (t->n_spans) memcpy(spans, t->spans, t->n_spans * sizeof *spans);
+    tl_free(t->spans);
+    t->spans = spans;
+    t->cap = cap;
+    return 1;
+}
+
+tl_kv_mark tl_kv_mark_now(const tl_kv_table* t) {
+    tl_kv_mark mark = {t->n_spans, t->n_spans ? t->spans[t->n_spans - 1].count : 0};
+    return mark;
+}
+
+tl_status tl_kv_reserve(tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n, size_t T) {
+    const tl_kv_mark mark = tl_kv_mark_now(t);
+    size_t pos = n;
+    const size_t end = n + T;
+    while (pos < end) {
+        tl_kv_span* last = t->n_spans ? &t->spans[t->n_spans - 1] : NULL;
+        if (last && last->block && last->count < g->block_size && last->block->n_layers >= n_layers &&
+            last->start + last->count == pos && atomic_load(&last->block->refs) == 1) {
+            size_t take = g->block_size - last->count;
+            if (take > end - pos) take = end - pos;
+            last->count += (uint32_t)take;
+            pos += take;
+            continue;
+        }
+        tl_kv_block* b = grow(t, t->n_spans + 1) ? block_new(g, n_layers, (uint32_t)pos) : NULL;
+        if (!b) {
+            tl_kv_rollback(t, mark);
+            return tl_fail_oom("KV cache block");
+        }
+        size_t take = g->block_size < end - pos ? g->block_size : end - pos;
+        t->spans[t->n_spans++] = (tl_kv_span){b, (uint32_t)pos, (uint32_t)take};
+        pos += take;
+    }
+    return TL_OK;
+}
+
+void tl_kv_rollback(tl_kv_table* t, tl_kv_mark mark) {
+    while (t->n_spans > mark.n_spans) tl_kv_block_release(t->spans[--t->n_spans].block);
+    if (t->n_spans) t->spans[t->n_spans - 1].count = mark.last_count;
+}
+
+void tl_kv_release_outside(tl_kv_table* t, size_t n, uint32_t window) {
+    if (window == 0) return;
+    while (t->first_live < t->n_spans) {
+        tl_kv_span* s = &t->spans[t->first_live];
+        /* last position start + count - 1 <= n - window */
+        if ((size_t)s->start + s->count + window > n + 1) break;
+        tl_kv_block_release(s->block);
+        s->block = NULL;
+        t->first_live++;
+    }
+}
+
+tl_status tl_kv_push_shared(tl_kv_table* t, tl_kv_block* b, uint32_t start, uint32_t count) {
+    if (!grow(t, t->n_spans + 1)) return tl_fail_oom("KV span table");
+    tl_kv_block_retain(b);
+    t->spans[t->n_spans++] = (tl_kv_span){b, start, count};
+    return TL_OK;
+}
+
+tl_status tl_kv_share(tl_kv_table* dst, const tl_kv_table* src) {
+    memset(dst, 0, sizeof *dst);
+    const size_t live = src->n_spans - src->first_live;
+    if (live == 0) return TL_OK;
+    if (!grow(dst, live)) return tl_fail_oom("KV span table");
+    for (size_t i = 0; i < live; i++) {
+        dst->spans[i] = src->spans[src->first_live + i];
+        tl_kv_block_retain(dst->spans[i].block);
+    }
+    dst->n_spans = live;
+    return TL_OK;
+}
+
+void tl_kv_clear(tl_kv_table* t) {
+    for (size_t i = t->first_live; i < t->n_spans; i++) tl_kv_block_release(t->spans[i].block);
+    tl_free(t->spans);
+    memset(t, 0, sizeof *t);
+}
+
+size_t tl_kv_bytes(const tl_kv_table* t) {
+    size_t bytes = 0;
+    for (size_t i = t->first_live; i < t->n_spans; i++) bytes += t->spans[i].block->bytes;
+    return bytes;
+}
+
+size_t tl_kv_find(const tl_kv_table* t, size_t pos) {
+    size_t lo = t->first_live, hi = t->n_spans; /* spans[lo].start <= pos < end of spans[hi-1] */
+    while (hi - lo > 1) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (t->spans[mid].start <= pos) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}

@@ -1,0 +1,559 @@
+/* loader.c — map a `.tinyloop` file and validate it against docs/spec.md §6.
+ *
+ * The checks run in the same order as the Python reader (tinyloop/modelfile.py): size, magic,
+ * version, header_bytes, file_bytes, checksum, the config (name first, then header order),
+ * table bounds, each table entry, overlaps, the required tensor set, tensor values, reserved
+ * bytes, flags. The first broken rule is reported. All size/offset/shape arithmetic is done in
+ * u64 with explicit overflow checks, and nothing outside [0, file size) is ever read.
+ * Not here: repacking weights for the kernels (pack.c).
+ */
+#include "core/loader.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/alloc.h"
+#include "base/crc32.h"
+#include "base/errors.h"
+
+enum { HEADER_BYTES = 256, ENTRY_BYTES = 96, ALIGN = 64, MAX_NDIM = 4, CHECKSUM_AT = 24 };
+enum { DT_F32 = 1, DT_I8 = 2, DT_U8 = 3 };
+
+static uint32_t rd_u32(const uint8_t* p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t rd_u64(const uint8_t* p) { return rd_u32(p) | (uint64_t)rd_u32(p + 4) << 32; }
+static float rd_f32(const uint8_t* p) {
+    uint32_t u = rd_u32(p);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static tl_status bad(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static tl_status bad(const char* fmt, ...) {
+    char msg[400];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(msg, sizeof msg, fmt, args);
+    va_end(args);
+    return tl_fail(TL_ERR_BAD_FILE, "bad model file: %s", msg);
+}
+
+/* ---- header --------------------------------------------------------------------------- */
+
+/* A NUL-padded field: at least one NUL and zeros after the first. *len = bytes before it. */
+static tl_status check_nul_padded(const uint8_t* field, size_t size, const char* what,
+                                  size_t* len) {
+    const uint8_t* nul = memchr(field, 0, size);
+    if (!nul) return bad("%s: no NUL terminator", what);
+    for (const uint8_t* p = nul; p < field + size; p++)
+        if (*p) return bad("%s: nonzero bytes after the NUL terminator", what);
+    *len = (size_t)(nul - field);
+    return TL_OK;
+}
+
+/* Strict UTF-8 (no overlongs, surrogates or code points above U+10FFFF), as Python decodes. */
+static int valid_utf8(const uint8_t* s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        size_t extra;
+        uint32_t lo = 0x80, hi = 0xbf; /* allowed range of the second byte */
+        if (c < 0x80) { i++; continue; }
+        if (c >= 0xc2 && c <= 0xdf) extra = 1;
+        else if (c >= 0xe0 && c <= 0xef) {
+            extra = 2;
+            if (c == 0xe0) lo = 0xa0;
+            if (c == 0xed) hi = 0x9f;
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            extra = 3;
+            if (c == 0xf0) lo = 0x90;
+            if (c == 0xf4) hi = 0x8f;
+        } else return 0;
+        if (n - i <= extra) return 0;
+        if (s[i + 1] < lo || s[i + 1] > hi) return 0;
+        for (size_t k = 2; k <= extra; k++)
+            if ((s[i + k] & 0xc0) != 0x80) return 0;
+        i += extra + 1;
+    }
+    return 1;
+}
+
+static tl_status check_range(const char* field, int64_t value, int64_t lo, int64_t hi) {
+    if (value < lo || value > hi)
+        return bad("%s: must be an int in %lld .. %lld, got %lld", field, (long long)lo,
+                   (long long)hi, (long long)value);
+    return TL_OK;
+}
+
+#define TRY(expr)                             \
+    do {                                      \
+        tl_status st_ = (expr);               \
+        if (st_ != TL_OK) return st_;         \
+    } while (0)
+
+/* The config fields at header offset 48 .. 183, checked like ModelConfig.validate(). */
+static tl_status parse_config(const uint8_t* h, tl_config* c) {
+    size_t name_len = 0;
+    TRY(check_nul_padded(h + 120, 64, "name", &name_len));
+    if (!valid_utf8(h + 120, name_len)) return bad("name: not valid UTF-8");
+    memset(c, 0, sizeof *c);
+    memcpy(c->name, h + 120, name_len);
+    c->vocab_size = rd_u32(h + 48);
+    c->d_model = rd_u32(h + 52);
+    c->n_heads = rd_u32(h + 56);
+    c->n_kv_heads = rd_u32(h + 60);
+    c->head_dim = rd_u32(h + 64);
+    c->ffn_dim = rd_u32(h + 68);
+    c->n_pre_blocks = rd_u32(h + 72);
+    c->default_loops = rd_u32(h + 76);
+    c->max_seq_len = rd_u32(h + 80);
+    c->weight_format = rd_u32(h + 84);
+    c->group_size = rd_u32(h + 88);
+    c->tied_head = rd_u32(h + 92);
+    c->bos_id = (int32_t)rd_u32(h + 96);
+    c->eos_id = (int32_t)rd_u32(h + 100);
+    c->tokenizer = rd_u32(h + 104);
+    c->rope_theta = rd_f32(h + 108);
+    c->rms_eps = rd_f32(h + 112);
+
+    TRY(check_range("vocab_size", c->vocab_size, 2, 1 << 20));
+    TRY(check_range("d_model", c->d_model, 1, 1 << 16));
+    TRY(check_range("n_heads", c->n_heads, 1, UINT32_MAX));
+    TRY(check_range("n_kv_heads", c->n_kv_heads, 1, UINT32_MAX));
+    if (c->n_heads % c->n_kv_heads)
+        return bad("n_kv_heads: must divide n_heads (%u), got %u", c->n_heads, c->n_kv_heads);
+    TRY(check_range("head_dim", c->head_dim, 2, 1024));
+    if (c->head_dim % 2) return bad("head_dim: must be even, got %u", c->head_dim);
+    if ((uint64_t)c->n_heads * c->head_dim > (1u << 16))
+        return bad("n_heads * head_dim: must be <= 65536, got %llu",
+                   (unsigned long long)c->n_heads * c->head_dim);
+    TRY(check_range("ffn_dim", c->ffn_dim, 1, 1 << 16));
+    TRY(check_range("n_pre_blocks", c->n_pre_blocks, 0, 64));
+    TRY(check_range("default_loops", c->default_loops, 1, 256));
+    TRY(check_range("max_seq_len", c->max_seq_len, 1, 1 << 20));
+    if (c->weight_format != TL_FORMAT_INT8 && c->weight_format != TL_FORMAT_INT4)
+        return bad("weight_format: must be 1 (int8) or 2 (int4), got %u", c->weight_format);
+    if (c->weight_format == TL_FORMAT_INT8) {
+        if (c->group_size != 0) return bad("group_size: must be 0 for int8, got %u", c->group_size);
+    } else {
+        const uint32_t gs = c->group_size;
+        TRY(check_range("group_size", gs, 2, UINT32_MAX));
+        if (gs % 2) return bad("group_size: must be even for int4, got %u", gs);
+        if (c->d_model % gs) return bad("group_size: must divide d_model (%u), got %u", c->d_model, gs);
+        if ((c->n_heads * c->head_dim) % gs)
+            return bad("group_size: must divide n_heads * head_dim (%u), got %u",
+                       c->n_heads * c->head_dim, gs);
+        if (c->ffn_dim % gs) return bad("group_size: must divide ffn_dim (%u), got %u", c->ffn_dim, gs);
+    }
+    if (c->tied_head > 1) return bad("tied_head: must be 0 or 1, got %u", c->tied_head);
+    TRY(check_range("bos_id", c->bos_id, -1, (int64_t)c->vocab_size - 1));
+    TRY(check_range("eos_id", c->eos_id, -1, (int64_t)c->vocab_size - 1));
+    if (c->tokenizer > 1) return bad("tokenizer: must be 0 (none) or 1 (bytes), got %u", c->tokenizer);
+    if (c->tokenizer == 1 && c->vocab_size < 256)
+        return bad("tokenizer: 'bytes' needs vocab_size >= 256, got %u", c->vocab_size);
+    if (!isfinite(c->rope_theta) || !(c->rope_theta > 0))
+        return bad("rope_theta: must be a finite float > 0, got %g", (double)c->rope_theta);
+    if (!isfinite(c->rms_eps) || !(c->rms_eps > 0))
+        return bad("rms_eps: must be a finite float > 0, got %g", (double)c->rms_eps);
+    return TL_OK;
+}
+
+/* ---- required tensors (docs/spec.md §6.3), in the reader's fixed order ------------------ */
+
+typedef struct required {
+    char name[48];
+    uint32_t dtype, ndim;
+    uint64_t dims[2];
+    int64_t entry; /* index in the table, -1 until found */
+} required;
+
+static void add_required(required* r, size_t* n, const char* name, uint32_t dtype, uint64_t d0,
+                         uint64_t d1) {
+    required* t = &r[(*n)++];
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->dtype = dtype;
+    t->ndim = d1 ? 2 : 1;
+    t->dims[0] = d0;
+    t->dims[1] = d1;
+    t->entry = -1;
+}
+
+static size_t n_linears_of(const tl_config* c) {
+    return (size_t)(c->n_pre_blocks + 1) * TL_PARTS + (c->tied_head ? 0 : 1);
+}
+
+/* Linear i in file order: its name prefix and (R, K). */
+static void linear_shape(const tl_config* c, size_t i, char* prefix, size_t prefix_size,
+                         uint32_t* R, uint32_t* K) {
+    static const char* const parts[TL_PARTS] = {"attn_qkv", "attn_out", "ffn_gate_up", "ffn_down"};
+    const uint32_t d = c->d_model, HD = c->n_heads * c->head_dim, F = c->ffn_dim;
+    const size_t blocks = (size_t)c->n_pre_blocks + 1;
+    if (i == blocks * TL_PARTS) {
+        snprintf(prefix, prefix_size, "head");
+        *R = c->vocab_size;
+        *K = d;
+        return;
+    }
+    const size_t b = i / TL_PARTS, p = i % TL_PARTS;
+    if (b + 1 == blocks) snprintf(prefix, prefix_size, "loop.%s", parts[p]);
+    else snprintf(prefix, prefix_size, "pre.%zu.%s", b, parts[p]);
+    const uint32_t Rs[TL_PARTS] = {(c->n_heads + 2 * c->n_kv_heads) * c->head_dim, d, 2 * F, d};
+    const uint32_t Ks[TL_PARTS] = {d, HD, d, F};
+    *R = Rs[p];
+    *K = Ks[p];
+}
+
+/* Fills r (capacity 4 + 3 * n_linears) and returns the count. */
+static size_t required_tensors(const tl_config* c, required* r) {
+    size_t n = 0;
+    char prefix[40], name[48];
+    add_required(r, &n, "tok_emb.w", DT_I8, c->vocab_size, c->d_model);
+    add_required(r, &n, "tok_emb.s", DT_F32, c->vocab_size, 0);
+    add_required(r, &n, "rope.cos", DT_F32, c->max_seq_len, c->head_dim / 2);
+    add_required(r, &n, "rope.sin", DT_F32, c->max_seq_len, c->head_dim / 2);
+    for (size_t i = 0; i < n_linears_of(c); i++) {
+        uint32_t R, K;
+        linear_shape(c, i, prefix, sizeof prefix, &R, &K);
+        snprintf(name, sizeof name, "%s.w", prefix);
+        if (c->weight_format == TL_FORMAT_INT8) {
+            add_required(r, &n, name, DT_I8, R, K);
+        } else {
+            add_required(r, &n, name, DT_U8, R, K / 2);
+            snprintf(name, sizeof name, "%s.m", prefix);
+            add_required(r, &n, name, DT_U8, R, K / c->group_size);
+        }
+        snprintf(name, sizeof name, "%s.s", prefix);
+        add_required(r, &n, name, DT_F32, R, 0);
+    }
+    return n;
+}
+
+/* ---- tensor table ------------------------------------------------------------------------ */
+
+typedef struct entry {
+    char name[49];
+    uint32_t dtype, ndim;
+    uint64_t dims[MAX_NDIM];
+    uint64_t offset, end;
+    size_t index;
+} entry;
+
+static int by_name(const void* a, const void* b) {
+    const entry* x = *(const entry* const*)a;
+    const entry* y = *(const entry* const*)b;
+    int c = strcmp(x->name, y->name);
+    return c ? c : (x->index > y->index) - (x->index < y->index);
+}
+
+static int by_span(const void* a, const void* b) {
+    const entry* x = *(const entry* const*)a;
+    const entry* y = *(const entry* const*)b;
+    if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
+    if (x->end != y->end) return x->end < y->end ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+static const char* dtype_name(uint32_t code) {
+    return code == DT_F32 ? "float32" : code == DT_I8 ? "int8" : "uint8";
+}
+
+static size_t dtype_bytes(uint32_t code) { return code == DT_F32 ? 4 : 1; }
+
+/* Entry i: name, dtype, ndim, dims, alignment and bounds. dup marks a name seen earlier. */
+static tl_status parse_entry(const uint8_t* raw, size_t i, uint64_t data_offset,
+                             uint64_t file_bytes, int dup, entry* e) {
+    char what[64];
+    size_t len = 0;
+    snprintf(what, sizeof what, "tensor %zu name", i);
+    TRY(check_nul_padded(raw, 48, what, &len));
+    for (size_t k = 0; k < len; k++)
+        if (raw[k] < 0x20 || raw[k] > 0x7e) return bad("tensor %zu name: not printable ASCII", i);
+    if (dup) return bad("tensor %zu '%s': duplicate name", i, e->name);
+    e->dtype = rd_u32(raw + 48);
+    e->ndim = rd_u32(raw + 52);
+    for (int k = 0; k < MAX_NDIM; k++) e->dims[k] = rd_u64(raw + 56 + 8 * k);
+    e->offset = rd_u64(raw + 88);
+    if (e->dtype < DT_F32 || e->dtype > DT_U8)
+        return bad("tensor %zu '%s': dtype code must be 1, 2 or 3, got %u", i, e->name, e->dtype);
+    if (e->ndim < 1 || e->ndim > MAX_NDIM)
+        return bad("tensor %zu '%s': ndim must be 1 .. %d, got %u", i, e->name, MAX_NDIM, e->ndim);
+    for (uint32_t k = 0; k < MAX_NDIM; k++)
+        if ((k < e->ndim) ? e->dims[k] < 1 : e->dims[k] != 0)
+            return bad("tensor %zu '%s': dims must be >= 1 for the first %u and 0 after", i,
+                       e->name, e->ndim);
+    if (e->offset % ALIGN)
+        return bad("tensor %zu '%s': offset %llu not a multiple of %d", i, e->name,
+                   (unsigned long long)e->offset, ALIGN);
+    if (e->offset < data_offset)
+        return bad("tensor %zu '%s': offset %llu < data_offset %llu", i, e->name,
+                   (unsigned long long)e->offset, (unsigned long long)data_offset);
+    /* nbytes = prod(dims) * itemsize, overflow-checked; beyond file_bytes is enough to fail */
+    uint64_t nbytes = dtype_bytes(e->dtype), limit = file_bytes;
+    int past_end = 0;
+    for (uint32_t k = 0; k < e->ndim && !past_end; k++) {
+        if (nbytes > limit / e->dims[k]) past_end = 1;
+        else nbytes *= e->dims[k];
+    }
+    if (past_end || e->offset > file_bytes || nbytes > file_bytes - e->offset)
+        return bad("tensor %zu '%s': data runs past the end of the file (%llu bytes)", i, e->name,
+                   (unsigned long long)file_bytes);
+    e->end = e->offset + nbytes;
+    return TL_OK;
+}
+
+/* Table bounds, every entry, and overlaps. On success *entries_out (owned) holds n entries. */
+static tl_status parse_table(const uint8_t* bytes, uint64_t file_bytes, uint64_t n_tensors,
+                             uint64_t table_offset, uint64_t data_offset, entry** entries_out) {
+    *entries_out = NULL;
+    if (table_offset != HEADER_BYTES)
+        return bad("table_offset: must be %d, got %llu", HEADER_BYTES, (unsigned long long)table_offset);
+    const uint64_t table_end = table_offset + ENTRY_BYTES * n_tensors; /* n_tensors < 2^32 */
+    if (table_end > file_bytes)
+        return bad("tensor table: %llu entries end at byte %llu, past the end of the file (%llu bytes)",
+                   (unsigned long long)n_tensors, (unsigned long long)table_end,
+                   (unsigned long long)file_bytes);
+    if (data_offset % ALIGN)
+        return bad("data_offset: must be a multiple of %d, got %llu", ALIGN, (unsigned long long)data_offset);
+    if (data_offset < table_end)
+        return bad("data_offset: must be >= %llu (end of the tensor table), got %llu",
+                   (unsigned long long)table_end, (unsigned long long)data_offset);
+    const size_t n = (size_t)n_tensors;
+    entry* entries = tl_alloc_zeroed(n ? n : 1, sizeof(entry));
+    entry** order = tl_alloc_zeroed(n ? n : 1, sizeof(entry*));
+    uint8_t* dup = tl_alloc_zeroed(n ? n : 1, 1);
+    tl_status st = TL_OK;
+    if (!entries || !order || !dup) {
+        st = tl_fail_oom("tensor table");
+        goto done;
+    }
+    /* duplicates: sort by (name, index); every later member of a run is a duplicate */
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t* raw = bytes + table_offset + (uint64_t)i * ENTRY_BYTES;
+        memcpy(entries[i].name, raw, 48); /* entries[i].name[48] stays 0 */
+        entries[i].index = i;
+        order[i] = &entries[i];
+    }
+    qsort(order, n, sizeof *order, by_name);
+    for (size_t i = 1; i < n; i++)
+        if (strcmp(order[i]->name, order[i - 1]->name) == 0) dup[order[i]->index] = 1;
+    for (size_t i = 0; i < n && st == TL_OK; i++)
+        st = parse_entry(bytes + table_offset + (uint64_t)i * ENTRY_BYTES, i, data_offset,
+                         file_bytes, dup[i], &entries[i]);
+    if (st != TL_OK) goto done;
+    qsort(order, n, sizeof *order, by_span);
+    for (size_t i = 1; i < n; i++)
+        if (order[i]->offset < order[i - 1]->end) {
+            st = bad("tensors '%s' and '%s' overlap", order[i - 1]->name, order[i]->name);
+            goto done;
+        }
+    *entries_out = entries;
+    entries = NULL;
+done:
+    tl_free(entries);
+    tl_free(order);
+    tl_free(dup);
+    return st;
+}
+
+/* ---- required set and values ------------------------------------------------------------ */
+
+static int by_required_name(const void* a, const void* b) {
+    return strcmp(((const required*)a)->name, ((const required*)b)->name);
+}
+
+/* Every entry must be required with the right dtype and shape; every required one present.
+ * `sorted` is a name-sorted copy of `req` used for lookups. */
+static tl_status check_layout(const entry* entries, size_t n, required* req, size_t n_req,
+                              required* sorted) {
+    memcpy(sorted, req, n_req * sizeof *req);
+    qsort(sorted, n_req, sizeof *sorted, by_required_name);
+    for (size_t i = 0; i < n; i++) {
+        const entry* e = &entries[i];
+        required key;
+        memcpy(key.name, e->name, sizeof key.name);
+        key.name[47] = 0; /* names are NUL-terminated within 48 bytes (checked) */
+        required* r = bsearch(&key, sorted, n_req, sizeof *sorted, by_required_name);
+        if (!r) return bad("unexpected tensor '%s'", e->name);
+        if (r->dtype != e->dtype)
+            return bad("tensor '%s': dtype %s != expected %s", e->name, dtype_name(e->dtype),
+                       dtype_name(r->dtype));
+        int same = e->ndim == r->ndim;
+        for (uint32_t k = 0; same && k < r->ndim; k++) same = e->dims[k] == r->dims[k];
+        if (!same) return bad("tensor '%s': shape does not match the config", e->name);
+        r->entry = (int64_t)i;
+    }
+    for (size_t i = 0; i < n_req; i++) {
+        required key = req[i];
+        const required* r = bsearch(&key, sorted, n_req, sizeof *sorted, by_required_name);
+        if (r->entry < 0) return bad("missing tensor '%s'", req[i].name);
+        req[i].entry = r->entry;
+    }
+    return TL_OK;
+}
+
+static int ends_with(const char* s, const char* suffix) {
+    size_t n = strlen(s), m = strlen(suffix);
+    return n >= m && strcmp(s + n - m, suffix) == 0;
+}
+
+static tl_status check_values(const uint8_t* bytes, const entry* entries, const required* req,
+                              size_t n_req, const tl_config* c) {
+    for (size_t i = 0; i < n_req; i++) {
+        const entry* e = &entries[req[i].entry];
+        const uint64_t count = (e->end - e->offset) / dtype_bytes(e->dtype);
+        const uint8_t* data = bytes + e->offset;
+        if (ends_with(e->name, ".s")) {
+            for (uint64_t k = 0; k < count; k++) {
+                float v = rd_f32(data + 4 * k);
+                if (!isfinite(v) || !(v >= 0))
+                    return bad("tensor '%s': scales must be finite and >= 0, found %g", e->name, (double)v);
+            }
+        } else if (strncmp(e->name, "rope.", 5) == 0) {
+            for (uint64_t k = 0; k < count; k++) {
+                float v = rd_f32(data + 4 * k);
+                if (!isfinite(v) || !(fabsf(v) <= 1))
+                    return bad("tensor '%s': values must be finite with |v| <= 1, found %g", e->name,
+                               (double)v);
+            }
+        } else if (ends_with(e->name, ".m")) {
+            uint64_t m = 0;
+            for (uint64_t k = 0; k < count; k++)
+                if (data[k] > m) m = data[k];
+            const uint64_t K = e->dims[1] * c->group_size;
+            if (127u * 8u * K * m > 2147483647u)
+                return bad("tensor '%s': int4 accumulator bound broken: 127 * 8 * K * max(m) = "
+                           "127 * 8 * %llu * %llu > 2^31 - 1", e->name, (unsigned long long)K,
+                           (unsigned long long)m);
+        }
+    }
+    return TL_OK;
+}
+
+/* ---- views -------------------------------------------------------------------------------- */
+
+static tl_status build_views(const uint8_t* bytes, const entry* entries, const required* req,
+                             tl_file* f) {
+    const tl_config* c = &f->cfg;
+    size_t r = 0;
+#define NEXT_PTR() ((const void*)(bytes + entries[req[r++].entry].offset))
+    f->emb_w = NEXT_PTR();
+    f->emb_s = NEXT_PTR();
+    f->rope_cos = NEXT_PTR();
+    f->rope_sin = NEXT_PTR();
+    f->n_linears = (size_t)(c->n_pre_blocks + 1) * TL_PARTS + 1;
+    f->linears = tl_alloc_zeroed(f->n_linears, sizeof *f->linears);
+    if (!f->linears) return tl_fail_oom("linear views");
+    char prefix[40];
+    for (size_t i = 0; i < n_linears_of(c); i++) {
+        tl_linear_src* L = &f->linears[i];
+        linear_shape(c, i, prefix, sizeof prefix, &L->rows, &L->cols);
+        if (c->weight_format == TL_FORMAT_INT8) {
+            L->w8 = NEXT_PTR();
+        } else {
+            L->group_size = c->group_size;
+            L->w4 = NEXT_PTR();
+            L->mult = NEXT_PTR();
+        }
+        L->scale = NEXT_PTR();
+    }
+#undef NEXT_PTR
+    if (c->tied_head) {
+        tl_linear_src* head = &f->linears[f->n_linears - 1];
+        head->rows = c->vocab_size;
+        head->cols = c->d_model;
+        head->w8 = f->emb_w;
+        head->scale = f->emb_s;
+    }
+    return TL_OK;
+}
+
+/* ---- entry point ---------------------------------------------------------------------------- */
+
+static tl_status validate(tl_file* f) {
+    const uint8_t* b = f->bytes;
+    const uint64_t size = f->n_bytes;
+    if (size < HEADER_BYTES)
+        return bad("file too small: %llu bytes < %d-byte header", (unsigned long long)size, HEADER_BYTES);
+    if (memcmp(b, "TINYLOOP", 8) != 0) return bad("bad magic, expected \"TINYLOOP\"");
+    if (rd_u32(b + 8) != 1) return bad("version: unsupported %u, expected 1", rd_u32(b + 8));
+    if (rd_u32(b + 12) != HEADER_BYTES)
+        return bad("header_bytes: must be %d, got %u", HEADER_BYTES, rd_u32(b + 12));
+    const uint64_t file_bytes = rd_u64(b + 16);
+    if (file_bytes != size)
+        return bad("file_bytes: header says %llu, file has %llu bytes", (unsigned long long)file_bytes,
+                   (unsigned long long)size);
+    const uint8_t zero[4] = {0, 0, 0, 0};
+    uint32_t crc = tl_crc32(0, b, CHECKSUM_AT);
+    crc = tl_crc32(crc, zero, 4);
+    crc = tl_crc32(crc, b + CHECKSUM_AT + 4, size - CHECKSUM_AT - 4);
+    if (crc != rd_u32(b + CHECKSUM_AT))
+        return bad("checksum mismatch: header 0x%08x, computed 0x%08x", rd_u32(b + CHECKSUM_AT), crc);
+    TRY(parse_config(b, &f->cfg));
+
+    entry* entries = NULL;
+    TRY(parse_table(b, file_bytes, rd_u32(b + 28), rd_u64(b + 32), rd_u64(b + 40), &entries));
+    const size_t n_entries = rd_u32(b + 28);
+    const size_t cap = 4 + 3 * n_linears_of(&f->cfg);
+    required* req = tl_alloc_zeroed(2 * cap, sizeof *req);
+    tl_status st = req ? TL_OK : tl_fail_oom("required tensor list");
+    size_t n_req = 0;
+    if (st == TL_OK) {
+        n_req = required_tensors(&f->cfg, req);
+        st = check_layout(entries, n_entries, req, n_req, req + cap);
+    }
+    if (st == TL_OK) st = check_values(b, entries, req, n_req, &f->cfg);
+    if (st == TL_OK) {
+        for (int k = 184; k < HEADER_BYTES; k++)
+            if (b[k]) {
+                st = bad("reserved: header bytes 184 .. 255 must be zero");
+                break;
+            }
+    }
+    if (st == TL_OK && rd_u32(b + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(b + 116));
+    if (st == TL_OK) st = build_views(b, entries, req, f);
+    tl_free(entries);
+    tl_free(req);
+    return st;
+}
+
+tl_status tl_file_open(const char* path, tl_file* out) {
+    memset(out, 0, sizeof *out);
+    if (!path) return tl_fail(TL_ERR_INVALID_ARGUMENT, "model path is NULL");
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return tl_fail(TL_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return tl_fail(TL_ERR_IO, "cannot read '%s': not a regular file", path);
+    }
+    out->n_bytes = (size_t)sb.st_size;
+    if (out->n_bytes < HEADER_BYTES) {
+        close(fd);
+        out->n_bytes = (size_t)sb.st_size;
+        return validate(out); /* reports "file too small" without mapping */
+    }
+    void* map = mmap(NULL, out->n_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    int map_errno = errno;
+    close(fd);
+    if (map == MAP_FAILED) return tl_fail(TL_ERR_IO, "cannot map '%s': %s", path, strerror(map_errno));
+    out->bytes = map;
+    tl_status st = validate(out);
+    if (st != TL_OK) tl_file_close(out);
+    return st;
+}
+
+void tl_file_close(tl_file* f) {
+    if (f->bytes) munmap((void*)f->bytes, f->n_bytes);
+    tl_free(f->linears);
+    memset(f, 0, sizeof *f);
+}

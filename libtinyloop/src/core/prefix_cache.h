@@ -1,0 +1,50 @@
+/* prefix_cache.h — the automatic prefix cache (docs/spec.md §4.3): an index over full,
+ * block-aligned KV blocks keyed by (cache salt, window, the tokens of every block up to and
+ * including this one), with LRU eviction of blocks nobody else holds under a byte budget.
+ *
+ * The index is a tree: a root per (salt, window), a node per cached block whose parent is the
+ * node of the block before it. A node holds one reference to its block; the block's depth is
+ * its layer count, and a node serves any request needing that many layers or fewer. Every
+ * operation takes the cache's mutex, and a block's reference count only rises under it, so a
+ * node whose block has refs == 1 is held by the cache alone and may be evicted.
+ */
+#ifndef TL_PREFIX_CACHE_H
+#define TL_PREFIX_CACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/kvcache.h"
+
+typedef struct tl_pcache tl_pcache;
+
+/* A request's place in the index: salt (NUL-terminated; NULL = ""), window, layers needed. */
+typedef struct tl_pcache_key {
+    const char* salt;
+    uint32_t window;
+    uint32_t n_layers;
+} tl_pcache_key;
+
+/* A cache with budget `budget_bytes` (> 0) for blocks of geometry g. NULL when out of memory. */
+tl_pcache* tl_pcache_new(const tl_kv_geom* g, size_t budget_bytes);
+/* Drop every node (blocks still held elsewhere live on) and free the cache. NULL: no-op. */
+void tl_pcache_free(tl_pcache* c);
+/* Drop every node; the counters are kept. */
+void tl_pcache_clear(tl_pcache* c);
+
+/* Share into the empty table `t` the longest chain of cached blocks that are a prefix of
+ * tokens[0..n) and serve key->n_layers, leaving at least one token uncached (the last token's
+ * logits are always computed). *hit receives the number of positions shared, a multiple of
+ * the block size. Out of memory: *hit = 0 and t stays empty (the request simply misses). */
+void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tokens, size_t n,
+                      tl_kv_table* t, size_t* hit);
+/* Offer the full, block-aligned blocks of `t` that hold positions of tokens[0..n) (the
+ * request's prompt, run at key->n_layers). Each is added while the budget allows after
+ * evicting least recently used leaves nobody else holds; a deeper block replaces a shallower
+ * one of the same content. Best effort: no room or no memory stops adding, without an error. */
+void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tokens, size_t n,
+                      const tl_kv_table* t);
+/* Snapshot of the counters (size = sizeof the struct). */
+tl_prefix_cache_stats tl_pcache_stats(tl_pcache* c);
+
+#endif

@@ -1,0 +1,54 @@
+/* seq.h — the internals of tl_seq and tl_prefix shared by seq.c, prefix.c, forward.c and
+ * generate.c. */
+#ifndef TL_SEQ_H
+#define TL_SEQ_H
+
+#include "core/engine.h"
+#include "core/kvcache.h"
+
+struct tl_seq {
+    tl_engine* engine;      /* holds a reference                                          */
+    uint32_t loops;         /* L                                                          */
+    uint32_t n_layers;      /* n_pre_blocks + L                                           */
+    uint32_t window;        /* cache_window W, 0 = full                                   */
+    size_t n;               /* tokens so far                                              */
+    tl_kv_table kv;
+    float* last_hidden;     /* [d] final hidden state of token n-1 (valid when n > 0)     */
+};
+
+struct tl_prefix {
+    tl_engine* engine;      /* holds a reference                                          */
+    int32_t* tokens;        /* [n] copy                                                   */
+    size_t n;
+    uint32_t loops;         /* L_b                                                        */
+    uint32_t window;
+    tl_kv_table kv;         /* immutable once built                                       */
+    float* loop_states;     /* [L_b][d]: last token's hidden state after loop iteration i  */
+};
+
+/* A new empty sequence (engine reference taken). */
+tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out);
+/* A prefill's progress report: fn(user_data, done, total) after each chunk, `done` counting
+ * from its value at the start; a nonzero return sets `stopped`. */
+typedef struct tl_progress {
+    tl_progress_fn fn;
+    void* user_data;
+    size_t done, total;
+    bool stopped;
+} tl_progress;
+
+/* What a prefill produces besides the KV; every field may be NULL / false. */
+typedef struct tl_run_opts {
+    float* logits_all;     /* [n][V]: logits of every position                              */
+    float* logits_last;    /* [V]: logits of the last token                                 */
+    float* loop_states;    /* [loops][d]: the last token's state after each loop iteration  */
+    bool keep_window;      /* keep the blocks the window no longer sees (the caller offers
+                              them to the prefix cache, then calls tl_kv_release_outside)    */
+    tl_progress* progress; /* reported after each chunk; may stop the prefill               */
+} tl_run_opts;
+
+/* Prefill tokens[0..n) in chunks of `chunk` (0 = all at once). All-or-nothing: on error, or
+ * when progress stops it (then TL_OK with progress->stopped), the sequence is unchanged. */
+tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, const tl_run_opts* opts);
+
+#endif

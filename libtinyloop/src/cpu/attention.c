@@ -1,0 +1,133 @@
+/* attention.c — one query head against the int8 KV cache, exactly as docs/spec.md §4.1, and
+ * the scalar kernels. Pass 1 computes every visible score S_j (an exact integer dot product,
+ * then two f32 multiplies) and the NaN-ignoring maxima M and svmax; pass 2 turns the
+ * exponentials into integers E_j and U_j (kept for every key) and sums E_j and U_j * vq_j
+ * exactly in i64, the latter over batches of segments. Keys are visited segment by segment in
+ * position order, but any order gives the same sums. */
+#include "cpu/attention.h"
+
+#include <math.h>
+
+#include "core/numerics.h"
+#include "cpu/quant.h"
+
+/* ---- scalar kernels ---------------------------------------------------------------------- */
+
+static void scores_scalar(const tl_attn_scratch* s, const int8_t* k, const float* sk, size_t n, size_t D,
+                          float c, float* scores) {
+    for (size_t j = 0; j < n; j++) {
+        int32_t dot = 0;
+        for (size_t d = 0; d < D; d++) dot += (int32_t)s->qq[d] * k[j * D + d];
+        scores[j] = ((float)dot * c) * sk[j];
+    }
+}
+
+static int64_t weights_scalar(const float* scores, const float* sv, size_t n, float M, float kappa,
+                              int32_t* u, bool* nan_weight) {
+    int64_t den = 0;
+    for (size_t j = 0; j < n; j++) {
+        const float e = tl_exp2s((scores[j] - M) * TL_LOG2E);
+        den += (int64_t)tl_rint(e * 16777216.0f);   /* E_j = rint(e_j * 2^24) <= 2^24 */
+        const float uf = tl_rint(e * (sv[j] * kappa)); /* <= 2^24 + 2, or NaN if sv[j] = inf */
+        *nan_weight |= uf != uf;
+        u[j] = uf == uf ? (int32_t)uf : 0;
+    }
+    return den;
+}
+
+static void accumulate_scalar(const int32_t* u, const int8_t* v, size_t n, size_t D, int64_t* num) {
+    for (size_t j = 0; j < n; j++)
+        for (size_t d = 0; d < D; d++) num[d] += (int64_t)u[j] * v[j * D + d];
+}
+
+static void accumulate_segments_scalar(const int32_t* u, const tl_attn_rows* segs, size_t n_segs, size_t D,
+                                       int64_t* num) {
+    for (size_t i = 0; i < n_segs; u += segs[i].n, i++) accumulate_scalar(u, segs[i].v, segs[i].n, D, num);
+}
+
+static float max_scalar(const float* x, size_t n, float acc) {
+    for (size_t j = 0; j < n; j++) acc = tl_fmax(acc, x[j]);
+    return acc;
+}
+
+static void output_scalar(const int64_t* num, size_t D, int64_t den, float svmax, float* o) {
+    const float fden = (float)den;
+    for (size_t d = 0; d < D; d++) o[d] = ((float)num[d] / fden) * svmax;
+}
+
+const tl_attn_kernels tl_attn_scalar = {.quantize = tl_quantize_row,
+                                        .scores = scores_scalar,
+                                        .max = max_scalar,
+                                        .weights = weights_scalar,
+                                        .accumulate = accumulate_scalar,
+                                        .accumulate_segments = accumulate_segments_scalar,
+                                        .output = output_scalar};
+
+/* ---- driver --------------------------------------------------------------------------------- */
+
+enum { BATCH = 64 }; /* segments per accumulate_segments call */
+
+/* The visible segments: for span index si, slots [from, to) of its block. */
+typedef struct segment {
+    tl_kv_block* block;
+    size_t from, to;
+} segment;
+
+static size_t next_segment(const tl_kv_table* kv, size_t* si, size_t lo, size_t hi, segment* seg) {
+    while (*si < kv->n_spans) {
+        const tl_kv_span* sp = &kv->spans[(*si)++];
+        if (sp->start > hi) return 0;
+        seg->block = sp->block;
+        seg->from = lo > sp->start ? lo - sp->start : 0;
+        seg->to = hi - sp->start + 1 < sp->count ? hi - sp->start + 1 : sp->count;
+        if (seg->to > seg->from) return seg->to - seg->from;
+    }
+    return 0;
+}
+
+void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
+               uint32_t kv_head, size_t t, uint32_t window, const float* qh, float* o, tl_attn_scratch* s) {
+    const size_t D = g->head_dim;
+    const size_t lo = (window && t + 1 > window) ? t + 1 - window : 0;
+    const float sq = kern->quantize(qh, D, 127, s->qq);
+    for (size_t d = 0; d < D; d++) s->qq16[d] = s->qq[d];
+    const float c = sq / sqrtf((float)D);
+    float svmax = -INFINITY;
+    segment seg;
+    size_t si = tl_kv_find(kv, lo), index = 0, n;
+    while ((n = next_segment(kv, &si, lo, t, &seg))) {
+        kern->scores(s, tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * D,
+                     tl_kv_key_scales(g, seg.block, layer, kv_head) + seg.from, n, D, c, s->scores + index);
+        svmax = kern->max(tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, n, svmax);
+        index += n;
+    }
+    if (!(svmax > 0.0f)) { /* every visible value row is zero */
+        for (size_t d = 0; d < D; d++) o[d] = 0.0f;
+        return;
+    }
+    const float M = kern->max(s->scores, index, -INFINITY);
+    const float kappa = 16777216.0f / svmax; /* 2^24 / svmax */
+    for (size_t d = 0; d < D; d++) s->num[d] = 0;
+    int64_t den = 0;
+    bool nan_weight = false;
+    si = tl_kv_find(kv, lo);
+    index = 0;
+    tl_attn_rows batch[BATCH];
+    size_t n_batch = 0, batch_start = 0;
+    while ((n = next_segment(kv, &si, lo, t, &seg))) {
+        den += kern->weights(s->scores + index, tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, n, M,
+                             kappa, s->u + index, &nan_weight);
+        batch[n_batch++] = (tl_attn_rows){tl_kv_values(g, seg.block, layer, kv_head) + seg.from * D, n};
+        index += n;
+        if (n_batch == BATCH) {
+            kern->accumulate_segments(s->u + batch_start, batch, n_batch, D, s->num);
+            n_batch = 0;
+            batch_start = index;
+        }
+    }
+    if (n_batch) kern->accumulate_segments(s->u + batch_start, batch, n_batch, D, s->num);
+    if (nan_weight)
+        for (size_t d = 0; d < D; d++) o[d] = NAN;
+    else
+        kern->output(s->num, D, den, svmax, o);
+}

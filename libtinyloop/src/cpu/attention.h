@@ -1,0 +1,67 @@
+/* attention.h — exact two-pass attention over the paged int8 KV cache (docs/spec.md §4.1).
+ *
+ * The driver (attention.c) walks the visible keys segment by segment (a run of consecutive
+ * slots of one block) and calls the kernels per segment or per query; the scalar kernels live
+ * in attention.c, AVX2 ones in attention_avx2.c. Every kernel computes exact integers or the
+ * spec's element-wise f32 operations, so both sets give identical bits. */
+#ifndef TL_ATTENTION_H
+#define TL_ATTENTION_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/kvcache.h"
+
+/* Scratch for one query. */
+typedef struct tl_attn_scratch {
+    float* scores;   /* [max_keys]                     */
+    int32_t* u;      /* [max_keys] U_j                 */
+    int64_t* num;    /* [D]                            */
+    int8_t* qq;      /* [D]                            */
+    int16_t* qq16;   /* [D] qq widened (SIMD kernels)  */
+} tl_attn_scratch;
+
+/* The value rows of one segment: n rows of D bytes, consecutive. */
+typedef struct tl_attn_rows {
+    const int8_t* v;
+    size_t n;
+} tl_attn_rows;
+
+/* The kernels of one path. `scores`, `weights` and `accumulate` work on one segment of n keys
+ * (rows of D bytes, consecutive); `accumulate_segments` on consecutive segments; the others on
+ * one query. */
+typedef struct tl_attn_kernels {
+    /* (qq, sq) = Q8(qh), the query quantizer (docs/spec.md §2.2) */
+    float (*quantize)(const float* x, size_t n, int qmax, int8_t* q);
+    /* scores[j] = ((f32)(qq . k_j) * c) * sk[j] */
+    void (*scores)(const tl_attn_scratch* s, const int8_t* k, const float* sk, size_t n, size_t D, float c,
+                   float* scores);
+    /* the NaN-ignoring maximum of acc and x[0 .. n) (tl_fmax; acc is never NaN). A zero result
+     * may carry either sign: no output depends on it (the driver uses svmax only when it is
+     * > 0, and S_j - M for M = ±0 differs at most in the sign of a zero, which exp2s maps to 1). */
+    float (*max)(const float* x, size_t n, float acc);
+    /* u[j] = rint(e_j * (sv[j] * kappa)), e_j = exp2s((scores[j] - M) * LOG2E); returns Σ rint(e_j * 2^24)
+     * and sets *nan_weight if some u is NaN (only when an sv is infinite). */
+    int64_t (*weights)(const float* scores, const float* sv, size_t n, float M, float kappa, int32_t* u,
+                       bool* nan_weight);
+    /* num[d] += Σ_j u[j] * v_j[d], exact: one segment, the one-segment case of the next */
+    void (*accumulate)(const int32_t* u, const int8_t* v, size_t n, size_t D, int64_t* num);
+    /* the same over the rows of n_segs segments, u running on from one segment to the next (what
+     * the driver calls: SIMD paths flush their narrow partial sums once per batch, not per block) */
+    void (*accumulate_segments)(const int32_t* u, const tl_attn_rows* segs, size_t n_segs, size_t D,
+                                int64_t* num);
+    /* o[d] = ((f32)num[d] / (f32)den) * svmax */
+    void (*output)(const int64_t* num, size_t D, int64_t den, float svmax, float* o);
+} tl_attn_kernels;
+
+extern const tl_attn_kernels tl_attn_scalar;
+extern const tl_attn_kernels tl_attn_avx2;
+
+/* o[D] = attention of one query head qh[D] (already rotated) at position t over kv head
+ * `kv_head` of cache layer `layer`; visible keys j <= t and, with window > 0, j > t - window.
+ * Every visible key must be in the table. */
+void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
+               uint32_t kv_head, size_t t, uint32_t window, const float* qh, float* o, tl_attn_scratch* scratch);
+
+#endif

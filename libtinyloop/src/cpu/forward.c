@@ -1,0 +1,335 @@
+/* forward.c — the forward pass (docs/spec.md §4) of T rows through every layer, the pre blocks
+ * then the loop block L times, each layer with its own KV cache. The rows are either a chunk of
+ * one sequence (positions n .. n+T-1) or one new token of each of T sequences (batched decode);
+ * either way row t knows its sequence and position, and nothing else differs.
+ *
+ * A batch may mix depths: its rows are ordered by layer count, deepest first, so layer l runs
+ * on the first `active` rows (those with more than l layers) and a row leaves the batch with
+ * its final state once its layers are done.
+ *
+ * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
+ * over the pool by rows) or a per-token / per-(token, head) task split over the pool. Each
+ * output element is computed by exactly one task from inputs that no concurrent task writes,
+ * so the thread count never changes a bit. All scratch is allocated once per call, O(T).
+ *
+ * Shapes (per token): x [d], qkv [(H + 2G) * D] (Q heads, K heads, V heads), o [H * D],
+ * gu [2F] (gate, then up; the gate half is overwritten by silu(gate) * up).
+ */
+#include "core/forward.h"
+
+#include <string.h>
+
+#include "base/alloc.h"
+#include "cpu/attention.h"
+#include "base/errors.h"
+#include "cuda/forward_cuda.h"
+#include "cpu/quant.h"
+
+typedef struct fwd {
+    const tl_engine* e;
+    const tl_config* c;
+    size_t T;                /* rows in this layer (the active ones)              */
+    tl_seq** seqs;           /* [T] the sequence of each row                      */
+    size_t* pos;             /* [T] the position of each row                      */
+    int32_t* tokens;         /* [T]                                               */
+    size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                               */
+    uint32_t layer;          /* current layer                                     */
+    bool simd;               /* SIMD kernels: acts need qx/qsum; AVX2 row operations */
+    float* x;                /* [T][d]                                            */
+    float* qkv;              /* [T][qkv_dim]                                      */
+    float* o;                /* [T][hd]                                           */
+    float* gu;               /* [T][2F]                                           */
+    tl_acts acts;            /* [T][stride] for the next linear                   */
+    tl_attn_scratch* attn;   /* [pool threads]                                    */
+    /* input of the quantize task */
+    const float* q_src;
+    size_t q_src_stride, q_cols;
+    bool q_rms;
+} fwd;
+
+/* ---- scratch ------------------------------------------------------------------------------ */
+
+typedef struct carve {
+    size_t used;
+    char* base;
+} carve;
+
+/* Reserve `bytes` (64-byte aligned) of the arena; with base NULL only measures. */
+static void* take(carve* c, size_t bytes) {
+    void* p = c->base ? c->base + c->used : NULL;
+    c->used += (bytes + 63) / 64 * 64;
+    return p;
+}
+
+static size_t round8(size_t k) { return (k + 7) / 8 * 8; }
+
+/* Lays out every buffer of f in the arena at c (measure first with c->base == NULL). */
+static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys) {
+    const tl_config* cfg = f->c;
+    const size_t T = f->T, D = cfg->head_dim;
+    size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
+    if (cfg->ffn_dim > kmax) kmax = cfg->ffn_dim;
+    kmax = round8(kmax);
+    f->seqs = take(c, T * sizeof(tl_seq*));
+    f->pos = take(c, T * sizeof(size_t));
+    f->tokens = take(c, T * sizeof(int32_t));
+    f->x = take(c, T * cfg->d_model * sizeof(float));
+    f->qkv = take(c, T * f->qkv_dim * sizeof(float));
+    f->o = take(c, T * f->hd * sizeof(float));
+    f->gu = take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
+    f->acts.q = take(c, T * kmax);
+    f->acts.qx = take(c, T * kmax);
+    f->acts.qsum = take(c, T * sizeof(int32_t));
+    f->acts.scale = take(c, T * sizeof(float));
+    f->attn = take(c, workers * sizeof(tl_attn_scratch));
+    for (unsigned w = 0; w < workers; w++) {
+        tl_attn_scratch s = {take(c, max_keys * sizeof(float)), take(c, max_keys * sizeof(int32_t)),
+                             take(c, D * sizeof(int64_t)), take(c, D), take(c, D * sizeof(int16_t))};
+        if (f->attn) f->attn[w] = s;
+    }
+}
+
+/* ---- per-token tasks ------------------------------------------------------------------------ */
+
+static void finish_row(fwd* f, size_t t) {
+    if (f->simd) tl_acts_finish_row(&f->acts, t);
+}
+
+/* acts row t = NQ or Q8 of q_src row t. */
+static void task_quantize(void* ctx, size_t t, unsigned worker) {
+    (void)worker;
+    fwd* f = ctx;
+    int8_t* q = f->acts.q + t * f->acts.stride;
+    const float* x = f->q_src + t * f->q_src_stride;
+    f->acts.scale[t] = f->q_rms ? tl_rms_quantize_row(x, f->q_cols, f->c->rms_eps, q)
+                                : f->simd ? tl_quantize_row_avx2(x, f->q_cols, 127, q)
+                                          : tl_quantize_row(x, f->q_cols, 127, q);
+    memset(q + f->q_cols, 0, f->acts.stride - f->q_cols);
+    finish_row(f, t);
+}
+
+static void quantize_rows(fwd* f, const float* src, size_t src_stride, size_t cols, bool rms) {
+    f->q_src = src;
+    f->q_src_stride = src_stride;
+    f->q_cols = cols;
+    f->q_rms = rms;
+    f->acts.n = f->T;
+    f->acts.stride = round8(cols);
+    tl_pool_run(f->e->pool, f->T, task_quantize, f);
+}
+
+/* RoPE on token t's Q and K heads, then Q8 of each K and V head into the cache. */
+static void task_kv_write(void* ctx, size_t t, unsigned worker) {
+    (void)worker;
+    fwd* f = ctx;
+    const tl_config* c = f->c;
+    const size_t D = c->head_dim, pos = f->pos[t];
+    const float* cos = f->e->file.rope_cos + pos * (D / 2);
+    const float* sin = f->e->file.rope_sin + pos * (D / 2);
+    float* z = f->qkv + t * f->qkv_dim;
+    for (uint32_t h = 0; h < c->n_heads + c->n_kv_heads; h++) tl_rope_head(z + h * D, D, cos, sin);
+    const tl_kv_geom* g = &f->e->kv_geom;
+    const tl_kv_table* kv = &f->seqs[t]->kv;
+    const tl_kv_span* span = &kv->spans[tl_kv_find(kv, pos)];
+    const size_t slot = pos - span->start;
+    for (uint32_t h = 0; h < c->n_kv_heads; h++) {
+        const float* k = z + ((size_t)c->n_heads + h) * D;
+        const float* v = z + ((size_t)c->n_heads + c->n_kv_heads + h) * D;
+        tl_kv_key_scales(g, span->block, f->layer, h)[slot] =
+            tl_quantize_row(k, D, 127, tl_kv_keys(g, span->block, f->layer, h) + slot * D);
+        tl_kv_value_scales(g, span->block, f->layer, h)[slot] =
+            tl_quantize_row(v, D, 127, tl_kv_values(g, span->block, f->layer, h) + slot * D);
+    }
+}
+
+/* item = t * H + h: o[t][h] = attention of query head h of token t. */
+static void task_attention(void* ctx, size_t item, unsigned worker) {
+    fwd* f = ctx;
+    const tl_config* c = f->c;
+    const size_t H = c->n_heads, D = c->head_dim, t = item / H, h = item % H;
+    const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
+    const tl_seq* s = f->seqs[t];
+    tl_attend(f->e->isa == TL_ISA_SCALAR ? &tl_attn_scalar : &tl_attn_avx2, &f->e->kv_geom, &s->kv,
+              f->layer, kv_head, f->pos[t], s->window, f->qkv + t * f->qkv_dim + h * D,
+              f->o + t * f->hd + h * D, &f->attn[worker]);
+}
+
+/* gate := silu(gate) * up, then acts row t = Q8 of it. */
+static void task_swiglu(void* ctx, size_t t, unsigned worker) {
+    (void)worker;
+    fwd* f = ctx;
+    const size_t F = f->c->ffn_dim;
+    float* gate = f->gu + t * 2 * F;
+    const float* up = gate + F;
+    if (f->simd) tl_swiglu_row_avx2(gate, up, F);
+    else tl_swiglu_row(gate, up, F);
+    int8_t* q = f->acts.q + t * f->acts.stride;
+    f->acts.scale[t] = f->simd ? tl_quantize_row_avx2(gate, F, 127, q) : tl_quantize_row(gate, F, 127, q);
+    memset(q + F, 0, f->acts.stride - F);
+    finish_row(f, t);
+}
+
+/* ---- the pass ------------------------------------------------------------------------------ */
+
+static void run_layer(fwd* f) {
+    const tl_config* c = f->c;
+    const size_t d = c->d_model, F = c->ffn_dim;
+    tl_pool* pool = f->e->pool;
+    const tl_linear* qkv = tl_engine_linear(f->e, f->layer, TL_PART_QKV);
+    const tl_linear* out = tl_engine_linear(f->e, f->layer, TL_PART_OUT);
+    const tl_linear* gate_up = tl_engine_linear(f->e, f->layer, TL_PART_GATE_UP);
+    const tl_linear* down = tl_engine_linear(f->e, f->layer, TL_PART_DOWN);
+
+    quantize_rows(f, f->x, d, d, true);
+    tl_linear_run(qkv, &f->acts, f->qkv, f->qkv_dim, false, pool);
+    tl_pool_run(pool, f->T, task_kv_write, f);
+    tl_pool_run(pool, f->T * c->n_heads, task_attention, f);
+    quantize_rows(f, f->o, f->hd, f->hd, false);
+    tl_linear_run(out, &f->acts, f->x, d, true, pool);
+
+    quantize_rows(f, f->x, d, d, true);
+    tl_linear_run(gate_up, &f->acts, f->gu, 2 * F, false, pool);
+    f->acts.stride = round8(F);
+    tl_pool_run(pool, f->T, task_swiglu, f);
+    tl_linear_run(down, &f->acts, f->x, d, true, pool);
+}
+
+static void embed(fwd* f) {
+    const size_t d = f->c->d_model;
+    for (size_t t = 0; t < f->T; t++) {
+        const int8_t* row = f->e->file.emb_w + (size_t)f->tokens[t] * d;
+        const float scale = f->e->file.emb_s[f->tokens[t]];
+        for (size_t i = 0; i < d; i++) f->x[t * d + i] = (float)row[i] * scale;
+    }
+}
+
+/* Allocate the scratch of T rows whose positions are all below max_keys. */
+static tl_status begin(fwd* f, const tl_engine* e, size_t T, size_t max_keys, void** arena_out) {
+    memset(f, 0, sizeof *f);
+    f->e = e;
+    f->c = tl_engine_config(e);
+    f->T = T;
+    f->qkv_dim = ((size_t)f->c->n_heads + 2 * (size_t)f->c->n_kv_heads) * f->c->head_dim;
+    f->hd = (size_t)f->c->n_heads * f->c->head_dim;
+    f->simd = e->isa != TL_ISA_SCALAR;
+    const unsigned workers = tl_pool_threads(e->pool);
+    carve arena = {0, NULL};
+    layout(f, &arena, workers, max_keys);
+    arena.base = tl_alloc(arena.used);
+    if (!arena.base) return tl_fail_oom("forward scratch");
+    arena.used = 0;
+    layout(f, &arena, workers, max_keys);
+    *arena_out = arena.base;
+    return TL_OK;
+}
+
+/* Every layer of the rows (ordered deepest first); after loop iteration i the state of the
+ * last row goes to loop_states[i] when that is not NULL. */
+static void run_layers(fwd* f, float* loop_states) {
+    const size_t d = f->c->d_model, rows = f->T;
+    for (f->layer = 0; f->layer < f->seqs[0]->n_layers; f->layer++) {
+        while (f->T > 0 && f->seqs[f->T - 1]->n_layers <= f->layer) f->T--;
+        run_layer(f);
+        if (loop_states && f->layer >= f->c->n_pre_blocks)
+            memcpy(loop_states + (f->layer - f->c->n_pre_blocks) * d, f->x + (f->T - 1) * d, d * sizeof(float));
+    }
+    f->T = rows;
+}
+
+/* logits[T][V] of every row's final state. */
+static void head_rows(fwd* f, float* logits) {
+    const size_t d = f->c->d_model;
+    quantize_rows(f, f->x, d, d, true);
+    tl_linear_run(tl_engine_head(f->e), &f->acts, logits, f->c->vocab_size, false, f->e->pool);
+}
+
+tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all, float* logits_last,
+                     float* last_hidden, float* loop_states) {
+    if (s->engine->cuda)
+        return tl_forward_cuda_chunk(s, tokens, T, logits_all, logits_last, last_hidden, loop_states);
+    fwd f;
+    void* arena;
+    tl_status st = begin(&f, s->engine, T, s->n + T, &arena);
+    if (st != TL_OK) return st;
+    for (size_t t = 0; t < T; t++) {
+        f.seqs[t] = s;
+        f.pos[t] = s->n + t;
+        f.tokens[t] = tokens[t];
+    }
+    const size_t d = f.c->d_model;
+    embed(&f);
+    run_layers(&f, loop_states);
+    memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
+    if (logits_all) head_rows(&f, logits_all);
+    tl_free(arena);
+    return logits_last ? tl_head_logits(s->engine, last_hidden, logits_last) : TL_OK;
+}
+
+/* order[0 .. B) = the rows deepest first; a stable insertion sort keeps the callers' order
+ * among equals. */
+static void sort_deepest_first(tl_seq* const* seqs, size_t B, size_t* order) {
+    for (size_t b = 0; b < B; b++) {
+        size_t r = b;
+        for (; r > 0 && seqs[order[r - 1]]->n_layers < seqs[b]->n_layers; r--) order[r] = order[r - 1];
+        order[r] = b;
+    }
+}
+
+tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* const* logits) {
+    const tl_engine* e = seqs[0]->engine;
+    if (e->cuda) {
+        size_t* order = tl_alloc(B * sizeof(size_t));
+        if (!order) return tl_fail_oom("batch scratch");
+        sort_deepest_first(seqs, B, order);
+        const tl_status st = tl_forward_batch_cuda(seqs, tokens, order, B, logits);
+        tl_free(order);
+        return st;
+    }
+    size_t max_keys = 0;
+    for (size_t b = 0; b < B; b++)
+        if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
+    fwd f;
+    void* arena;
+    const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
+    float* sorted_logits = tl_alloc(B * V * sizeof(float));
+    size_t* order = tl_alloc(B * sizeof(size_t));
+    tl_status st = sorted_logits && order ? begin(&f, e, B, max_keys, &arena) : tl_fail_oom("batch scratch");
+    if (st != TL_OK) {
+        tl_free(sorted_logits);
+        tl_free(order);
+        return st;
+    }
+    sort_deepest_first(seqs, B, order);
+    for (size_t r = 0; r < B; r++) {
+        f.seqs[r] = seqs[order[r]];
+        f.pos[r] = f.seqs[r]->n;
+        f.tokens[r] = tokens[order[r]];
+    }
+    embed(&f);
+    run_layers(&f, NULL);
+    head_rows(&f, sorted_logits);
+    for (size_t r = 0; r < B; r++) {
+        memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
+        memcpy(logits[order[r]], sorted_logits + r * V, V * sizeof(float));
+    }
+    tl_free(arena);
+    tl_free(sorted_logits);
+    tl_free(order);
+    return TL_OK;
+}
+
+tl_status tl_head_logits(tl_engine* e, const float* x, float* logits) {
+    const size_t d = tl_engine_config(e)->d_model, stride = round8(d);
+    uint8_t* buf = tl_alloc(2 * stride + 2 * sizeof(float) + sizeof(int32_t));
+    if (!buf) return tl_fail_oom("head scratch");
+    tl_acts acts = {1, stride, (int8_t*)buf, buf + stride, NULL, NULL};
+    float* scale = (float*)(buf + 2 * stride);
+    acts.scale = scale;
+    acts.qsum = (int32_t*)(scale + 2);
+    scale[0] = tl_rms_quantize_row(x, d, tl_engine_config(e)->rms_eps, acts.q);
+    memset(acts.q + d, 0, stride - d);
+    if (e->isa != TL_ISA_SCALAR) tl_acts_finish_row(&acts, 0);
+    tl_linear_run(tl_engine_head(e), &acts, logits, 0, false, e->pool);
+    tl_free(buf);
+    return TL_OK;
+}

@@ -1,0 +1,56 @@
+/* matmul.c — run a prepared linear over the thread pool: rows are cut into blocks of whole
+ * tiles and each block runs every token through its path's kernel. Blocks write disjoint
+ * outputs and compute exact integers, so the split never changes a result. */
+#include "cpu/matmul.h"
+
+enum {
+    ITEMS_PER_THREAD = 8, /* blocks per pool thread: small enough to even out a slow thread */
+    BLOCK_TILES = 4       /* blocks hold whole kernel panels (the widest is 4 tiles)        */
+};
+
+typedef struct linear_job {
+    const tl_linear* lin;
+    const tl_acts* acts;
+    tl_gemm_fn kernel;
+    uint32_t rows_per_item;
+    float* y;
+    size_t y_stride;
+    bool accumulate;
+} linear_job;
+
+static void run_rows(void* ctx, size_t item, unsigned worker) {
+    (void)worker;
+    const linear_job* job = ctx;
+    const uint32_t R = job->lin->src.rows;
+    const uint32_t row0 = (uint32_t)item * job->rows_per_item;
+    const uint32_t row1 = row0 + job->rows_per_item < R ? row0 + job->rows_per_item : R;
+    job->kernel(job->lin, job->acts, row0, row1, job->y, job->y_stride, job->accumulate);
+}
+
+void tl_acts_finish_row(tl_acts* A, size_t t) {
+    const size_t K = A->stride; /* a local: the u8 stores below could alias *A, which kept GCC from vectorizing */
+    const int8_t* q = A->q + t * K;
+    uint8_t* qx = A->qx + t * K;
+    int32_t sum = 0;
+    for (size_t k = 0; k < K; k++) {
+        sum += q[k];
+        qx[k] = (uint8_t)q[k] ^ 0x80;
+    }
+    A->qsum[t] = sum;
+}
+
+void tl_linear_run(const tl_linear* lin, const tl_acts* acts, float* y, size_t y_stride,
+                   bool accumulate, tl_pool* pool) {
+    linear_job job = {lin, acts, tl_gemm_scalar, 0, y, y_stride, accumulate};
+    uint32_t tile = 16;
+    if (lin->isa == TL_ISA_AVX2) job.kernel = tl_gemm_avx2;
+    if (lin->isa == TL_ISA_AVX512_VNNI) job.kernel = tl_gemm_avx512;
+    if (lin->isa != TL_ISA_SCALAR) tile = lin->tile_rows;
+    const uint32_t R = lin->src.rows;
+    const uint32_t tiles = (R + tile - 1) / tile;
+    const uint32_t want_items = ITEMS_PER_THREAD * tl_pool_threads(pool);
+    const uint32_t tiles_per_item = (tiles + want_items - 1) / want_items;
+    job.rows_per_item = ((tiles_per_item + BLOCK_TILES - 1) / BLOCK_TILES) * BLOCK_TILES * tile;
+    if (job.rows_per_item == 0) job.rows_per_item = BLOCK_TILES * tile;
+    tl_pool_run(pool, (R + job.rows_per_item - 1) / job.rows_per_item, run_rows, &job);
+}

@@ -1,0 +1,101 @@
+/* cuda_backend.h — the C side's view of the CUDA backend: device probing, weights uploaded
+ * once per model, device memory for KV block data, and one forward pass over a batch of rows.
+ *
+ * Implemented in src/cuda/ (the .cu files) when the library is built with TINYLOOP_CUDA; otherwise by
+ * cuda_stub.c, whose calls fail with TL_ERR_UNSUPPORTED ("libtinyloop was built without
+ * CUDA"). Everything the host owns (sequences, span tables, the prefix cache, sampling) stays
+ * on the host; only the KV block *data* (kvcache.h layout) lives in device memory.
+ *
+ * The device computes exactly docs/spec.md §2–§4 (compiled with -fmad=false, IEEE division and
+ * square root, no fast math), so its logits are bit-identical to the CPU paths. */
+#ifndef TL_CUDA_BACKEND_H
+#define TL_CUDA_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/loader.h"
+#include "tinyloop.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tl_cuda tl_cuda; /* per-model device state: weights, stream, scratch, a lock */
+
+/* Whether libtinyloop was compiled with the CUDA backend. */
+bool tl_cuda_built(void);
+
+/* TL_OK and *n_devices >= 1 when a CUDA device can run the backend; otherwise
+ * TL_ERR_UNSUPPORTED with a message saying why ("libtinyloop was built without CUDA",
+ * "no CUDA device: <driver's reason>"). Never aborts; safe on machines without a driver. */
+tl_status tl_cuda_probe(int* n_devices);
+
+/* Select `device`, create a stream and upload every weight of `file` (embedding, rope tables,
+ * each linear, the head). On failure nothing stays allocated. */
+tl_status tl_cuda_create(const tl_file* file, int device, tl_cuda** out);
+void tl_cuda_free(tl_cuda* c);
+/* Device bytes of the uploaded weights. */
+size_t tl_cuda_weight_bytes(const tl_cuda* c);
+/* "NVIDIA H200 (sm_90)"-style name of the device; a static string owned by c. */
+const char* tl_cuda_device_name(const tl_cuda* c);
+
+/* Device memory for one KV block's data, zero-filled (NULL when out of device memory), and its
+ * release. Thread-safe. */
+void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes);
+void tl_cuda_block_free(tl_cuda* c, void* data);
+
+/* A run of `count` consecutive positions from `start` whose (kq, vq, sk, sv) live in the block
+ * data at device address `data` (kvcache.h layout: per (layer, kv head) head_bytes from
+ * data + (layer * n_kv_heads + h) * head_bytes: kq[bs][D] i8, vq[bs][D] i8, sk[bs] f32,
+ * sv[bs] f32). */
+typedef struct tl_cuda_span {
+    const void* data;
+    uint32_t start, count;
+} tl_cuda_span;
+
+/* One row of a batch: one token of one sequence. */
+typedef struct tl_cuda_row {
+    int32_t token;
+    uint32_t pos;          /* absolute position                                               */
+    uint32_t n_layers;     /* n_pre_blocks + loops of its sequence                            */
+    uint32_t window;       /* cache_window, 0 = full                                          */
+    void* write_data;      /* block data that receives this row's K and V (device address)   */
+    uint32_t write_slot;   /* slot of pos in that block                                       */
+    uint32_t first_span;   /* the row's sequence: spans[first_span .. first_span + n_spans)   */
+    uint32_t n_spans;      /*   cover every key visible to the row (released ones omitted)   */
+} tl_cuda_row;
+
+/* A forward pass of T rows (docs/spec.md §4). Rows are ordered by n_layers, deepest first:
+ * layer l runs on the rows with n_layers > l. Rows of one sequence sit at consecutive
+ * positions and share a span range; a row attends to keys j <= pos (and j > pos - window)
+ * including the keys other rows of this batch write in the same layer, so every KV write of
+ * a layer precedes that layer's attention. */
+typedef struct tl_cuda_batch {
+    size_t T;
+    const tl_cuda_row* rows;    /* [T] host memory                                          */
+    const tl_cuda_span* spans;  /* [n_spans] host memory                                    */
+    size_t n_spans;
+    uint32_t max_keys;          /* > every row's pos                                         */
+    uint32_t block_size;        /* kvcache geometry                                         */
+    size_t head_bytes;
+    /* outputs, host memory */
+    float* hidden;              /* [T][d] each row's final state; required                  */
+    float* logits;              /* [T][V] head of each final state; NULL = not wanted       */
+    float* logits_last;         /* [V] head of row T-1's final state only; NULL = not wanted */
+    float* loop_states;         /* [loops][d] state of row T-1 after each loop layer; NULL   */
+} tl_cuda_batch;
+
+/* Run the batch; returns once the outputs are in host memory. Calls on one tl_cuda are
+ * serialized (a lock), so a model may be used from many threads. Fails with
+ * TL_ERR_OUT_OF_MEMORY (device scratch) or TL_ERR_INTERNAL (a CUDA error, named in the
+ * message) before or after writing the KV of this batch's positions; the caller then rolls
+ * those positions back, as on the CPU path. */
+tl_status tl_cuda_forward(tl_cuda* c, const tl_cuda_batch* batch);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
