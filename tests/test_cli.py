@@ -1,15 +1,43 @@
-"""The command line: the demo (main job), generate, info and bench, and exit codes for scripts."""
+"""The command line: the demo (main job), generate, info and bench, exit codes for scripts, the
+checks that run before any output, and help that states every default."""
 import io
+import re
 
 import pytest
 
 import tinyloop
-from tinyloop.cli import main
+from tinyloop import quickbench
+from tinyloop.cli import build_parser, main
+
+COMMANDS = ("demo", "generate", "info", "bench")
 
 
 def run(*argv):
+    """(exit code, stdout) of `tinyloop argv`; argparse's own exits give their code too."""
     out = io.StringIO()
-    return main(list(argv), out=out), out.getvalue()
+    try:
+        return main(list(argv), out=out), out.getvalue()
+    except SystemExit as exc:
+        return exc.code, out.getvalue()
+
+
+def run_on_one_stream(monkeypatch, *argv):
+    """(exit code, stdout and stderr interleaved as a terminal shows them)."""
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    try:
+        code = main(list(argv), out=stream)
+    except SystemExit as exc:
+        code = exc.code
+    return code, stream.getvalue()
+
+
+@pytest.fixture(scope="module")
+def small(model_files):
+    """(path, config) of a small random model (no tokenizer: prompts are token ids)."""
+    path = str(model_files["int8-gqa"])
+    with tinyloop.Model(path, backend="numpy") as model:
+        return path, model.config()
 
 
 def test_demo_shows_answers_timings_and_identical_tokens():
@@ -23,11 +51,11 @@ def test_demo_shows_answers_timings_and_identical_tokens():
     assert "identical tokens with and without the cache: yes" in text
 
 
-def test_generate_text_and_ids(model_files):
+def test_generate_text_and_ids(small):
     code, text = run("generate", "The ", "--max-tokens", "5", "--seed", "1", "--backend", "numpy")
     assert code == 0 and text.startswith("The ")
-    code, text = run("generate", "1,2,3", "--ids", "--model", str(model_files["int8-gqa"]),
-                     "--max-tokens", "4", "--temperature", "0", "--backend", "numpy")
+    code, text = run("generate", "1,2 3", "--ids", "--model", small[0], "--max-tokens", "4",
+                     "--temperature", "0", "--backend", "numpy")
     assert code == 0 and len(text.split()) == 4
 
 
@@ -36,20 +64,81 @@ def test_info_names_model_and_backend():
     assert code == 0 and "tinyloop-demo" in text and "backend: numpy" in text
 
 
-def test_bad_input_exits_2_with_a_message(capsys, model_files):
-    code, _ = run("generate", "1,2,999", "--ids", "--model", str(model_files["int8-gqa"]),
-                  "--backend", "numpy")
-    assert code == 2 and "token id 999" in capsys.readouterr().err
-    code, _ = run("generate", "x", "--model", "/nonexistent.tinyloop")
+# (arguments, the message): "SMALL" stands for --model of the `small` model, and the message's
+# {fields} are that model's config; without SMALL the command runs the bundled demo model.
+BAD_INPUTS = [
+    (["generate", "1,abc", "--ids", "SMALL"],
+     "the prompt: 'abc' is not a token id; give integers separated by commas or spaces"),
+    (["generate", "1 2 {vocab_size}", "SMALL"],
+     "the prompt: token id {vocab_size} at index 2 is out of range [0, {vocab_size})"),
+    (["generate", "1,-1", "SMALL"], "the prompt: token id -1 at index 1 is out of range"),
+    (["generate", " , ", "SMALL"], "the prompt is empty"),
+    (["generate", "1,2", "--stop", "3,x", "SMALL"], "--stop '3,x': 'x' is not a token id"),
+    (["generate", "1,2", "--stop", "", "SMALL"], "--stop '' is empty"),
+    (["generate", "1,2", "--max-tokens", "{max_seq_len}", "SMALL"],
+     "the prompt (2 tokens) plus --max-tokens {max_seq_len} exceeds the model's max_seq_len {max_seq_len}"),
+    (["generate", "x" * 1000],
+     "the prompt (1000 tokens) plus --max-tokens 64 exceeds the model's max_seq_len 1024"),
+    (["generate", "1", "--loops", "0", "SMALL"],
+     "argument --loops: must be an integer from 1 to 1024, got 0"),
+    (["generate", "1", "--loops", "1025", "SMALL"], "argument --loops: must be an integer from 1 to 1024"),
+    (["generate", "1", "--max-tokens", "0", "SMALL"],
+     "argument --max-tokens: must be an integer >= 1, got 0"),
+    (["generate", "1", "--max-tokens", "1.5", "SMALL"], "argument --max-tokens: '1.5' is not an integer"),
+    (["generate", "1", "--temperature", "-1", "SMALL"],
+     "argument --temperature: must be a finite number >= 0, got -1"),
+    (["generate", "1", "--temperature", "nan", "SMALL"], "argument --temperature: must be a finite number"),
+    (["generate", "1", "--temperature", "hot", "SMALL"], "argument --temperature: 'hot' is not a number"),
+    (["generate", "1", "--top-k", "-1", "SMALL"], "argument --top-k: must be an integer >= 0, got -1"),
+    (["generate", "1", "--top-p", "1.5", "SMALL"],
+     "argument --top-p: must be a finite number > 0 and <= 1, got 1.5"),
+    (["generate", "1", "--top-p", "0", "SMALL"], "argument --top-p: must be a finite number > 0"),
+    (["generate", "1", "--repetition-penalty", "0", "SMALL"],
+     "argument --repetition-penalty: must be a finite number > 0"),
+    (["generate", "1", "--cache-window", "-1", "SMALL"], "argument --cache-window: must be an integer >= 0"),
+    (["generate", "1", "--seed", str(1 << 64), "SMALL"], "argument --seed: must be an integer from 0 to"),
+    (["generate", "1", "--threads", "0", "SMALL"], "argument --threads: must be an integer >= 1, got 0"),
+    (["generate", "1", "--backend", "nope", "SMALL"], "argument --backend: invalid choice: 'nope'"),
+    (["generate", "1", "--model", "/nonexistent.tinyloop"],
+     "argument --model: no such file: '/nonexistent.tinyloop'"),
+    (["info", "--model", "/"], "argument --model: '/' is a directory, not a .tinyloop file"),
+    (["demo", "--max-tokens", "900"], "--max-tokens 900: the longest demo prompt"),
+    (["bench", "--n", "0", "SMALL"], "argument --n: must be an integer >= 1, got 0"),
+    (["bench", "--prefill", "8", "--prefix", "{max_seq_len}", "--decode", "1", "SMALL"],
+     "--prefix {max_seq_len} plus --decode 1 exceeds the model's max_seq_len {max_seq_len}"),
+    (["bench", "--prefill", "{max_seq_len}", "SMALL"], "--prefill {max_seq_len} plus --decode 32 exceeds"),
+    (["nonsense"], "argument command: invalid choice: 'nonsense'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a)[:40] for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_a_message_before_any_output(monkeypatch, small, argv, message):
+    path, cfg = small
+    model = ["--model", path] if "SMALL" in argv else []
+    argv = [a.format(**cfg) for a in argv if a != "SMALL"]
+    if argv[0] != "nonsense":
+        argv += model + ["--backend", "numpy"]
+    code, text = run_on_one_stream(monkeypatch, *argv)
     assert code == 2
-    with pytest.raises(SystemExit) as exit_info:
-        run("nonsense")
-    assert exit_info.value.code == 2
+    assert message.format(**cfg) in text
+    # Nothing but bench's progress lines comes before the error, so it starts its own line.
+    first, *_ = [line for line in text.splitlines() if not line.startswith("bench: ")]
+    assert first.startswith(("usage: tinyloop", "tinyloop: error: ")), text
 
 
-def test_generate_stops_reads_stdin_and_reports_reuse(model_files, monkeypatch, capsys):
-    model = str(model_files["int8-gqa"])
-    common = ("--ids", "--model", model, "--temperature", "0", "--backend", "numpy")
+def test_a_failure_after_output_is_on_its_own_line_and_exits_1(monkeypatch):
+    def fails_after_one_token(self, prompt, on_token=None, **kwargs):
+        on_token(ord("!"))
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(tinyloop.Model, "generate", fails_after_one_token)
+    code, text = run_on_one_stream(monkeypatch, "generate", "Hi", "--backend", "numpy")
+    assert code == 1
+    assert text == "Hi!\ntinyloop: error: the device went away\n"
+
+
+def test_generate_stops_reads_stdin_and_reports_reuse(small, monkeypatch, capsys):
+    common = ("--ids", "--model", small[0], "--temperature", "0", "--backend", "numpy")
     _, text = run("generate", "1,2,3", "--max-tokens", "6", *common)
     first = text.split()[0]
     code, text = run("generate", "1,2,3", "--max-tokens", "6", "--stop", first, *common)
@@ -60,12 +149,15 @@ def test_generate_stops_reads_stdin_and_reports_reuse(model_files, monkeypatch, 
     assert "reused 0," in capsys.readouterr().err
 
 
-def test_generate_shows_prefill_progress(capsys):
-    code, _ = run("generate", "The" * 300, "--max-tokens", "1", "--progress", "always",
-                  "--backend", "numpy", "--seed", "0")
-    err = capsys.readouterr().err
+def test_generate_shows_prefill_progress_then_the_prompt(monkeypatch):
+    prompt = "The" * 300
+    code, text = run_on_one_stream(monkeypatch, "generate", prompt, "--max-tokens", "1",
+                                   "--progress", "always", "--backend", "numpy", "--seed", "0")
     assert code == 0
-    assert "prefill 256/900 tokens" in err and "prefill 900/900 tokens" in err
+    assert text.startswith("prefill 256/900 tokens\n")
+    # The prompt is echoed once the prefill is done: on a terminal, the progress line is
+    # rewritten in place and would overwrite the prompt's last line.
+    assert text.index("prefill 900/900 tokens\n") < text.index(prompt)
 
 
 def test_ctrl_c_exits_130(monkeypatch, capsys):
@@ -77,8 +169,68 @@ def test_ctrl_c_exits_130(monkeypatch, capsys):
     assert code == 130 and "interrupted" in capsys.readouterr().err
 
 
-def test_bench_measures_and_checks_tokens(model_files):
-    code, text = run("bench", "--model", str(model_files["int8-gqa"]), "--backend", "numpy",
-                     "--prefill", "32", "--decode", "3", "--prefix", "40", "--n", "3")
+def help_entries(text):
+    """{option: its help text, whitespace collapsed} from an argparse --help page."""
+    entries, current = {}, None
+    for line in text.split("options:", 1)[1].splitlines():
+        match = re.match(r"  (-[-\w]+)", line)
+        if match:
+            current = match.group(1)
+            entries[current] = ""
+        if current:
+            entries[current] += " " + line
+    return {option: " ".join(entry.split()) for option, entry in entries.items()}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_states_every_default(command, capsys):
+    code, _ = run(command, "--help")
+    entries = help_entries(capsys.readouterr().out)
+    required = ["prompt"] if command == "generate" else []
+    defaults = vars(build_parser().parse_args([command, *required]))
+    assert "--model" in entries and len(entries) > 4
+    for option, entry in entries.items():
+        if option == "-h":
+            continue
+        assert "(default: " in entry, entry
+        default = defaults[option.lstrip("-").replace("-", "_")]
+        if default is not None and not isinstance(default, (bool, list)):
+            assert f"(default: {default})" in entry, entry
     assert code == 0
-    assert "prefill 32 tokens" in text and "SHARED" in text and "identical tokens: yes" in text
+
+
+def test_top_level_help_lists_every_command_with_its_purpose(capsys):
+    code, _ = run("--help")
+    text = capsys.readouterr().out
+    assert code == 0
+    for command in COMMANDS:
+        line = next(line for line in text.splitlines() if line.split()[:1] == [command])
+        assert len(line.split()) > 2, line
+
+
+def test_bench_names_its_model_shows_progress_and_checks_tokens(small, capsys):
+    path, cfg = small
+    code, text = run("bench", "--model", path, "--backend", "numpy", "--prefill", "8",
+                     "--decode", "2", "--prefix", "8", "--n", "2")
+    err = capsys.readouterr().err
+    assert code == 0
+    assert text.startswith(f"model {cfg['name']}: d_model {cfg['d_model']}, ")
+    assert f"({path}), backend numpy" in text.splitlines()[0]
+    assert "prefill 8 tokens" in text and "SHARED" in text and "identical tokens: yes" in text
+    stages = [line.split(":")[1].strip() for line in err.splitlines() if line.startswith("bench: ")]
+    assert stages == ["opening " + path, "prefill speed", "decode speed", "bound", "bound",
+                      "no_cache", "shared", "batched"]
+
+
+def test_bench_without_a_model_says_it_writes_a_random_one(monkeypatch, capsys):
+    monkeypatch.delenv("TINYLOOP_BENCH_MODELS", raising=False)
+    monkeypatch.setitem(quickbench.SHAPES, "quick", dict(
+        vocab_size=64, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=32,
+        n_pre_blocks=1, default_loops=2, max_seq_len=64))
+    code, text = run("bench", "--backend", "numpy", "--prefill", "4", "--decode", "1",
+                     "--prefix", "4", "--n", "1")
+    err = capsys.readouterr().err
+    assert code == 0
+    assert text.startswith("model bench-quick-int8: d_model 16, ")
+    assert "(random weights, the quick shape)" in text.splitlines()[0]
+    assert err.startswith("bench: writing a random quick-shape int8 model to ")

@@ -19,15 +19,21 @@ def demo_model_path():
 
 
 def run_demo(open_model, max_tokens, temperature, seed, out):
-    """open_model(prefix_cache_bytes) -> a Model of the demo; returns the exit code."""
+    """open_model(prefix_cache_bytes) -> a Model of the demo; returns the exit code. A
+    max_tokens the model cannot fit after the longest prompt raises ValueError before any
+    output."""
     from .model import DEFAULT_PREFIX_CACHE_BYTES
-    from .quickbench import timed
+    from .quickbench import describe, timed
     with open_model(0) as model, open_model(DEFAULT_PREFIX_CACHE_BYTES) as auto:
         cfg = model.config()
-        print(f"model {cfg['name']}: d_model {cfg['d_model']}, {cfg['n_pre_blocks']} pre block(s) "
-              f"+ loop block x {cfg['default_loops']}, backend {model.backend}\n", file=out)
         system = model.encode(SYSTEM_PROMPT)
         requests = [model.encode(" " + r if i else r) for i, r in enumerate(REQUESTS)]
+        longest = len(system) + max(map(len, requests))
+        if longest + max_tokens > cfg["max_seq_len"]:
+            raise ValueError(f"--max-tokens {max_tokens}: the longest demo prompt ({longest} "
+                             f"tokens) leaves room for at most {cfg['max_seq_len'] - longest} "
+                             f"new tokens (max_seq_len {cfg['max_seq_len']})")
+        print(f"model {describe(cfg)}, backend {model.backend}\n", file=out)
         kw = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
         plain, t_plain = timed(lambda: [model.generate(system + r, **kw) for r in requests])
         prefix, t_build = timed(lambda: model.build_prefix_cache(system))

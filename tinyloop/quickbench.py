@@ -25,12 +25,25 @@ def backend_kwargs(name):
     return {"backend": "native", "device": "cuda"} if name == "native-cuda" else {"backend": name}
 
 
-def bench_model(shape, weight_format, directory):
+def quiet(stage):
+    """The default `progress` of the functions below: says nothing."""
+
+
+def describe(config):
+    """One line naming a model and its shape, from Model.config()."""
+    return (f"{config['name'] or 'unnamed'}: d_model {config['d_model']}, "
+            f"{config['n_pre_blocks']} pre block(s) + loop block x {config['default_loops']}, "
+            f"{config['weight_format']}, vocab {config['vocab_size']}")
+
+
+def bench_model(shape, weight_format, directory, progress=quiet):
     """Path of a random model of a standard shape, written once into `directory` (or into
-    TINYLOOP_BENCH_MODELS when that is set, so several benches share one file)."""
+    TINYLOOP_BENCH_MODELS when that is set, so several benches share one file).
+    progress(text) is called before the file is written."""
     directory = os.environ.get("TINYLOOP_BENCH_MODELS") or directory
     path = Path(directory) / f"{shape}-{weight_format}.tinyloop"
     if not path.exists():
+        progress(f"writing a random {shape}-shape {weight_format} model to {path}")
         random_model(path, seed=0, weight_format=weight_format,
                      name=f"bench-{shape}-{weight_format}", **SHAPES[shape])
     return path
@@ -58,27 +71,33 @@ def median_of(fn, repeats):
     return runs[-1][0], float(np.median([seconds for _, seconds in runs]))
 
 
-def speed(model, n_prefill=512, n_decode=32, repeats=1):
+def speed(model, n_prefill=512, n_decode=32, repeats=1, progress=quiet):
     """(tokens, prefill tok/s, decode tok/s): a prefix of n_prefill random tokens built in one
-    chunk, then n_decode greedy steps from it."""
+    chunk, then n_decode greedy steps from it; progress(text) before each of the two."""
     prompt = np.random.default_rng(1).integers(0, model.config()["vocab_size"], n_prefill)
+    progress(f"prefill speed: {n_prefill} tokens in one chunk, best of {repeats}")
     prefix, t_prefill = best_of(lambda: model.build_prefix_cache(prompt, prefill_chunk=n_prefill),
                                 repeats)
+    progress(f"decode speed: {n_decode} greedy tokens, best of {repeats}")
     tokens, t_decode = best_of(lambda: model.generate_from_prefix_cache(prefix, max_tokens=n_decode),
                                repeats)
     return tokens, n_prefill / t_prefill, n_decode / t_decode
 
 
-def shared_prefix(model, prompt, n, max_tokens=32, loops=8):
+def shared_prefix(model, prompt, n, max_tokens=32, loops=8, progress=quiet):
     """The seed's table row for N requests sharing `prompt` (model without automatic cache).
 
     NO_CACHE: each request runs the whole prompt. SHARED: one PrefixCache, N continuations in
     turn. BATCHED: one PrefixCache, the N continuations in one generate_batch. BOUND:
     (P + D) / (P / N + D) from the prefill time P and decode time D (medians of 3 runs), the
-    best SHARED can reach. Greedy; `same tokens` checks that the three ways agree."""
+    best SHARED can reach. Greedy; `same tokens` checks that the three ways agree.
+    progress(text) is called before each of the five stages."""
     kw = dict(max_tokens=max_tokens, loops=loops, temperature=0.0)
+    progress(f"bound: prefill of the {len(prompt)}-token prompt, 3 runs")
     prefix, t_prefill = median_of(lambda: model.build_prefix_cache(prompt, loops=loops), 3)
+    progress(f"bound: {max_tokens} tokens decoded from it, 3 runs")
     alone, t_decode = median_of(lambda: model.generate_from_prefix_cache(prefix, **kw), 3)
+    progress(f"no_cache: {n} requests, each running the whole prompt")
     no_cache, t_none = timed(lambda: [model.generate(prompt, **kw) for _ in range(n)])
 
     def shared():
@@ -89,7 +108,9 @@ def shared_prefix(model, prompt, n, max_tokens=32, loops=8):
         p = model.build_prefix_cache(prompt, loops=loops)
         return model.generate_batch([[]] * n, prefix=p, **kw)
 
+    progress(f"shared: one PrefixCache, {n} continuations in turn")
     shared_out, t_shared = timed(shared)
+    progress(f"batched: one PrefixCache, {n} continuations in one generate_batch")
     batched_out, t_batched = timed(batched)
     bound = (t_prefill + t_decode) / (t_prefill / n + t_decode)
     return {"prefix": len(prompt), "N": n, "no_cache s": t_none, "shared s": t_shared,
