@@ -2,14 +2,15 @@
 
 One engine serves every Python backend; its arithmetic comes from a kernel set
 (fallback/forward.py). With `NumpyKernels` it is the numpy backend, the executable form of
-docs/spec.md. Callers (tinyloop.Model) pass only checked arguments: int32 prompts with ids in
-range and a tinyloop.params.GenerationParams.
+docs/spec.md. `Engine` implements the engine interface, tinyloop.engine.Engine: callers
+(tinyloop.Model) pass only checked arguments, int32 prompts with ids in range and a
+tinyloop.engine.GenerationParams.
 """
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyloop.params import CACHE_STAT_NAMES, NO_CALLBACKS, stop_reached
+from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, stop_reached
 
 from .forward import NumpyKernels, forward_chunk, head_logits
 from .kvcache import KVCache
@@ -29,7 +30,7 @@ class Prefix:
     @property
     def nbytes(self):
         """KV blocks held, plus the loop states and the token copy (docs/api.md)."""
-        return self.cache.nbytes + 4 * self.loops * self.loop_states[0].shape[-1] + 4 * len(self.tokens)
+        return self.cache.nbytes + 4 * self.loops * self.loop_states[0].shape[1] + 4 * len(self.tokens)
 
     def free(self):
         self.cache.free()
@@ -42,10 +43,18 @@ class Engine:
     def __init__(self, config, tensors, block_size=16, kernels=NumpyKernels, prefix_cache_bytes=0):
         self.config = config
         self.kernels = kernels
-        self.name = kernels.name
         self.weights = Weights(config, tensors, kernels.linear, kernels.table)
         self.pool = kernels.new_pool(block_size, config.n_kv_heads, config.head_dim)
         self.prefix_cache = PrefixCache(self.pool, prefix_cache_bytes) if prefix_cache_bytes else None
+
+    def runtime(self):
+        """tinyloop.engine.RUNTIME_KEYS, from the kernel set (its name, device and kernel
+        path) and the weights as it holds them, on the host or on its device."""
+        k, held = self.kernels, self.weights.nbytes
+        host, device = (held, 0) if k.device == "cpu" else (0, held)
+        return {"backend": k.name, "device": k.device, "device_name": k.device_name,
+                "isa": k.isa, "threads": k.threads, "kv_block_size": self.pool.block_size,
+                "weight_bytes": host, "device_weight_bytes": device}
 
     def new_cache(self, loops, window):
         return KVCache(self.pool, self.config.n_pre_blocks + loops, window)

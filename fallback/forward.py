@@ -10,6 +10,9 @@ Another backend (fallback/numba_cpu.py, fallback/numba_cuda.py) swaps in its own
 the same operations, each of which must give bit-identical results:
 
     name                                     backend name ("numpy", "numba", ...)
+    device, device_name, isa, threads        where and how it runs, for Engine.runtime():
+                                             "cpu" or "cuda", e.g. "cpu (numpy)", the
+                                             kernel path, the threads a kernel may use
     linear(w, scale, multipliers, group)     a linear layer's weights; calling it with
                                              (q (T, K) int8, a (T,) f32) gives (T, R) f32
     table(array)                             places a lookup table (embedding, RoPE)
@@ -57,6 +60,10 @@ def swiglu(gu):
 class NumpyKernels:
     """The reference kernel set: every operation of the forward pass in numpy."""
     name = "numpy"
+    device = "cpu"
+    device_name = "cpu (numpy)"
+    isa = "numpy"             # exact integer matmuls as float64 BLAS products (weights.Linear)
+    threads = 1
     linear = Linear
     table = staticmethod(np.asarray)
     new_pool = BlockPool

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
 from numba import njit, prange
 
 from tinyloop.modelfile import unpack_int4
@@ -172,6 +173,11 @@ class NumbaLinear:
         else:
             self.w = _pad_rows(integer_weights(w, multipliers, group_size), n_rows)
         self.scale = np.pad(np.asarray(scale, F32), (0, n_rows - self.n_out))
+
+    @property
+    def nbytes(self):
+        parts = self.w if isinstance(self.w, tuple) else (self.w,)
+        return sum(part.nbytes for part in parts) + self.scale.nbytes
 
     def __call__(self, q, a):
         """q: (T, K) int8, a: (T,) float32 -> (T, R) float32."""
@@ -396,6 +402,7 @@ class NumbaKernels(NumpyKernels):
     reference's for the rest (embedding, residual additions); the KV cache's blocks live in
     an arena that attention reads in place."""
     name = "numba"
+    isa = "llvm"              # compiled by numba's LLVM for this CPU (device_name)
     new_pool = ArenaBlockPool
     sample = staticmethod(sample)
 
@@ -403,6 +410,7 @@ class NumbaKernels(NumpyKernels):
         """threads: Model(threads=...); None, or more than numba's pool has, means all."""
         self.threads = min(threads or numba.config.NUMBA_NUM_THREADS,
                            numba.config.NUMBA_NUM_THREADS)
+        self.device_name = f"cpu ({llvm.get_host_cpu_name()})"
 
     def threads_for(self, work):
         """`threads` for a kernel of PARALLEL_WORK multiply-adds (or so) or more, else one."""

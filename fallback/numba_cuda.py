@@ -188,6 +188,10 @@ class CudaLinear:
         self.scale = cuda.to_device(np.asarray(scale, F32))
         self.n_out = len(scale)
 
+    @property
+    def nbytes(self):
+        return self.w.nbytes + self.scale.nbytes
+
     def __call__(self, q, a):
         """q: (T, K) int8, a: (T,) float32 (device) -> (T, R) float32 (device)."""
         n_tok = q.shape[0]
@@ -321,9 +325,18 @@ class CudaKernels(NumpyKernels):
     """The kernel set of backend "numba-cuda": every forward operation on the device; the
     sampler is the numba CPU backend's, on the host's copy of the logits."""
     name = "numba-cuda"
+    device = "cuda"
     new_pool = DeviceBlockPool
     linear = CudaLinear
     sample = staticmethod(numba_cpu.sample)
+
+    def __init__(self):
+        gpu = cuda.current_context().device
+        name = "CUDA simulator" if config.ENABLE_CUDASIM else gpu.name
+        name = name.decode() if isinstance(name, bytes) else name
+        major, minor = gpu.compute_capability
+        self.device_name = f"{name} (sm_{major}{minor})"
+        self.isa = "cudasim" if config.ENABLE_CUDASIM else "ptx"
 
     @staticmethod
     def table(array):

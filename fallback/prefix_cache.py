@@ -10,7 +10,7 @@ safe from that call's evictions. Each lookup and each insert is one tick.
 """
 import threading
 
-from tinyloop.params import CACHE_STAT_NAMES
+from tinyloop.engine import CACHE_STAT_NAMES
 
 
 class _Node:

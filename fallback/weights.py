@@ -6,7 +6,7 @@ reference `Linear` turns a linear's integer weights once into a float64 matrix (
 the exact integers w (int8) or m * w (int4 with its group multiplier folded in), so `q @ W` is
 an exact integer matmul done by BLAS (docs/spec.md §3).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -37,6 +37,10 @@ class Linear:
     def n_out(self):
         return self.weight.shape[1]
 
+    @property
+    def nbytes(self):
+        return self.weight.nbytes + self.scale.nbytes
+
     def __call__(self, q, a):
         """q: (T, K) int8, a: (T,) float32 -> (T, R) float32."""
         acc = q.astype(np.float64) @ self.weight
@@ -56,7 +60,8 @@ class Weights:
 
     `linear(w, scale, multipliers=None, group_size=0)` builds one linear from the file's
     arrays (w: (R, K) int8, or (R, K/2) packed int4 with multipliers (R, K/group_size));
-    `table(array)` places a lookup table where the backend's kernels read it.
+    `table(array)` places a lookup table where the backend's kernels read it. Each linear
+    says its `nbytes`; `Weights.nbytes` counts everything the kernels read, wherever it lives.
     """
 
     def __init__(self, config, tensors, linear=Linear, table=np.asarray):
@@ -74,6 +79,13 @@ class Weights:
             self.head = linear(np.asarray(tensors["tok_emb.w"]), np.asarray(tensors["tok_emb.s"]))
         else:
             self.head = self._linear(tensors, "head")
+
+    @property
+    def nbytes(self):
+        tables = (self.embedding, self.embedding_scale, self.rope_cos, self.rope_sin)
+        linears = [getattr(block, f.name) for block in self.pre_blocks + [self.loop_block]
+                   for f in fields(Block)] + [self.head]
+        return sum(t.nbytes for t in tables) + sum(linear.nbytes for linear in linears)
 
     def _linear(self, tensors, name):
         if self.config.weight_format == "int8":

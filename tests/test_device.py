@@ -18,7 +18,7 @@ def test_auto_and_cpu_run_on_the_cpu(small_model, model_files):
     want = small_model.logits(prompt)
     for device in ("auto", "cpu"):
         with tinyloop.Model(model_files["int8-gqa"], backend="native", device=device) as m:
-            runtime = m._engine.runtime()
+            runtime = m.runtime()
             assert m.device == "cpu" and runtime["device"] == "cpu"
             assert runtime["device_name"].startswith("cpu (") and runtime["device_weight_bytes"] == 0
             assert same_bits(m.logits(prompt), want)

@@ -1,16 +1,24 @@
 """Backend selection: which engine runs a Model, and why.
 
 `backend=` (or TINYLOOP_BACKEND when the argument is "auto") names one of BACKENDS. "auto"
-takes the native library when it loads, otherwise numpy, after one warning line saying why.
-An explicitly named backend that cannot be opened is refused with the reason, never silently
-replaced. cffi and numba are imported only when a backend needs them, so `import tinyloop` and
-the numpy backend work without either.
+takes the first of AUTO_ORDER that can open here: the native library when it loads, else numba
+when it imports (3-6x faster than numpy once its kernels are compiled), else numpy; a fallback
+says why in one FallbackWarning per process. An explicitly named backend that cannot be opened
+is refused with the reason, never silently replaced. cffi and numba are imported only when a
+backend needs them (or "auto" looks for one), so `import tinyloop` and the numpy backend work
+without either.
+
+`open_engine` is the one place that names a backend's engine: it returns an object of the
+engine interface (tinyloop/engine.py), and the caller needs to know nothing else.
 """
 import os
 import threading
 import warnings
 
+from .engine import Engine
+
 BACKENDS = ("auto", "native", "numpy", "numba", "numba-cuda")
+AUTO_ORDER = ("native", "numba", "numpy")   # what "auto" tries, in order; numpy always opens
 DEVICES = ("auto", "cpu", "cuda")
 
 _native = {}                  # memo of the one library load: {"loaded": ...} or {"error": ...}
@@ -19,7 +27,8 @@ _warned_fallback = []
 
 
 class FallbackWarning(RuntimeWarning):
-    """backend="auto" runs on the pure-Python fallback because libtinyloop is unavailable."""
+    """backend="auto" runs on a Python backend (numba or numpy) because libtinyloop is
+    unavailable; issued once per process."""
 
 
 def requested_backend(backend):
@@ -72,12 +81,22 @@ def backend_available(name):
 
 
 def resolve_backend_name(backend):
-    """The concrete backend `backend` means here ('auto' -> native if it loads, else numpy)."""
+    """The concrete backend `backend` means here ('auto': the first of AUTO_ORDER that opens)."""
     backend = requested_backend(backend)
     if backend != "auto":
         return backend
-    ok, _ = backend_available("native")
-    return "native" if ok else "numpy"
+    return next(name for name in AUTO_ORDER if backend_available(name)[0])
+
+
+def _auto_reason(chosen):
+    """Why backend "auto" chose `chosen`, in one sentence fragment."""
+    if chosen == "native":
+        return "the native library loaded"
+    reason = f"the native library is unavailable ({backend_available('native')[1]})"
+    if chosen == "numba":
+        return (f"{reason}; using numba, whose kernels compile on the first call (once: "
+                "they are cached on disk for later runs)")
+    return f"{reason} and {backend_available('numba')[1]}; using numpy"
 
 
 def check_device(device):
@@ -111,8 +130,9 @@ def cuda_device_status():
 
 def backend_info(backend="auto", device="auto"):
     """What `backend` and `device` resolve to here, and why: a dict for humans and tests.
-    The device is where the native backend runs its forward pass; "auto" is the CPU until the
-    CUDA backend has been verified on a GPU (docs/install.md)."""
+    The device is where the chosen backend runs its forward pass: "cuda" for numba-cuda, and
+    for native with device "cuda"; "auto" is the CPU until libtinyloop's CUDA backend has been
+    verified on a GPU (docs/install.md)."""
     requested = requested_backend(backend)
     device, _ = requested_device(device)
     chosen = resolve_backend_name(requested)
@@ -125,11 +145,10 @@ def backend_info(backend="auto", device="auto"):
         info.update(library=str(path), origin=origin,
                     library_version=ffi.string(lib.tl_version_string()).decode())
     if requested == "auto":
-        info["reason"] = ("the native library loaded" if chosen == "native" else
-                          f"the native library is unavailable ({native_why}); using numpy")
+        info["reason"] = _auto_reason(chosen)
     cuda_ok, cuda_why = cuda_device_status() if native_ok else (False, native_why)
-    info.update(device=("cuda" if device == "cuda" else "cpu") if chosen == "native" else "cpu",
-                cuda_available=cuda_ok, cuda_reason=cuda_why)
+    on_cuda = chosen == "numba-cuda" or (chosen == "native" and device == "cuda")
+    info.update(device="cuda" if on_cuda else "cpu", cuda_available=cuda_ok, cuda_reason=cuda_why)
     return info
 
 
@@ -150,11 +169,10 @@ def backend_features():
     return frozenset(features)
 
 
-def _warn_fallback_once():
+def _warn_fallback_once(chosen):
     if not _warned_fallback:
         _warned_fallback.append(True)
-        reason = backend_info("auto")["reason"]
-        warnings.warn(f"tinyloop: {reason}", FallbackWarning, stacklevel=4)
+        warnings.warn(f"tinyloop: {_auto_reason(chosen)}", FallbackWarning, stacklevel=4)
 
 
 def native_memory_stats(reset_peak=False):
@@ -176,9 +194,11 @@ def native_memory_stats(reset_peak=False):
             "n_allocs": int(stats.n_allocs)}
 
 
-def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0, device="auto"):
-    """Open the model file at `path` with `backend` on `device`; returns (engine, backend name).
-    device="cuda" needs the native backend (backend "auto" or "native") and a usable GPU."""
+def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0,
+                device="auto") -> Engine:
+    """Open the model file at `path` with `backend` on `device`; its `runtime()` says which
+    backend and device it runs on. device="cuda" needs the native backend (backend "auto" or
+    "native") and a usable GPU."""
     requested = requested_backend(backend)
     device, from_env = requested_device(device)
     if device == "cuda" and requested not in ("auto", "native"):
@@ -189,16 +209,16 @@ def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0, dev
     if device == "cuda":
         requested = "native"
     name = resolve_backend_name(requested)
-    if requested == "auto" and name == "numpy":
-        _warn_fallback_once()
+    if requested == "auto" and name != "native":
+        _warn_fallback_once(name)
     ok, why = backend_available(name)
     if not ok:
         raise RuntimeError(f"backend {name!r} is not available: {why}")
     if name == "native":
         from .native import NativeEngine
         return NativeEngine(native_library(), path, block_size=block_size, threads=threads,
-                            prefix_cache_bytes=prefix_cache_bytes, device=device), name
-    from .fallback import Engine
+                            prefix_cache_bytes=prefix_cache_bytes, device=device)
+    from .fallback import Engine as PythonEngine
     from .modelfile import load_model
     config, tensors = load_model(path)
     if name == "numba":
@@ -210,4 +230,4 @@ def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0, dev
     else:
         from .fallback.forward import NumpyKernels
         kernels = NumpyKernels
-    return Engine(config, tensors, block_size, kernels, prefix_cache_bytes), name
+    return PythonEngine(config, tensors, block_size, kernels, prefix_cache_bytes)

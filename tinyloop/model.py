@@ -1,6 +1,7 @@
 """`Model` and `PrefixCache`: the public face of TinyLoop (docs/api.md).
 
-A Model owns one backend engine. Every public call checks its arguments here, once, with the
+A Model owns one engine (the interface of tinyloop/engine.py; tinyloop.backends picks and opens
+it) and names no backend itself. Every public call checks its arguments here, once, with the
 error types the API documents, then hands the engine only valid values. The seed contract's
 error phrases ("model was closed", "loops mismatch", "max_tokens < 1", ...) are kept verbatim.
 """
@@ -12,6 +13,7 @@ import numpy as np
 
 from . import params as P
 from .backends import open_engine
+from .engine import NO_CALLBACKS, Callbacks, Engine
 
 KV_MODE_VARIABLES = ("TINYLOOP_KV_H_MODE", "TINYLOOP_KV_INT4")
 DEFAULT_PREFILL_CHUNK = 512
@@ -99,7 +101,7 @@ class Model:
           prefill_chunk=512, prefix_cache_bytes=256 MiB, device="auto"). `path=None` loads the
     bundled demo model; `prefix_cache_bytes=0` switches the automatic prefix cache off;
     `device="cuda"` runs the native backend's forward pass on an NVIDIA GPU ("auto" and "cpu":
-    the CPU).
+    the CPU). `backend` and `device` say what it runs on, `runtime()` how.
     """
 
     def __init__(self, path=None, *, backend="auto", threads=None, kv_mode=None,
@@ -113,11 +115,11 @@ class Model:
             P.check_int("threads", threads, 1)
         path = _default_model_path() if path is None else os.fspath(path)
         self.path = path
-        self._engine, self.backend = open_engine(backend, path, block_size=self._block_size,
-                                                 threads=threads, prefix_cache_bytes=cache_bytes,
-                                                 device=device)
-        self.device = (self._engine.runtime()["device"] if self.backend == "native" else
-                       "cuda" if self.backend == "numba-cuda" else "cpu")
+        self._engine: Engine = open_engine(backend, path, block_size=self._block_size,
+                                           threads=threads, prefix_cache_bytes=cache_bytes,
+                                           device=device)
+        runtime = self._engine.runtime()
+        self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
         self._lock = threading.Lock()
 
@@ -139,7 +141,7 @@ class Model:
     def __exit__(self, *exc):
         self.close()
 
-    def _live_engine(self):
+    def _live_engine(self) -> Engine:
         engine = self._engine
         if engine is None:
             raise RuntimeError("model was closed")
@@ -150,6 +152,11 @@ class Model:
         """The model's configuration as a dict (includes `default_loops`)."""
         self._live_engine()
         return self._config.to_dict()
+
+    def runtime(self):
+        """How the model runs here (docs/api.md): backend, device, device_name, isa (the
+        kernel path), threads, kv_block_size, weight_bytes, device_weight_bytes."""
+        return self._live_engine().runtime()
 
     def __repr__(self):
         state = "closed" if self.closed else self.backend
@@ -236,7 +243,7 @@ class Model:
             cache_salt=cache_salt))
         with _out_of_memory_as_runtime_error():
             emitted, logits = engine.generate(tokens, params, return_logits,
-                                              P.Callbacks(on_token, on_prefill))
+                                              Callbacks(on_token, on_prefill))
         return self._result(tokens, emitted, logits, return_logits)
 
     def build_prefix_cache(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
@@ -263,7 +270,7 @@ class Model:
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk))
         with _out_of_memory_as_runtime_error():
             emitted, logits = engine.generate_from_prefix(prefix._state, rest, params, return_logits,
-                                                           P.Callbacks(on_token, on_prefill))
+                                                           Callbacks(on_token, on_prefill))
         return self._result(tokens, emitted, logits, return_logits)
 
     def generate_batch(self, prompts, *, prefix=None, per_request=None, return_logits=False,
@@ -275,7 +282,8 @@ class Model:
         suffixes after it and may be empty, e.g. `[[]] * 8` for 8 continuations. `params` are
         generate's keyword arguments, shared by every request; `per_request`, if given, is a
         list (one per prompt) of dicts overriding them for that request, e.g. its own seed.
-        The native backend decodes all live sequences together in one batched step per token.
+        An engine may decode all live sequences together in one batched step per token
+        (libtinyloop does); the results are the same either way.
         """
         engine = self._live_engine()
         prompts = list(prompts)
@@ -295,7 +303,7 @@ class Model:
         state = None if prefix is None else prefix._state
         with _out_of_memory_as_runtime_error():
             results = engine.generate_batch(
-                [(state, rest, params, P.NO_CALLBACKS) for _, rest, params in checked], return_logits)
+                [(state, rest, params, NO_CALLBACKS) for _, rest, params in checked], return_logits)
         return [self._result(tokens, emitted, logits, return_logits)
                 for (tokens, _, _), (emitted, logits) in zip(checked, results)]
 

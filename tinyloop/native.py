@@ -4,12 +4,13 @@ Every C handle is wrapped with ffi.gc right after its NULL check; the destructor
 the loaded library, so objects collected at interpreter shutdown still free cleanly. cffi
 releases the GIL during every C call, so threads sharing one model run in parallel. A failed
 call is turned into the exception type the Python API documents, with the library's message.
+`NativeEngine` implements the engine interface (tinyloop/engine.py); tinyloop.backends opens it.
 """
 import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFormatError
-from .params import CACHE_STAT_NAMES, NO_CALLBACKS
+from .engine import CACHE_STAT_NAMES, NO_CALLBACKS
 
 TOKENIZERS = {0: "none", 1: "bytes"}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}
@@ -24,7 +25,7 @@ def _error_types(lib):
 
 
 class NativePrefix:
-    """A tl_prefix handle and what the Python side needs to know about it."""
+    """A tl_prefix handle and what the Python side needs to know about it (an EnginePrefix)."""
 
     def __init__(self, engine, handle, tokens, loops, window):
         self.handle = handle
@@ -47,7 +48,7 @@ class NativePrefix:
 
 
 class NativeEngine:
-    name = "native"
+    """A tl_model: the engine of backend "native" (`loaded` is backends.native_library())."""
 
     def __init__(self, loaded, path, *, block_size, threads, prefix_cache_bytes=0, device="auto"):
         self.ffi, self.lib, self.library_path, self.library_origin = loaded
@@ -97,10 +98,10 @@ class NativeEngine:
         self._check(self.lib.tl_model_runtime_get(self.model, r))
         isa = {1: "scalar", 2: "avx2", 3: "avx512-vnni"}.get(r.isa, str(r.isa))
         device = "cuda" if r.device == self.lib.TL_DEVICE_CUDA else "cpu"
-        return {"isa": isa, "threads": r.n_threads, "kv_block_size": r.kv_block_size,
-                "weight_bytes": r.weight_bytes, "device": device,
+        return {"backend": "native", "device": device,
                 "device_name": self.ffi.string(r.device_name).decode("utf-8", "replace"),
-                "device_weight_bytes": r.device_weight_bytes}
+                "isa": isa, "threads": r.n_threads, "kv_block_size": r.kv_block_size,
+                "weight_bytes": r.weight_bytes, "device_weight_bytes": r.device_weight_bytes}
 
     def _tokens(self, tokens):
         tokens = np.ascontiguousarray(tokens, np.int32)
@@ -224,7 +225,8 @@ class NativeEngine:
             keep += [p, out_logits]               # the struct fields do not own what they point to
             r.params, r.out_tokens, r.out_logits = p, out_tokens, out_logits
             outputs.append((out_tokens, logits))
-        self._finish(self.lib.tl_generate_batch(self.model, reqs, len(requests)), raised)
+        pointers = self.ffi.new("tl_request*[]", [reqs + i for i in range(len(requests))])
+        self._finish(self.lib.tl_generate_batch(self.model, pointers, len(requests)), raised)
         return [(list(self.ffi.unpack(out, r.n_out)), list(logits[:r.n_out]) if want_logits else None)
                 for r, (out, logits) in zip(reqs, outputs)]
 

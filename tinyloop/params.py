@@ -1,46 +1,25 @@
-"""Argument checking shared by every backend: prompts, generation parameters, stop rules.
+"""Argument checking, once, before any engine runs: prompts and generation parameters.
 
 Each check raises the error type the API documents (docs/api.md) with a message naming the
 argument and the rule it broke, before any backend does work. Backends receive only values
-that passed: a `GenerationParams` and an int32 prompt array.
+that passed: a `GenerationParams` and an int32 prompt array (both defined by the engine seam,
+tinyloop/engine.py, which this module builds on and nothing else in tinyloop).
 """
 import math
 import numbers
 import secrets
-from dataclasses import dataclass
 
 import numpy as np
 
+# The request types and the stop rule belong to the engine seam; re-exported for callers.
+from .engine import CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, GenerationParams, stop_reached
+
+__all__ = ["CACHE_STAT_NAMES", "NO_CALLBACKS", "Callbacks", "GenerationParams", "MAX_LOOPS",
+           "check_cache_salt", "check_int", "check_length", "check_loops", "check_prefill_chunk",
+           "check_real", "check_seed", "check_stop_sequences", "check_tokens",
+           "generation_params", "stop_reached"]
+
 MAX_LOOPS = 1024
-# Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
-CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
-                    "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes")
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int            # tokens to emit at most (>= 1)
-    loops: int                 # loop-block depth L (>= 1)
-    cache_window: int          # sliding attention window in tokens; 0 = full context
-    temperature: float         # 0 = greedy argmax
-    top_k: int                 # 0 = off
-    top_p: float               # in (0, 1]; 1 = off
-    repetition_penalty: float  # 1 = off
-    stop_sequences: tuple      # tuple of non-empty tuples of token ids
-    seed: int                  # u64 key of the counter-based generator
-    prefill_chunk: int         # prompt tokens per forward chunk (>= 1)
-    cache_salt: str = ""       # tenant key of the automatic prefix cache ("" = none)
-
-
-@dataclass(frozen=True)
-class Callbacks:
-    """A request's callbacks (each None or a callable); an exception raised in one stops the
-    request and propagates."""
-    on_token: object = None    # on_token(id): after each emitted token
-    on_prefill: object = None  # on_prefill(done, total): after each prompt chunk
-
-
-NO_CALLBACKS = Callbacks()
 
 
 def _is_int(value):
@@ -162,12 +141,3 @@ def check_length(n_tokens, max_seq_len):
     if n_tokens > max_seq_len:
         raise RuntimeError(f"sequence length {n_tokens} exceeds max_seq_len {max_seq_len}")
 
-
-def stop_reached(emitted, params, eos_id):
-    """spec §5.3: eos, then stop sequences on the emitted tokens, then max_tokens."""
-    if eos_id >= 0 and emitted[-1] == eos_id:
-        return True
-    for seq in params.stop_sequences:
-        if len(emitted) >= len(seq) and tuple(emitted[-len(seq):]) == seq:
-            return True
-    return len(emitted) >= params.max_tokens

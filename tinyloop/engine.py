@@ -1,0 +1,143 @@
+"""The engine seam: what `tinyloop.Model` asks of a backend, declared once.
+
+An *engine* runs one opened model file. `Model` checks every argument (tinyloop/params.py) and
+then calls only what the `Engine` protocol below declares, so a call can be followed from
+`Model.generate` to `Engine.generate` and from there into either implementation:
+
+    tinyloop.native.NativeEngine     libtinyloop through cffi (backend "native")
+    tinyloop.fallback.Engine         the Python engine, run by a kernel set (backends "numpy",
+                                     "numba", "numba-cuda"; fallback/forward.py)
+
+tests/test_engine_seam.py checks that both satisfy the protocol, signatures included.
+Engines are made by `tinyloop.backends.open_engine`, the only place that names a backend:
+construction is where the backends differ (a C library, a kernel set), so it is not part of
+the protocol.
+
+This module also holds the values that cross the seam: the checked request
+(`GenerationParams`, `Callbacks`), the stop rule every engine applies and the names of the
+prefix cache's counters. Imports run one way: this module imports only the standard library,
+numpy and tinyloop.config; the engines import it, and nothing here imports an engine,
+tinyloop.model, tinyloop.backends or the CLI.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import numpy as np
+
+from .config import ModelConfig
+
+# Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
+CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
+                    "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes")
+# The keys of Engine.runtime(), every engine alike (docs/api.md, "Backends").
+RUNTIME_KEYS = ("backend", "device", "device_name", "isa", "threads", "kv_block_size",
+                "weight_bytes", "device_weight_bytes")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One generation request's parameters, already checked (tinyloop.params)."""
+    max_tokens: int            # tokens to emit at most (>= 1)
+    loops: int                 # loop-block depth L (>= 1)
+    cache_window: int          # sliding attention window in tokens; 0 = full context
+    temperature: float         # 0 = greedy argmax
+    top_k: int                 # 0 = off
+    top_p: float               # in (0, 1]; 1 = off
+    repetition_penalty: float  # 1 = off
+    stop_sequences: tuple      # tuple of non-empty tuples of token ids
+    seed: int                  # u64 key of the counter-based generator
+    prefill_chunk: int         # prompt tokens per forward chunk (>= 1)
+    cache_salt: str = ""       # tenant key of the automatic prefix cache ("" = none)
+
+
+@dataclass(frozen=True)
+class Callbacks:
+    """A request's callbacks (each None or a callable); an exception raised in one stops the
+    request and propagates."""
+    on_token: Optional[Callable[[int], None]] = None          # after each emitted token
+    on_prefill: Optional[Callable[[int, int], None]] = None   # (done, total) after each chunk
+
+
+NO_CALLBACKS = Callbacks()
+
+
+def stop_reached(emitted, params, eos_id):
+    """spec §5.3: eos, then stop sequences on the emitted tokens, then max_tokens."""
+    if eos_id >= 0 and emitted[-1] == eos_id:
+        return True
+    for seq in params.stop_sequences:
+        if len(emitted) >= len(seq) and tuple(emitted[-len(seq):]) == seq:
+            return True
+    return len(emitted) >= params.max_tokens
+
+
+@runtime_checkable
+class EnginePrefix(Protocol):
+    """A prompt's KV built by `Engine.build_prefix`; immutable, shared by every generation
+    from it. `tinyloop.PrefixCache` wraps one and calls `free` when it is collected."""
+    tokens: np.ndarray         # (n,) int32, the engine's own copy of the prompt
+    loops: int                 # the depth it was built at; it serves any depth <= loops
+    cache_window: int          # the window it was built with; it serves only that window
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds (KV blocks and the rest; docs/api.md counts them per backend)."""
+
+    def free(self) -> None:
+        """Release its memory; idempotent. Generations already started from it are unaffected."""
+
+
+# What a generation returns: the emitted ids and, when asked for, the (vocab_size,) float32
+# logits each was sampled from (an engine may return them even when not asked).
+Generated = Tuple[list, Optional[list]]
+# One request of generate_batch: (prefix or None, prompt or suffix ids, params, callbacks).
+Request = Tuple[Optional[EnginePrefix], np.ndarray, GenerationParams, Callbacks]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The interface every backend implements. Arguments arrive checked: token arrays are 1-D
+    int32 with ids in [0, vocab_size) and lengths within max_seq_len, params.loops <= the
+    prefix's loops, and the window equals the prefix's. Results are bit-identical across
+    engines (docs/spec.md). Errors: ValueError / RuntimeError with the API's phrases
+    (docs/api.md), MemoryError for an allocation that failed."""
+    config: ModelConfig        # the opened file's configuration
+
+    def runtime(self) -> dict:
+        """How this model runs here: a dict with exactly RUNTIME_KEYS: `backend` (its name in
+        tinyloop.backends.BACKENDS), `device` ("cpu" or "cuda"), `device_name` (e.g.
+        "cpu (avx2)"), `isa` (the kernel path), `threads`, `kv_block_size`, `weight_bytes`
+        (weights held in host memory) and `device_weight_bytes` (in device memory)."""
+
+    def generate(self, prompt: np.ndarray, params: GenerationParams, want_logits: bool = False,
+                 callbacks: Callbacks = NO_CALLBACKS) -> Generated:
+        """Prefill `prompt` (reusing the automatic prefix cache, in params.prefill_chunk
+        chunks), then sample until stop_reached."""
+
+    def build_prefix(self, prompt: np.ndarray, loops: int, window: int,
+                     chunk: int) -> EnginePrefix:
+        """Prefill `prompt` at depth `loops` with attention window `window` (0 = none)."""
+
+    def generate_from_prefix(self, prefix: EnginePrefix, suffix: np.ndarray,
+                             params: GenerationParams, want_logits: bool = False,
+                             callbacks: Callbacks = NO_CALLBACKS) -> Generated:
+        """Feed `suffix` (possibly empty) after `prefix`, which stays unchanged, then sample:
+        exactly what generate(prefix.tokens + suffix) gives."""
+
+    def generate_batch(self, requests: Sequence[Request],
+                       want_logits: bool = False) -> list:
+        """Run every request; returns one Generated per request, in order, each exactly what
+        the request alone would give."""
+
+    def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int) -> np.ndarray:
+        """The (len(tokens), vocab_size) float32 logits at every position."""
+
+    def cache_stats(self) -> dict:
+        """The automatic prefix cache's counters: {name: int for name in CACHE_STAT_NAMES}
+        (all 0 when the model has none)."""
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached block; requests running on them keep theirs."""
+
+    def close(self) -> None:
+        """Release the model. Called once, by Model.close."""
