@@ -158,11 +158,10 @@ def run_info(args, out):
     with _open(args) as model:
         for key, value in model.config().items():
             print(f"{key:>16}: {value}", file=out)
-        if model.backend == "native":
-            runtime = model._engine.runtime()
-            print(f"{'runtime':>16}: {runtime['isa']} kernels, {runtime['threads']} threads, "
-                  f"KV blocks of {runtime['kv_block_size']}", file=out)
-            print(f"{'device':>16}: {runtime['device_name']}", file=out)
+        runtime = model.runtime()
+        print(f"{'runtime':>16}: {runtime['isa']} kernels, {runtime['threads']} threads, "
+              f"KV blocks of {runtime['kv_block_size']}", file=out)
+        print(f"{'device':>16}: {runtime['device_name']}", file=out)
     print(f"{'backend':>16}: {info['chosen']} ({info['reason'] or 'requested'})", file=out)
     print(f"{'library':>16}: {info['library']} {info['library_version'] or ''}", file=out)
     print(f"{'cuda':>16}: " + ("available" if info["cuda_available"] else info["cuda_reason"]), file=out)
