@@ -21,9 +21,10 @@
 #     suite with backend "numba-cuda");
 #  6. compute-sanitizer memcheck over the long-context cross-backend test (tensor-core, int4
 #     and multi-block attention paths).
-# The package is assembled in the layout pip makes (fallback/ as tinyloop/fallback, the built
-# library in tinyloop/_lib) in a temporary folder, which is the working directory and on
-# PYTHONPATH. Exit 0 iff every step passed; $OUT/summary.txt lists them.
+# The checkout's Python side is copied to a temporary folder, the working directory and on
+# PYTHONPATH, so that bench results stay out of the repository; tinyloop runs there as from any
+# checkout (docs/install.md): tinyloop.fallback is its fallback/, the library its CMake build in
+# build/. Exit 0 iff every step passed; $OUT/summary.txt lists them.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(mkdir -p "${OUT:-./gpu_results}" && cd "${OUT:-./gpu_results}" && pwd)
@@ -51,10 +52,10 @@ if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH="$WORK/site"
 fi
 
-cp -r "$REPO/tinyloop" "$REPO/tests" "$REPO/bench" "$REPO/pyproject.toml" "$WORK/"
-rm -rf "$WORK/tinyloop/fallback" "$WORK/tinyloop/_lib" "$WORK/bench/results"
-cp -r "$REPO/fallback" "$WORK/tinyloop/fallback"
-mkdir -p "$WORK/tinyloop/_lib"
+mkdir -p "$WORK/libtinyloop"
+cp -r "$REPO/tinyloop" "$REPO/fallback" "$REPO/tests" "$REPO/bench" "$REPO/pyproject.toml" "$WORK/"
+cp -r "$REPO/libtinyloop/include" "$WORK/libtinyloop/"
+rm -rf "$WORK/tinyloop/_lib" "$WORK/bench/results"     # no editable build's library, no old results
 export PYTHONPATH="$WORK${PYTHONPATH:+:$PYTHONPATH}" HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 export TINYLOOP_BACKEND=native
 
@@ -63,7 +64,6 @@ step build 150 bash -c '
     cmake -S "$REPO/libtinyloop" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DTINYLOOP_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DTINYLOOP_BUILD_TESTS=ON &&
     cmake --build "$WORK/build" -j "$(nproc)" &&
-    cp -L "$WORK/build/libtinyloop.so" "$REPO/libtinyloop/include/tinyloop.h" "$WORK/tinyloop/_lib/" &&
     ctest --test-dir "$WORK/build" -j "$(nproc)" --output-on-failure -E golden'
 cd "$WORK"
 
@@ -73,7 +73,7 @@ print("python", sys.version.split()[0], "numpy", numpy.__version__, "tinyloop", 
 info = tinyloop.backend_info("native", "cuda")
 print("library", info["library"], "cuda available:", info["cuda_available"], info["cuda_reason"])
 with tinyloop.Model(device="cuda") as m:
-    print("runtime", m._engine.runtime())
+    print("runtime", m.runtime())
     print(m.decode(m.generate(m.encode("And God said"), max_tokens=60)))
 '
 # the full-shape bench models (random, seed 0), written while the tests run

@@ -3,6 +3,9 @@
 Every backend and every execution path returns bit-identical logits and identical tokens
 (docs/spec.md). Start with `tinyloop.Model`.
 """
+from . import _source_tree
+_source_tree.install_fallback_finder()   # a checkout: tinyloop.fallback is <root>/fallback/
+
 from ._version import __version__
 from .backends import backend_available, backend_info, native_memory_stats
 from .config import ModelConfig

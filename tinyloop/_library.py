@@ -2,17 +2,21 @@
 
 The cdef is derived mechanically from the C header, never retyped: preprocessor lines, the
 export macro and the extern "C" guard are stripped and the rest is handed to cffi. The library
-is searched in TINYLOOP_LIBRARY, then inside the package (`tinyloop/_lib/`, put there by
-`pip install .`). Right after dlopen the ABI version is checked.
+is TINYLOOP_LIBRARY when that is set; otherwise the one inside the package (`tinyloop/_lib/`,
+put there by `pip install .`) and, when tinyloop is imported from a source checkout, the
+checkout's CMake build (`build/`) and then the installed tinyloop package the checkout shadows.
+Right after dlopen the ABI version is checked.
 """
 import os
 import re
 from pathlib import Path
 
-ABI_VERSION = 1
+from ._source_tree import checkout_root, shadowed_package_dir
+
+ABI_VERSION = 2
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "_lib"
 LIBRARY_NAMES = ("libtinyloop.so", "libtinyloop.dylib", "tinyloop.dll")
-SOURCE_HEADER = PACKAGE_LIB_DIR.parent.parent / "libtinyloop" / "include" / "tinyloop.h"
+BUILD_COMMAND = "cmake -S libtinyloop -B build && cmake --build build -j"
 
 
 class LibraryUnavailable(ImportError):
@@ -32,10 +36,13 @@ def cdef_from_header(text):
 
 
 def header_path(library_path):
-    """The header shipped beside the library, else the source tree's."""
-    for candidate in (Path(library_path).parent / "tinyloop.h",
-                      Path(library_path).parent.parent / "include" / "tinyloop.h",
-                      SOURCE_HEADER):
+    """The header shipped beside the library, else an install prefix's, else the checkout's."""
+    library_dir = Path(library_path).parent
+    candidates = [library_dir / "tinyloop.h", library_dir.parent / "include" / "tinyloop.h"]
+    root = checkout_root()
+    if root is not None:
+        candidates.append(root / "libtinyloop" / "include" / "tinyloop.h")
+    for candidate in candidates:
         if candidate.is_file():
             return candidate
     raise LibraryUnavailable(f"no tinyloop.h found beside {library_path}")
@@ -46,7 +53,29 @@ def library_candidates():
     override = os.environ.get("TINYLOOP_LIBRARY")
     if override:
         return [(Path(override), "TINYLOOP_LIBRARY")]
-    return [(PACKAGE_LIB_DIR / name, "package") for name in LIBRARY_NAMES]
+    folders = [(PACKAGE_LIB_DIR, "package")]
+    root = checkout_root()
+    if root is not None:
+        folders.append((root / "build", "checkout build"))
+        installed = shadowed_package_dir(root)
+        if installed is not None:
+            folders.append((installed / "_lib", "installed package"))
+    return [(folder / name, origin) for folder, origin in folders for name in LIBRARY_NAMES]
+
+
+def not_found_message():
+    """Why no library was found, and the command that provides one."""
+    override = os.environ.get("TINYLOOP_LIBRARY")
+    if override:
+        return f"TINYLOOP_LIBRARY={override} is not a file"
+    root = checkout_root()
+    if root is None:
+        return (f"libtinyloop is not in {PACKAGE_LIB_DIR}: tinyloop was installed without it "
+                "(no C compiler or CMake at install time? `pip install -v .` shows why; "
+                "see docs/install.md)")
+    searched = ", ".join(dict.fromkeys(str(path.parent) for path, _ in library_candidates()))
+    return (f"libtinyloop is not built in the source checkout {root} (searched {searched}): "
+            f"run `{BUILD_COMMAND}` there (needs a C compiler and CMake; see docs/install.md)")
 
 
 def load_library():
@@ -69,6 +98,4 @@ def load_library():
             raise LibraryUnavailable(f"{path} has ABI version {found}; this tinyloop package "
                                      f"needs {ABI_VERSION} (rebuild or reinstall tinyloop)")
         return ffi, lib, path, origin
-    where = os.environ.get("TINYLOOP_LIBRARY") or PACKAGE_LIB_DIR
-    raise LibraryUnavailable(f"libtinyloop is not in {where} (was tinyloop installed without "
-                             "a C compiler? see docs/install.md)")
+    raise LibraryUnavailable(not_found_message())
