@@ -35,9 +35,15 @@ def test_every_header_function_is_bound_and_exported():
     assert exported == declared
 
 
+def test_header_library_and_package_agree_on_the_abi_version():
+    _, lib, _, _ = _library.load_library()
+    assert lib.TL_ABI_VERSION == lib.tl_abi_version() == _library.ABI_VERSION
+
+
 def test_abi_mismatch_is_an_import_error_naming_both_versions(monkeypatch):
+    found = _library.ABI_VERSION
     monkeypatch.setattr(_library, "ABI_VERSION", 999)
-    with pytest.raises(ImportError, match="ABI version 1; this tinyloop package needs 999"):
+    with pytest.raises(ImportError, match=f"ABI version {found}; this tinyloop package needs 999"):
         _library.load_library()
 
 
@@ -113,5 +119,5 @@ def test_threads_sharing_one_prefix_get_what_sequential_calls_get(models_by_back
 def test_backend_info_names_the_library(models_by_backend):
     info = tinyloop.backend_info("native")
     assert info["available"] and info["library"].endswith(".so")
-    assert info["origin"] in ("package", "TINYLOOP_LIBRARY")
+    assert info["origin"] in ("TINYLOOP_LIBRARY", "package", "checkout build", "installed package")
     assert "native" in tinyloop.backend_features

@@ -40,6 +40,10 @@ int main(int argc, char** argv) {
         return 2;
     }
     const size_t max_tokens = argc > 2 ? (size_t)strtoul(argv[2], NULL, 10) : 16;
+    if (tl_abi_version() != TL_ABI_VERSION) {
+        fprintf(stderr, "libtinyloop has ABI %d, this program was built for %d\n", tl_abi_version(), TL_ABI_VERSION);
+        return 1;
+    }
     printf("libtinyloop %s (ABI %d)\n", tl_version_string(), tl_abi_version());
 
     tl_model* model = NULL;

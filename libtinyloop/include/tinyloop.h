@@ -19,6 +19,8 @@
  *    Output structs are filled up to the caller's `size`.
  *  - Threading: a tl_model may be used from many threads at once. A tl_seq must be used by one
  *    thread at a time. A tl_prefix is immutable and may be read from many threads at once.
+ *    All models share one process-wide crew of worker threads (idle workers sleep); a call
+ *    that finds it busy computes on the calling thread instead of waiting (docs/c-api.md).
  *  - Caller buffers are borrowed for the duration of the call only.
  */
 #ifndef TINYLOOP_H
@@ -44,7 +46,11 @@ extern "C" {
 
 /* ===== Versions ============================================================================ */
 
-/* ABI version of this header: 1. Bumped on any incompatible change. Thread-safe. */
+/* ABI version of this header, bumped on any incompatible change. A host compiled against it
+ * may compare it with tl_abi_version(), the loaded library's, at run time. */
+enum { TL_ABI_VERSION = 2 };
+/* ABI version of the loaded library (TL_ABI_VERSION of the header it was built from).
+ * Thread-safe. */
 TL_API int tl_abi_version(void);
 /* Library version, e.g. "0.1.0" (a static string; never free it). Thread-safe. */
 TL_API const char* tl_version_string(void);
@@ -61,7 +67,7 @@ typedef enum tl_status {
     TL_ERR_CLOSED = 6,           /* "model was closed"                                        */
     TL_ERR_OUT_OF_MEMORY = 7,    /* "out of memory"                                           */
     TL_ERR_BAD_FILE = 8,         /* the model file breaks docs/spec.md §6                      */
-    TL_ERR_IO = 9,               /* the model file cannot be opened, sized or mapped          */
+    TL_ERR_IO = 9,               /* the model file cannot be opened or read (or it shrank)    */
     TL_ERR_NUMERIC = 10,         /* non-finite logits during generation                       */
     TL_ERR_UNSUPPORTED = 11,     /* e.g. an ISA this CPU lacks                                 */
     TL_ERR_WRONG_MODEL = 12,     /* an object used with another model (reserved for bindings)  */
@@ -103,8 +109,8 @@ TL_API tl_status tl_device_check(tl_device device);
 
 /* ===== Memory accounting ==================================================================== */
 
-/* Counters over every allocation the library makes (weights repacked for SIMD, KV blocks,
- * prefixes, scratch). The file mapping itself is not counted. */
+/* Counters over every allocation the library makes (the model's weights, as read from the file
+ * or repacked for the kernels; KV blocks, prefixes, scratch). */
 typedef struct tl_memory_stats {
     size_t size;         /* in: sizeof(tl_memory_stats)                                      */
     size_t bytes_in_use; /* bytes currently allocated                                        */
@@ -118,10 +124,6 @@ typedef struct tl_memory_stats {
 TL_API tl_status tl_memory_stats_get(tl_memory_stats* out);
 /* Set peak_bytes to the current bytes_in_use. Thread-safe. */
 TL_API void tl_memory_reset_peak(void);
-/* TEST-ONLY fault injection: the allocation that comes after `n` more successful ones fails
- * (n = 0: the next one), once; then injection switches itself off. n < 0 switches it off.
- * Process-wide; not meant for production use. */
-TL_API void tl_debug_fail_alloc_after(int64_t n);
 
 /* ===== Models ============================================================================== */
 
@@ -129,7 +131,9 @@ typedef struct tl_model tl_model;
 
 typedef struct tl_model_params {
     size_t size;            /* sizeof(tl_model_params)                                       */
-    uint32_t n_threads;     /* worker threads of the model's pool; 0 = all online cores       */
+    uint32_t n_threads;     /* at most this many threads (the caller's included) work on one of
+                               this model's calls, from the process-wide crew, which grows to
+                               the largest n_threads asked for; 0 = all online cores; <= 1024 */
     uint32_t kv_block_size; /* positions per KV cache block; 0 = 16                          */
     tl_isa isa;             /* kernel path; TL_ISA_AUTO = best available. Forcing one the CPU
                                lacks is TL_ERR_UNSUPPORTED.                                  */
@@ -143,7 +147,8 @@ typedef struct tl_model_params {
 /* Defaults: all cores, blocks of 16, automatic ISA, no automatic prefix cache, device auto. */
 TL_API tl_model_params tl_model_params_default(void);
 
-/* Map the file at `path` read-only, validate it (docs/spec.md §6) and prepare the kernels.
+/* Read the file at `path` into memory, validate it (docs/spec.md §6) and prepare the kernels;
+ * once this returns the file is never read again (it may be deleted, truncated or rewritten).
  * params may be NULL (defaults). On success *out owns a new model: release it with
  * tl_model_free. Errors: TL_ERR_IO, TL_ERR_BAD_FILE, TL_ERR_UNSUPPORTED, TL_ERR_OUT_OF_MEMORY,
  * TL_ERR_INVALID_ARGUMENT. Thread-safe. */
@@ -180,9 +185,9 @@ TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out
 typedef struct tl_model_runtime {
     size_t size;            /* in: sizeof(tl_model_runtime)                                   */
     tl_isa isa;             /* the kernel path chosen (never TL_ISA_AUTO)                     */
-    uint32_t n_threads;     /* threads of the pool, including the calling thread              */
+    uint32_t n_threads;     /* the resolved tl_model_params.n_threads (caller included)        */
     uint32_t kv_block_size; /* positions per KV block                                         */
-    size_t weight_bytes;    /* bytes of repacked weights held by the library (host memory)    */
+    size_t weight_bytes;    /* bytes of weights the library holds in host memory              */
     tl_device device;       /* where the forward pass runs (never TL_DEVICE_AUTO)              */
     size_t device_weight_bytes; /* bytes of weights in device memory (0 on the CPU)            */
     char device_name[64];   /* e.g. "cpu (avx2)" or "NVIDIA H200 (sm_90)"; NUL-terminated     */
@@ -348,7 +353,8 @@ TL_API tl_status tl_generate_from_prefix(const tl_prefix* prefix, const int32_t*
 
 /* One request of a batch. */
 typedef struct tl_request {
-    size_t size;                 /* sizeof(tl_request)                                        */
+    size_t size;                 /* sizeof(tl_request) as the caller compiled it: a newer,
+                                    larger struct is read up to this library's fields          */
     const tl_prefix* prefix;     /* NULL, or a prefix of this model the prompt continues       */
     const int32_t* prompt;       /* the tokens (after the prefix's); may be NULL if n_prompt 0 */
     size_t n_prompt;             /* >= 1 without a prefix                                     */
@@ -363,10 +369,13 @@ typedef struct tl_request {
  * sequence is decoded in one batched step per token until each meets its own stop rule.
  * Requests may differ in every parameter, depth and window included. Each request's tokens
  * and logits are bit-identical to tl_generate (or tl_generate_from_prefix) of it alone.
- * Every request is validated before any work; the first invalid one fails the call with a
- * message naming its index. On a later failure (out of memory, non-finite logits) the call
- * fails and each n_out says how far its request got. Thread-safe like tl_generate. */
-TL_API tl_status tl_generate_batch(tl_model* model, tl_request* requests, size_t n_requests);
+ * requests[0..n_requests) point to the requests (they need not be contiguous); each is read
+ * up to its own `size`, which must cover this library's tl_request. A NULL pointer or a
+ * short `size` fails the call before anything is written. Every request is then validated
+ * before any work; the first invalid one fails the call with a message naming its index. On
+ * a later failure (out of memory, non-finite logits) the call fails and each n_out says how
+ * far its request got. Thread-safe like tl_generate. */
+TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests, size_t n_requests);
 
 #ifdef __cplusplus
 }

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/alloc.h" /* tl_alloc_fail_after: this test links the library's objects */
 #include "test_util.h"
 
 static const char* path;
@@ -91,6 +92,7 @@ static tl_status batch_of_three(tl_model* m, const tl_prefix* p) {
     gp.max_tokens = 4;
     int32_t out[3][4];
     tl_request req[3];
+    tl_request* batch[3] = {&req[0], &req[1], &req[2]};
     memset(req, 0, sizeof req);
     for (int i = 0; i < 3; i++) {
         req[i].size = sizeof req[i];
@@ -101,7 +103,7 @@ static tl_status batch_of_three(tl_model* m, const tl_prefix* p) {
     }
     req[2].prefix = p;
     req[2].n_prompt = p ? 2 : req[2].n_prompt;
-    return tl_generate_batch(m, req, 3);
+    return tl_generate_batch(m, batch, 3);
 }
 
 static tl_status op_batch(tl_model* m) {
@@ -137,9 +139,9 @@ static void sweep(const char* name, op_fn op, tl_model* m) {
     const size_t n_allocs = memory().total_allocs - before;
     int failures = 0;
     for (size_t k = 0; k < n_allocs && tu_failures <= 10; k++) {
-        tl_debug_fail_alloc_after((int64_t)k);
+        tl_alloc_fail_after((int64_t)k);
         const tl_status st = op(m);
-        tl_debug_fail_alloc_after(-1);
+        tl_alloc_fail_after(-1);
         if (st != TL_OK) {
             failures++;
             CHECK(st == TL_ERR_OUT_OF_MEMORY, "%s, k=%zu: status %d: %s", name, k, st, tl_last_error());

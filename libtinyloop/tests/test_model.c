@@ -399,7 +399,7 @@ static void test_validation(void) {
     CHECK_OK(tl_model_runtime_get(m, &old_rt));
     CHECK(old_rt.size == offsetof(tl_model_runtime, device) && old_rt.device == 0, "versioned runtime");
     test_device_selection();
-    CHECK(tl_abi_version() == 1 && strlen(tl_version_string()) > 0, "versions");
+    CHECK(tl_abi_version() == TL_ABI_VERSION && strlen(tl_version_string()) > 0, "versions");
     CHECK(strcmp(tl_status_string(TL_ERR_CLOSED), "model was closed") == 0 &&
               strcmp(tl_status_string(TL_ERR_OUT_OF_MEMORY), "out of memory") == 0, "status strings");
     tl_model_free(NULL);

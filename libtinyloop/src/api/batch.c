@@ -2,7 +2,11 @@
  * through the prefix cache), then all live requests decoded together, one token each per
  * step, through tl_forward_batch. A request leaves the batch when its own stop rule fires;
  * since every row of a batched step is computed exactly as it would be alone, each request
- * gets the tokens and logits it gets from tl_generate. */
+ * gets the tokens and logits it gets from tl_generate.
+ *
+ * The requests come as an array of pointers, each struct read up to its own `size`: no
+ * element's address depends on this library's sizeof(tl_request), so a caller compiled
+ * against a newer, larger struct still works, and requests need not be contiguous. */
 #include <stdio.h>
 #include <string.h>
 
@@ -22,13 +26,25 @@ typedef struct batch {
     float** logits;         /* [n] their streams' logits buffers         */
 } batch;
 
-static tl_status check_requests(const tl_engine* e, tl_request* r, size_t n, tl_gen_params* params) {
+/* Each request pointer is set and its struct covers this library's tl_request (a newer,
+ * larger one is read up to the fields known here); checked before anything is written. */
+static tl_status check_layout(tl_request* const* r, size_t n) {
     for (size_t i = 0; i < n; i++) {
+        if (!r[i]) return tl_fail(TL_ERR_INVALID_ARGUMENT, "request %zu is NULL", i);
+        if (r[i]->size < sizeof(tl_request))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                           "request %zu: size %zu is less than sizeof(tl_request) = %zu (set it to sizeof(tl_request))",
+                           i, r[i]->size, sizeof(tl_request));
+    }
+    return TL_OK;
+}
+
+static tl_status check_requests(const tl_engine* e, tl_request* const* r, size_t n, tl_gen_params* params) {
+    for (size_t i = 0; i < n; i++) {
+        const tl_request* q = r[i];
         tl_status st = TL_OK;
-        if (r[i].size < sizeof(size_t)) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "size not set");
-        else if (r[i].size < sizeof(tl_request)) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "size too small for this library");
-        else if (!r[i].out_tokens) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens is NULL");
-        else st = tl_gen_check(e, r[i].prefix, r[i].prompt, r[i].n_prompt, r[i].params, &params[i]);
+        if (!q->out_tokens) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "out_tokens is NULL");
+        else st = tl_gen_check(e, q->prefix, q->prompt, q->n_prompt, q->params, &params[i]);
         if (st != TL_OK) {
             char why[480];
             snprintf(why, sizeof why, "%s", tl_last_error());
@@ -63,14 +79,15 @@ static void batch_free(batch* b) {
     tl_free(b->logits);
 }
 
-static tl_status start_all(tl_engine* e, batch* b, tl_request* r) {
+static tl_status start_all(tl_engine* e, batch* b, tl_request* const* requests) {
     for (size_t i = 0; i < b->n; i++) {
+        tl_request* r = requests[i];
         tl_stream* s = &b->streams[i];
-        tl_status st = tl_stream_init(s, e, &b->params[i], r[i].out_tokens, r[i].out_logits, &r[i].n_out);
-        if (st == TL_OK) st = tl_gen_start(e, r[i].prefix, r[i].prompt, r[i].n_prompt, s);
+        tl_status st = tl_stream_init(s, e, &b->params[i], r->out_tokens, r->out_logits, &r->n_out);
+        if (st == TL_OK) st = tl_gen_start(e, r->prefix, r->prompt, r->n_prompt, s);
         if (st != TL_OK) return st;
-        if (r[i].prefix) tl_stream_see(s, r[i].prefix->tokens, r[i].prefix->n);
-        tl_stream_see(s, r[i].prompt, r[i].n_prompt);
+        if (r->prefix) tl_stream_see(s, r->prefix->tokens, r->prefix->n);
+        tl_stream_see(s, r->prompt, r->n_prompt);
     }
     return TL_OK;
 }
@@ -113,11 +130,13 @@ static tl_status step(tl_engine* e, batch* b, size_t n_live) {
     return TL_OK;
 }
 
-TL_API tl_status tl_generate_batch(tl_model* model, tl_request* requests, size_t n_requests) {
+TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests, size_t n_requests) {
     if (!requests && n_requests) return tl_fail(TL_ERR_INVALID_ARGUMENT, "requests is NULL");
-    for (size_t i = 0; i < n_requests; i++) requests[i].n_out = 0;
+    tl_status st = check_layout(requests, n_requests);
+    if (st != TL_OK) return st;
+    for (size_t i = 0; i < n_requests; i++) requests[i]->n_out = 0;
     tl_engine* e;
-    tl_status st = tl_model_acquire(model, &e);
+    st = tl_model_acquire(model, &e);
     if (st != TL_OK || n_requests == 0) {
         if (st == TL_OK) tl_engine_unref(e);
         return st;

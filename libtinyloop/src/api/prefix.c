@@ -15,11 +15,14 @@ TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t 
     tl_engine* e;
     tl_status st = tl_model_acquire(model, &e);
     if (st != TL_OK) return st;
-    const size_t d = tl_engine_config(e)->d_model;
+    const tl_config* c = tl_engine_config(e);
+    const size_t d = c->d_model;
     tl_seq* s = NULL;
     tl_prefix* p = NULL;
     st = tl_engine_resolve_loops(e, loops, &loops);
     if (st == TL_OK && (!tokens || n == 0)) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is empty");
+    if (st == TL_OK && n > c->max_seq_len) /* before the copy of n tokens is allocated */
+        st = tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", n, c->max_seq_len);
     if (st == TL_OK) st = tl_seq_new(e, loops, cache_window, &s);
     if (st == TL_OK) {
         p = tl_alloc_zeroed(1, sizeof *p);

@@ -6,6 +6,6 @@
 #error "TL_VERSION must be defined by the build"
 #endif
 
-TL_API int tl_abi_version(void) { return 1; }
+TL_API int tl_abi_version(void) { return TL_ABI_VERSION; }
 
 TL_API const char* tl_version_string(void) { return TL_VERSION; }

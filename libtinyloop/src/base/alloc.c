@@ -82,4 +82,4 @@ TL_API tl_status tl_memory_stats_get(tl_memory_stats* out) {
 
 TL_API void tl_memory_reset_peak(void) { atomic_store(&peak_bytes, atomic_load(&bytes_in_use)); }
 
-TL_API void tl_debug_fail_alloc_after(int64_t n) { atomic_store(&fail_countdown, n < 0 ? -1 : n); }
+void tl_alloc_fail_after(int64_t n) { atomic_store(&fail_countdown, n < 0 ? -1 : n); }

@@ -1,22 +1,39 @@
 /* prefix_cache.c — the automatic prefix cache (prefix_cache.h, docs/spec.md §4.3).
  *
- * Nodes live in one chained hash table keyed by (parent node, the block's tokens); roots, one
- * per (salt, window), sit in a short list. Eviction scans for the least recently used leaf
- * whose block only the cache holds: O(nodes) per eviction, which is small next to the
- * prefill an eviction is part of. Every node touched by the current call carries the call's
- * tick and is never evicted by it, so the chain being extended stays put. Each lookup and each
- * insert is one tick.
+ * Nodes live in one chained hash table keyed by (parent node, the block's tokens), beside the
+ * roots, one per (salt, window) keyed by those; a root goes with its last child. Each lookup
+ * and each insert is one tick; every node it touches carries that tick and is never evicted
+ * by it, so the chain being extended stays put. A lookup or an insert costs expected O(1) per
+ * block of the prompt, whatever the number of nodes or tenants, plus its evictions (below).
+ *
+ * Eviction order. Every block node is on the use list, least recently used first, and comes
+ * after all of its descendants there: a call touches a chain from its root downwards, putting
+ * the first node at the new end and each deeper one just before its parent, and a new node
+ * enters just before its parent too. So the list is sorted by last use, the nodes sharing a
+ * tick form one chain with at most one leaf among them, and the least recently used leaf
+ * nobody else holds (the victim) is the first node of the list that is a leaf with refs == 1.
+ * A block's refs drop outside the cache, so that is checked when the walk gets there: an
+ * eviction walks from the old end, skipping nodes that are held or lead to a held block, and
+ * stops at the first node of the current tick. A walk only moves forward (an evicted node's
+ * parent lies ahead of it), and a node it skips is held or has a skipped child, so a walk that
+ * evicts k blocks visits at most k + h nodes, h being the cached nodes whose subtree holds a
+ * block some sequence or prefix holds: O(1) per eviction when no running request holds cached
+ * blocks, and never a scan of the whole cache. Clearing removes the list from its old end:
+ * each node is a leaf by then.
  */
 #include "core/prefix_cache.h"
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "base/alloc.h"
 
 typedef struct node {
     struct node* parent;  /* NULL for a root                                   */
-    struct node* next;    /* next node in the hash chain or the root list      */
+    struct node* next;    /* next entry in the hash chain                      */
+    struct node* older;   /* neighbours on the use list (block nodes)          */
+    struct node* newer;
     tl_kv_block* block;   /* one reference held; NULL for a root               */
     uint64_t hash;
     uint64_t last_used;   /* tick of the last call that used it                */
@@ -30,72 +47,41 @@ struct tl_pcache {
     pthread_mutex_t lock;
     tl_kv_geom geom;
     size_t budget;
-    node* roots;
-    node** buckets;       /* [n_buckets], a power of two                       */
-    size_t n_buckets, n_nodes;
+    node** buckets;       /* [n_buckets], a power of two: roots and block nodes */
+    size_t n_buckets, n_entries;
+    node* inserting_root; /* the root of the insert under way, kept while empty */
+    node* oldest;         /* the use list, least recently used first           */
+    node* newest;
     uint64_t tick;
+    bool closed;          /* set by tl_pcache_close: nothing is served or added */
+    uint64_t eviction_visits;
     tl_prefix_cache_stats stats;
 };
 
-/* ---- nodes ---------------------------------------------------------------------------------- */
+/* ---- the hash table ------------------------------------------------------------------------ */
+
+/* FNV-1a over 32-bit words, then a final mix of the high bits into the bucket bits. */
+static uint64_t mix(uint64_t h, uint32_t word) { return (h ^ word) * 0x100000001b3u; }
+static uint64_t finish(uint64_t h) { return h ^ (h >> 29); }
 
 static uint64_t block_hash(const node* parent, const int32_t* tokens, uint32_t n) {
     uint64_t h = 0xcbf29ce484222325u ^ (uint64_t)(uintptr_t)parent;
-    for (uint32_t i = 0; i < n; i++) h = (h ^ (uint32_t)tokens[i]) * 0x100000001b3u;
-    return h ^ (h >> 29);
+    for (uint32_t i = 0; i < n; i++) h = mix(h, (uint32_t)tokens[i]);
+    return finish(h);
+}
+
+static uint64_t root_hash(const char* salt, uint32_t window) {
+    uint64_t h = mix(0xcbf29ce484222325u, window);
+    for (const char* p = salt; *p; p++) h = mix(h, (unsigned char)*p);
+    return finish(h);
 }
 
 static node** bucket_of(tl_pcache* c, uint64_t hash) { return &c->buckets[hash & (c->n_buckets - 1)]; }
 
-static node* find_child(tl_pcache* c, const node* parent, const int32_t* tokens) {
-    const uint32_t bs = c->geom.block_size;
-    const uint64_t h = block_hash(parent, tokens, bs);
-    for (node* x = *bucket_of(c, h); x; x = x->next)
-        if (x->hash == h && x->parent == parent && memcmp(x->tokens, tokens, bs * sizeof *tokens) == 0)
-            return x;
-    return NULL;
-}
-
-static node* find_root(tl_pcache* c, const char* salt, uint32_t window) {
-    for (node* r = c->roots; r; r = r->next)
-        if (r->window == window && strcmp(r->salt, salt) == 0) return r;
-    return NULL;
-}
-
-static node* make_root(tl_pcache* c, const char* salt, uint32_t window) {
-    node* r = tl_alloc_zeroed(1, sizeof *r);
-    const size_t len = strlen(salt) + 1;
-    char* copy = r ? tl_alloc(len) : NULL;
-    if (!copy) {
-        tl_free(r);
-        return NULL;
-    }
-    memcpy(copy, salt, len);
-    r->salt = copy;
-    r->window = window;
-    r->next = c->roots;
-    c->roots = r;
-    return r;
-}
-
-/* Roots exist while they have children: evictions may leave one empty. */
-static void drop_childless_roots(tl_pcache* c) {
-    for (node** p = &c->roots; *p;) {
-        node* r = *p;
-        if (r->n_children) {
-            p = &r->next;
-            continue;
-        }
-        *p = r->next;
-        tl_free(r->salt);
-        tl_free(r);
-    }
-}
-
-/* Double the bucket array when the table is fuller than one node per bucket; keeps the old
+/* Double the bucket array when the table is fuller than one entry per bucket; keeps the old
  * array if memory is short (chains just get longer). */
 static void maybe_grow(tl_pcache* c) {
-    if (c->n_nodes < c->n_buckets) return;
+    if (c->n_entries < c->n_buckets) return;
     const size_t n = c->n_buckets * 2;
     node** buckets = tl_alloc_zeroed(n, sizeof *buckets);
     if (!buckets) return;
@@ -110,6 +96,88 @@ static void maybe_grow(tl_pcache* c) {
     c->n_buckets = n;
 }
 
+static void table_add(tl_pcache* c, node* x) {
+    maybe_grow(c);
+    node** b = bucket_of(c, x->hash);
+    x->next = *b;
+    *b = x;
+    c->n_entries++;
+}
+
+static void table_remove(tl_pcache* c, node* x) {
+    for (node** p = bucket_of(c, x->hash); *p; p = &(*p)->next)
+        if (*p == x) {
+            *p = x->next;
+            break;
+        }
+    c->n_entries--;
+}
+
+/* ---- the use list --------------------------------------------------------------------------- */
+
+static void unlink_use(tl_pcache* c, node* x) {
+    *(x->older ? &x->older->newer : &c->oldest) = x->newer;
+    *(x->newer ? &x->newer->older : &c->newest) = x->older;
+    x->older = x->newer = NULL;
+}
+
+/* Put x (not on the list) just before `at`, or at the new end when `at` is NULL. */
+static void link_use_before(tl_pcache* c, node* x, node* at) {
+    x->newer = at;
+    x->older = at ? at->older : c->newest;
+    *(x->older ? &x->older->newer : &c->oldest) = x;
+    *(at ? &at->older : &c->newest) = x;
+}
+
+/* Mark x used by the current call and move it to its place: just before its parent, which
+ * this call touched already, or at the new end for a child of a root. Keeps the list sorted by
+ * last use with every node after its descendants. */
+static void touch(tl_pcache* c, node* x) {
+    x->last_used = c->tick;
+    unlink_use(c, x);
+    link_use_before(c, x, x->parent->block ? x->parent : NULL);
+}
+
+/* ---- nodes ------------------------------------------------------------------------------------ */
+
+static node* find_child(tl_pcache* c, const node* parent, const int32_t* tokens) {
+    const uint32_t bs = c->geom.block_size;
+    const uint64_t h = block_hash(parent, tokens, bs);
+    for (node* x = *bucket_of(c, h); x; x = x->next)
+        if (x->hash == h && x->parent == parent && memcmp(x->tokens, tokens, bs * sizeof *tokens) == 0)
+            return x;
+    return NULL;
+}
+
+static node* find_root(tl_pcache* c, const char* salt, uint32_t window) {
+    const uint64_t h = root_hash(salt, window);
+    for (node* r = *bucket_of(c, h); r; r = r->next)
+        if (r->hash == h && !r->parent && r->window == window && strcmp(r->salt, salt) == 0) return r;
+    return NULL;
+}
+
+static node* make_root(tl_pcache* c, const char* salt, uint32_t window) {
+    node* r = tl_alloc_zeroed(1, sizeof *r);
+    const size_t len = strlen(salt) + 1;
+    char* copy = r ? tl_alloc(len) : NULL;
+    if (!copy) {
+        tl_free(r);
+        return NULL;
+    }
+    memcpy(copy, salt, len);
+    r->salt = copy;
+    r->window = window;
+    r->hash = root_hash(salt, window);
+    table_add(c, r);
+    return r;
+}
+
+static void remove_root(tl_pcache* c, node* r) {
+    table_remove(c, r);
+    tl_free(r->salt);
+    tl_free(r);
+}
+
 static node* add_child(tl_pcache* c, node* parent, const int32_t* tokens, tl_kv_block* block) {
     const uint32_t bs = c->geom.block_size;
     node* x = tl_alloc_zeroed(1, sizeof *x + bs * sizeof(int32_t));
@@ -119,11 +187,9 @@ static node* add_child(tl_pcache* c, node* parent, const int32_t* tokens, tl_kv_
     x->hash = block_hash(parent, tokens, bs);
     x->block = block;
     tl_kv_block_retain(block);
-    maybe_grow(c);
-    node** b = bucket_of(c, x->hash);
-    x->next = *b;
-    *b = x;
-    c->n_nodes++;
+    x->last_used = c->tick;
+    link_use_before(c, x, parent->block ? parent : NULL);
+    table_add(c, x);
     parent->n_children++;
     c->stats.blocks++;
     c->stats.bytes_in_use += block->bytes;
@@ -131,41 +197,34 @@ static node* add_child(tl_pcache* c, node* parent, const int32_t* tokens, tl_kv_
     return x;
 }
 
-/* Unlink a leaf, drop its block and free it. */
+/* Unlink a leaf, drop its block and free it; a root left childless goes too, unless an insert
+ * is about to add under it. */
 static void remove_leaf(tl_pcache* c, node* x) {
-    for (node** p = bucket_of(c, x->hash); *p; p = &(*p)->next)
-        if (*p == x) {
-            *p = x->next;
-            break;
-        }
-    c->n_nodes--;
+    node* parent = x->parent;
+    table_remove(c, x);
+    unlink_use(c, x);
     c->stats.blocks--;
     c->stats.bytes_in_use -= x->block->bytes;
     tl_kv_block_release(x->block);
-    x->parent->n_children--;
     tl_free(x);
+    if (--parent->n_children == 0 && !parent->block && parent != c->inserting_root) remove_root(c, parent);
 }
 
 /* ---- eviction -------------------------------------------------------------------------------- */
 
-static bool evictable(const tl_pcache* c, const node* x) {
-    return x->n_children == 0 && x->last_used != c->tick && tl_kv_block_refs(x->block) == 1;
-}
-
-static node* least_recently_used(tl_pcache* c) {
-    node* best = NULL;
-    for (size_t i = 0; i < c->n_buckets; i++)
-        for (node* x = c->buckets[i]; x; x = x->next)
-            if (evictable(c, x) && (!best || x->last_used < best->last_used)) best = x;
-    return best;
-}
-
-/* Evict until `extra` more bytes fit in the budget; false if they cannot. */
+/* Evict until `extra` more bytes fit in the budget; false if they cannot. The walk skips
+ * nodes held elsewhere or leading to such a node and stops at the current tick (see top). */
 static bool make_room(tl_pcache* c, size_t extra) {
     if (extra > c->budget) return false;
+    node* x = c->oldest;
     while (c->stats.bytes_in_use > c->budget - extra) {
-        node* victim = least_recently_used(c);
-        if (!victim) return false;
+        for (; x && x->last_used != c->tick; x = x->newer) {
+            c->eviction_visits++;
+            if (x->n_children == 0 && tl_kv_block_refs(x->block) == 1) break;
+        }
+        if (!x || x->last_used == c->tick) return false;
+        node* victim = x;
+        x = x->newer;
         remove_leaf(c, victim);
         c->stats.evicted_blocks++;
     }
@@ -190,20 +249,21 @@ tl_pcache* tl_pcache_new(const tl_kv_geom* g, size_t budget_bytes) {
     return c;
 }
 
-/* Remove every node, leaves first (a node's children precede it in no particular order, so
- * sweep until nothing is left). */
+/* Remove every node: the oldest is always a leaf (its descendants come before it), and each
+ * root goes with its last child. */
 static void remove_all(tl_pcache* c) {
-    while (c->n_nodes)
-        for (size_t i = 0; i < c->n_buckets; i++)
-            for (node *x = c->buckets[i], *next; x; x = next) {
-                next = x->next;
-                if (x->n_children == 0) remove_leaf(c, x);
-            }
-    drop_childless_roots(c);
+    while (c->oldest) remove_leaf(c, c->oldest);
 }
 
 void tl_pcache_clear(tl_pcache* c) {
     pthread_mutex_lock(&c->lock);
+    remove_all(c);
+    pthread_mutex_unlock(&c->lock);
+}
+
+void tl_pcache_close(tl_pcache* c) {
+    pthread_mutex_lock(&c->lock);
+    c->closed = true;
     remove_all(c);
     pthread_mutex_unlock(&c->lock);
 }
@@ -226,7 +286,7 @@ void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
     pthread_mutex_lock(&c->lock);
     c->tick++;
     c->stats.lookups++;
-    node* parent = find_root(c, salt_of(key), key->window);
+    node* parent = c->closed ? NULL : find_root(c, salt_of(key), key->window);
     while (parent && k < max_blocks) {
         node* x = find_child(c, parent, tokens + k * bs);
         if (!x || x->block->n_layers < key->n_layers) break;
@@ -235,7 +295,7 @@ void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
             k = 0;
             break;
         }
-        x->last_used = c->tick;
+        touch(c, x);
         parent = x;
         k++;
     }
@@ -256,15 +316,21 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
                       const tl_kv_table* t) {
     const uint32_t bs = c->geom.block_size;
     pthread_mutex_lock(&c->lock);
+    if (c->closed) { /* a request still running when its model was closed */
+        pthread_mutex_unlock(&c->lock);
+        return;
+    }
     c->tick++;
-    node* parent = find_root(c, salt_of(key), key->window);
-    if (!parent) parent = make_root(c, salt_of(key), key->window);
+    node* root = find_root(c, salt_of(key), key->window);
+    if (!root) root = make_root(c, salt_of(key), key->window);
+    c->inserting_root = root;
+    node* parent = root;
     for (size_t i = 0; parent && i < n / bs; i++) {
         tl_kv_block* mine = aligned_block(t, i, bs);
         if (!mine) break;
         node* x = find_child(c, parent, tokens + i * bs);
         if (x) {
-            x->last_used = c->tick;  /* protected from this call's evictions */
+            touch(c, x);  /* protected from this call's evictions */
             tl_kv_block* theirs = x->block;
             if (theirs->n_layers < mine->n_layers && make_room(c, mine->bytes - theirs->bytes)) {
                 c->stats.bytes_in_use += mine->bytes - theirs->bytes;  /* the deeper block serves more */
@@ -274,11 +340,11 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
             }
         } else if (make_room(c, mine->bytes)) {
             x = add_child(c, parent, tokens + i * bs, mine);
-            if (x) x->last_used = c->tick;
         }
         parent = x;
     }
-    drop_childless_roots(c);
+    c->inserting_root = NULL;
+    if (root && root->n_children == 0) remove_root(c, root);
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -288,4 +354,20 @@ tl_prefix_cache_stats tl_pcache_stats(tl_pcache* c) {
     pthread_mutex_unlock(&c->lock);
     stats.size = sizeof stats;
     return stats;
+}
+
+size_t tl_pcache_use_order(tl_pcache* c, const tl_kv_block** out, size_t cap) {
+    pthread_mutex_lock(&c->lock);
+    size_t n = 0;
+    for (const node* x = c->oldest; x; x = x->newer, n++)
+        if (n < cap) out[n] = x->block;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
+uint64_t tl_pcache_eviction_visits(tl_pcache* c) {
+    pthread_mutex_lock(&c->lock);
+    const uint64_t visits = c->eviction_visits;
+    pthread_mutex_unlock(&c->lock);
+    return visits;
 }

@@ -6,7 +6,9 @@
  * node of the block before it. A node holds one reference to its block; the block's depth is
  * its layer count, and a node serves any request needing that many layers or fewer. Every
  * operation takes the cache's mutex, and a block's reference count only rises under it, so a
- * node whose block has refs == 1 is held by the cache alone and may be evicted.
+ * node whose block has refs == 1 is held by the cache alone and may be evicted. Eviction
+ * takes the least recently used such leaf from a use list (prefix_cache.c): O(1) per evicted
+ * block, never a scan of the whole cache.
  */
 #ifndef TL_PREFIX_CACHE_H
 #define TL_PREFIX_CACHE_H
@@ -31,6 +33,9 @@ tl_pcache* tl_pcache_new(const tl_kv_geom* g, size_t budget_bytes);
 void tl_pcache_free(tl_pcache* c);
 /* Drop every node; the counters are kept. */
 void tl_pcache_clear(tl_pcache* c);
+/* Drop every node for good (the model was closed): later lookups miss and inserts add
+ * nothing, so requests still running add no block that would outlive the close. */
+void tl_pcache_close(tl_pcache* c);
 
 /* Share into the empty table `t` the longest chain of cached blocks that are a prefix of
  * tokens[0..n) and serve key->n_layers, leaving at least one token uncached (the last token's
@@ -46,5 +51,12 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
                       const tl_kv_table* t);
 /* Snapshot of the counters (size = sizeof the struct). */
 tl_prefix_cache_stats tl_pcache_stats(tl_pcache* c);
+
+/* For tests. The cached blocks in eviction order, least recently used first: up to `cap` of
+ * them into out; returns how many the cache holds. */
+size_t tl_pcache_use_order(tl_pcache* c, const tl_kv_block** out, size_t cap);
+/* Nodes the eviction walks have examined so far, each one evicted or skipped (prefix_cache.c
+ * bounds their number). */
+uint64_t tl_pcache_eviction_visits(tl_pcache* c);
 
 #endif
