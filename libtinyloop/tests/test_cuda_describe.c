@@ -4,8 +4,8 @@
 #include <string.h>
 
 #include "core/engine.h"
-#include "cuda/forward_cuda.h"
 #include "core/seq.h"
+#include "cuda/backend_cuda.h"
 #include "test_util.h"
 
 enum { BLOCK = 4, N_A = 10, N_B = 13, WINDOW_B = 6 };

@@ -316,8 +316,9 @@ static void test_attention_kernels(void) {
                   "attention weights D=%zu n=%zu", D, n);
             if (extreme)
                 for (size_t j = 0; j < n; j++) u1[j] = u2[j] = 16777218; /* 2^24 + 2, the largest U */
-            tl_attn_scalar.accumulate(u1, k, n, D, num1);
-            tl_attn_avx2.accumulate(u2, k, n, D, num2);
+            const tl_attn_rows one = {k, n};
+            tl_attn_scalar.accumulate_segments(u1, &one, 1, D, num1);
+            tl_attn_avx2.accumulate_segments(u2, &one, 1, D, num2);
             CHECK(memcmp(num1, num2, D * sizeof(int64_t)) == 0, "attention accumulate D=%zu n=%zu", D, n);
             free(k), free(qq), free(qq16), free(sk), free(sv), free(s1), free(s2), free(u1), free(u2), free(num1),
                 free(num2);

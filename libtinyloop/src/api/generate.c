@@ -10,6 +10,7 @@
 #include "base/alloc.h"
 #include "base/errors.h"
 #include "core/generate.h"
+#include "core/prefix_cache.h"
 
 TL_API tl_gen_params tl_gen_params_default(void) {
     tl_gen_params p;

@@ -1,19 +1,20 @@
-/* engine.h — the shared, reference-counted state behind a tl_model handle: the mapped file,
- * the prepared linears, the KV geometry, the thread pool and, on a GPU, the CUDA state. Sequences and prefixes hold a
- * reference, so the weights outlive tl_model_close until the last of them is freed; every
- * public entry point first checks `closed` and fails with "model was closed". */
+/* engine.h — the shared, reference-counted state behind a tl_model handle: the file's tensors,
+ * the KV geometry, the thread pool, the prefix cache and the backend that runs the forward pass
+ * (backend.h). Sequences and prefixes hold a reference, so the weights outlive tl_model_close
+ * until the last of them is freed; every public entry point first checks `closed` and fails
+ * with "model was closed". */
 #ifndef TL_ENGINE_H
 #define TL_ENGINE_H
 
 #include <stdatomic.h>
 #include <stdbool.h>
 
-#include "cuda/cuda_backend.h"
 #include "core/kvcache.h"
 #include "core/loader.h"
-#include "cpu/matmul.h"
-#include "core/prefix_cache.h"
-#include "cpu/threadpool.h"
+
+typedef struct tl_backend tl_backend; /* core/backend.h       */
+typedef struct tl_pcache tl_pcache;   /* core/prefix_cache.h  */
+typedef struct tl_pool tl_pool;       /* cpu/threadpool.h     */
 
 enum { TL_MAX_LOOPS = 1024 }; /* as the Python layer (tinyloop/params.py MAX_LOOPS) */
 
@@ -21,24 +22,14 @@ typedef struct tl_engine {
     atomic_uint refs;
     atomic_bool closed;
     tl_file file;
-    tl_isa isa;
-    tl_kv_geom kv_geom;
-    tl_linear* linears;  /* indexed like file.linears: block * TL_PARTS + part, then head */
-    size_t n_linears;
+    tl_isa isa;          /* the CPU kernel path (never TL_ISA_AUTO)                        */
+    tl_kv_geom kv_geom;  /* its .device is the backend's KV allocator                     */
     tl_pool* pool;
-    size_t weight_bytes;
-    tl_pcache* pcache;   /* the automatic prefix cache; NULL when the model has none */
-    tl_cuda* cuda;       /* the device running the forward pass; NULL = the CPU. The CPU
-                            linears stay prepared either way (tl_head_logits uses them). */
+    tl_pcache* pcache;   /* the automatic prefix cache; NULL when the model has none      */
+    tl_backend* backend; /* runs the forward pass: the CPU's or a device's                */
 } tl_engine;
 
 static inline const tl_config* tl_engine_config(const tl_engine* e) { return &e->file.cfg; }
-static inline const tl_linear* tl_engine_linear(const tl_engine* e, uint32_t layer, int part) {
-    const uint32_t n_pre = e->file.cfg.n_pre_blocks;
-    const uint32_t block = layer < n_pre ? layer : n_pre;
-    return &e->linears[(size_t)block * TL_PARTS + (size_t)part];
-}
-static inline const tl_linear* tl_engine_head(const tl_engine* e) { return &e->linears[e->n_linears - 1]; }
 
 void tl_engine_ref(tl_engine* e);
 void tl_engine_unref(tl_engine* e);

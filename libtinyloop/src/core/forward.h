@@ -1,7 +1,9 @@
-/* forward.h — the forward pass of docs/spec.md §4 over a chunk of tokens. */
+/* forward.h — the forward pass of docs/spec.md §4, as the core calls it: each entry point goes
+ * through the engine's backend (backend.h), so callers never know which device runs it. */
 #ifndef TL_FORWARD_H
 #define TL_FORWARD_H
 
+#include "core/backend.h"
 #include "core/seq.h"
 
 /* Run tokens[0..T) at positions s->n .. s->n+T-1 through all s->n_layers layers, writing
@@ -9,20 +11,39 @@
  * except last_hidden): logits_all [T][V]; logits_last [V] = the last token's logits;
  * last_hidden [d] = final hidden state of the last token; loop_states [loops][d] = the last
  * token's state after each loop iteration. On the CPU it fails only with TL_ERR_OUT_OF_MEMORY,
- * before touching the cache; on a CUDA engine also with TL_ERR_INTERNAL, possibly after
- * writing the reserved positions' KV (callers roll the reservation back either way). */
-tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all, float* logits_last,
-                     float* last_hidden, float* loop_states);
+ * before touching the cache; on a device also with TL_ERR_INTERNAL, possibly after writing
+ * the reserved positions' KV (callers roll the reservation back either way). */
+static inline tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+                                   float* logits_last, float* last_hidden, float* loop_states) {
+    tl_backend* b = s->engine->backend;
+    return b->iface->forward(b, s, tokens, T, logits_all, logits_last, last_hidden, loop_states);
+}
 
-/* One new token for each of B sequences (each with KV reserved for position seqs[b]->n),
- * run together: every linear is one GEMM over the B rows, attention reads each row's own
- * cache. Rows may differ in depth and window. Writes logits[b] ([V] each, the callers'
- * buffers) and each sequence's last_hidden; the caller advances seqs[b]->n. Each row's result is
- * bit-identical to running its token alone. Fails only with TL_ERR_OUT_OF_MEMORY, before
- * touching any cache. */
-tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* const* logits);
+/* One new token for each of B sequences of one engine (each with KV reserved for position
+ * seqs[b]->n), run together: every linear is one GEMM over the B rows, attention reads each
+ * row's own cache. Rows may differ in depth and window. Writes logits[b] ([V] each, the
+ * callers' buffers) and each sequence's last_hidden; the caller advances seqs[b]->n. Each
+ * row's result is bit-identical to running its token alone. Fails like tl_forward, before
+ * touching any cache on the CPU. */
+static inline tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B,
+                                         float* const* logits) {
+    tl_backend* b = seqs[0]->engine->backend;
+    return b->iface->forward_batch(b, seqs, tokens, B, logits);
+}
 
 /* logits[V] = head(NQ(x)) for one hidden state x[d] (docs/spec.md §4, "Head"). */
-tl_status tl_head_logits(tl_engine* e, const float* x, float* logits);
+static inline tl_status tl_head_logits(const tl_engine* e, const float* x, float* logits) {
+    return e->backend->iface->head_logits(e->backend, e, x, logits);
+}
+
+/* order[0 .. B) = the rows deepest first, the order every backend runs a batch in (layer l then
+ * runs on a prefix of the rows); a stable insertion sort keeps the callers' order among equals. */
+static inline void tl_sort_deepest_first(tl_seq* const* seqs, size_t B, size_t* order) {
+    for (size_t b = 0; b < B; b++) {
+        size_t r = b;
+        for (; r > 0 && seqs[order[r - 1]]->n_layers < seqs[b]->n_layers; r--) order[r] = order[r - 1];
+        order[r] = b;
+    }
+}
 
 #endif

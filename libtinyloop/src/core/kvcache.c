@@ -4,7 +4,6 @@
 #include <string.h>
 
 #include "base/alloc.h"
-#include "cuda/cuda_backend.h"
 #include "base/errors.h"
 
 _Static_assert(sizeof(tl_kv_block) <= 64, "block header must fit in 64 bytes");
@@ -18,9 +17,9 @@ tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t he
 
 static tl_kv_block* block_new(const tl_kv_geom* g, uint32_t n_layers, uint32_t start) {
     const size_t data_bytes = (size_t)n_layers * g->n_kv_heads * g->head_bytes;
-    tl_kv_block* b = tl_alloc(g->cuda ? 64 : 64 + data_bytes);
+    tl_kv_block* b = tl_alloc(g->device ? 64 : 64 + data_bytes);
     if (!b) return NULL;
-    b->data = g->cuda ? tl_cuda_block_alloc(g->cuda, data_bytes) : (char*)b + 64;
+    b->data = g->device ? g->device->alloc(g->device->ctx, data_bytes) : (char*)b + 64;
     if (!b->data) {
         tl_free(b);
         return NULL;
@@ -29,13 +28,13 @@ static tl_kv_block* block_new(const tl_kv_geom* g, uint32_t n_layers, uint32_t s
     b->start = start;
     b->n_layers = n_layers;
     b->bytes = 64 + data_bytes;
-    b->cuda = g->cuda;
+    b->device = g->device;
     return b;
 }
 
 void tl_kv_block_release(tl_kv_block* b) {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
-    if (b->cuda) tl_cuda_block_free(b->cuda, b->data);
+    if (b->device) b->device->free(b->device->ctx, b->data);
     tl_free(b);
 }
 

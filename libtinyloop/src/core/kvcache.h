@@ -17,12 +17,19 @@
 
 #include "tinyloop.h"
 
-struct tl_cuda;
+/* Where block data lives when not in host memory: a backend's device allocator (backend.h).
+ * alloc returns `bytes` of zero-filled device memory, or NULL when out of memory; both calls
+ * are thread-safe. */
+typedef struct tl_kv_allocator {
+    void* (*alloc)(void* ctx, size_t bytes);
+    void (*free)(void* ctx, void* data);
+    void* ctx;
+} tl_kv_allocator;
 
 typedef struct tl_kv_geom {
     uint32_t block_size, n_kv_heads, head_dim;
-    size_t head_bytes;   /* one (layer, kv head) of a block, 64-byte multiple              */
-    struct tl_cuda* cuda; /* block data lives in this device's memory; NULL = host memory   */
+    size_t head_bytes;              /* one (layer, kv head) of a block, 64-byte multiple      */
+    const tl_kv_allocator* device;  /* block data comes from it; NULL = host memory          */
 } tl_kv_geom;
 
 typedef struct tl_kv_block {
@@ -31,7 +38,7 @@ typedef struct tl_kv_block {
     uint32_t n_layers;
     size_t bytes;      /* header + data, for accounting */
     void* data;        /* host: right after this 64-byte header; device: a device allocation */
-    struct tl_cuda* cuda; /* owner of device data; NULL for host blocks */
+    const tl_kv_allocator* device; /* owner of device data; NULL for host blocks */
 } tl_kv_block;
 
 typedef struct tl_kv_span {
@@ -51,7 +58,7 @@ typedef struct tl_kv_mark {
     uint32_t last_count;
 } tl_kv_mark;
 
-/* Host-memory geometry; set .cuda afterwards to place block data on a device. */
+/* Host-memory geometry; set .device afterwards to place block data on a device. */
 tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim);
 
 /* The table's current extent, to roll back to after later reservations. */
@@ -77,8 +84,8 @@ static inline void tl_kv_block_retain(tl_kv_block* b) { atomic_fetch_add(&b->ref
 static inline unsigned tl_kv_block_refs(const tl_kv_block* b) { return atomic_load(&b->refs); }
 void tl_kv_block_release(tl_kv_block* b);
 
-/* Per-(layer, kv head) arrays of a block (device addresses for a device block: only the CUDA
- * backend may dereference those). */
+/* Per-(layer, kv head) arrays of a block (device addresses for a device block: only the backend
+ * that allocated them may dereference those). */
 static inline int8_t* tl_kv_keys(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
     return (int8_t*)b->data + ((size_t)layer * g->n_kv_heads + h) * g->head_bytes;
 }

@@ -1,5 +1,6 @@
-/* loader.h — the `.tinyloop` file (docs/spec.md §6): map it read-only, validate every rule,
- * and expose the tensors as borrowed views into the mapping. */
+/* loader.h — the `.tinyloop` file (docs/spec.md §6): read it once into private memory,
+ * validate every rule on that copy, and own the tensors. Once tl_file_open has returned, the
+ * file on disk is never read again: a host may delete, truncate or rewrite it. */
 #ifndef TL_LOADER_H
 #define TL_LOADER_H
 
@@ -30,9 +31,8 @@ typedef struct tl_linear_src {
     const float* scale;    /* row scales [R]                                      */
 } tl_linear_src;
 
+/* Every tensor below is its own 64-byte-aligned allocation, owned by the tl_file. */
 typedef struct tl_file {
-    const uint8_t* bytes;  /* the read-only mapping                               */
-    size_t n_bytes;
     tl_config cfg;
     const int8_t* emb_w;   /* [V][d]                                              */
     const float* emb_s;    /* [V]                                                 */
@@ -44,16 +44,15 @@ typedef struct tl_file {
     size_t n_linears;
 } tl_file;
 
-/* Map and validate; on failure returns TL_ERR_IO / TL_ERR_BAD_FILE / TL_ERR_OUT_OF_MEMORY
+/* Read and validate; on failure returns TL_ERR_IO / TL_ERR_BAD_FILE / TL_ERR_OUT_OF_MEMORY
  * with the first broken rule in tl_last_error() and leaves *out empty. */
 tl_status tl_file_open(const char* path, tl_file* out);
+/* Free the weights of linear i once a backend holds them in its own form (repacked, uploaded);
+ * its shape stays and its weight pointers become NULL. The tied head is the embedding, which
+ * stays. */
+void tl_file_release_linear(tl_file* file, size_t i);
+/* Bytes of tensors the file still holds. */
+size_t tl_file_bytes(const tl_file* file);
 void tl_file_close(tl_file* file);
-
-static inline const tl_linear_src* tl_file_linear(const tl_file* f, uint32_t block, int part) {
-    return &f->linears[(size_t)block * TL_PARTS + (size_t)part];
-}
-static inline const tl_linear_src* tl_file_head(const tl_file* f) {
-    return &f->linears[f->n_linears - 1];
-}
 
 #endif

@@ -1,10 +1,17 @@
-/* seq.h — the internals of tl_seq and tl_prefix shared by seq.c, prefix.c, forward.c and
- * generate.c. */
+/* seq.h — the internals of tl_seq and tl_prefix shared by the entry points (api/) and the
+ * backends' forward passes. */
 #ifndef TL_SEQ_H
 #define TL_SEQ_H
 
 #include "core/engine.h"
 #include "core/kvcache.h"
+
+/* Working memory of the forward pass, reused from call to call and grown (never shrunk) to the
+ * largest pass so far; its layout is the backend's (cpu/forward.c). */
+typedef struct tl_scratch {
+    void* base;
+    size_t bytes;
+} tl_scratch;
 
 struct tl_seq {
     tl_engine* engine;      /* holds a reference                                          */
@@ -14,6 +21,9 @@ struct tl_seq {
     size_t n;               /* tokens so far                                              */
     tl_kv_table kv;
     float* last_hidden;     /* [d] final hidden state of token n-1 (valid when n > 0)     */
+    float* next_hidden;     /* [d] where a run puts the new one; swapped in on success    */
+    tl_scratch scratch;     /* the forward pass's working memory; one user at a time, like
+                               the sequence (a batched pass uses its first sequence's)     */
 };
 
 struct tl_prefix {

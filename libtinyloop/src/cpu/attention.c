@@ -59,7 +59,6 @@ const tl_attn_kernels tl_attn_scalar = {.quantize = tl_quantize_row,
                                         .scores = scores_scalar,
                                         .max = max_scalar,
                                         .weights = weights_scalar,
-                                        .accumulate = accumulate_scalar,
                                         .accumulate_segments = accumulate_segments_scalar,
                                         .output = output_scalar};
 

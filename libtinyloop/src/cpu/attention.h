@@ -28,9 +28,8 @@ typedef struct tl_attn_rows {
     size_t n;
 } tl_attn_rows;
 
-/* The kernels of one path. `scores`, `weights` and `accumulate` work on one segment of n keys
- * (rows of D bytes, consecutive); `accumulate_segments` on consecutive segments; the others on
- * one query. */
+/* The kernels of one path. `scores` and `weights` work on one segment of n keys (rows of D
+ * bytes, consecutive); `accumulate_segments` on consecutive segments; the others on one query. */
 typedef struct tl_attn_kernels {
     /* (qq, sq) = Q8(qh), the query quantizer (docs/spec.md §2.2) */
     float (*quantize)(const float* x, size_t n, int qmax, int8_t* q);
@@ -45,10 +44,8 @@ typedef struct tl_attn_kernels {
      * and sets *nan_weight if some u is NaN (only when an sv is infinite). */
     int64_t (*weights)(const float* scores, const float* sv, size_t n, float M, float kappa, int32_t* u,
                        bool* nan_weight);
-    /* num[d] += Σ_j u[j] * v_j[d], exact: one segment, the one-segment case of the next */
-    void (*accumulate)(const int32_t* u, const int8_t* v, size_t n, size_t D, int64_t* num);
-    /* the same over the rows of n_segs segments, u running on from one segment to the next (what
-     * the driver calls: SIMD paths flush their narrow partial sums once per batch, not per block) */
+    /* num[d] += Σ_j u[j] * v_j[d], exact, over the rows of n_segs segments, u running on from one
+     * segment to the next (SIMD paths flush their narrow partial sums once per call, not per block) */
     void (*accumulate_segments)(const int32_t* u, const tl_attn_rows* segs, size_t n_segs, size_t D,
                                 int64_t* num);
     /* o[d] = ((f32)num[d] / (f32)den) * svmax */

@@ -263,15 +263,9 @@ AVX2 static void accumulate_segments_avx2(const int32_t* u, const tl_attn_rows* 
             for (size_t d = D32; d < D; d++) num[d] += (int64_t)u[j] * segs[i].v[j * D + d];
 }
 
-AVX2 static void accumulate_avx2(const int32_t* u, const int8_t* v, size_t n, size_t D, int64_t* num) {
-    const tl_attn_rows one = {v, n};
-    accumulate_segments_avx2(u, &one, 1, D, num);
-}
-
 const tl_attn_kernels tl_attn_avx2 = {.quantize = tl_quantize_row_avx2,
                                       .scores = scores_avx2,
                                       .max = max_avx2,
                                       .weights = weights_avx2,
-                                      .accumulate = accumulate_avx2,
                                       .accumulate_segments = accumulate_segments_avx2,
                                       .output = output_avx2};

@@ -1,6 +1,7 @@
 /* common.cuh — internals shared by the CUDA backend's files (src/cuda/): the device state
- * behind tl_cuda, the device layout of each linear, CUDA error -> tl_status, block-wide
- * reductions and the Q8 row quantizer as device functions, and the launch wrappers.
+ * behind tl_cuda, the device layout of each linear, CUDA error -> tl_status, the guard that
+ * restores the caller's current device, block-wide reductions and the Q8 row quantizer as
+ * device functions, and the launch wrappers.
  *
  * Exactness: device code is compiled with -fmad=false -prec-div=true -prec-sqrt=true
  * -ftz=false and no fast math, and calls the host's own primitives (numerics.h, TL_HD), so each
@@ -22,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "cuda/cuda_backend.h"
+#include "cuda/device.h"
 #include "core/numerics.h"
 
 extern "C" {
@@ -33,7 +34,9 @@ enum {
     TL_CU_TILE_M = 128,    /* tokens per tensor-core tile: activation rows are padded to it   */
     TL_CU_TILE_N = 128,    /* output rows per tile: weight rows are padded to it               */
     TL_CU_TILE_K = 64,     /* k per step: weight and activation columns are padded to it       */
-    TL_CU_GEMV_MAX_T = 16  /* fewer tokens than this run the dp4a GEMV kernels (decode)        */
+    TL_CU_GEMV_MAX_T = 16, /* fewer tokens than this run the dp4a GEMV kernels (decode)        */
+    TL_CU_GRAPH_MAX_T = 16, /* passes of at most this many rows replay a CUDA graph (forward.cu) */
+    TL_CU_GRAPHS = 8       /* executable graphs kept per model, one per pass shape             */
 };
 
 /* 2^-64 (0x1f800000), the Q8 "tiny row" threshold, written as quant.c writes it. */
@@ -58,12 +61,56 @@ typedef struct tl_cu_buf {
     size_t cap;
 } tl_cu_buf;
 
+/* Everything of a pass that its launches take as arguments (forward.cu): two passes of one shape
+ * make the same launches with the same arguments, given the same scratch. */
+typedef struct tl_cu_pass_shape {
+    uint32_t T;
+    uint32_t key_stride;                /* row stride of the scores scratch (> every row's pos) */
+    uint32_t block_size;
+    size_t head_bytes;
+    uint32_t n_layers;                  /* of the deepest row (row 0)                           */
+    uint32_t outputs;                   /* which outputs the pass copies back (forward.cu)      */
+    uint32_t depth[TL_CU_GRAPH_MAX_T];  /* each row's n_layers (graph passes; 0 beyond T)       */
+} tl_cu_pass_shape;
+
+/* One cached executable graph and the shape it was captured for. */
+typedef struct tl_cu_graph {
+    tl_cu_pass_shape shape;
+    cudaGraphExec_t exec;               /* NULL = free slot                                     */
+    uint64_t used;                      /* c->graph_clock at its last launch                    */
+} tl_cu_graph;
+
+/* Makes `device` the calling thread's current device for the guard's lifetime, then restores the
+ * one that was current before: no library call changes the caller's current device. */
+class tl_cu_device_guard {
+  public:
+    explicit tl_cu_device_guard(int device) {
+        if (cudaGetDevice(&prev_) != cudaSuccess) {
+            (void)cudaGetLastError();
+            prev_ = -1;
+        }
+        err_ = prev_ == device ? cudaSuccess : cudaSetDevice(device);
+        restore_ = err_ == cudaSuccess && prev_ >= 0 && prev_ != device;
+    }
+    ~tl_cu_device_guard() {
+        if (restore_ && cudaSetDevice(prev_) != cudaSuccess) (void)cudaGetLastError();
+    }
+    tl_cu_device_guard(const tl_cu_device_guard&) = delete;
+    tl_cu_device_guard& operator=(const tl_cu_device_guard&) = delete;
+    cudaError_t error() const { return err_; }
+
+  private:
+    int prev_;
+    cudaError_t err_;
+    bool restore_;
+};
+
 struct tl_cuda {
     int device;
     cudaStream_t stream;
     pthread_mutex_t lock;         /* serializes tl_cuda_forward and guards the scratch below */
     bool lock_made, stream_made;
-    cudaMemPool_t pool;           /* KV block memory (stream-ordered on `stream`); NULL = cudaMalloc */
+    cudaMemPool_t pool;           /* KV blocks and scratch (stream-ordered on `stream`); NULL = cudaMalloc */
     tl_config cfg;
     tl_cu_linear* lin;            /* like tl_file.linears: block * TL_PARTS + part, then the head */
     size_t n_lin;
@@ -78,11 +125,14 @@ struct tl_cuda {
     uint32_t max_cols_pad;        /* widest activation row of any linear                    */
     uint32_t max_rows_pad_int4;   /* widest int4 output (raw scratch of the two-pass GEMM)   */
     char name[320];
-    /* scratch of tl_cuda_forward (device unless noted) */
-    tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, io, logits, states;
+    int sm_count;                 /* multiprocessors: how far decode attention splits       */
+    /* scratch of tl_cuda_forward (device, from `pool` when there is one, unless noted) */
+    tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, att_split, io, logits, states;
     tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
-    /* CUDA graph of the decode launches (forward.cu), guarded by `lock` */
-    cudaGraphExec_t graph_exec;   /* the last pass's executable graph; NULL = none          */
+    tl_cu_buf host_out;           /* pinned host staging of the outputs                     */
+    /* CUDA graphs of decode passes (forward.cu), guarded by `lock` */
+    tl_cu_graph graphs[TL_CU_GRAPHS];
+    uint64_t graph_clock;
     bool graphs_off;              /* TINYLOOP_CUDA_GRAPHS=0, or a graph call failed once    */
     pthread_mutex_t capture_lock; /* held while `stream` captures and by the KV block calls */
     bool capture_lock_made;
@@ -95,6 +145,13 @@ struct tl_cuda {
 tl_status tl_cu_check(cudaError_t err, const char* what);
 /* tl_cu_check of cudaGetLastError() after launching kernel `what`. */
 tl_status tl_cu_launched(const char* what);
+
+/* ---- scratch (device.cu) ------------------------------------------------------------------ */
+
+/* Release device scratch b (stream-ordered on c->stream when it came from c->pool); b empty. */
+void tl_cu_scratch_release(tl_cuda* c, tl_cu_buf* b);
+/* Destroy every cached graph of c (the stream is idle). */
+void tl_cu_graphs_drop(tl_cuda* c);
 
 #define TL_CU_TRY(expr)                 \
     do {                                \
@@ -184,12 +241,17 @@ tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, c
 
 /* attention.cu */
 /* o [T][H * D] = attention (docs/spec.md §4.1) of each row's rotated query heads in qkv over
- * cache layer `layer`; `scores` holds score_rows * H * max_keys floats (rows go in chunks). */
+ * cache layer `layer`; `scores` holds score_rows * H * key_stride floats (rows go in chunks;
+ * key_stride > every row's pos), `split_scratch` tl_cu_attention_split_bytes (NULL when 0). */
 tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_span* spans, size_t T,
                           const float* qkv, float* o, uint32_t layer, uint32_t block_size, size_t head_bytes,
-                          uint32_t max_keys, float* scores, size_t score_rows);
+                          uint32_t key_stride, float* scores, size_t score_rows, void* split_scratch);
 /* Rows per attention launch (at most T) whose scores fit the scratch cap: the `score_rows` to
  * size `scores` with. */
-size_t tl_cu_attention_rows(const tl_cuda* c, size_t T, uint32_t max_keys);
+size_t tl_cu_attention_rows(const tl_cuda* c, size_t T, uint32_t key_stride);
+/* Key ranges each (row, head) of a T-row pass is split into (1: one block per (row, head)). */
+uint32_t tl_cu_attention_splits(const tl_cuda* c, size_t T);
+/* Bytes of tl_cu_attention's split scratch for a T-row pass in launches of score_rows rows. */
+size_t tl_cu_attention_split_bytes(const tl_cuda* c, size_t T, size_t score_rows);
 
 #endif

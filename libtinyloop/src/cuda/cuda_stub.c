@@ -1,9 +1,7 @@
 /* cuda_stub.c — the CUDA backend of a build without TINYLOOP_CUDA: probing says so, and
  * nothing else is reachable (no engine gets a tl_cuda without a successful probe). */
-#include "cuda/cuda_backend.h"
+#include "cuda/device.h"
 #include "base/errors.h"
-
-bool tl_cuda_built(void) { return false; }
 
 tl_status tl_cuda_probe(int* n_devices) {
     *n_devices = 0;

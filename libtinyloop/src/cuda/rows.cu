@@ -1,7 +1,7 @@
 /* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
  * Q8 / NQ of activation rows, RoPE + the Q8 K/V write into the paged cache, SwiGLU + Q8.
  * One thread block per row (per (row, head) for RoPE/KV); every element-wise f32 step is the
- * host's own numerics.h function, so each value is bit-identical to quant.c / forward.c.
+ * host's own numerics.h function, so each value is bit-identical to cpu/quant.c / cpu/forward.c.
  *
  * Shapes: x [T][d], qkv [T][(H + 2G) * D] (Q heads, K heads, V heads), gu [T][2F] (gate, up),
  * activations q [T_pad][lda] i8 (zero from n to lda) with scale [T]. */
@@ -83,7 +83,7 @@ rope_kv_kernel(const tl_cuda_row* rows, float* qkv, size_t qkv_dim, const float*
     if (threadIdx.x == 0) scales[(is_key ? 0 : block_size) + row.write_slot] = s;
 }
 
-/* gate := silu(gate) * up, then Q8 of the gate row (forward.c task_swiglu). grid T. */
+/* gate := silu(gate) * up, then Q8 of the gate row (cpu/forward.c task_swiglu). grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
 swiglu_kernel(float* gu, int F, int8_t* q, size_t lda, float* scale) {
     __shared__ float sh[32];

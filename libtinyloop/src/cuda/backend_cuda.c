@@ -1,14 +1,26 @@
-/* forward_cuda.c — the forward pass on a CUDA engine: describe the rows (token, position,
- * depth, window, where the row's K/V goes) and each sequence's visible KV spans for
- * tl_cuda_forward, then hand its outputs back in the CPU path's shapes. Rows arrive in the
- * order forward.c runs them (deepest first); rows of one sequence share one span range. */
-#include "cuda/forward_cuda.h"
+/* backend_cuda.c — the CUDA backend: the forward pass of a CUDA engine described for
+ * tl_cuda_forward (each row's token, position, depth, window and where its K/V goes; each
+ * sequence's visible KV spans), its outputs handed back in the CPU pass's shapes, and KV block
+ * data allocated on the device. Rows run deepest first (tl_sort_deepest_first); rows of one
+ * sequence share one span range. The head of a saved hidden state (tl_head_logits) runs on the
+ * host with the one linear the backend repacks there (cpu/forward.h): a pass computes its own
+ * logits on the device. */
+#include "cuda/backend_cuda.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "base/alloc.h"
-#include "cuda/cuda_backend.h"
 #include "base/errors.h"
+#include "core/engine.h"
+#include "cpu/forward.h"
+
+typedef struct cuda_backend {
+    tl_backend base;
+    tl_kv_allocator kv; /* device memory of c */
+    tl_cuda* c;
+    tl_linear head;     /* the head repacked for the host, for tl_head_logits */
+} cuda_backend;
 
 size_t tl_cuda_count_spans(tl_seq* const* seqs, size_t T) {
     size_t n = 0;
@@ -42,7 +54,7 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
 /* Rows t < T: token tokens[t] of seqs[t] at position pos[t] (KV reserved), deepest first.
  * Writes hidden [T][d], logits [T][V], logits_last [V] of row T-1 and loop_states of row T-1
  * (each output but hidden may be NULL). */
-static tl_status run_rows(tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
+static tl_status run_rows(tl_cuda* c, tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
                           float* hidden, float* logits, float* logits_last, float* loop_states) {
     const tl_engine* e = seqs[0]->engine;
     const size_t n_spans_max = tl_cuda_count_spans(seqs, T);
@@ -57,14 +69,14 @@ static tl_status run_rows(tl_seq* const* seqs, const size_t* pos, const int32_t*
     const size_t n_spans = tl_cuda_describe(seqs, pos, tokens, T, rows, spans, &max_keys);
     const tl_cuda_batch batch = {T, rows, spans, n_spans, max_keys, e->kv_geom.block_size, e->kv_geom.head_bytes,
                                  hidden, logits, logits_last, loop_states};
-    const tl_status st = tl_cuda_forward(e->cuda, &batch);
+    const tl_status st = tl_cuda_forward(c, &batch);
     tl_free(rows);
     tl_free(spans);
     return st;
 }
 
-tl_status tl_forward_cuda_chunk(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
-                                float* logits_last, float* last_hidden, float* loop_states) {
+static tl_status cuda_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+                              float* logits_last, float* last_hidden, float* loop_states) {
     const size_t d = tl_engine_config(s->engine)->d_model;
     tl_seq** seqs = tl_alloc(T * sizeof *seqs);
     size_t* pos = tl_alloc(T * sizeof *pos);
@@ -75,7 +87,7 @@ tl_status tl_forward_cuda_chunk(tl_seq* s, const int32_t* tokens, size_t T, floa
             seqs[t] = s;
             pos[t] = s->n + t;
         }
-        st = run_rows(seqs, pos, tokens, T, hidden, logits_all, logits_last, loop_states);
+        st = run_rows(((cuda_backend*)b)->c, seqs, pos, tokens, T, hidden, logits_all, logits_last, loop_states);
     }
     if (st == TL_OK) memcpy(last_hidden, hidden + (T - 1) * d, d * sizeof(float));
     tl_free(seqs);
@@ -84,32 +96,77 @@ tl_status tl_forward_cuda_chunk(tl_seq* s, const int32_t* tokens, size_t T, floa
     return st;
 }
 
-tl_status tl_forward_batch_cuda(tl_seq* const* seqs, const int32_t* tokens, const size_t* order, size_t B,
-                                float* const* logits) {
+static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
+                                    float* const* logits) {
     const tl_config* c = tl_engine_config(seqs[0]->engine);
     const size_t d = c->d_model, V = c->vocab_size;
+    size_t* order = tl_alloc(B * sizeof *order);
     tl_seq** sorted = tl_alloc(B * sizeof *sorted);
     size_t* pos = tl_alloc(B * sizeof *pos);
     int32_t* sorted_tokens = tl_alloc(B * sizeof *sorted_tokens);
     float* hidden = tl_alloc(B * d * sizeof(float));
     float* sorted_logits = tl_alloc(B * V * sizeof(float));
-    tl_status st = sorted && pos && sorted_tokens && hidden && sorted_logits ? TL_OK : tl_fail_oom("CUDA batch scratch");
+    tl_status st = order && sorted && pos && sorted_tokens && hidden && sorted_logits
+        ? TL_OK : tl_fail_oom("CUDA batch scratch");
     if (st == TL_OK) {
+        tl_sort_deepest_first(seqs, B, order);
         for (size_t r = 0; r < B; r++) {
             sorted[r] = seqs[order[r]];
             pos[r] = sorted[r]->n;
             sorted_tokens[r] = tokens[order[r]];
         }
-        st = run_rows(sorted, pos, sorted_tokens, B, hidden, sorted_logits, NULL, NULL);
+        st = run_rows(((cuda_backend*)b)->c, sorted, pos, sorted_tokens, B, hidden, sorted_logits, NULL, NULL);
     }
     for (size_t r = 0; st == TL_OK && r < B; r++) {
         memcpy(sorted[r]->last_hidden, hidden + r * d, d * sizeof(float));
         memcpy(logits[order[r]], sorted_logits + r * V, V * sizeof(float));
     }
+    tl_free(order);
     tl_free(sorted);
     tl_free(pos);
     tl_free(sorted_tokens);
     tl_free(hidden);
     tl_free(sorted_logits);
     return st;
+}
+
+static tl_status cuda_head_logits(tl_backend* b, const tl_engine* e, const float* x, float* logits) {
+    return tl_cpu_head_logits(&((const cuda_backend*)b)->head, e, x, logits);
+}
+
+static void cuda_info(const tl_backend* b, tl_backend_info* out) {
+    const cuda_backend* cb = (const cuda_backend*)b;
+    *out = (tl_backend_info){TL_DEVICE_CUDA, tl_linear_bytes(&cb->head), tl_cuda_weight_bytes(cb->c), {0}};
+    snprintf(out->name, sizeof out->name, "%s", tl_cuda_device_name(cb->c));
+}
+
+static void cuda_free(tl_backend* b) {
+    cuda_backend* cb = (cuda_backend*)b;
+    tl_linear_release(&cb->head);
+    tl_cuda_free(cb->c);
+    tl_free(cb);
+}
+
+static void* kv_alloc(void* ctx, size_t bytes) { return tl_cuda_block_alloc(ctx, bytes); }
+static void kv_free(void* ctx, void* data) { tl_cuda_block_free(ctx, data); }
+
+static const tl_backend_iface cuda_iface = {cuda_forward, cuda_forward_batch, cuda_head_logits, cuda_info,
+                                            cuda_free};
+
+tl_status tl_backend_cuda_new(tl_engine* e, int device, tl_backend** out) {
+    *out = NULL;
+    cuda_backend* cb = tl_alloc_zeroed(1, sizeof *cb);
+    if (!cb) return tl_fail_oom("CUDA backend");
+    tl_status st = tl_cuda_create(&e->file, device, &cb->c);
+    if (st == TL_OK) st = tl_linear_prepare(&cb->head, &e->file.linears[e->file.n_linears - 1], e->isa);
+    if (st != TL_OK) {
+        cuda_free(&cb->base);
+        return st;
+    }
+    for (size_t i = 0; i < e->file.n_linears; i++)
+        if (i + 1 < e->file.n_linears || !tl_linear_reads_src(&cb->head)) tl_file_release_linear(&e->file, i);
+    cb->kv = (tl_kv_allocator){kv_alloc, kv_free, cb->c};
+    cb->base = (tl_backend){&cuda_iface, &cb->kv};
+    *out = &cb->base;
+    return TL_OK;
 }

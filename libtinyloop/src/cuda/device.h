@@ -1,15 +1,16 @@
-/* cuda_backend.h — the C side's view of the CUDA backend: device probing, weights uploaded
+/* device.h — the C side's view of the CUDA device code: device probing, weights uploaded
  * once per model, device memory for KV block data, and one forward pass over a batch of rows.
+ * backend_cuda.c turns it into a backend (core/backend.h).
  *
- * Implemented in src/cuda/ (the .cu files) when the library is built with TINYLOOP_CUDA; otherwise by
- * cuda_stub.c, whose calls fail with TL_ERR_UNSUPPORTED ("libtinyloop was built without
+ * Implemented by the .cu files beside it when the library is built with TINYLOOP_CUDA; otherwise
+ * by cuda_stub.c, whose calls fail with TL_ERR_UNSUPPORTED ("libtinyloop was built without
  * CUDA"). Everything the host owns (sequences, span tables, the prefix cache, sampling) stays
  * on the host; only the KV block *data* (kvcache.h layout) lives in device memory.
  *
  * The device computes exactly docs/spec.md §2–§4 (compiled with -fmad=false, IEEE division and
  * square root, no fast math), so its logits are bit-identical to the CPU paths. */
-#ifndef TL_CUDA_BACKEND_H
-#define TL_CUDA_BACKEND_H
+#ifndef TL_CUDA_DEVICE_H
+#define TL_CUDA_DEVICE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -23,9 +24,6 @@ extern "C" {
 #endif
 
 typedef struct tl_cuda tl_cuda; /* per-model device state: weights, stream, scratch, a lock */
-
-/* Whether libtinyloop was compiled with the CUDA backend. */
-bool tl_cuda_built(void);
 
 /* TL_OK and *n_devices >= 1 when a CUDA device can run the backend; otherwise
  * TL_ERR_UNSUPPORTED with a message saying why ("libtinyloop was built without CUDA",

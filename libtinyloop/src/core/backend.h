@@ -1,0 +1,56 @@
+/* backend.h — the seam between the core and the device that runs the forward pass (the shape of
+ * ggml's backend interface, cut down to what TinyLoop needs).
+ *
+ * A backend is a table of a few functions plus the allocator of its KV block data. The core
+ * (sequences, prefixes, the prefix cache, generation) calls only through them and never names a
+ * device; each backend lives in its own folder (cpu/backend_cpu.c, cuda/backend_cuda.c) and is
+ * chosen once, when api/model.c opens the model. Every backend computes docs/spec.md §4 exactly,
+ * so the choice never changes a bit of the logits.
+ *
+ * Not here: sampling, KV bookkeeping (span tables, reference counts), anything per request. */
+#ifndef TL_BACKEND_H
+#define TL_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/kvcache.h"
+#include "tinyloop.h"
+
+typedef struct tl_backend tl_backend;
+typedef struct tl_engine tl_engine;
+typedef struct tl_seq tl_seq;
+
+/* What tl_model_runtime reports about a backend. */
+typedef struct tl_backend_info {
+    tl_device device;           /* TL_DEVICE_CPU or TL_DEVICE_CUDA                        */
+    size_t host_weight_bytes;   /* repacked weights it holds in host memory              */
+    size_t device_weight_bytes; /* weights in device memory (0 on the CPU)               */
+    char name[64];              /* "cpu (avx2)", "NVIDIA H200 (sm_90)"                    */
+} tl_backend_info;
+
+typedef struct tl_backend_iface {
+    /* The forward pass of T tokens of one sequence: core/forward.h's tl_forward. */
+    tl_status (*forward)(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+                         float* logits_last, float* last_hidden, float* loop_states);
+    /* One new token for each of B sequences: core/forward.h's tl_forward_batch. */
+    tl_status (*forward_batch)(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
+                               float* const* logits);
+    /* logits[V] of one final hidden state x[d]: core/forward.h's tl_head_logits. */
+    tl_status (*head_logits)(tl_backend* b, const tl_engine* e, const float* x, float* logits);
+    void (*info)(const tl_backend* b, tl_backend_info* out);
+    /* Frees the backend; every KV block it allocated is gone by then. */
+    void (*free)(tl_backend* b);
+} tl_backend_iface;
+
+/* Embedded as the first member of each backend's own state. */
+struct tl_backend {
+    const tl_backend_iface* iface;
+    const tl_kv_allocator* kv; /* allocator of KV block data; NULL = host memory */
+};
+
+static inline void tl_backend_free(tl_backend* b) {
+    if (b) b->iface->free(b);
+}
+
+#endif

@@ -1,0 +1,72 @@
+/* backend_cpu.c — the CPU backend: the linears repacked once at open (pack.c) and the host pass
+ * (forward.c) over them. Its KV blocks hold their data in host memory (no allocator). */
+#include "cpu/backend_cpu.h"
+
+#include <stdio.h>
+
+#include "base/alloc.h"
+#include "base/errors.h"
+#include "core/engine.h"
+#include "cpu/forward.h"
+#include "cpu/isa.h"
+
+typedef struct cpu_backend {
+    tl_backend base;
+    tl_isa isa;
+    tl_linear* linears; /* [n_linears], indexed like tl_file.linears */
+    size_t n_linears;
+    size_t weight_bytes;
+} cpu_backend;
+
+static tl_status cpu_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+                             float* logits_last, float* last_hidden, float* loop_states) {
+    return tl_cpu_forward(((cpu_backend*)b)->linears, s, tokens, T, logits_all, logits_last, last_hidden,
+                          loop_states);
+}
+
+static tl_status cpu_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
+                                   float* const* logits) {
+    return tl_cpu_forward_batch(((cpu_backend*)b)->linears, seqs, tokens, B, logits);
+}
+
+static tl_status cpu_head_logits(tl_backend* b, const tl_engine* e, const float* x, float* logits) {
+    const cpu_backend* cpu = (const cpu_backend*)b;
+    return tl_cpu_head_logits(&cpu->linears[cpu->n_linears - 1], e, x, logits);
+}
+
+static void cpu_info(const tl_backend* b, tl_backend_info* out) {
+    const cpu_backend* cpu = (const cpu_backend*)b;
+    *out = (tl_backend_info){TL_DEVICE_CPU, cpu->weight_bytes, 0, {0}};
+    snprintf(out->name, sizeof out->name, "cpu (%s)", tl_isa_name(cpu->isa));
+}
+
+static void cpu_free(tl_backend* b) {
+    cpu_backend* cpu = (cpu_backend*)b;
+    for (size_t i = 0; cpu->linears && i < cpu->n_linears; i++) tl_linear_release(&cpu->linears[i]);
+    tl_free(cpu->linears);
+    tl_free(cpu);
+}
+
+static const tl_backend_iface cpu_iface = {cpu_forward, cpu_forward_batch, cpu_head_logits, cpu_info, cpu_free};
+
+tl_status tl_backend_cpu_new(tl_engine* e, tl_backend** out) {
+    *out = NULL;
+    cpu_backend* cpu = tl_alloc_zeroed(1, sizeof *cpu);
+    if (!cpu) return tl_fail_oom("CPU backend");
+    cpu->base.iface = &cpu_iface;
+    cpu->isa = e->isa;
+    cpu->n_linears = e->file.n_linears;
+    cpu->linears = tl_alloc_zeroed(cpu->n_linears, sizeof *cpu->linears);
+    tl_status st = cpu->linears ? TL_OK : tl_fail_oom("linears");
+    for (size_t i = 0; st == TL_OK && i < cpu->n_linears; i++) {
+        st = tl_linear_prepare(&cpu->linears[i], &e->file.linears[i], e->isa);
+        if (st == TL_OK) cpu->weight_bytes += tl_linear_bytes(&cpu->linears[i]);
+        if (st == TL_OK && !tl_linear_reads_src(&cpu->linears[i])) tl_file_release_linear(&e->file, i);
+    }
+    if (st != TL_OK) {
+        cpu_free(&cpu->base);
+        return st;
+    }
+    *out = &cpu->base;
+    return TL_OK;
+}
