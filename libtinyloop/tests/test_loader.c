@@ -154,6 +154,24 @@ static void test_rules(void) {
     expect_rule("rope", e_rope, "|v| <= 1", 1);
 }
 
+/* The checksum comes before every rule of the config, table, tensor set and values: with the
+ * checksum left stale, those edits must report it. (The loader checks the structure before it
+ * reads the data, the one pass that sums every byte, and holds back what it found till then.) */
+static void test_checksum_first(void) {
+    static const struct {
+        const char* what;
+        edit_fn edit;
+    } later[] = {{"vocab_size", e_vocab},     {"name", e_name},           {"flags", e_flags},
+                 {"reserved", e_reserved},    {"table_offset", e_table_offset},
+                 {"n_tensors", e_n_tensors},  {"data_offset", e_data_offset},
+                 {"dtype code", e_dtype},     {"huge offset", e_huge_offset},
+                 {"overlap", e_overlap},      {"duplicate", e_duplicate},
+                 {"unexpected", e_unexpected}, {"shape", e_shape},
+                 {"scale NaN", e_scale_nan},  {"rope", e_rope}};
+    for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
+        expect_rule(later[i].what, later[i].edit, "checksum mismatch", 0);
+}
+
 static void test_int4_bound(void) {
     tu_spec spec = tu_spec_default();
     spec.int4 = 1;
@@ -232,6 +250,7 @@ static void test_paths(void) {
 
 int main(void) {
     test_rules();
+    test_checksum_first();
     test_int4_bound();
     test_truncation_and_flips();
     test_paths();

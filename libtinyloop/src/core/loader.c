@@ -1,11 +1,22 @@
-/* loader.c — map a `.tinyloop` file and validate it against docs/spec.md §6.
+/* loader.c — read a `.tinyloop` file into private memory and validate it against
+ * docs/spec.md §6.
  *
- * The checks run in the same order as the Python reader (tinyloop/modelfile.py): size, magic,
- * version, header_bytes, file_bytes, checksum, the config (name first, then header order),
- * table bounds, each table entry, overlaps, the required tensor set, tensor values, reserved
- * bytes, flags. The first broken rule is reported. All size/offset/shape arithmetic is done in
- * u64 with explicit overflow checks, and nothing outside [0, file size) is ever read.
- * Not here: repacking weights for the kernels (pack.c).
+ * The file is read once, front to back, with pread: the header, the tensor table, then each
+ * tensor into its own allocation (the bytes between tensors are summed and dropped). The
+ * checksum is computed over exactly those copies and every rule is checked on them, so what
+ * the kernels run is what was validated, and the file is never touched again: a host may
+ * truncate or rewrite it while the model is open (a mapping would SIGBUS, or hand the kernels
+ * values that no rule checked, such as int4 multipliers past the i32 accumulator bound).
+ *
+ * The checks report in the same order as the Python reader (tinyloop/modelfile.py): size,
+ * magic, version, header_bytes, file_bytes, checksum, the config (name first, then header
+ * order), table bounds, each table entry, overlaps, the required tensor set, tensor values,
+ * reserved bytes, flags. The first broken rule is reported. The checksum needs every byte,
+ * but the structure (config, table, tensor set) says where the bytes go, so the structure is
+ * checked first and a rule it breaks is reported only once the checksum is known to be good.
+ * All size/offset/shape arithmetic is done in u64 with explicit overflow checks; nothing
+ * outside [0, file size) is read, and a file that shrinks while it is read is TL_ERR_IO.
+ * Not here: repacking weights for the kernels (cpu/pack.c).
  */
 #include "core/loader.h"
 
@@ -16,7 +27,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -26,6 +36,7 @@
 
 enum { HEADER_BYTES = 256, ENTRY_BYTES = 96, ALIGN = 64, MAX_NDIM = 4, CHECKSUM_AT = 24 };
 enum { DT_F32 = 1, DT_I8 = 2, DT_U8 = 3 };
+enum { SCRATCH_BYTES = 64 << 10 }; /* the read buffer for bytes that are summed, not kept */
 
 static uint32_t rd_u32(const uint8_t* p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -46,6 +57,71 @@ static tl_status bad(const char* fmt, ...) {
     vsnprintf(msg, sizeof msg, fmt, args);
     va_end(args);
     return tl_fail(TL_ERR_BAD_FILE, "bad model file: %s", msg);
+}
+
+#define TRY(expr)                             \
+    do {                                      \
+        tl_status st_ = (expr);               \
+        if (st_ != TL_OK) return st_;         \
+    } while (0)
+
+/* ---- reading ------------------------------------------------------------------------------ */
+
+/* The one front-to-back pass over the file: `crc` sums every byte before `pos` (the checksum
+ * field taken as zero), as it was copied. */
+typedef struct reader {
+    int fd;
+    const char* path;
+    uint64_t size;     /* the file's size when it was opened                         */
+    uint64_t pos;
+    uint32_t crc;
+    uint8_t* scratch;  /* [SCRATCH_BYTES], allocated on first use; owned              */
+} reader;
+
+/* Fill dst with the n bytes at `offset` (at most 1 GiB per call, well below SSIZE_MAX). */
+static tl_status read_at(const reader* r, uint8_t* dst, size_t n, uint64_t offset) {
+    while (n > 0) {
+        const ssize_t got = pread(r->fd, dst, n < ((size_t)1 << 30) ? n : (size_t)1 << 30, (off_t)offset);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return tl_fail(TL_ERR_IO, "cannot read '%s': %s", r->path, strerror(errno));
+        if (got == 0)
+            return tl_fail(TL_ERR_IO, "cannot read '%s': it ends at byte %llu but had %llu bytes when "
+                           "opened (it changed while being read)", r->path, (unsigned long long)offset,
+                           (unsigned long long)r->size);
+        dst += got;
+        n -= (size_t)got;
+        offset += (uint64_t)got;
+    }
+    return TL_OK;
+}
+
+static tl_status read_header(reader* r, uint8_t* h) {
+    TRY(read_at(r, h, HEADER_BYTES, 0));
+    const uint8_t zero[4] = {0, 0, 0, 0};
+    r->crc = tl_crc32(0, h, CHECKSUM_AT);
+    r->crc = tl_crc32(r->crc, zero, 4);
+    r->crc = tl_crc32(r->crc, h + CHECKSUM_AT + 4, HEADER_BYTES - CHECKSUM_AT - 4);
+    r->pos = HEADER_BYTES;
+    return TL_OK;
+}
+
+/* The next n bytes into dst, summed. */
+static tl_status read_kept(reader* r, void* dst, uint64_t n) {
+    TRY(read_at(r, dst, (size_t)n, r->pos));
+    r->crc = tl_crc32(r->crc, dst, (size_t)n);
+    r->pos += n;
+    return TL_OK;
+}
+
+/* The next n bytes summed only. */
+static tl_status read_skipped(reader* r, uint64_t n) {
+    if (n > 0 && !r->scratch && !(r->scratch = tl_alloc(SCRATCH_BYTES))) return tl_fail_oom("file read buffer");
+    while (n > 0) {
+        const uint64_t chunk = n < SCRATCH_BYTES ? n : SCRATCH_BYTES;
+        TRY(read_kept(r, r->scratch, chunk));
+        n -= chunk;
+    }
+    return TL_OK;
 }
 
 /* ---- header --------------------------------------------------------------------------- */
@@ -94,12 +170,6 @@ static tl_status check_range(const char* field, int64_t value, int64_t lo, int64
                    (long long)hi, (long long)value);
     return TL_OK;
 }
-
-#define TRY(expr)                             \
-    do {                                      \
-        tl_status st_ = (expr);               \
-        if (st_ != TL_OK) return st_;         \
-    } while (0)
 
 /* The config fields at header offset 48 .. 183, checked like ModelConfig.validate(). */
 static tl_status parse_config(const uint8_t* h, tl_config* c) {
@@ -248,6 +318,22 @@ typedef struct entry {
     size_t index;
 } entry;
 
+/* The table as parsed, and once read, each tensor's private copy. */
+typedef struct table {
+    size_t n;
+    entry* entries;    /* [n], in table order                                    */
+    entry** by_offset; /* [n], in file order: the order the tensors are read     */
+    uint8_t** data;    /* [n]: entry i's bytes (tl_alloc), owned until build_views */
+} table;
+
+static void table_free(table* t) {
+    for (size_t i = 0; t->data && i < t->n; i++) tl_free(t->data[i]);
+    tl_free(t->data);
+    tl_free(t->by_offset);
+    tl_free(t->entries);
+    memset(t, 0, sizeof *t);
+}
+
 static int by_name(const void* a, const void* b) {
     const entry* x = *(const entry* const*)a;
     const entry* y = *(const entry* const*)b;
@@ -311,10 +397,10 @@ static tl_status parse_entry(const uint8_t* raw, size_t i, uint64_t data_offset,
     return TL_OK;
 }
 
-/* Table bounds, every entry, and overlaps. On success *entries_out (owned) holds n entries. */
-static tl_status parse_table(const uint8_t* bytes, uint64_t file_bytes, uint64_t n_tensors,
-                             uint64_t table_offset, uint64_t data_offset, entry** entries_out) {
-    *entries_out = NULL;
+/* Table bounds, every entry (read from the file here), and overlaps. On success t holds the
+ * n entries in both orders, with no data yet. */
+static tl_status parse_table(reader* r, uint64_t file_bytes, uint64_t n_tensors, uint64_t table_offset,
+                             uint64_t data_offset, table* t) {
     if (table_offset != HEADER_BYTES)
         return bad("table_offset: must be %d, got %llu", HEADER_BYTES, (unsigned long long)table_offset);
     const uint64_t table_end = table_offset + ENTRY_BYTES * n_tensors; /* n_tensors < 2^32 */
@@ -328,27 +414,31 @@ static tl_status parse_table(const uint8_t* bytes, uint64_t file_bytes, uint64_t
         return bad("data_offset: must be >= %llu (end of the tensor table), got %llu",
                    (unsigned long long)table_end, (unsigned long long)data_offset);
     const size_t n = (size_t)n_tensors;
-    entry* entries = tl_alloc_zeroed(n ? n : 1, sizeof(entry));
-    entry** order = tl_alloc_zeroed(n ? n : 1, sizeof(entry*));
+    t->n = n;
+    t->entries = tl_alloc_zeroed(n ? n : 1, sizeof(entry));
+    t->by_offset = tl_alloc_zeroed(n ? n : 1, sizeof(entry*));
+    t->data = tl_alloc_zeroed(n ? n : 1, sizeof(uint8_t*));
+    uint8_t* raw = tl_alloc(n ? ENTRY_BYTES * n : 1);
     uint8_t* dup = tl_alloc_zeroed(n ? n : 1, 1);
+    entry** order = t->by_offset;
     tl_status st = TL_OK;
-    if (!entries || !order || !dup) {
+    if (!t->entries || !t->by_offset || !t->data || !raw || !dup) {
         st = tl_fail_oom("tensor table");
         goto done;
     }
+    st = read_kept(r, raw, ENTRY_BYTES * n);
+    if (st != TL_OK) goto done;
     /* duplicates: sort by (name, index); every later member of a run is a duplicate */
     for (size_t i = 0; i < n; i++) {
-        const uint8_t* raw = bytes + table_offset + (uint64_t)i * ENTRY_BYTES;
-        memcpy(entries[i].name, raw, 48); /* entries[i].name[48] stays 0 */
-        entries[i].index = i;
-        order[i] = &entries[i];
+        memcpy(t->entries[i].name, raw + ENTRY_BYTES * i, 48); /* entries[i].name[48] stays 0 */
+        t->entries[i].index = i;
+        order[i] = &t->entries[i];
     }
     qsort(order, n, sizeof *order, by_name);
     for (size_t i = 1; i < n; i++)
         if (strcmp(order[i]->name, order[i - 1]->name) == 0) dup[order[i]->index] = 1;
     for (size_t i = 0; i < n && st == TL_OK; i++)
-        st = parse_entry(bytes + table_offset + (uint64_t)i * ENTRY_BYTES, i, data_offset,
-                         file_bytes, dup[i], &entries[i]);
+        st = parse_entry(raw + ENTRY_BYTES * i, i, data_offset, file_bytes, dup[i], &t->entries[i]);
     if (st != TL_OK) goto done;
     qsort(order, n, sizeof *order, by_span);
     for (size_t i = 1; i < n; i++)
@@ -356,13 +446,24 @@ static tl_status parse_table(const uint8_t* bytes, uint64_t file_bytes, uint64_t
             st = bad("tensors '%s' and '%s' overlap", order[i - 1]->name, order[i]->name);
             goto done;
         }
-    *entries_out = entries;
-    entries = NULL;
 done:
-    tl_free(entries);
-    tl_free(order);
+    tl_free(raw);
     tl_free(dup);
     return st;
+}
+
+/* The rest of the file, in file order: each tensor of t into its own allocation (t->data),
+ * the bytes between them summed only. t == NULL: every byte summed only. */
+static tl_status read_tensors(reader* r, table* t) {
+    for (size_t k = 0; t && k < t->n; k++) {
+        const entry* e = t->by_offset[k];
+        TRY(read_skipped(r, e->offset - r->pos));
+        uint8_t* data = tl_alloc((size_t)(e->end - e->offset));
+        if (!data) return tl_fail_oom("tensor data");
+        t->data[e->index] = data;
+        TRY(read_kept(r, data, e->end - e->offset));
+    }
+    return read_skipped(r, r->size - r->pos);
 }
 
 /* ---- required set and values ------------------------------------------------------------ */
@@ -373,12 +474,11 @@ static int by_required_name(const void* a, const void* b) {
 
 /* Every entry must be required with the right dtype and shape; every required one present.
  * `sorted` is a name-sorted copy of `req` used for lookups. */
-static tl_status check_layout(const entry* entries, size_t n, required* req, size_t n_req,
-                              required* sorted) {
+static tl_status check_layout(const table* t, required* req, size_t n_req, required* sorted) {
     memcpy(sorted, req, n_req * sizeof *req);
     qsort(sorted, n_req, sizeof *sorted, by_required_name);
-    for (size_t i = 0; i < n; i++) {
-        const entry* e = &entries[i];
+    for (size_t i = 0; i < t->n; i++) {
+        const entry* e = &t->entries[i];
         required key;
         memcpy(key.name, e->name, sizeof key.name);
         key.name[47] = 0; /* names are NUL-terminated within 48 bytes (checked) */
@@ -406,12 +506,12 @@ static int ends_with(const char* s, const char* suffix) {
     return n >= m && strcmp(s + n - m, suffix) == 0;
 }
 
-static tl_status check_values(const uint8_t* bytes, const entry* entries, const required* req,
-                              size_t n_req, const tl_config* c) {
+/* The value rules, on the tensors' copies. */
+static tl_status check_values(const table* t, const required* req, size_t n_req, const tl_config* c) {
     for (size_t i = 0; i < n_req; i++) {
-        const entry* e = &entries[req[i].entry];
+        const entry* e = &t->entries[req[i].entry];
         const uint64_t count = (e->end - e->offset) / dtype_bytes(e->dtype);
-        const uint8_t* data = bytes + e->offset;
+        const uint8_t* data = t->data[req[i].entry];
         if (ends_with(e->name, ".s")) {
             for (uint64_t k = 0; k < count; k++) {
                 float v = rd_f32(data + 4 * k);
@@ -441,32 +541,36 @@ static tl_status check_values(const uint8_t* bytes, const entry* entries, const 
 
 /* ---- views -------------------------------------------------------------------------------- */
 
-static tl_status build_views(const uint8_t* bytes, const entry* entries, const required* req,
-                             tl_file* f) {
+/* Move the copy of required tensor r out of the table. */
+static const void* take(table* t, const required* r) {
+    uint8_t* data = t->data[r->entry];
+    t->data[r->entry] = NULL;
+    return data;
+}
+
+static tl_status build_views(table* t, const required* req, tl_file* f) {
     const tl_config* c = &f->cfg;
-    size_t r = 0;
-#define NEXT_PTR() ((const void*)(bytes + entries[req[r++].entry].offset))
-    f->emb_w = NEXT_PTR();
-    f->emb_s = NEXT_PTR();
-    f->rope_cos = NEXT_PTR();
-    f->rope_sin = NEXT_PTR();
     f->n_linears = (size_t)(c->n_pre_blocks + 1) * TL_PARTS + 1;
     f->linears = tl_alloc_zeroed(f->n_linears, sizeof *f->linears);
     if (!f->linears) return tl_fail_oom("linear views");
+    size_t r = 0;
+    f->emb_w = take(t, &req[r++]);
+    f->emb_s = take(t, &req[r++]);
+    f->rope_cos = take(t, &req[r++]);
+    f->rope_sin = take(t, &req[r++]);
     char prefix[40];
     for (size_t i = 0; i < n_linears_of(c); i++) {
         tl_linear_src* L = &f->linears[i];
         linear_shape(c, i, prefix, sizeof prefix, &L->rows, &L->cols);
         if (c->weight_format == TL_FORMAT_INT8) {
-            L->w8 = NEXT_PTR();
+            L->w8 = take(t, &req[r++]);
         } else {
             L->group_size = c->group_size;
-            L->w4 = NEXT_PTR();
-            L->mult = NEXT_PTR();
+            L->w4 = take(t, &req[r++]);
+            L->mult = take(t, &req[r++]);
         }
-        L->scale = NEXT_PTR();
+        L->scale = take(t, &req[r++]);
     }
-#undef NEXT_PTR
     if (c->tied_head) {
         tl_linear_src* head = &f->linears[f->n_linears - 1];
         head->rows = c->vocab_size;
@@ -479,49 +583,60 @@ static tl_status build_views(const uint8_t* bytes, const entry* entries, const r
 
 /* ---- entry point ---------------------------------------------------------------------------- */
 
-static tl_status validate(tl_file* f) {
-    const uint8_t* b = f->bytes;
-    const uint64_t size = f->n_bytes;
+/* The structure, which says where the bytes go: the config, the table (read here) and the
+ * tensor set. On success *req (owned) holds the *n_req required tensors, each with its entry. */
+static tl_status parse_structure(reader* r, const uint8_t* h, tl_config* c, table* t, required** req,
+                                 size_t* n_req) {
+    TRY(parse_config(h, c));
+    TRY(parse_table(r, r->size, rd_u32(h + 28), rd_u64(h + 32), rd_u64(h + 40), t));
+    const size_t cap = 4 + 3 * n_linears_of(c);
+    *req = tl_alloc_zeroed(2 * cap, sizeof **req);
+    if (!*req) return tl_fail_oom("required tensor list");
+    *n_req = required_tensors(c, *req);
+    return check_layout(t, *req, *n_req, *req + cap);
+}
+
+static tl_status validate(reader* r, tl_file* f) {
+    const uint64_t size = r->size;
     if (size < HEADER_BYTES)
         return bad("file too small: %llu bytes < %d-byte header", (unsigned long long)size, HEADER_BYTES);
-    if (memcmp(b, "TINYLOOP", 8) != 0) return bad("bad magic, expected \"TINYLOOP\"");
-    if (rd_u32(b + 8) != 1) return bad("version: unsupported %u, expected 1", rd_u32(b + 8));
-    if (rd_u32(b + 12) != HEADER_BYTES)
-        return bad("header_bytes: must be %d, got %u", HEADER_BYTES, rd_u32(b + 12));
-    const uint64_t file_bytes = rd_u64(b + 16);
+    uint8_t h[HEADER_BYTES];
+    TRY(read_header(r, h));
+    if (memcmp(h, "TINYLOOP", 8) != 0) return bad("bad magic, expected \"TINYLOOP\"");
+    if (rd_u32(h + 8) != 1) return bad("version: unsupported %u, expected 1", rd_u32(h + 8));
+    if (rd_u32(h + 12) != HEADER_BYTES)
+        return bad("header_bytes: must be %d, got %u", HEADER_BYTES, rd_u32(h + 12));
+    const uint64_t file_bytes = rd_u64(h + 16);
     if (file_bytes != size)
         return bad("file_bytes: header says %llu, file has %llu bytes", (unsigned long long)file_bytes,
                    (unsigned long long)size);
-    const uint8_t zero[4] = {0, 0, 0, 0};
-    uint32_t crc = tl_crc32(0, b, CHECKSUM_AT);
-    crc = tl_crc32(crc, zero, 4);
-    crc = tl_crc32(crc, b + CHECKSUM_AT + 4, size - CHECKSUM_AT - 4);
-    if (crc != rd_u32(b + CHECKSUM_AT))
-        return bad("checksum mismatch: header 0x%08x, computed 0x%08x", rd_u32(b + CHECKSUM_AT), crc);
-    TRY(parse_config(b, &f->cfg));
 
-    entry* entries = NULL;
-    TRY(parse_table(b, file_bytes, rd_u32(b + 28), rd_u64(b + 32), rd_u64(b + 40), &entries));
-    const size_t n_entries = rd_u32(b + 28);
-    const size_t cap = 4 + 3 * n_linears_of(&f->cfg);
-    required* req = tl_alloc_zeroed(2 * cap, sizeof *req);
-    tl_status st = req ? TL_OK : tl_fail_oom("required tensor list");
+    table t = {0};
+    required* req = NULL;
     size_t n_req = 0;
-    if (st == TL_OK) {
-        n_req = required_tensors(&f->cfg, req);
-        st = check_layout(entries, n_entries, req, n_req, req + cap);
+    tl_status st = parse_structure(r, h, &f->cfg, &t, &req, &n_req);
+    /* The checksum rule comes before the structure's but needs every byte: read the rest, then
+     * report the structure's broken rule, kept aside, only if the checksum holds. */
+    char broken[512] = ""; /* as long as tl_last_error()'s buffer */
+    if (st == TL_ERR_BAD_FILE) snprintf(broken, sizeof broken, "%s", tl_last_error());
+    if (st == TL_OK || st == TL_ERR_BAD_FILE) {
+        const tl_status io = read_tensors(r, st == TL_OK ? &t : NULL);
+        if (io != TL_OK) st = io;
+        else if (r->crc != rd_u32(h + CHECKSUM_AT))
+            st = bad("checksum mismatch: header 0x%08x, computed 0x%08x", rd_u32(h + CHECKSUM_AT), r->crc);
+        else if (st != TL_OK) st = tl_fail(st, "%s", broken);
     }
-    if (st == TL_OK) st = check_values(b, entries, req, n_req, &f->cfg);
+    if (st == TL_OK) st = check_values(&t, req, n_req, &f->cfg);
     if (st == TL_OK) {
         for (int k = 184; k < HEADER_BYTES; k++)
-            if (b[k]) {
+            if (h[k]) {
                 st = bad("reserved: header bytes 184 .. 255 must be zero");
                 break;
             }
     }
-    if (st == TL_OK && rd_u32(b + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(b + 116));
-    if (st == TL_OK) st = build_views(b, entries, req, f);
-    tl_free(entries);
+    if (st == TL_OK && rd_u32(h + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(h + 116));
+    if (st == TL_OK) st = build_views(&t, req, f);
+    table_free(&t);
     tl_free(req);
     return st;
 }
@@ -536,24 +651,48 @@ tl_status tl_file_open(const char* path, tl_file* out) {
         close(fd);
         return tl_fail(TL_ERR_IO, "cannot read '%s': not a regular file", path);
     }
-    out->n_bytes = (size_t)sb.st_size;
-    if (out->n_bytes < HEADER_BYTES) {
-        close(fd);
-        out->n_bytes = (size_t)sb.st_size;
-        return validate(out); /* reports "file too small" without mapping */
-    }
-    void* map = mmap(NULL, out->n_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-    int map_errno = errno;
+    (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL); /* a hint for the one front-to-back read */
+    reader r = {fd, path, (uint64_t)sb.st_size, 0, 0, NULL};
+    tl_status st = validate(&r, out);
+    tl_free(r.scratch);
     close(fd);
-    if (map == MAP_FAILED) return tl_fail(TL_ERR_IO, "cannot map '%s': %s", path, strerror(map_errno));
-    out->bytes = map;
-    tl_status st = validate(out);
     if (st != TL_OK) tl_file_close(out);
     return st;
 }
 
+/* ---- ownership ------------------------------------------------------------------------------ */
+
+static int is_tied_head(const tl_file* f, size_t i) { return f->cfg.tied_head && i + 1 == f->n_linears; }
+
+static size_t held(const void* p) { return p ? tl_alloc_size(p) : 0; }
+
+void tl_file_release_linear(tl_file* f, size_t i) {
+    if (is_tied_head(f, i)) return;
+    tl_linear_src* L = &f->linears[i];
+    tl_free((void*)L->w8);
+    tl_free((void*)L->w4);
+    tl_free((void*)L->mult);
+    tl_free((void*)L->scale);
+    L->w8 = NULL;
+    L->w4 = L->mult = NULL;
+    L->scale = NULL;
+}
+
+size_t tl_file_held_bytes(const tl_file* f) {
+    size_t bytes = held(f->emb_w) + held(f->emb_s) + held(f->rope_cos) + held(f->rope_sin);
+    for (size_t i = 0; f->linears && i < f->n_linears; i++) {
+        const tl_linear_src* L = &f->linears[i];
+        if (!is_tied_head(f, i)) bytes += held(L->w8) + held(L->w4) + held(L->mult) + held(L->scale);
+    }
+    return bytes;
+}
+
 void tl_file_close(tl_file* f) {
-    if (f->bytes) munmap((void*)f->bytes, f->n_bytes);
+    for (size_t i = 0; f->linears && i < f->n_linears; i++) tl_file_release_linear(f, i);
     tl_free(f->linears);
+    tl_free((void*)f->emb_w);
+    tl_free((void*)f->emb_s);
+    tl_free((void*)f->rope_cos);
+    tl_free((void*)f->rope_sin);
     memset(f, 0, sizeof *f);
 }

@@ -52,7 +52,7 @@ tl_status tl_file_open(const char* path, tl_file* out);
  * stays. */
 void tl_file_release_linear(tl_file* file, size_t i);
 /* Bytes of tensors the file still holds. */
-size_t tl_file_bytes(const tl_file* file);
+size_t tl_file_held_bytes(const tl_file* file);
 void tl_file_close(tl_file* file);
 
 #endif

@@ -30,7 +30,7 @@ typedef struct tl_acts {
 
 /* A linear prepared for one kernel path. */
 typedef struct tl_linear {
-    tl_linear_src src;     /* the file's layout (always kept; the scalar path reads it) */
+    tl_linear_src src;     /* the file's shape; its weights only where tl_linear_reads_src */
     tl_isa isa;            /* path that runs this linear                                 */
     uint32_t tile_rows;    /* rows per packed tile: 8 (AVX2) or 16 (AVX-512)             */
     uint32_t rows_padded;  /* R rounded up to tile_rows                                  */
@@ -44,6 +44,9 @@ typedef struct tl_linear {
 /* Repack `src` for `isa` (an int4 linear whose group size is not a multiple of 8 runs on the
  * scalar path). On failure nothing is allocated. */
 tl_status tl_linear_prepare(tl_linear* out, const tl_linear_src* src, tl_isa isa);
+/* Whether the prepared linear still reads the weights of its source (the scalar path runs on
+ * the file's layout); when it does not, the caller may free them (tl_file_release_linear). */
+static inline bool tl_linear_reads_src(const tl_linear* lin) { return lin->isa == TL_ISA_SCALAR; }
 void tl_linear_release(tl_linear* lin);
 size_t tl_linear_bytes(const tl_linear* lin);
 

@@ -91,6 +91,9 @@ tl_status tl_linear_prepare(tl_linear* L, const tl_linear_src* src, tl_isa isa) 
     memcpy(L->scale, src->scale, src->rows * sizeof(float));
     if (src->group_size) pack_int4(L);
     else pack_int8(L);
+    L->src.w8 = NULL; /* the SIMD kernels read the packed form only: the source may go */
+    L->src.w4 = L->src.mult = NULL;
+    L->src.scale = NULL;
     return TL_OK;
 }
 
