@@ -1,7 +1,8 @@
 """Reader and writer of the `.tinyloop` model file, version 1 (docs/spec.md §6).
 
 `encode_model` / `save_model` write a file; `decode_model` / `load_model` read one back as
-read-only numpy arrays viewing the bytes (no copy; `load_model` maps the file). Writer and reader
+read-only numpy arrays viewing the bytes (`load_model` reads the file once into memory of its own,
+so a later change to the file changes nothing, as in libtinyloop). Writer and reader
 apply the same tensor checks. The reader checks every rule of §6 in one fixed order and raises
 ModelFormatError naming the first rule broken, whatever the input bytes: sizes and offsets are
 Python ints (no overflow), and no byte outside the buffer is read or allocated for.
@@ -9,7 +10,6 @@ Python ints (no overflow), and no byte outside the buffer is read or allocated f
 Not here: quantization, or any interpretation of the weights.
 """
 import math
-import mmap
 import os
 import secrets
 import struct
@@ -117,15 +117,13 @@ def _align(n):
 # ---- reader ------------------------------------------------------------------------------
 
 def load_model(path):
-    """(config, tensors) of the file at `path`, tensors viewing a read-only mapping of it.
+    """(config, tensors) of the file at `path`, tensors viewing a private copy of its bytes.
 
-    The mapping lives as long as any of the arrays.
+    The file is read once and never again: it may be rewritten, truncated or deleted afterwards
+    (a mapping would let that change validated weights under a running model, or fault).
     """
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < HEADER_BYTES:   # mmap refuses an empty file
-            return decode_model(f.read())
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return decode_model(mapping)
+        return decode_model(f.read())
 
 
 def decode_model(buf):
