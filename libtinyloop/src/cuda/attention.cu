@@ -1,5 +1,5 @@
 /* attention.cu — exact two-pass attention (docs/spec.md §4.1) over the paged device KV cache,
- * one thread block per (row, query head), matching attention.c's tl_attend bit for bit:
+ * matching attention.c's tl_attend bit for bit. Per (row, query head):
  *
  *   (qq, sq) = Q8(qh);  c = sq / sqrt((f32)D)
  *   pass 1   S_j = ((f32)(qq . kq_j) * c) * sk_j for every visible key (a thread per key),
@@ -11,16 +11,31 @@
  *            into contiguous ranges, then the partial sums add exactly),
  *            o_d = ((f32)num_d / (f32)den) * svmax
  *
- * Every sum is an exact integer and every maximum is over NaN-free partial maxima, so the
- * split over threads cannot change a bit. Visible keys are positions lo .. pos (lo = pos + 1 - W
+ * Two launch shapes, by tl_cu_attention_splits:
+ *   - one block per (row, head) runs the three passes over all its keys (prefill: T * H blocks
+ *     already fill the device);
+ *   - split (decode: a few rows leave most SMs idle with one block per (row, head)): n blocks per
+ *     (row, head), block i over the i-th contiguous range of its keys. split_scores_kernel runs
+ *     pass 1 on its range and stores its partial maxima; split_sums_kernel merges every range's
+ *     maxima into M and svmax, then runs passes 2 and 3 on its range and stores the partial
+ *     integer sums; split_merge_kernel adds those and divides. attention_split.h holds that
+ *     arithmetic (shared with a CPU test) and says why the result is the unsplit one bit for bit:
+ *     maxima of NaN-free partial maxima and exact integer sums do not depend on the partition.
+ *
+ * Every sum is an exact integer and every maximum is over NaN-free partial maxima, so the split
+ * over threads or blocks cannot change a bit. Visible keys are positions lo .. pos (lo = pos + 1 - W
  * with a window W, else 0); key k = j - lo lives in the row's span holding j, slot j - start.
- * The per-key S_j (then U_j, as bits) go to scratch `scores` [rows][H][max_keys].
+ * The per-key S_k (then U_k, as bits) go to scratch `scores` [rows][H][key_stride].
  * Cache layout per (layer, kv head): kq [bs][D] i8, vq [bs][D] i8, sk [bs] f32, sv [bs] f32. */
 #include "common.cuh"
+#include "cuda/attention_split.h"
 
 enum {
     ATT_THREADS = 256,
     ATT_MAX_D = 1024,
+    MERGE_THREADS = 128,
+    MAX_SPLITS = 16,    /* key ranges per (row, head), at most                                  */
+    SPLIT_FILL = 2,     /* split until the launch has this many blocks per SM                   */
     SCORE_CAP_BYTES = 256 << 20 /* scores scratch: rows go in chunks that fit                  */
 };
 
@@ -133,20 +148,20 @@ static __device__ __forceinline__ int value_at(const value_words<CW>& v, int b) 
     else return (int8_t)(v.w[b / 4] >> (8 * (b % 4))); /* byte b % 4 of word b / 4 (little-endian) */
 }
 
-/* Pass 3: num_d = Σ_k U_k * vq_kd exactly, then o_d = ((f32)num_d / (f32)den) * svmax.
- * Thread = (column unit u: CW bytes of d, key lane gl); lane gl takes a contiguous range of
- * keys, walked span segment by span segment, four keys' loads in flight at a time. The lanes'
- * i64 partial sums meet in `part` ([ATT_THREADS * 8]) and are added in lane order. */
-template <int CW>
-static __device__ void accumulate_values(const key_finder& f, const float* sc, uint32_t lo, int nvis, int D,
-                                         float fden, float svmax, float* o, long long* part) {
+/* Pass 3 over keys [kb, ke): num_d = Σ_k U_k * vq_kd exactly, handed to emit(d, num_d) for
+ * every d < D. Thread = (column unit u: CW bytes of d, key lane gl); lane gl takes a contiguous
+ * part of the range, walked span segment by span segment, four keys' loads in flight at a time.
+ * The lanes' i64 partial sums meet in `part` ([ATT_THREADS * 8]) and are added in lane order. */
+template <int CW, typename Emit>
+static __device__ void accumulate_values(const key_finder& f, const float* sc, uint32_t lo, uint32_t kb,
+                                         uint32_t ke, int D, long long* part, Emit emit) {
     const int tid = threadIdx.x;
     const int nc = D / CW;
     const int ncu = nc < ATT_THREADS ? nc : ATT_THREADS;
     const int ng = ATT_THREADS / ncu;
     const int u = tid % ncu, gl = tid / ncu;
-    const int per = (nvis + ng - 1) / ng;
-    const int k0 = gl * per, k1 = k0 + per < nvis ? k0 + per : nvis;
+    const uint32_t per = (ke - kb + ng - 1) / ng;
+    const uint32_t k0 = kb + (uint32_t)gl * per, k1 = k0 + per < ke ? k0 + per : ke;
     const size_t bsD = (size_t)f.block_size * D;
     for (int u0 = 0; u0 < nc; u0 += ncu) {
         const int col = u0 + u;
@@ -156,8 +171,8 @@ static __device__ void accumulate_values(const key_finder& f, const float* sc, u
         if (gl < ng && col < nc && k0 < k1) {
             key_cursor cur;
             cursor_init(&cur);
-            const uint32_t jend = lo + (uint32_t)k1;
-            for (uint32_t j = lo + (uint32_t)k0; j < jend;) {
+            const uint32_t jend = lo + k1;
+            for (uint32_t j = lo + k0; j < jend;) {
                 const int8_t* base;
                 uint32_t slot;
                 if (!find_key(f, &cur, j, &base, &slot)) {
@@ -201,131 +216,317 @@ static __device__ void accumulate_values(const key_finder& f, const float* sc, u
             const int cu = e / CW, b = e % CW;
             long long num = 0;
             for (int l = 0; l < ng; l++) num += part[(size_t)(l * ncu + cu) * CW + b];
-            o[(size_t)u0 * CW + e] = ((float)num / fden) * svmax;
+            emit(u0 * CW + e, num);
         }
         __syncthreads(); /* part is rewritten by the next round */
     }
 }
 
-/* Block r_local * H + h: query head h of row row0 + r_local. */
-static __global__ void __launch_bounds__(ATT_THREADS, 3)
-attention_kernel(const tl_cuda_row* rows, const tl_cuda_span* spans, size_t row0, const float* qkv, size_t qkv_dim,
-                 float* out, size_t out_stride, float* scores, uint32_t max_keys, int H, int G, int D,
-                 uint32_t layer, uint32_t block_size, size_t head_bytes) {
-    __shared__ __align__(16) int8_t qq[ATT_MAX_D];
-    __shared__ long long part[ATT_THREADS * 8];
-    __shared__ float shf[32];
-    __shared__ long long sh64[32];
-    const int tid = threadIdx.x;
-    const size_t r = row0 + blockIdx.x / (unsigned)H;
-    const int h = (int)(blockIdx.x % (unsigned)H);
-    const tl_cuda_row row = rows[r];
-    const uint32_t pos = row.pos;
-    const uint32_t lo = (row.window && pos + 1 > row.window) ? pos + 1 - row.window : 0;
-    const int nvis = (int)(pos - lo + 1);
-    const int g = h / (H / G);
-    float* o = out + r * out_stride + (size_t)h * D;
-    float* sc = scores + (size_t)blockIdx.x * max_keys;
+/* What every attention launch reads: the rows of a chunk starting at row0 and where each
+ * (row, head) block puts its results. Block index hi (blockIdx.x) = row-local r * H + h. */
+typedef struct att_args {
+    const tl_cuda_row* rows;
+    const tl_cuda_span* spans;
+    size_t row0;
+    const float* qkv;       /* [T][qkv_dim], rotated query heads first                  */
+    size_t qkv_dim;
+    float* out;             /* [T][out_stride]                                          */
+    size_t out_stride;
+    float* scores;          /* [heads][key_stride]                                      */
+    uint32_t key_stride;
+    int H, G, D;
+    uint32_t layer, block_size;
+    size_t head_bytes;
+    /* split launches only: grid (heads, n_splits) */
+    uint32_t n_splits;
+    tl_att_max* maxima;     /* [heads][n_splits]                                        */
+    tl_att_sum* sums;       /* [heads][n_splits]                                        */
+    int64_t* nums;          /* [heads][n_splits][D]                                     */
+} att_args;
 
-    /* (qq, sq) = Q8(qh); qq zero-padded to a multiple of 16 bytes */
-    const int Dpad = (D + 15) & ~15;
-    for (int i = D + tid; i < Dpad; i += ATT_THREADS) qq[i] = 0;
-    int unused;
-    const float sq = tl_cu_block_q8(qkv + r * qkv_dim + (size_t)h * D, D, qq, &unused, shf);
-    const float c = sq / sqrtf((float)D);
-    __syncthreads(); /* qq complete */
-
-    /* the row's spans; first = the last span starting at or before lo */
+/* The (row, head) of block index hi and the keys it sees. */
+typedef struct head_view {
+    size_t r;               /* row                                                      */
+    int h;                  /* query head                                               */
+    uint32_t lo, nvis;      /* visible keys: positions lo .. lo + nvis - 1              */
     key_finder f;
-    f.sp = spans + row.first_span;
+} head_view;
+
+static __device__ head_view view_of(const att_args& a, unsigned hi) {
+    head_view v;
+    v.r = a.row0 + hi / (unsigned)a.H;
+    v.h = (int)(hi % (unsigned)a.H);
+    const tl_cuda_row row = a.rows[v.r];
+    v.lo = (row.window && row.pos + 1 > row.window) ? row.pos + 1 - row.window : 0;
+    v.nvis = row.pos - v.lo + 1;
+    /* the row's spans; first = the last span starting at or before lo */
+    key_finder& f = v.f;
+    f.sp = a.spans + row.first_span;
     f.n = (int)row.n_spans;
-    f.block_size = block_size;
-    f.head_off = ((size_t)layer * G + g) * head_bytes;
+    f.block_size = a.block_size;
+    f.head_off = ((size_t)a.layer * a.G + v.h / (a.H / a.G)) * a.head_bytes;
     f.first = 0;
-    for (int a = 0, b = f.n - 1; a <= b;) {
-        const int mid = (a + b) / 2;
-        if (f.sp[mid].start <= lo) {
+    for (int l = 0, u = f.n - 1; l <= u;) {
+        const int mid = (l + u) / 2;
+        if (f.sp[mid].start <= v.lo) {
             f.first = mid;
-            a = mid + 1;
+            l = mid + 1;
         } else {
-            b = mid - 1;
+            u = mid - 1;
         }
     }
     f.first_start = f.n > 0 ? f.sp[f.first].start : 0;
-    const size_t bsD = (size_t)block_size * D;
+    return v;
+}
 
-    /* pass 1: scores, M, svmax */
+/* Block index hi's output head: out [row][h * D ..). */
+static __device__ float* out_of(const att_args& a, unsigned hi) {
+    return a.out + (a.row0 + hi / (unsigned)a.H) * a.out_stride + (size_t)(hi % (unsigned)a.H) * a.D;
+}
+
+/* (qq, sq) = Q8 of the block's query head into shared qq, zero-padded to a multiple of 16 bytes;
+ * returns c = sq / sqrt(D) once qq is complete. */
+static __device__ float quantize_query(const att_args& a, const head_view& v, int8_t* qq, float* shf) {
+    const int D = a.D, Dpad = (D + 15) & ~15;
+    for (int i = D + threadIdx.x; i < Dpad; i += ATT_THREADS) qq[i] = 0;
+    int unused;
+    const float sq = tl_cu_block_q8(a.qkv + v.r * a.qkv_dim + (size_t)v.h * D, D, qq, &unused, shf);
+    __syncthreads(); /* qq complete */
+    return sq / sqrtf((float)D);
+}
+
+/* Pass 1 over keys [k0, k1): S_k into sc[k]; the block's NaN-ignoring maxima of S and sv (to
+ * every thread; -inf for an empty range). */
+static __device__ tl_att_max scores_pass(const head_view& v, const int8_t* qq, float c, int D, uint32_t k0,
+                                         uint32_t k1, float* sc, float* shf) {
+    const size_t bsD = (size_t)v.f.block_size * D;
     float m_part = -INFINITY, sv_part = -INFINITY;
     key_cursor cur;
     cursor_init(&cur);
-    for (int k = tid; k < nvis; k += ATT_THREADS) {
+    for (uint32_t k = k0 + threadIdx.x; k < k1; k += ATT_THREADS) {
         const int8_t* base;
         uint32_t slot;
-        if (!find_key(f, &cur, lo + (uint32_t)k, &base, &slot)) continue;
+        if (!find_key(v.f, &cur, v.lo + k, &base, &slot)) continue;
         const float* sk = (const float*)(base + 2 * bsD);
         const int dot = dot_key(qq, base + (size_t)slot * D, D);
         const float s = ((float)dot * c) * sk[slot];
         sc[k] = s;
         m_part = tl_fmax(m_part, s);
-        sv_part = tl_fmax(sv_part, sk[block_size + slot]);
+        sv_part = tl_fmax(sv_part, sk[v.f.block_size + slot]);
     }
-    const float M = tl_cu_block_max(m_part, shf);
-    const float svmax = tl_cu_block_max(sv_part, shf);
-    if (!(svmax > 0.0f)) { /* every visible value row is zero (uniform over the block) */
-        for (int d = tid; d < D; d += ATT_THREADS) o[d] = 0.0f;
-        return;
-    }
+    tl_att_max r;
+    r.m = tl_cu_block_max(m_part, shf);
+    r.svmax = tl_cu_block_max(sv_part, shf);
+    return r;
+}
 
-    /* pass 2: E_j into den, U_j (as bits) over S_j */
-    const float kappa = 16777216.0f / svmax; /* 2^24 / svmax */
+/* Pass 2 over keys [k0, k1): U_k (as bits) over S_k in sc; returns the block's Σ E_k and sets
+ * *nan when some U_k is NaN (both to every thread; the barrier also publishes every U_k). */
+static __device__ long long weights_pass(const head_view& v, float M, float kappa, int D, uint32_t k0,
+                                         uint32_t k1, float* sc, long long* sh64, bool* nan) {
+    const size_t bsD = (size_t)v.f.block_size * D;
     long long den_part = 0;
     bool nan_part = false;
+    key_cursor cur;
     cursor_init(&cur);
-    for (int k = tid; k < nvis; k += ATT_THREADS) {
+    for (uint32_t k = k0 + threadIdx.x; k < k1; k += ATT_THREADS) {
         const int8_t* base;
         uint32_t slot;
-        if (!find_key(f, &cur, lo + (uint32_t)k, &base, &slot)) continue;
-        const float sv = ((const float*)(base + 2 * bsD))[block_size + slot];
-        const float e = tl_exp2s((sc[k] - M) * TL_LOG2E);
-        den_part += (long long)tl_rint(e * 16777216.0f); /* E_j = rint(e_j * 2^24) <= 2^24 */
-        const float uf = tl_rint(e * (sv * kappa));      /* <= 2^24 + 2, or NaN if sv = inf */
-        nan_part |= uf != uf;
-        sc[k] = __int_as_float(uf == uf ? (int)uf : 0);
+        if (!find_key(v.f, &cur, v.lo + k, &base, &slot)) continue;
+        const float sv = ((const float*)(base + 2 * bsD))[v.f.block_size + slot];
+        int32_t u;
+        den_part += tl_att_weight(sc[k], M, sv, kappa, &u, &nan_part);
+        sc[k] = __int_as_float(u);
     }
     const long long den = tl_cu_block_sum(den_part, sh64);
-    if (__syncthreads_or(nan_part)) { /* also publishes every U_j to the block */
-        for (int d = tid; d < D; d += ATT_THREADS) o[d] = __int_as_float(0x7fc00000); /* C's NAN */
+    *nan = __syncthreads_or(nan_part) != 0;
+    return den;
+}
+
+/* Pass 3 over keys [k0, k1), by the widest column unit D allows. */
+template <typename Emit>
+static __device__ void values_pass(const head_view& v, const float* sc, int D, uint32_t k0, uint32_t k1,
+                                   long long* part, Emit emit) {
+    if ((D & 7) == 0) accumulate_values<8>(v.f, sc, v.lo, k0, k1, D, part, emit);
+    else if ((D & 3) == 0) accumulate_values<4>(v.f, sc, v.lo, k0, k1, D, part, emit);
+    else accumulate_values<2>(v.f, sc, v.lo, k0, k1, D, part, emit);
+}
+
+static __device__ void fill(float* o, int D, float value) {
+    for (int d = threadIdx.x; d < D; d += blockDim.x) o[d] = value;
+}
+
+static __device__ __forceinline__ float c_nan() { return __int_as_float(0x7fc00000); } /* C's NAN */
+
+/* One block per (row, head): the three passes over every visible key. */
+static __global__ void __launch_bounds__(ATT_THREADS, 3) attention_kernel(const att_args a) {
+    __shared__ __align__(16) int8_t qq[ATT_MAX_D];
+    __shared__ long long part[ATT_THREADS * 8];
+    __shared__ float shf[32];
+    __shared__ long long sh64[32];
+    const head_view v = view_of(a, blockIdx.x);
+    const int D = a.D;
+    float* o = out_of(a, blockIdx.x);
+    float* sc = a.scores + (size_t)blockIdx.x * a.key_stride;
+
+    const float c = quantize_query(a, v, qq, shf);
+    const tl_att_max mx = scores_pass(v, qq, c, D, 0, v.nvis, sc, shf);
+    if (!(mx.svmax > 0.0f)) { /* every visible value row is zero (uniform over the block) */
+        fill(o, D, 0.0f);
         return;
     }
+    bool nan;
+    const long long den = weights_pass(v, mx.m, tl_att_kappa(mx.svmax), D, 0, v.nvis, sc, sh64, &nan);
+    if (nan) {
+        fill(o, D, c_nan());
+        return;
+    }
+    values_pass(v, sc, D, 0, v.nvis, part, [&](int d, long long num) { o[d] = tl_att_output(num, den, mx.svmax); });
+}
 
-    /* pass 3: num_d, then o_d */
-    const float fden = (float)den;
-    if ((D & 7) == 0) accumulate_values<8>(f, sc, lo, nvis, D, fden, svmax, o, part);
-    else if ((D & 3) == 0) accumulate_values<4>(f, sc, lo, nvis, D, fden, svmax, o, part);
-    else accumulate_values<2>(f, sc, lo, nvis, D, fden, svmax, o, part);
+/* Split launches, grid (heads, n_splits): block (hi, i) takes range i of (row, head) hi's keys. */
+
+/* Pass 1 on the range: its partial maxima. */
+static __global__ void __launch_bounds__(ATT_THREADS, 3) split_scores_kernel(const att_args a) {
+    __shared__ __align__(16) int8_t qq[ATT_MAX_D];
+    __shared__ float shf[32];
+    const head_view v = view_of(a, blockIdx.x);
+    const size_t at = (size_t)blockIdx.x * a.n_splits + blockIdx.y;
+    uint32_t k0, k1;
+    tl_att_split_range(v.nvis, a.n_splits, blockIdx.y, &k0, &k1);
+    const float c = quantize_query(a, v, qq, shf);
+    const tl_att_max mx = scores_pass(v, qq, c, a.D, k0, k1, a.scores + (size_t)blockIdx.x * a.key_stride, shf);
+    if (threadIdx.x == 0) a.maxima[at] = mx;
+}
+
+/* The merged maxima, then passes 2 and 3 on the range: its partial den, NaN flag and num. */
+static __global__ void __launch_bounds__(ATT_THREADS, 3) split_sums_kernel(const att_args a) {
+    __shared__ long long part[ATT_THREADS * 8];
+    __shared__ long long sh64[32];
+    const tl_att_max mx = tl_att_merge_max(a.maxima + (size_t)blockIdx.x * a.n_splits, a.n_splits);
+    if (!(mx.svmax > 0.0f)) return; /* the merge writes zeros without reading any sum */
+    const head_view v = view_of(a, blockIdx.x);
+    const size_t at = (size_t)blockIdx.x * a.n_splits + blockIdx.y;
+    uint32_t k0, k1;
+    tl_att_split_range(v.nvis, a.n_splits, blockIdx.y, &k0, &k1);
+    float* sc = a.scores + (size_t)blockIdx.x * a.key_stride;
+    bool nan;
+    const long long den = weights_pass(v, mx.m, tl_att_kappa(mx.svmax), a.D, k0, k1, sc, sh64, &nan);
+    if (threadIdx.x == 0) {
+        a.sums[at].den = den;
+        a.sums[at].nan = nan;
+    }
+    if (nan) return; /* the merge writes NaNs without reading any num */
+    int64_t* num = a.nums + at * a.D;
+    values_pass(v, sc, a.D, k0, k1, part, [&](int d, long long x) { num[d] = x; });
+}
+
+/* grid heads: the splits' sums merged, then the unsplit kernel's final step. */
+static __global__ void __launch_bounds__(MERGE_THREADS) split_merge_kernel(const att_args a) {
+    const int D = a.D;
+    const uint32_t n = a.n_splits;
+    const size_t at = (size_t)blockIdx.x * n;
+    float* o = out_of(a, blockIdx.x);
+    const tl_att_max mx = tl_att_merge_max(a.maxima + at, n);
+    if (!(mx.svmax > 0.0f)) {
+        fill(o, D, 0.0f);
+        return;
+    }
+    bool nan = false;
+    const int64_t den = tl_att_merge_den(a.sums + at, n, &nan);
+    if (nan) {
+        fill(o, D, c_nan());
+        return;
+    }
+    for (int d = threadIdx.x; d < D; d += MERGE_THREADS)
+        o[d] = tl_att_output(tl_att_merge_num(a.nums + at * D + d, n, (size_t)D), den, mx.svmax);
+}
+
+/* Byte offsets in the split scratch of `heads` (row, head)s with n splits: maxima, sums, nums. */
+static void split_layout(size_t heads, uint32_t n, size_t D, size_t* sums_at, size_t* nums_at, size_t* bytes) {
+    *sums_at = tl_cu_round_up(heads * n * sizeof(tl_att_max), 16);
+    *nums_at = *sums_at + tl_cu_round_up(heads * n * sizeof(tl_att_sum), 16);
+    *bytes = *nums_at + heads * n * D * sizeof(int64_t);
+}
+
+uint32_t tl_cu_attention_splits(const tl_cuda* c, size_t T) {
+    const size_t heads = T * c->cfg.n_heads, target = (size_t)SPLIT_FILL * (size_t)c->sm_count;
+    if (heads == 0 || heads >= target) return 1;
+    const size_t n = (target + heads - 1) / heads;
+    return n < MAX_SPLITS ? (uint32_t)n : (uint32_t)MAX_SPLITS;
+}
+
+/* The most any layer of the pass needs: a layer runs on its active rows x <= T, in launches of
+ * at most score_rows rows, split tl_cu_attention_splits(c, x) ways (1 from some x on, since the
+ * split count never grows with x). */
+size_t tl_cu_attention_split_bytes(const tl_cuda* c, size_t T, size_t score_rows) {
+    size_t most = 0;
+    for (size_t x = 1; x <= T; x++) {
+        const uint32_t n = tl_cu_attention_splits(c, x);
+        if (n == 1) break;
+        size_t sums_at, nums_at, bytes;
+        split_layout((x < score_rows ? x : score_rows) * c->cfg.n_heads, n, c->cfg.head_dim, &sums_at, &nums_at,
+                     &bytes);
+        if (bytes > most) most = bytes;
+    }
+    return most;
 }
 
 tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_span* spans, size_t T,
                           const float* qkv, float* o, uint32_t layer, uint32_t block_size, size_t head_bytes,
-                          uint32_t max_keys, float* scores, size_t score_rows) {
+                          uint32_t key_stride, float* scores, size_t score_rows, void* split_scratch) {
     const tl_config* cfg = &c->cfg;
     const size_t H = cfg->n_heads, G = cfg->n_kv_heads, D = cfg->head_dim;
+    const uint32_t n_splits = tl_cu_attention_splits(c, T);
     if (D > ATT_MAX_D || block_size == 0 || score_rows == 0)
         return tl_fail(TL_ERR_INTERNAL, "CUDA attention: unsupported geometry (D %zu, block %u)", D, block_size);
-    const size_t qkv_dim = (H + 2 * G) * D;
+    if (n_splits > 1 && !split_scratch) return tl_fail(TL_ERR_INTERNAL, "CUDA attention: no split scratch");
+    att_args a = {};
+    a.rows = rows;
+    a.spans = spans;
+    a.qkv = qkv;
+    a.qkv_dim = (H + 2 * G) * D;
+    a.out = o;
+    a.out_stride = H * D;
+    a.scores = scores;
+    a.key_stride = key_stride;
+    a.H = (int)H;
+    a.G = (int)G;
+    a.D = (int)D;
+    a.layer = layer;
+    a.block_size = block_size;
+    a.head_bytes = head_bytes;
+    a.n_splits = n_splits;
+    if (n_splits > 1) { /* the largest launch's layout; every launch of this call fits it */
+        size_t sums_at, nums_at, bytes;
+        split_layout((T < score_rows ? T : score_rows) * H, n_splits, D, &sums_at, &nums_at, &bytes);
+        a.maxima = (tl_att_max*)split_scratch;
+        a.sums = (tl_att_sum*)((char*)split_scratch + sums_at);
+        a.nums = (int64_t*)((char*)split_scratch + nums_at);
+    }
     for (size_t r0 = 0; r0 < T; r0 += score_rows) {
         const size_t n = T - r0 < score_rows ? T - r0 : score_rows;
-        attention_kernel<<<(unsigned)(n * H), ATT_THREADS, 0, c->stream>>>(
-            rows, spans, r0, qkv, qkv_dim, o, H * D, scores, max_keys, (int)H, (int)G, (int)D, layer, block_size,
-            head_bytes);
-        TL_CU_TRY(tl_cu_launched("attention kernel"));
+        const unsigned heads = (unsigned)(n * H);
+        a.row0 = r0;
+        if (n_splits == 1) {
+            attention_kernel<<<heads, ATT_THREADS, 0, c->stream>>>(a);
+            TL_CU_TRY(tl_cu_launched("attention kernel"));
+            continue;
+        }
+        const dim3 grid(heads, n_splits);
+        split_scores_kernel<<<grid, ATT_THREADS, 0, c->stream>>>(a);
+        TL_CU_TRY(tl_cu_launched("attention kernel (split scores)"));
+        split_sums_kernel<<<grid, ATT_THREADS, 0, c->stream>>>(a);
+        TL_CU_TRY(tl_cu_launched("attention kernel (split sums)"));
+        split_merge_kernel<<<heads, MERGE_THREADS, 0, c->stream>>>(a);
+        TL_CU_TRY(tl_cu_launched("attention kernel (split merge)"));
     }
     return TL_OK;
 }
 
 /* Rows per attention launch so that the scores scratch stays within SCORE_CAP_BYTES. */
-size_t tl_cu_attention_rows(const tl_cuda* c, size_t T, uint32_t max_keys) {
-    const size_t per_row = (size_t)c->cfg.n_heads * max_keys * sizeof(float);
+size_t tl_cu_attention_rows(const tl_cuda* c, size_t T, uint32_t key_stride) {
+    const size_t per_row = (size_t)c->cfg.n_heads * key_stride * sizeof(float);
     size_t rows = SCORE_CAP_BYTES / (per_row ? per_row : 1);
     if (rows < 1) rows = 1;
     const size_t max_grid = 0x7fffffffu / (c->cfg.n_heads ? c->cfg.n_heads : 1); /* blocks per launch */

@@ -1,6 +1,8 @@
-/* device.cu — the CUDA backend's lifecycle (cuda_backend.h): probing, tl_cuda_create (device,
- * stream, every weight uploaded in the layouts of common.cuh), tl_cuda_free, KV block memory
- * and the CUDA error -> tl_status helpers.
+/* device.cu — the CUDA backend's lifecycle (device.h): probing, tl_cuda_create (device,
+ * stream, every weight uploaded in the layouts of common.cuh), tl_cuda_free, KV block memory,
+ * the release of pass scratch and cached graphs, and the CUDA error -> tl_status helpers. Every
+ * entry point that selects the model's device does so through tl_cu_device_guard, which gives
+ * the caller back its own current device.
  *
  * Weights are uploaded once, padded with zeros (rows to TL_CU_TILE_N, columns to TL_CU_TILE_K)
  * so the kernels never test bounds inside their loops. An int4 linear is stored twice: the
@@ -12,6 +14,10 @@
 #include <string.h>
 
 #include "common.cuh"
+
+extern "C" {
+#include "base/alloc.h"
+}
 
 /* ---- errors ------------------------------------------------------------------------------- */
 
@@ -31,8 +37,6 @@ tl_status tl_cu_launched(const char* what) { return tl_cu_check(cudaGetLastError
 static __global__ void probe_kernel(int* p) {
     if (p) *p = 0;
 }
-
-extern "C" bool tl_cuda_built(void) { return true; }
 
 extern "C" tl_status tl_cuda_probe(int* n_devices) {
     int n = 0;
@@ -80,29 +84,29 @@ static tl_status upload_linear(tl_cuda* c, const tl_linear_src* s, tl_cu_linear*
     const size_t R = s->rows, K = s->cols, Rp = L->rows_pad, Kp = L->cols_pad;
     tl_status st = TL_OK;
 
-    float* scale = (float*)calloc(Rp, sizeof(float));
+    float* scale = (float*)tl_alloc_zeroed(Rp, sizeof(float));
     if (!scale) return tl_fail_oom("CUDA weight staging");
     memcpy(scale, s->scale, R * sizeof(float));
     st = upload(c, (void**)&L->scale, scale, Rp * sizeof(float), "row scales");
-    free(scale);
+    tl_free(scale);
     if (st != TL_OK) return st;
 
     if (s->group_size == 0) {
-        int8_t* w = (int8_t*)calloc(Rp * Kp, 1);
+        int8_t* w = (int8_t*)tl_alloc_zeroed(Rp * Kp, 1);
         if (!w) return tl_fail_oom("CUDA weight staging");
         for (size_t j = 0; j < R; j++) memcpy(w + j * Kp, s->w8 + j * K, K);
         st = upload(c, (void**)&L->w8, w, Rp * Kp, "int8 weights");
-        free(w);
+        tl_free(w);
         return st;
     }
 
     /* int4: the exact split m*w = 128*hi + lo for the tensor cores */
     const size_t gs = s->group_size, ng = K / gs;
-    int8_t* hi = (int8_t*)calloc(Rp * Kp, 1);
-    int8_t* lo = (int8_t*)calloc(Rp * Kp, 1);
+    int8_t* hi = (int8_t*)tl_alloc_zeroed(Rp * Kp, 1);
+    int8_t* lo = (int8_t*)tl_alloc_zeroed(Rp * Kp, 1);
     if (!hi || !lo) {
-        free(hi);
-        free(lo);
+        tl_free(hi);
+        tl_free(lo);
         return tl_fail_oom("CUDA weight staging");
     }
     for (size_t j = 0; j < R; j++) {
@@ -119,17 +123,17 @@ static tl_status upload_linear(tl_cuda* c, const tl_linear_src* s, tl_cu_linear*
     }
     st = upload(c, (void**)&L->w_hi, hi, Rp * Kp, "int4 weights (high part)");
     if (st == TL_OK) st = upload(c, (void**)&L->w_lo, lo, Rp * Kp, "int4 weights (low part)");
-    free(hi);
-    free(lo);
+    tl_free(hi);
+    tl_free(lo);
     if (st != TL_OK || gs % 8 != 0) return st;
 
     /* int4, group size a multiple of 8: packed words and their multipliers for the GEMV */
     const size_t nw = K / 8;
-    uint32_t* w4 = (uint32_t*)calloc(Rp * nw, sizeof(uint32_t));
-    uint8_t* m8 = (uint8_t*)calloc(Rp * nw, 1);
+    uint32_t* w4 = (uint32_t*)tl_alloc_zeroed(Rp * nw, sizeof(uint32_t));
+    uint8_t* m8 = (uint8_t*)tl_alloc_zeroed(Rp * nw, 1);
     if (!w4 || !m8) {
-        free(w4);
-        free(m8);
+        tl_free(w4);
+        tl_free(m8);
         return tl_fail_oom("CUDA weight staging");
     }
     for (size_t j = 0; j < R; j++) {
@@ -147,8 +151,8 @@ static tl_status upload_linear(tl_cuda* c, const tl_linear_src* s, tl_cu_linear*
     }
     st = upload(c, (void**)&L->w4, w4, Rp * nw * sizeof(uint32_t), "int4 weights (packed)");
     if (st == TL_OK) st = upload(c, (void**)&L->m8, m8, Rp * nw, "int4 multipliers");
-    free(w4);
-    free(m8);
+    tl_free(w4);
+    tl_free(m8);
     return st;
 }
 
@@ -197,11 +201,13 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
     }
     if (device < 0 || device >= n)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA device %d does not exist (%d found)", device, n);
-    TL_CU_TRY(tl_cu_check(cudaSetDevice(device), "cudaSetDevice"));
+    const tl_cu_device_guard guard(device);
+    TL_CU_TRY(tl_cu_check(guard.error(), "cudaSetDevice"));
     c->device = device;
     cudaDeviceProp prop;
     TL_CU_TRY(tl_cu_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties"));
     snprintf(c->name, sizeof c->name, "%s (sm_%d%d)", prop.name, prop.major, prop.minor);
+    c->sm_count = prop.multiProcessorCount;
     cudaFuncAttributes attr;
     err = cudaFuncGetAttributes(&attr, probe_kernel);
     if (err != cudaSuccess) {
@@ -220,7 +226,7 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
     c->cfg = f->cfg;
     const tl_config* cfg = &f->cfg;
     c->n_lin = f->n_linears;
-    c->lin = (tl_cu_linear*)calloc(c->n_lin, sizeof *c->lin);
+    c->lin = (tl_cu_linear*)tl_alloc_zeroed(c->n_lin, sizeof *c->lin);
     if (!c->lin) return tl_fail_oom("CUDA linears");
     for (size_t i = 0; i < c->n_lin; i++) {
         TL_CU_TRY(upload_linear(c, &f->linears[i], &c->lin[i]));
@@ -256,7 +262,7 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
 
 extern "C" tl_status tl_cuda_create(const tl_file* file, int device, tl_cuda** out) {
     *out = NULL;
-    tl_cuda* c = (tl_cuda*)calloc(1, sizeof *c);
+    tl_cuda* c = (tl_cuda*)tl_alloc_zeroed(1, sizeof *c);
     if (!c) return tl_fail_oom("CUDA backend");
     c->device = device;
     const tl_status st = create(c, file, device);
@@ -268,33 +274,43 @@ extern "C" tl_status tl_cuda_create(const tl_file* file, int device, tl_cuda** o
     return TL_OK;
 }
 
-static void free_buf(tl_cu_buf* b) {
-    cudaFree(b->p);
+void tl_cu_scratch_release(tl_cuda* c, tl_cu_buf* b) {
+    if (b->p && c->pool) cudaFreeAsync(b->p, c->stream);
+    else cudaFree(b->p);
     b->p = NULL;
     b->cap = 0;
 }
 
+void tl_cu_graphs_drop(tl_cuda* c) {
+    for (size_t i = 0; i < TL_CU_GRAPHS; i++) {
+        if (c->graphs[i].exec) cudaGraphExecDestroy(c->graphs[i].exec);
+        c->graphs[i].exec = NULL;
+    }
+}
+
 extern "C" void tl_cuda_free(tl_cuda* c) {
     if (!c) return;
-    cudaSetDevice(c->device);
+    const tl_cu_device_guard guard(c->device);
     if (c->stream_made) cudaStreamSynchronize(c->stream);
-    if (c->graph_exec) cudaGraphExecDestroy(c->graph_exec);
+    tl_cu_graphs_drop(c);
     for (size_t i = 0; c->lin && i < c->n_lin; i++) free_linear(&c->lin[i]);
-    free(c->lin);
+    tl_free(c->lin);
     cudaFree(c->emb_w_own);
     cudaFree(c->emb_s_own);
     cudaFree(c->rope_cos);
     cudaFree(c->rope_sin);
-    tl_cu_buf* bufs[] = {&c->x, &c->qkv, &c->o, &c->gu, &c->acts, &c->ascale, &c->raw, &c->scores, &c->io,
-                         &c->logits, &c->states};
-    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free_buf(bufs[i]);
+    tl_cu_buf* bufs[] = {&c->x,      &c->qkv,       &c->o,  &c->gu,     &c->acts,  &c->ascale, &c->raw,
+                         &c->scores, &c->att_split, &c->io, &c->logits, &c->states};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tl_cu_scratch_release(c, bufs[i]);
+    if (c->stream_made) cudaStreamSynchronize(c->stream); /* the pool's frees are done */
     cudaFreeHost(c->host_io.p);
+    cudaFreeHost(c->host_out.p);
     if (c->pool) cudaMemPoolDestroy(c->pool);
     if (c->stream_made) cudaStreamDestroy(c->stream);
     if (c->lock_made) pthread_mutex_destroy(&c->lock);
     if (c->capture_lock_made) pthread_mutex_destroy(&c->capture_lock);
     (void)cudaGetLastError(); /* errors while tearing down are not reported */
-    free(c);
+    tl_free(c);
 }
 
 extern "C" size_t tl_cuda_weight_bytes(const tl_cuda* c) { return c ? c->weight_bytes : 0; }
@@ -307,7 +323,7 @@ extern "C" const char* tl_cuda_device_name(const tl_cuda* c) { return c ? c->nam
  * block every block_size tokens), the zero fill and every later forward run after it on the same
  * stream, and a release takes effect only after the work already queued there (which may still
  * read the block) is done, without synchronizing the device as cudaFree does. Stream-ordered
- * calls from several threads are safe; the device is set per calling thread. They hold
+ * calls from several threads are safe; each sets the device for its own duration. They hold
  * capture_lock so that they never enqueue into a graph capture of tl_cuda_forward (forward.cu). */
 static void block_free_locked(tl_cuda* c, void* data) {
     if (c->pool) {
@@ -321,7 +337,8 @@ static void block_free_locked(tl_cuda* c, void* data) {
 
 extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
     if (!c || bytes == 0) return NULL;
-    if (cudaSetDevice(c->device) != cudaSuccess) {
+    const tl_cu_device_guard guard(c->device);
+    if (guard.error() != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL;
     }
@@ -342,7 +359,7 @@ extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
 
 extern "C" void tl_cuda_block_free(tl_cuda* c, void* data) {
     if (!c || !data) return;
-    cudaSetDevice(c->device);
+    const tl_cu_device_guard guard(c->device);
     pthread_mutex_lock(&c->capture_lock);
     block_free_locked(c, data);
     pthread_mutex_unlock(&c->capture_lock);
