@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# libtinyloop CI checks (about 2-4 minutes on 2 cores):
+# libtinyloop CI checks (about 3-5 minutes on 2 cores):
 #   1. Release build + ctest (unit, loader, model, allocation-failure and — when Python 3 with
 #      the tinyloop Python package is installed — golden tests vs the numpy backend). The CUDA
 #      backend is compiled when nvcc is found (TINYLOOP_CUDA=ON/OFF forces it); without a GPU
 #      its code is compiled and linked, and the tests check the clean "no CUDA device" refusal.
 #   2. ASan + UBSan build (-fno-sanitize-recover=all) + the same ctest suite, CPU only
-#   3. install into a temporary prefix, then build the C example against it twice: with
+#   3. ThreadSanitizer build (-O2 -g) + the multi-threaded tests: the worker crew (test_pool),
+#      models sharing it (test_threads), many threads on one model (test_model), racing
+#      requests on the prefix cache (test_prefix_cache); about a minute
+#   4. install into a temporary prefix, then build the C example against it twice: with
 #      find_package(tinyloop) and with pkg-config; run it on a small generated model.
 # usage: libtinyloop/run_ci_checks.sh [WORK_DIR]   (default: a fresh temporary directory)
 # Exits nonzero on the first failure.
@@ -18,7 +21,7 @@ jobs=${JOBS:-2}
 mkdir -p "$work"
 echo "== libtinyloop CI in $work"
 
-echo "== 1/3 release build + tests"
+echo "== 1/4 release build + tests"
 # golden tests need the tinyloop Python package installed for this python3 (see tests/)
 python=$(command -v python3)
 golden=(-DPython3_EXECUTABLE="$python" -DTINYLOOP_REQUIRE_GOLDEN="${TINYLOOP_REQUIRE_GOLDEN:-OFF}")
@@ -28,13 +31,19 @@ cmake -S "$here" -B "$work/release" -DCMAKE_BUILD_TYPE=Release "${golden[@]}" "$
 cmake --build "$work/release" -j "$jobs"
 ctest --test-dir "$work/release" --output-on-failure -j "$jobs"
 
-echo "== 2/3 sanitizer build (ASan + UBSan) + tests"
+echo "== 2/4 sanitizer build (ASan + UBSan) + tests"
 cmake -S "$here" -B "$work/sanitize" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZE=ON -DTINYLOOP_CUDA=OFF \
     "${golden[@]}" >/dev/null
 cmake --build "$work/sanitize" -j "$jobs"
 ctest --test-dir "$work/sanitize" --output-on-failure -j "$jobs"
 
-echo "== 3/3 install + example"
+echo "== 3/4 ThreadSanitizer build + multi-threaded tests"
+cmake -S "$here" -B "$work/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTINYLOOP_SANITIZE_THREAD=ON -DTINYLOOP_CUDA=OFF \
+    "${golden[@]}" >/dev/null
+cmake --build "$work/tsan" -j "$jobs" --target test_pool test_threads test_model test_prefix_cache
+ctest --test-dir "$work/tsan" --output-on-failure -j "$jobs" -R '^(test_pool|test_threads|test_model|test_prefix_cache)$'
+
+echo "== 4/4 install + example"
 cmake --install "$work/release" --prefix "$work/prefix" >/dev/null
 "$work/release/tests/make_test_model" "$work/model.tinyloop"
 cmake -S "$repo/examples/c" -B "$work/example" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null

@@ -1,32 +1,28 @@
-/* model.c — tl_model handles and their engines: open (map, validate, repack, start the
- * pool), configuration queries, close/free, and the reference counting that keeps the
- * weights alive while sequences and prefixes use them. */
+/* model.c — tl_model handles and their engines: open (read, validate, take a share of the
+ * process's worker threads, pick the backend: the CPU's or, for TL_DEVICE_CUDA, the device's),
+ * configuration queries, close/free, and the reference counting that keeps the weights alive
+ * while sequences and prefixes use them. */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "base/alloc.h"
-#include "cpu/isa.h"
-#include "core/engine.h"
 #include "base/errors.h"
+#include "core/backend.h"
+#include "core/engine.h"
+#include "core/prefix_cache.h"
+#include "cpu/backend_cpu.h"
+#include "cpu/isa.h"
+#include "cpu/threadpool.h"
+#include "cuda/backend_cuda.h"
 
-enum { MAX_THREADS = 1024, MAX_BLOCK_SIZE = 1 << 16 };
+enum { MAX_BLOCK_SIZE = 1 << 16 };
 
 struct tl_model {
     pthread_mutex_t lock; /* guards engine against a concurrent close */
     tl_engine* engine;    /* NULL once closed */
 };
-
-static const char* isa_name(tl_isa isa) {
-    switch (isa) {
-    case TL_ISA_AUTO: return "auto";
-    case TL_ISA_SCALAR: return "scalar";
-    case TL_ISA_AVX2: return "avx2";
-    case TL_ISA_AVX512_VNNI: return "avx512-vnni";
-    }
-    return "unknown";
-}
 
 void tl_engine_ref(tl_engine* e) { atomic_fetch_add(&e->refs, 1); }
 
@@ -43,11 +39,9 @@ TL_API tl_status tl_device_check(tl_device device) {
 }
 
 static void engine_destroy(tl_engine* e) {
-    tl_pcache_free(e->pcache); /* its device blocks go back before the device state does */
-    tl_cuda_free(e->cuda);
+    tl_pcache_free(e->pcache); /* its device blocks go back before the backend does */
+    tl_backend_free(e->backend);
     tl_pool_destroy(e->pool);
-    for (size_t i = 0; e->linears && i < e->n_linears; i++) tl_linear_release(&e->linears[i]);
-    tl_free(e->linears);
     tl_file_close(&e->file);
     tl_free(e);
 }
@@ -109,10 +103,11 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
     }
     if (p->n_threads == 0) {
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        p->n_threads = cores > 0 ? (uint32_t)(cores < MAX_THREADS ? cores : MAX_THREADS) : 1;
+        p->n_threads = cores > 0 ? (uint32_t)(cores < TL_POOL_MAX_THREADS ? cores : TL_POOL_MAX_THREADS) : 1;
     }
-    if (p->n_threads > MAX_THREADS)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_threads must be <= %d, got %u", MAX_THREADS, p->n_threads);
+    if (p->n_threads > TL_POOL_MAX_THREADS)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_threads must be <= %d, got %u", TL_POOL_MAX_THREADS,
+                       p->n_threads);
     if (p->kv_block_size == 0) p->kv_block_size = 16;
     if (p->kv_block_size > MAX_BLOCK_SIZE)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_block_size must be <= %d, got %u", MAX_BLOCK_SIZE,
@@ -120,7 +115,7 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
     if ((int)p->isa < TL_ISA_AUTO || (int)p->isa > TL_ISA_AVX512_VNNI)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "isa must be 0 .. 3, got %d", (int)p->isa);
     if (!tl_isa_available(p->isa))
-        return tl_fail(TL_ERR_UNSUPPORTED, "isa %s is not supported by this CPU or build", isa_name(p->isa));
+        return tl_fail(TL_ERR_UNSUPPORTED, "isa %s is not supported by this CPU or build", tl_isa_name(p->isa));
     if (p->isa == TL_ISA_AUTO) p->isa = tl_isa_best();
     tl_status st = tl_device_check(p->device);
     if (st != TL_OK) return st;
@@ -149,18 +144,11 @@ static tl_status engine_create(const char* path, const tl_model_params* p, tl_en
     }
     const tl_config* c = &e->file.cfg;
     e->kv_geom = tl_kv_geom_make(p->kv_block_size, c->n_kv_heads, c->head_dim);
-    e->n_linears = e->file.n_linears;
-    e->linears = tl_alloc_zeroed(e->n_linears, sizeof *e->linears);
-    if (!e->linears) st = tl_fail_oom("linears");
-    for (size_t i = 0; st == TL_OK && i < e->n_linears; i++) {
-        st = tl_linear_prepare(&e->linears[i], &e->file.linears[i], e->isa);
-        if (st == TL_OK) e->weight_bytes += tl_linear_bytes(&e->linears[i]);
-    }
-    if (st == TL_OK) st = tl_pool_create(p->n_threads, &e->pool);
-    if (st == TL_OK && p->device == TL_DEVICE_CUDA) {
-        st = tl_cuda_create(&e->file, p->device_index, &e->cuda);
-        e->kv_geom.cuda = e->cuda;
-    }
+    st = tl_pool_create(p->n_threads, &e->pool);
+    if (st == TL_OK)
+        st = p->device == TL_DEVICE_CUDA ? tl_backend_cuda_new(e, p->device_index, &e->backend)
+                                         : tl_backend_cpu_new(e, &e->backend);
+    if (st == TL_OK) e->kv_geom.device = e->backend->kv;
     if (st == TL_OK && p->prefix_cache_bytes) {
         e->pcache = tl_pcache_new(&e->kv_geom, p->prefix_cache_bytes);
         if (!e->pcache) st = tl_fail_oom("prefix cache");
@@ -225,11 +213,13 @@ TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* o
     tl_engine* e;
     tl_status st = begin_get(model, out, &e);
     if (st != TL_OK) return st;
+    tl_backend_info info;
+    e->backend->iface->info(e->backend, &info);
+    /* the backend's own weights, and the file's tensors that are still held (embedding, rope, ...) */
+    const size_t host_weight_bytes = info.host_weight_bytes + tl_file_held_bytes(&e->file);
     tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
-                             e->weight_bytes, e->cuda ? TL_DEVICE_CUDA : TL_DEVICE_CPU,
-                             e->cuda ? tl_cuda_weight_bytes(e->cuda) : 0, {0}};
-    if (e->cuda) snprintf(full.device_name, sizeof full.device_name, "%s", tl_cuda_device_name(e->cuda));
-    else snprintf(full.device_name, sizeof full.device_name, "cpu (%s)", isa_name(e->isa));
+                             host_weight_bytes, info.device, info.device_weight_bytes, {0}};
+    snprintf(full.device_name, sizeof full.device_name, "%s", info.name);
     copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);
     return TL_OK;
@@ -264,7 +254,7 @@ TL_API void tl_model_close(tl_model* model) {
     model->engine = NULL;
     if (e) atomic_store(&e->closed, true);
     pthread_mutex_unlock(&model->lock);
-    if (e && e->pcache) tl_pcache_clear(e->pcache); /* cached blocks go now, not with the last user */
+    if (e && e->pcache) tl_pcache_close(e->pcache); /* cached blocks go now, and none comes back */
     tl_engine_unref(e);
 }
 

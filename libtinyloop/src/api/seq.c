@@ -13,9 +13,11 @@ tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out
     *out = NULL;
     tl_seq* s = tl_alloc_zeroed(1, sizeof *s);
     float* hidden = tl_alloc_zeroed(tl_engine_config(e)->d_model, sizeof(float));
-    if (!s || !hidden) {
+    float* next = tl_alloc_zeroed(tl_engine_config(e)->d_model, sizeof(float));
+    if (!s || !hidden || !next) {
         tl_free(s);
         tl_free(hidden);
+        tl_free(next);
         return tl_fail_oom("sequence");
     }
     tl_engine_ref(e);
@@ -24,6 +26,7 @@ tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out
     s->n_layers = tl_engine_config(e)->n_pre_blocks + loops;
     s->window = window;
     s->last_hidden = hidden;
+    s->next_hidden = next;
     *out = s;
     return TL_OK;
 }
@@ -62,8 +65,7 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, c
                        c->max_seq_len);
     if (chunk == 0 || chunk > n) chunk = n;
 
-    float* hidden = tl_alloc(c->d_model * sizeof(float));
-    if (!hidden) return tl_fail_oom("hidden state");
+    float* hidden = s->next_hidden;
     const size_t n_before = s->n;
     const tl_kv_mark start = tl_kv_mark_now(&s->kv);
     bool stopped = false;
@@ -83,10 +85,10 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, c
         tl_kv_rollback(&s->kv, start);
         s->n = n_before;
     } else {
-        memcpy(s->last_hidden, hidden, c->d_model * sizeof(float));
+        s->next_hidden = s->last_hidden;
+        s->last_hidden = hidden;
         if (!opts->keep_window) tl_kv_release_outside(&s->kv, s->n, s->window);
     }
-    tl_free(hidden);
     return st;
 }
 
@@ -148,7 +150,9 @@ TL_API void tl_seq_shape(const tl_seq* seq, uint32_t* loops, uint32_t* cache_win
 TL_API void tl_seq_free(tl_seq* seq) {
     if (!seq) return;
     tl_kv_clear(&seq->kv);
+    tl_free(seq->scratch.base);
     tl_free(seq->last_hidden);
+    tl_free(seq->next_hidden);
     tl_engine_unref(seq->engine);
     tl_free(seq);
 }

@@ -24,7 +24,7 @@ typedef struct tl_engine {
     tl_file file;
     tl_isa isa;          /* the CPU kernel path (never TL_ISA_AUTO)                        */
     tl_kv_geom kv_geom;  /* its .device is the backend's KV allocator                     */
-    tl_pool* pool;
+    tl_pool* pool;       /* the model's share of the process's worker threads (n_threads) */
     tl_pcache* pcache;   /* the automatic prefix cache; NULL when the model has none      */
     tl_backend* backend; /* runs the forward pass: the CPU's or a device's                */
 } tl_engine;

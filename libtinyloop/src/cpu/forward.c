@@ -1,4 +1,4 @@
-/* forward.c — the forward pass (docs/spec.md §4) of T rows through every layer, the pre blocks
+/* forward.c — the CPU pass (docs/spec.md §4) of T rows through every layer, the pre blocks
  * then the loop block L times, each layer with its own KV cache. The rows are either a chunk of
  * one sequence (positions n .. n+T-1) or one new token of each of T sequences (batched decode);
  * either way row t knows its sequence and position, and nothing else differs.
@@ -10,24 +10,28 @@
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool. Each
  * output element is computed by exactly one task from inputs that no concurrent task writes,
- * so the thread count never changes a bit. All scratch is allocated once per call, O(T).
+ * so the thread count never changes a bit. All scratch lives in one arena owned by the sequence
+ * (a batch borrows its first sequence's), grown only when a bigger chunk, or a history longer by
+ * KEYS_STEP keys, arrives: a decode step allocates nothing.
+ * Not here: choosing the device (core/backend.h; this pass is the CPU backend's, backend_cpu.c).
  *
  * Shapes (per token): x [d], qkv [(H + 2G) * D] (Q heads, K heads, V heads), o [H * D],
  * gu [2F] (gate, then up; the gate half is overwritten by silu(gate) * up).
  */
-#include "core/forward.h"
+#include "cpu/forward.h"
 
 #include <string.h>
 
 #include "base/alloc.h"
-#include "cpu/attention.h"
 #include "base/errors.h"
-#include "cuda/forward_cuda.h"
+#include "cpu/attention.h"
 #include "cpu/quant.h"
+#include "cpu/threadpool.h"
 
 typedef struct fwd {
     const tl_engine* e;
     const tl_config* c;
+    const tl_linear* linears; /* [n_linears] indexed like tl_file.linears         */
     size_t T;                /* rows in this layer (the active ones)              */
     tl_seq** seqs;           /* [T] the sequence of each row                      */
     size_t* pos;             /* [T] the position of each row                      */
@@ -41,6 +45,8 @@ typedef struct fwd {
     float* gu;               /* [T][2F]                                           */
     tl_acts acts;            /* [T][stride] for the next linear                   */
     tl_attn_scratch* attn;   /* [pool threads]                                    */
+    size_t* order;           /* [T] batch: row r is the caller's order[r]         */
+    float* logits;           /* [T][V] batch: the rows' logits, in row order      */
     /* input of the quantize task */
     const float* q_src;
     size_t q_src_stride, q_cols;
@@ -48,6 +54,8 @@ typedef struct fwd {
 } fwd;
 
 /* ---- scratch ------------------------------------------------------------------------------ */
+
+enum { KEYS_STEP = 256 }; /* attention scratch grows by this many keys at a time */
 
 typedef struct carve {
     size_t used;
@@ -63,8 +71,9 @@ static void* take(carve* c, size_t bytes) {
 
 static size_t round8(size_t k) { return (k + 7) / 8 * 8; }
 
-/* Lays out every buffer of f in the arena at c (measure first with c->base == NULL). */
-static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys) {
+/* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
+ * buffers only for a batch. */
+static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch) {
     const tl_config* cfg = f->c;
     const size_t T = f->T, D = cfg->head_dim;
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
@@ -87,6 +96,8 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys) {
                              take(c, D * sizeof(int64_t)), take(c, D), take(c, D * sizeof(int16_t))};
         if (f->attn) f->attn[w] = s;
     }
+    f->order = take(c, batch ? T * sizeof(size_t) : 0);
+    f->logits = take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
 }
 
 /* ---- per-token tasks ------------------------------------------------------------------------ */
@@ -171,14 +182,20 @@ static void task_swiglu(void* ctx, size_t t, unsigned worker) {
 
 /* ---- the pass ------------------------------------------------------------------------------ */
 
+/* Part `part` of the block that runs layer f->layer: pre block l, or the loop block. */
+static const tl_linear* layer_linear(const fwd* f, int part) {
+    const uint32_t n_pre = f->c->n_pre_blocks, block = f->layer < n_pre ? f->layer : n_pre;
+    return &f->linears[(size_t)block * TL_PARTS + (size_t)part];
+}
+
 static void run_layer(fwd* f) {
     const tl_config* c = f->c;
     const size_t d = c->d_model, F = c->ffn_dim;
     tl_pool* pool = f->e->pool;
-    const tl_linear* qkv = tl_engine_linear(f->e, f->layer, TL_PART_QKV);
-    const tl_linear* out = tl_engine_linear(f->e, f->layer, TL_PART_OUT);
-    const tl_linear* gate_up = tl_engine_linear(f->e, f->layer, TL_PART_GATE_UP);
-    const tl_linear* down = tl_engine_linear(f->e, f->layer, TL_PART_DOWN);
+    const tl_linear* qkv = layer_linear(f, TL_PART_QKV);
+    const tl_linear* out = layer_linear(f, TL_PART_OUT);
+    const tl_linear* gate_up = layer_linear(f, TL_PART_GATE_UP);
+    const tl_linear* down = layer_linear(f, TL_PART_DOWN);
 
     quantize_rows(f, f->x, d, d, true);
     tl_linear_run(qkv, &f->acts, f->qkv, f->qkv_dim, false, pool);
@@ -203,23 +220,30 @@ static void embed(fwd* f) {
     }
 }
 
-/* Allocate the scratch of T rows whose positions are all below max_keys. */
-static tl_status begin(fwd* f, const tl_engine* e, size_t T, size_t max_keys, void** arena_out) {
+/* Lay out the scratch of T rows whose positions are all below max_keys in `scratch`, growing it
+ * first if they do not fit: the pass's only allocation, and on failure nothing has changed. */
+static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, size_t T, size_t max_keys, bool batch,
+                       tl_scratch* scratch) {
     memset(f, 0, sizeof *f);
     f->e = e;
     f->c = tl_engine_config(e);
+    f->linears = linears;
     f->T = T;
     f->qkv_dim = ((size_t)f->c->n_heads + 2 * (size_t)f->c->n_kv_heads) * f->c->head_dim;
     f->hd = (size_t)f->c->n_heads * f->c->head_dim;
     f->simd = e->isa != TL_ISA_SCALAR;
     const unsigned workers = tl_pool_threads(e->pool);
+    max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
     carve arena = {0, NULL};
-    layout(f, &arena, workers, max_keys);
-    arena.base = tl_alloc(arena.used);
-    if (!arena.base) return tl_fail_oom("forward scratch");
-    arena.used = 0;
-    layout(f, &arena, workers, max_keys);
-    *arena_out = arena.base;
+    layout(f, &arena, workers, max_keys, batch);
+    if (arena.used > scratch->bytes) {
+        void* grown = tl_alloc(arena.used);
+        if (!grown) return tl_fail_oom("forward scratch");
+        tl_free(scratch->base);
+        *scratch = (tl_scratch){grown, arena.used};
+    }
+    arena = (carve){0, scratch->base};
+    layout(f, &arena, workers, max_keys, batch);
     return TL_OK;
 }
 
@@ -236,20 +260,25 @@ static void run_layers(fwd* f, float* loop_states) {
     f->T = rows;
 }
 
-/* logits[T][V] of every row's final state. */
-static void head_rows(fwd* f, float* logits) {
+/* logits[T][V] of the final states x[T][d]. */
+static void head_rows(fwd* f, const float* x, float* logits) {
     const size_t d = f->c->d_model;
-    quantize_rows(f, f->x, d, d, true);
-    tl_linear_run(tl_engine_head(f->e), &f->acts, logits, f->c->vocab_size, false, f->e->pool);
+    quantize_rows(f, x, d, d, true);
+    tl_linear_run(&f->linears[f->e->file.n_linears - 1], &f->acts, logits, f->c->vocab_size, false, f->e->pool);
 }
 
-tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_all, float* logits_last,
-                     float* last_hidden, float* loop_states) {
-    if (s->engine->cuda)
-        return tl_forward_cuda_chunk(s, tokens, T, logits_all, logits_last, last_hidden, loop_states);
+/* logits[V] of the last row's final state (what tl_cpu_head_logits computes, in this scratch). */
+static void head_last(fwd* f, float* logits) {
+    const size_t rows = f->T;
+    f->T = 1;
+    head_rows(f, f->x + (rows - 1) * f->c->d_model, logits);
+    f->T = rows;
+}
+
+tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
+                         float* logits_last, float* last_hidden, float* loop_states) {
     fwd f;
-    void* arena;
-    tl_status st = begin(&f, s->engine, T, s->n + T, &arena);
+    tl_status st = begin(&f, s->engine, linears, T, s->n + T, false, &s->scratch);
     if (st != TL_OK) return st;
     for (size_t t = 0; t < T; t++) {
         f.seqs[t] = s;
@@ -260,65 +289,38 @@ tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, float* logits_a
     embed(&f);
     run_layers(&f, loop_states);
     memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
-    if (logits_all) head_rows(&f, logits_all);
-    tl_free(arena);
-    return logits_last ? tl_head_logits(s->engine, last_hidden, logits_last) : TL_OK;
+    if (logits_all) head_rows(&f, f.x, logits_all);
+    if (logits_last) head_last(&f, logits_last);
+    return TL_OK;
 }
 
-/* order[0 .. B) = the rows deepest first; a stable insertion sort keeps the callers' order
- * among equals. */
-static void sort_deepest_first(tl_seq* const* seqs, size_t B, size_t* order) {
-    for (size_t b = 0; b < B; b++) {
-        size_t r = b;
-        for (; r > 0 && seqs[order[r - 1]]->n_layers < seqs[b]->n_layers; r--) order[r] = order[r - 1];
-        order[r] = b;
-    }
-}
-
-tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B, float* const* logits) {
+tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens, size_t B,
+                               float* const* logits) {
     const tl_engine* e = seqs[0]->engine;
-    if (e->cuda) {
-        size_t* order = tl_alloc(B * sizeof(size_t));
-        if (!order) return tl_fail_oom("batch scratch");
-        sort_deepest_first(seqs, B, order);
-        const tl_status st = tl_forward_batch_cuda(seqs, tokens, order, B, logits);
-        tl_free(order);
-        return st;
-    }
     size_t max_keys = 0;
     for (size_t b = 0; b < B; b++)
         if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
     fwd f;
-    void* arena;
     const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
-    float* sorted_logits = tl_alloc(B * V * sizeof(float));
-    size_t* order = tl_alloc(B * sizeof(size_t));
-    tl_status st = sorted_logits && order ? begin(&f, e, B, max_keys, &arena) : tl_fail_oom("batch scratch");
-    if (st != TL_OK) {
-        tl_free(sorted_logits);
-        tl_free(order);
-        return st;
-    }
-    sort_deepest_first(seqs, B, order);
+    tl_status st = begin(&f, e, linears, B, max_keys, true, &seqs[0]->scratch);
+    if (st != TL_OK) return st;
+    tl_sort_deepest_first(seqs, B, f.order);
     for (size_t r = 0; r < B; r++) {
-        f.seqs[r] = seqs[order[r]];
+        f.seqs[r] = seqs[f.order[r]];
         f.pos[r] = f.seqs[r]->n;
-        f.tokens[r] = tokens[order[r]];
+        f.tokens[r] = tokens[f.order[r]];
     }
     embed(&f);
     run_layers(&f, NULL);
-    head_rows(&f, sorted_logits);
+    head_rows(&f, f.x, f.logits);
     for (size_t r = 0; r < B; r++) {
         memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
-        memcpy(logits[order[r]], sorted_logits + r * V, V * sizeof(float));
+        memcpy(logits[f.order[r]], f.logits + r * V, V * sizeof(float));
     }
-    tl_free(arena);
-    tl_free(sorted_logits);
-    tl_free(order);
     return TL_OK;
 }
 
-tl_status tl_head_logits(tl_engine* e, const float* x, float* logits) {
+tl_status tl_cpu_head_logits(const tl_linear* head, const tl_engine* e, const float* x, float* logits) {
     const size_t d = tl_engine_config(e)->d_model, stride = round8(d);
     uint8_t* buf = tl_alloc(2 * stride + 2 * sizeof(float) + sizeof(int32_t));
     if (!buf) return tl_fail_oom("head scratch");
@@ -329,7 +331,7 @@ tl_status tl_head_logits(tl_engine* e, const float* x, float* logits) {
     scale[0] = tl_rms_quantize_row(x, d, tl_engine_config(e)->rms_eps, acts.q);
     memset(acts.q + d, 0, stride - d);
     if (e->isa != TL_ISA_SCALAR) tl_acts_finish_row(&acts, 0);
-    tl_linear_run(tl_engine_head(e), &acts, logits, 0, false, e->pool);
+    tl_linear_run(head, &acts, logits, 0, false, e->pool);
     tl_free(buf);
     return TL_OK;
 }
