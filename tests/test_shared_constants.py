@@ -82,6 +82,17 @@ def test_loop_limit_is_the_same_number():
     assert c_integer("TL_MAX_LOOPS") == P.MAX_LOOPS
 
 
+def test_block_size_and_thread_limits_are_the_same_numbers():
+    assert c_integer("TL_MAX_KV_BLOCK_SIZE") == P.MAX_BLOCK_SIZE
+    assert c_integer("TL_POOL_MAX_THREADS") == P.MAX_THREADS
+
+
+@pytest.mark.parametrize("argument, limit", [("block_size", P.MAX_BLOCK_SIZE), ("threads", P.MAX_THREADS)])
+def test_every_backend_refuses_a_block_size_or_thread_count_past_the_limit(argument, limit):
+    with pytest.raises(ValueError, match=f"{argument} must be <= {limit}, got {limit + 1}"):
+        tinyloop.Model(backend="numpy", **{argument: limit + 1})
+
+
 def test_versions_are_the_same():
     assert c_integer("TL_ABI_VERSION") == ABI_VERSION
     cmake = (C_ROOT / "CMakeLists.txt").read_text()

@@ -108,11 +108,11 @@ class Model:
                  block_size=16, prefill_chunk=DEFAULT_PREFILL_CHUNK,
                  prefix_cache_bytes=DEFAULT_PREFIX_CACHE_BYTES, device="auto"):
         self.kv_mode = _check_kv_mode(kv_mode)
-        self._block_size = P.check_int("block_size", block_size, 1)
+        self._block_size = P.check_int("block_size", block_size, 1, P.MAX_BLOCK_SIZE)
         self._prefill_chunk = P.check_int("prefill_chunk", prefill_chunk, 1)
         cache_bytes = P.check_int("prefix_cache_bytes", prefix_cache_bytes, 0)
         if threads is not None:
-            P.check_int("threads", threads, 1)
+            P.check_int("threads", threads, 1, P.MAX_THREADS)
         path = _default_model_path() if path is None else os.fspath(path)
         self.path = path
         self._engine: Engine = open_engine(backend, path, block_size=self._block_size,

@@ -14,23 +14,28 @@ import numpy as np
 # The request types and the stop rule belong to the engine seam; re-exported for callers.
 from .engine import CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, GenerationParams, stop_reached
 
-__all__ = ["CACHE_STAT_NAMES", "NO_CALLBACKS", "Callbacks", "GenerationParams", "MAX_LOOPS",
+__all__ = ["CACHE_STAT_NAMES", "NO_CALLBACKS", "Callbacks", "GenerationParams", "MAX_BLOCK_SIZE",
+           "MAX_LOOPS", "MAX_THREADS",
            "check_cache_salt", "check_int", "check_length", "check_loops", "check_prefill_chunk",
            "check_real", "check_seed", "check_stop_sequences", "check_tokens",
            "generation_params", "stop_reached"]
 
 MAX_LOOPS = 1024
+MAX_BLOCK_SIZE = 65536      # KV positions per block (libtinyloop: TL_MAX_KV_BLOCK_SIZE)
+MAX_THREADS = 1024          # threads per model (libtinyloop: TL_POOL_MAX_THREADS)
 
 
 def _is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def check_int(name, value, minimum):
+def check_int(name, value, minimum, maximum=None):
     if not _is_int(value):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} < {minimum}" if minimum else f"{name} < 0")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
 
 

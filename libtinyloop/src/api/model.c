@@ -17,7 +17,7 @@
 #include "cpu/threadpool.h"
 #include "cuda/backend_cuda.h"
 
-enum { MAX_BLOCK_SIZE = 1 << 16 };
+enum { TL_MAX_KV_BLOCK_SIZE = 65536 }; /* as the Python layer (tinyloop/params.py MAX_BLOCK_SIZE) */
 
 struct tl_model {
     pthread_mutex_t lock; /* guards engine against a concurrent close */
@@ -109,8 +109,8 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_threads must be <= %d, got %u", TL_POOL_MAX_THREADS,
                        p->n_threads);
     if (p->kv_block_size == 0) p->kv_block_size = 16;
-    if (p->kv_block_size > MAX_BLOCK_SIZE)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_block_size must be <= %d, got %u", MAX_BLOCK_SIZE,
+    if (p->kv_block_size > TL_MAX_KV_BLOCK_SIZE)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_block_size must be <= %d, got %u", TL_MAX_KV_BLOCK_SIZE,
                        p->kv_block_size);
     if ((int)p->isa < TL_ISA_AUTO || (int)p->isa > TL_ISA_AVX512_VNNI)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "isa must be 0 .. 3, got %d", (int)p->isa);

@@ -21,7 +21,7 @@
 
 #include "tinyloop.h"
 
-enum { TL_POOL_MAX_THREADS = 1024 }; /* the most threads a share may have (and the crew's size) */
+enum { TL_POOL_MAX_THREADS = 1024 }; /* the most threads a share may have, and the crew's size (tinyloop/params.py MAX_THREADS) */
 
 typedef struct tl_pool tl_pool;
 typedef void (*tl_task_fn)(void* ctx, size_t item, unsigned worker);
