@@ -1,17 +1,22 @@
-"""Shared test setup: Hypothesis profiles and small random models.
+"""Shared test setup: Hypothesis profiles, the backends every suite runs on, small random models.
 
-HYPOTHESIS_PROFILE selects `dev` (quick), `ci` (the default in .ci/run) or `deep` (>= 2000
-examples per property; see docs/testing.md).
+HYPOTHESIS_PROFILE selects `dev` (quick, the default), `ci` (what .ci/run uses) or `deep`
+(>= 2000 examples per property; see docs/testing.md).
 
-Backends are skipped by declared availability (`tinyloop.backend_available`), never silently:
-the skip says why, and a backend named in TINYLOOP_REQUIRE_BACKENDS (comma-separated; CI names
-native and numba) fails instead of skipping.
+Backends (the python-zstandard way): the `backend` fixture runs a test once per backend in
+TINYLOOP_TEST_BACKENDS (comma-separated; default all of BACKENDS). A backend is skipped only when
+its feature is missing from `tinyloop.backend_features`, and the skip says why; a backend named
+in TINYLOOP_REQUIRE_BACKENDS (CI names native and numba) fails instead of skipping.
+`backend_given` runs a Hypothesis property with the examples that backend affords.
 """
+import functools
+import inspect
 import os
+import zlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 
 import tinyloop
 from tinyloop.quickbench import backend_kwargs
@@ -23,6 +28,123 @@ settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True
 settings.register_profile("deep", max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def env_names(variable, default=""):
+    return [name for name in os.environ.get(variable, default).split(",") if name]
+
+
+# Every backend a Model can run on: the engines of tinyloop.backends.BACKENDS, and
+# "native-cuda" = libtinyloop's CUDA backend, Model(backend="native", device="cuda"). Each name
+# is also the feature `tinyloop.backend_features` declares when that backend can run here.
+BACKENDS = ("numpy", "native", "numba", "numba-cuda", "native-cuda")
+TEST_BACKENDS = env_names("TINYLOOP_TEST_BACKENDS", ",".join(BACKENDS))
+# The CPU kernel paths libtinyloop picks from at run time (feature "native-<isa>"); the scalar
+# path runs everywhere.
+ISA_PATHS = ("avx2", "avx512-vnni")
+
+
+@functools.cache
+def backend_features():
+    return tinyloop.backend_features
+
+
+def unavailable_reason(name):
+    """Why backend `name` cannot run here (its feature is missing), or None when it can."""
+    if name in backend_features():
+        return None
+    if name == "native-cuda":
+        from tinyloop.backends import cuda_device_status
+        return cuda_device_status()[1]
+    return tinyloop.backend_available(name)[1]
+
+
+def require_backend(name):
+    """Skip (or, if TINYLOOP_REQUIRE_BACKENDS names it, fail) when `name` cannot open here."""
+    why = unavailable_reason(name)
+    if why is not None:
+        message = f"backend {name!r} is not available: {why}"
+        if name in env_names("TINYLOOP_REQUIRE_BACKENDS"):
+            pytest.fail(message + " (required by TINYLOOP_REQUIRE_BACKENDS)")
+        pytest.skip(message)
+
+
+def pytest_report_header(config):
+    features = backend_features()
+    if "native" not in features:
+        isa_line = f"all ({unavailable_reason('native')})"
+    else:
+        isa_line = ", ".join(isa for isa in ISA_PATHS if f"native-{isa}" not in features) or "none"
+    return [f"tinyloop: backends here: {', '.join(b for b in BACKENDS if b in features)}; "
+            f"features: {', '.join(sorted(features))}",
+            f"tinyloop: ISA paths not run on this CPU: {isa_line}"]
+
+
+@pytest.fixture(scope="module", params=TEST_BACKENDS)
+def backend(request):
+    """Each backend under test (TINYLOOP_TEST_BACKENDS), skipped only when it cannot run here."""
+    require_backend(request.param)
+    return request.param
+
+
+def simulated(backend):
+    """True for numba-cuda on numba's CPU simulator, where each GPU thread is a Python thread."""
+    if backend != "numba-cuda":
+        return False
+    from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+SIMULATOR_EXAMPLES = 2     # per property: a simulated example costs tens of seconds
+
+
+def examples(backend):
+    """The Hypothesis settings of a property on `backend`: the profile's, with at most
+    SIMULATOR_EXAMPLES on the numba-cuda simulator."""
+    if simulated(backend):
+        return settings(max_examples=min(settings.default.max_examples, SIMULATOR_EXAMPLES))
+    return settings()
+
+
+def backend_given(**strategies):
+    """`hypothesis.given` for a test that takes the `backend` fixture: the drawn arguments are
+    the keywords of `strategies`, the others are fixtures, and the examples are run with
+    `examples(backend)`. Under a derandomized profile (ci) every backend gets the same examples:
+    Hypothesis seeds them from the test's source, not from the backend."""
+    def decorate(test):
+        signature = inspect.signature(test)
+        fixtures = [p for p in signature.parameters.values() if p.name not in strategies]
+        drawn = [p.replace(kind=p.KEYWORD_ONLY) for p in signature.parameters.values()
+                 if p.name in strategies]
+
+        @functools.wraps(test)
+        def run(**values):
+            @functools.wraps(test)            # Hypothesis keys its seed by the test's source
+            def example(**draws):
+                test(**values, **draws)
+            example.__signature__ = signature.replace(parameters=drawn)
+            examples(values["backend"])(given(**strategies)(example))()
+
+        run.__signature__ = signature.replace(parameters=fixtures)
+        return run
+    return decorate
+
+
+def same_bits(a, b):
+    """Arrays equal bit for bit (float32 compared through their uint32 patterns)."""
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def assert_same_bits(got, want):
+    """float32 arrays identical bit for bit: -0.0 differs from 0.0, a NaN equals the same NaN."""
+    assert got.dtype == want.dtype == np.float32, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    differ = got.view(np.uint32) != want.view(np.uint32)
+    if differ.any():
+        first = tuple(int(i) for i in np.argwhere(differ)[0])
+        raise AssertionError(f"{int(differ.sum())} of {differ.size} values differ; first at "
+                             f"{first}: {got[first]!r} != {want[first]!r}")
+
 
 # Small models covering the shape space: GQA or not, n_pre 0..2, int8 / int4, tied head,
 # odd vocabularies, eos ids. Keyed by a short name used in test ids.
@@ -52,6 +174,31 @@ def model_files(tmp_path_factory):
     return paths
 
 
+class ModelZoo:
+    """Model files of drawn shapes (strategies.model_shapes), each written once: Hypothesis
+    draws the same shape many times, on every backend. The weights' seed is a hash of the shape,
+    so a shape always has the same weights, whatever was drawn before it."""
+
+    def __init__(self, root):
+        self.root, self.paths = root, {}
+
+    def path(self, shape):
+        key = repr(sorted(shape.items()))
+        if key not in self.paths:
+            self.paths[key] = self.root / f"{len(self.paths)}.tinyloop"
+            tinyloop.random_model(self.paths[key], seed=zlib.crc32(key.encode()), **shape)
+        return self.paths[key]
+
+    def open(self, shape, backend, **kwargs):
+        """A Model of `shape` on `backend` (kwargs: Model's, e.g. threads and block_size)."""
+        return tinyloop.Model(self.path(shape), **backend_kwargs(backend), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    return ModelZoo(tmp_path_factory.mktemp("zoo"))
+
+
 @pytest.fixture(scope="session")
 def models(model_files):
     """name -> an open numpy-backend Model for every entry of MODEL_SHAPES."""
@@ -59,29 +206,6 @@ def models(model_files):
     yield opened
     for model in opened.values():
         model.close()
-
-
-def env_names(variable, default=""):
-    return [name for name in os.environ.get(variable, default).split(",") if name]
-
-
-def require_backend(name):
-    """Skip (or, if TINYLOOP_REQUIRE_BACKENDS names it, fail) when `name` cannot open here."""
-    if name == "native-cuda":
-        from tinyloop.backends import cuda_device_status
-        ok, why = cuda_device_status()
-    else:
-        ok, why = tinyloop.backend_available(name)
-    if not ok:
-        message = f"backend {name!r} is not available: {why}"
-        if name in env_names("TINYLOOP_REQUIRE_BACKENDS"):
-            pytest.fail(message + " (required by TINYLOOP_REQUIRE_BACKENDS)")
-        pytest.skip(message)
-
-
-def same_bits(a, b):
-    """Arrays equal bit for bit (float32 compared through their uint32 patterns)."""
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def open_models(model_files, backend, **kwargs):
@@ -116,6 +240,15 @@ def models_by_backend(model_files):
     for models in opened.values():
         for model in models.values():
             model.close()
+
+
+@pytest.fixture(scope="module")
+def on_backend(backend, model_files):
+    """name -> a Model of MODEL_SHAPES[name] on the backend under test (module lifetime)."""
+    opened = open_models(model_files, backend)
+    yield opened
+    for model in opened.values():
+        model.close()
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""The automatic prefix cache (docs/spec.md §4.3) on numpy and native: the same tokens and
+"""The automatic prefix cache (docs/spec.md §4.3) on every backend: the same tokens and
 bit-identical logits with the cache on or off, after evictions, under budgets too small for the
 workload, across salts, depths and windows; what it shares, keeps and evicts; and the memory it
-reports (docs/api.md formulas).
+reports (docs/api.md formulas, which differ between libtinyloop and the Python engine).
 
 Each backend runs a cache-less twin of every cached model; a result is compared with the twin's.
 """
@@ -9,21 +9,23 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import strategies as st
 
 import tinyloop
+from tinyloop.quickbench import backend_kwargs
 
-from conftest import MODEL_SHAPES, require_backend, same_bits
-from test_paths import sampling
+from conftest import MODEL_SHAPES, assert_same_bits, backend_given, require_backend
+from strategies import sampling
 
 BLOCK = 4                          # the cached models' KV block size
 SHAPE = MODEL_SHAPES["int8-gqa"]   # vocab 263, G=2, D=8, n_pre 1, default loops 3
 BUDGETS = {"tiny": 2_500, "small": 9_000, "large": 1 << 30}
+LIBRARY_BACKENDS = ("native", "native-cuda")   # libtinyloop's block layout; the rest: fallback/
 
 
 def block_bytes(backend, n_layers, G=SHAPE["n_kv_heads"], D=SHAPE["head_dim"], bs=BLOCK):
     """Bytes of one cached block at n_layers layers (docs/api.md, "Memory")."""
-    if backend == "native":
+    if backend in LIBRARY_BACKENDS:
         return 64 + n_layers * G * -(-(2 * bs * D + 8 * bs) // 64) * 64
     return n_layers * 2 * bs * G * (D + 4)
 
@@ -36,24 +38,18 @@ def model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def backend(numpy_or_native):
-    return numpy_or_native
-
-
-@pytest.fixture(scope="module")
 def opened(backend, model_path):
     """budget name -> a cached Model, plus "off" -> its cache-less twin (module lifetime)."""
-    models = {name: tinyloop.Model(model_path, backend=backend, block_size=BLOCK,
-                                   prefix_cache_bytes=budget) for name, budget in BUDGETS.items()}
-    models["off"] = tinyloop.Model(model_path, backend=backend, block_size=BLOCK,
-                                   prefix_cache_bytes=0)
+    models = {name: fresh(backend, model_path, budget) for name, budget in BUDGETS.items()}
+    models["off"] = fresh(backend, model_path, 0)
     yield models
     for model in models.values():
         model.close()
 
 
 def fresh(backend, path, budget):
-    return tinyloop.Model(path, backend=backend, block_size=BLOCK, prefix_cache_bytes=budget)
+    return tinyloop.Model(path, **backend_kwargs(backend), block_size=BLOCK,
+                          prefix_cache_bytes=budget)
 
 
 @st.composite
@@ -74,18 +70,19 @@ def workloads(draw):
     return requests
 
 
-@given(workload=workloads(), budget=st.sampled_from(sorted(BUDGETS)))
-def test_cache_never_changes_tokens_or_logits(opened, workload, budget):
+@backend_given(workload=workloads(), budget=st.sampled_from(sorted(BUDGETS)))
+def test_cache_never_changes_tokens_or_logits(backend, opened, workload, budget):
     cached, plain = opened[budget], opened["off"]
     for prompt, kwargs in workload:
         got, got_logits = cached.generate(prompt, return_logits=True, **kwargs)
         want, want_logits = plain.generate(prompt, return_logits=True, **kwargs)
         assert got == want
-        assert same_bits(got_logits, want_logits)
+        assert_same_bits(got_logits, want_logits)
 
 
-@given(workload=workloads(), budget=st.sampled_from(sorted(BUDGETS)))
-def test_stats_account_for_every_prompt_token_and_respect_the_budget(opened, workload, budget):
+@backend_given(workload=workloads(), budget=st.sampled_from(sorted(BUDGETS)))
+def test_stats_account_for_every_prompt_token_and_respect_the_budget(backend, opened, workload,
+                                                                     budget):
     model = opened[budget]
     before = model.cache_stats()
     for prompt, kwargs in workload:
@@ -152,7 +149,8 @@ def test_the_window_is_part_of_the_key(backend, model_path, opened):
     again = model.generate(prompt, max_tokens=4, cache_window=6, return_logits=True)
     assert model.cache_stats()["hit_tokens"] == 32
     for tokens, logits in (got, again):
-        assert tokens == want[0] and same_bits(logits, want[1])
+        assert tokens == want[0]
+        assert_same_bits(logits, want[1])
 
 
 def test_tiny_budgets_evict_least_recently_used_first(backend, model_path, opened):
@@ -191,20 +189,19 @@ def test_blocks_in_use_are_never_evicted(backend, model_path):
     assert model.cache_stats()["evicted_blocks"] == 3
 
 
-def test_counters_agree_across_backends(model_path):
-    for name in ("numpy", "native"):
-        require_backend(name)
+def test_counters_agree_with_numpy(backend, model_path):
+    """Every counter but bytes_in_use (whose formula is per engine) is numpy's."""
     rng = np.random.default_rng(5)
     systems = [rng.integers(0, 263, size=n).tolist() for n in (9, 17, 30)]
     workload = [systems[i % 3] + rng.integers(0, 263, size=i % 5).tolist() for i in range(12)]
     stats = {}
-    for name in ("numpy", "native"):
+    for name in ("numpy", backend):
         model = fresh(name, model_path, 1 << 30)
         for i, prompt in enumerate(workload):
             model.generate(prompt, max_tokens=2, loops=1 + i % 3)
         stats[name] = model.cache_stats()
         del stats[name]["bytes_in_use"]
-    assert stats["numpy"] == stats["native"]
+    assert stats[backend] == stats["numpy"]
 
 
 def test_clear_and_close_drop_the_cached_blocks(backend, model_path):
@@ -231,6 +228,7 @@ def test_bad_salts_are_refused(opened, salt, message):
 
 
 def test_bad_budgets_are_refused(model_path):
+    """Model checks the budget before it opens any engine: one backend says it for all."""
     with pytest.raises(ValueError, match="prefix_cache_bytes < 0"):
         tinyloop.Model(model_path, backend="numpy", prefix_cache_bytes=-1)
 
@@ -244,7 +242,7 @@ def test_prefix_nbytes_is_the_documented_formula(backend, model_path):
         n_layers = SHAPE["n_pre_blocks"] + loops
         first_live = max(0, n - window + 1) // BLOCK if window else 0
         n_blocks = -(-n // BLOCK) - first_live
-        if backend == "native":
+        if backend in LIBRARY_BACKENDS:
             kv = n_blocks * block_bytes(backend, n_layers)
         else:
             kv = n_blocks * n_layers * block_bytes(backend, 1)
@@ -260,6 +258,7 @@ def test_cache_bytes_are_the_documented_formula(backend, model_path):
 
 
 def test_continuations_of_a_long_prefix_copy_none_of_its_blocks(tmp_path):
+    """Native only: it reads libtinyloop's own allocation counters (native_memory_stats)."""
     require_backend("native")
     path = tmp_path / "long.tinyloop"
     tinyloop.random_model(path, seed=3, **{**SHAPE, "n_kv_heads": 4, "head_dim": 32,

@@ -1,13 +1,13 @@
-"""Every documented error: the seed's error table and DESIGN §5, each with its type and a
-message naming the problem; the model keeps working afterwards."""
+"""Every documented error, on every backend: the seed's error table and DESIGN §5, each with
+its type and a message naming the problem; the model keeps working afterwards. Errors raised by
+Model itself before any engine exists (bad backend, kv_mode or budget) need no backend."""
 import math
 
 import numpy as np
 import pytest
 
 import tinyloop
-
-from conftest import require_backend
+from tinyloop.quickbench import backend_kwargs
 
 GOOD = [1, 2, 3]
 
@@ -70,10 +70,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["numpy", "native", "numba"])
 @pytest.mark.parametrize("call, error, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_raises_documented_error(models_by_backend, backend, call, error, fragment):
-    model = models_by_backend(backend)["int8-gqa"]
+def test_bad_input_raises_documented_error(on_backend, call, error, fragment):
+    model = on_backend["int8-gqa"]
     before = model.generate([4, 5, 6], max_tokens=4)
     with pytest.raises(error) as info:
         call(model)
@@ -82,17 +81,16 @@ def test_bad_input_raises_documented_error(models_by_backend, backend, call, err
     assert model.generate([4, 5, 6], max_tokens=4) == before
 
 
-@pytest.mark.parametrize("backend", ["numpy", "native"])
-def test_prefix_from_another_model_is_refused(models_by_backend, models, backend):
-    prefix = models["int8-gqa"].build_prefix_cache(GOOD)
-    with pytest.raises(ValueError, match="another model"):
-        models_by_backend(backend)["int4-mha"].generate_from_prefix_cache(prefix)
+def test_prefix_from_another_model_is_refused(on_backend, models):
+    """A prefix of another file on this backend, or of the same file on the numpy backend."""
+    for other in (on_backend["int8-gqa"], models["int4-mha"]):
+        prefix = other.build_prefix_cache(GOOD)
+        with pytest.raises(ValueError, match="another model"):
+            on_backend["int4-mha"].generate_from_prefix_cache(prefix)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "native"])
 def test_closed_model_raises_runtime_error_everywhere(model_files, backend):
-    require_backend(backend)
-    model = tinyloop.Model(model_files["int8-gqa"], backend=backend)
+    model = tinyloop.Model(model_files["int8-gqa"], **backend_kwargs(backend))
     prefix = model.build_prefix_cache(GOOD)
     model.close()
     model.close()  # idempotent
@@ -133,30 +131,31 @@ def test_unknown_backend_is_refused(model_files, monkeypatch):
         tinyloop.Model(model_files["int8-gqa"])
 
 
-@pytest.mark.parametrize("backend", ["numpy", "native"])
 def test_bad_file_raises_model_format_error(tmp_path, backend):
-    require_backend(backend)
     path = tmp_path / "bad.tinyloop"
     path.write_bytes(b"NOTALOOP" + bytes(300))
     with pytest.raises(tinyloop.ModelFormatError, match="magic"):
-        tinyloop.Model(path, backend=backend)
+        tinyloop.Model(path, **backend_kwargs(backend))
     with pytest.raises(FileNotFoundError):
-        tinyloop.Model(tmp_path / "missing.tinyloop", backend=backend)
+        tinyloop.Model(tmp_path / "missing.tinyloop", **backend_kwargs(backend))
 
 
-def test_prefix_cache_copies_the_prompt(small_model):
+def test_prefix_cache_copies_the_prompt(on_backend):
+    model = on_backend["int8-gqa"]
     prompt = np.array([3, 4, 5], np.int32)
-    prefix = small_model.build_prefix_cache(prompt)
+    prefix = model.build_prefix_cache(prompt)
     prompt[0] = 99
     assert list(prefix.prompt) == [3, 4, 5]
     with pytest.raises(ValueError):
         prefix.prompt[0] = 1
-    assert prefix.loops == small_model.config()["default_loops"]
+    assert prefix.loops == model.config()["default_loops"]
     assert prefix.cache_window == 0 and prefix.nbytes > 0
 
 
-def test_allocation_failure_is_runtime_error_out_of_memory(model_files, monkeypatch):
-    model = tinyloop.Model(model_files["int8-gqa"], backend="numpy")
+def test_allocation_failure_is_runtime_error_out_of_memory(model_files, backend, monkeypatch):
+    """A MemoryError out of the engine (numpy's, or cffi's for native) is the documented
+    RuntimeError("... out of memory")."""
+    model = tinyloop.Model(model_files["int8-gqa"], **backend_kwargs(backend))
     before = model.generate(GOOD, max_tokens=3)
     engine_class = type(model._engine)
 

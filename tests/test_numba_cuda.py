@@ -14,15 +14,18 @@ The PTX of every kernel is checked twice: compiled for sm_90 without a GPU where
 numba-cuda and libNVVM are installed (pip install numba-cuda "cuda-toolkit[nvvm]==13.*"),
 and as actually compiled on a real GPU.
 """
-import os
 import re
 
 import numpy as np
 import pytest
 
 import tinyloop
-from conftest import same_bits
-from tinyloop import backend_available
+from conftest import assert_same_bits, env_names, require_backend
+
+# Before any numba import: without numba the module skips (or, when required, cuda_backend
+# fails saying why).
+if "numba-cuda" not in env_names("TINYLOOP_REQUIRE_BACKENDS"):
+    pytest.importorskip("numba", reason="numba is not installed: no numba-cuda backend")
 
 TINY = dict(vocab_size=48, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=24,
             n_pre_blocks=1, default_loops=2, max_seq_len=40)
@@ -38,10 +41,7 @@ def hazards(ptx):
 
 @pytest.fixture(scope="module")
 def cuda_backend():
-    ok, why = backend_available("numba-cuda")
-    if not ok:
-        required = "numba-cuda" in os.environ.get("TINYLOOP_REQUIRE_BACKENDS", "").split(",")
-        (pytest.fail if required else pytest.skip)(f"backend 'numba-cuda' is not available: {why}")
+    require_backend("numba-cuda")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ PROMPT = [3, 17, 5, 40, 22, 9, 31, 2]
 def test_logits_match_numpy(pairs, fmt):
     ref, got = pairs[fmt]
     kw = dict(cache_window=3, prefill_chunk=5)
-    assert same_bits(got.logits(PROMPT, **kw), ref.logits(PROMPT, **kw))
+    assert_same_bits(got.logits(PROMPT, **kw), ref.logits(PROMPT, **kw))
 
 
 def test_prefix_suffix_generation_matches_numpy(pairs):
@@ -82,7 +82,7 @@ def test_prefix_suffix_generation_matches_numpy(pairs):
     for _ in range(2):
         tokens, logits = got.generate_from_prefix_cache(prefix, **run)
         assert tokens == want[0]
-        assert same_bits(logits, want[1])
+        assert_same_bits(logits, want[1])
 
 
 def test_compiled_kernels_have_no_fma_approximation_or_ftz(pairs):

@@ -1,13 +1,15 @@
-"""cache_window: the cached, paged, chunked engine equals a naive evaluation of the windowed
-definition (docs/spec.md §4.1) written here with no cache at all."""
+"""cache_window: on every backend, the cached, paged, chunked engine equals a naive evaluation
+of the windowed definition (docs/spec.md §4.1) written here with no cache at all, bit for bit,
+whatever the model shape, thread count and KV block size."""
 import numpy as np
-from hypothesis import given, strategies as st
+from hypothesis import strategies as st
 
 from tinyloop.fallback import numerics as N
 from tinyloop.fallback.weights import Weights
 from tinyloop.modelfile import load_model
 
-from conftest import MODEL_SHAPES
+from conftest import assert_same_bits, backend_given
+from strategies import drawn_model, prompts
 
 
 def naive_attention_row(q, keys, values):
@@ -55,33 +57,40 @@ def naive_logits(weights, tokens, loops, window):
     return weights.head(*N.rms_quantize(x, cfg.rms_eps))
 
 
-@given(name=st.sampled_from(sorted(MODEL_SHAPES)), data=st.data())
-def test_windowed_engine_equals_naive_definition(models, model_files, name, data):
-    model = models[name]
-    cfg = model.config()
-    prompt = data.draw(st.lists(st.integers(0, cfg["vocab_size"] - 1), min_size=1, max_size=40))
-    window = data.draw(st.sampled_from([0, 1, 2, 5, 17]))
-    loops = data.draw(st.integers(1, 3))
-    chunk = data.draw(st.integers(1, 40))
-    got = model.logits(prompt, loops=loops, cache_window=window, prefill_chunk=chunk)
-    weights = Weights(*load_model(model_files[name]))
-    want = naive_logits(weights, np.array(prompt), loops, window)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+_naive = {}    # the naive logits depend on neither backend nor engine settings: one per case
 
 
-def test_window_releases_blocks_outside_it(small_model):
+def naive_logits_of(path, tokens, loops, window):
+    key = (path, tuple(tokens), loops, window)
+    if key not in _naive:
+        _naive[key] = naive_logits(Weights(*load_model(path)), np.array(tokens), loops, window)
+    return _naive[key]
+
+
+@backend_given(data=st.data())
+def test_windowed_engine_equals_naive_definition(backend, zoo, data):
+    with drawn_model(data, zoo, backend) as model:
+        prompt = data.draw(prompts(model.config()["vocab_size"], max_size=24))
+        window = data.draw(st.sampled_from([0, 1, 2, 5, 17]))
+        loops = data.draw(st.integers(1, 3))
+        got = model.logits(prompt, loops=loops, cache_window=window,
+                           prefill_chunk=data.draw(st.integers(1, 24)))
+        assert_same_bits(got, naive_logits_of(model.path, prompt, loops, window))
+
+
+def test_window_releases_blocks_outside_it(on_backend):
     """A 64-token prompt with window 8 keeps only the blocks a future query can still see."""
+    model = on_backend["int8-gqa"]
     prompt = list(range(64))
-    full = small_model.build_prefix_cache(prompt, cache_window=0)
-    windowed = small_model.build_prefix_cache(prompt, cache_window=8)
+    full = model.build_prefix_cache(prompt, cache_window=0)
+    windowed = model.build_prefix_cache(prompt, cache_window=8)
     assert windowed.nbytes < full.nbytes / 2
-    assert small_model.generate_from_prefix_cache(windowed, max_tokens=4) == \
-        small_model.generate(prompt, max_tokens=4, cache_window=8)
+    assert model.generate_from_prefix_cache(windowed, max_tokens=4) == \
+        model.generate(prompt, max_tokens=4, cache_window=8)
 
 
-def test_window_changes_results_once_the_context_exceeds_it(small_model):
+def test_window_changes_results_once_the_context_exceeds_it(on_backend):
+    model = on_backend["int8-gqa"]
     prompt = list(range(1, 30))
-    assert not np.array_equal(small_model.logits(prompt, cache_window=4)[-1],
-                              small_model.logits(prompt)[-1])
-    assert np.array_equal(small_model.logits(prompt[:4], cache_window=4),
-                          small_model.logits(prompt[:4]))
+    assert not np.array_equal(model.logits(prompt, cache_window=4)[-1], model.logits(prompt)[-1])
+    assert_same_bits(model.logits(prompt[:4], cache_window=4), model.logits(prompt[:4]))

@@ -1,0 +1,87 @@
+"""Hypothesis strategies shared by the suites: small valid model shapes, prompts, sampling
+settings, and the engine settings (threads, KV block size) that must never change a result.
+
+A model shape is a dict of `tinyloop.random_model` keyword arguments; `conftest.ModelZoo` turns
+it into a file, written once per shape.
+"""
+import math
+
+from hypothesis import strategies as st
+
+from conftest import simulated
+
+MAX_PROMPT = 300               # the longest drawn prompt
+MAX_NEW = 16                   # room for generated tokens past it
+SHORT_PROMPT = 24
+LONG_PROMPT_ONE_IN = 5         # one drawn prompt in 5 may be up to MAX_PROMPT tokens long
+
+
+@st.composite
+def model_shapes(draw, tiny=False):
+    """A small valid config: H = G * (heads per kv head), even head_dim, ffn, n_pre, loops,
+    int8 or int4 with an even group size dividing every K, tied head or not, an eos id or none.
+    `tiny`: the smallest widths (for numba's CUDA simulator)."""
+    n_kv_heads = draw(st.integers(1, 2 if tiny else 3))
+    n_heads = n_kv_heads * draw(st.integers(1, 2 if tiny else 3))
+    head_dim = draw(st.sampled_from([2, 4, 8] if tiny else [2, 4, 6, 8, 16, 32]))
+    d_model = draw(st.sampled_from([8, 16] if tiny else [8, 16, 24, 32, 48]))
+    ffn_dim = draw(st.sampled_from([8, 16] if tiny else [8, 16, 24, 40, 64]))
+    vocab_size = draw(st.integers(16, 64 if tiny else 300))
+    shape = dict(vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
+                 n_kv_heads=n_kv_heads, head_dim=head_dim, ffn_dim=ffn_dim,
+                 n_pre_blocks=draw(st.integers(0, 1 if tiny else 2)),
+                 default_loops=draw(st.integers(1, 4)), max_seq_len=MAX_PROMPT + MAX_NEW,
+                 tied_head=draw(st.booleans()),
+                 eos_id=draw(st.one_of(st.just(-1), st.integers(0, vocab_size - 1))))
+    k = math.gcd(d_model, n_heads * head_dim, ffn_dim)
+    groups = [g for g in range(2, k + 1, 2) if k % g == 0]
+    if draw(st.booleans()):
+        shape.update(weight_format="int4", group_size=draw(st.sampled_from(groups)))
+    return shape
+
+
+def engine_settings():
+    """Model keyword arguments that change no result: the thread count and the KV block size."""
+    return st.fixed_dictionaries(dict(threads=st.integers(1, 4),
+                                      block_size=st.sampled_from([1, 2, 3, 4, 7, 16, 64])))
+
+
+def drawn_model(data, zoo, backend):
+    """A Model on `backend` of a shape (tiny on the simulator), thread count and KV block size
+    drawn from `data`."""
+    return zoo.open(data.draw(model_shapes(tiny=simulated(backend)), "shape"), backend,
+                    **data.draw(engine_settings(), "engine"))
+
+
+@st.composite
+def prompts(draw, vocab, min_size=1, max_size=24):
+    return draw(st.lists(st.integers(0, vocab - 1), min_size=min_size, max_size=max_size))
+
+
+def prompt_lengths(backend, min_size=1):
+    """Mostly up to SHORT_PROMPT tokens, one draw in LONG_PROMPT_ONE_IN up to MAX_PROMPT (short
+    only on the simulator). Shrinking leads to the short branch."""
+    short = st.integers(min_size, SHORT_PROMPT)
+    if simulated(backend):
+        return short
+    return st.integers(1, LONG_PROMPT_ONE_IN).flatmap(
+        lambda r: st.integers(min_size, MAX_PROMPT) if r == LONG_PROMPT_ONE_IN else short)
+
+
+@st.composite
+def long_prompts(draw, vocab, backend, min_size=1):
+    """A prompt whose length is drawn by prompt_lengths(backend)."""
+    n = draw(prompt_lengths(backend, min_size))
+    return draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+
+
+@st.composite
+def sampling(draw):
+    """Greedy or sampled settings, with a fixed seed."""
+    if draw(st.booleans()):
+        return dict(temperature=0.0, seed=draw(st.integers(0, 2**64 - 1)))
+    return dict(temperature=draw(st.floats(0.05, 2.0)),
+                top_k=draw(st.integers(0, 40)),
+                top_p=draw(st.floats(0.05, 1.0)),
+                repetition_penalty=draw(st.floats(0.5, 2.0)),
+                seed=draw(st.integers(0, 2**64 - 1)))
