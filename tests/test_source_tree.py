@@ -122,3 +122,48 @@ def test_checkout_without_a_library_says_how_to_build_one(checkout, tmp_path):
     assert f"libtinyloop is not built in the source checkout {checkout}" in report["reason"]
     assert "run `cmake -S libtinyloop -B build && cmake --build build -j` there" in report["reason"]
     assert Path(report["fallback"]) == checkout / "fallback" / "__init__.py"
+
+
+def stale_library(path, abi_version):
+    """A shared library at `path` that says it has `abi_version` and exports nothing else, as
+    an old build left behind would."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stale library with")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    source = path.with_suffix(".c")
+    source.write_text(f"int tl_abi_version(void) {{ return {abi_version}; }}\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    source.unlink()
+
+
+def test_a_stale_library_does_not_hide_the_checkout_build(checkout, tmp_path):
+    """An old `pip install -e .` left tinyloop/_lib/ with another ABI; build/ has a new one."""
+    from tinyloop import _library
+    stale_library(checkout / "tinyloop" / "_lib" / "libtinyloop.so", _library.ABI_VERSION - 1)
+    (checkout / "build").mkdir()
+    shutil.copy2(built_library(), checkout / "build" / "libtinyloop.so")
+    report = run_in(checkout, "", pythonpath=[])
+    assert (report["origin"], report["library"]) == (
+        "checkout build", str(checkout / "build" / "libtinyloop.so")), report
+
+
+def test_a_stale_library_alone_is_named_with_the_command_that_replaces_it(checkout):
+    from tinyloop import _library
+    stale = checkout / "tinyloop" / "_lib" / "libtinyloop.so"
+    stale_library(stale, _library.ABI_VERSION - 1)
+    report = run_in(checkout, "", pythonpath=[])
+    assert report["library"] is None, report
+    assert (f"{stale} has ABI version {_library.ABI_VERSION - 1}; this tinyloop package needs "
+            f"{_library.ABI_VERSION} (rebuild it: run `cmake -S libtinyloop -B build && "
+            f"cmake --build build -j` in {checkout})") in report["reason"], report
+
+
+def test_a_library_that_does_not_load_is_passed_over_too(checkout):
+    (checkout / "tinyloop" / "_lib").mkdir()
+    (checkout / "tinyloop" / "_lib" / "libtinyloop.so").write_bytes(b"not a shared library")
+    (checkout / "build").mkdir()
+    shutil.copy2(built_library(), checkout / "build" / "libtinyloop.so")
+    report = run_in(checkout, "", pythonpath=[])
+    assert (report["origin"], report["library"]) == (
+        "checkout build", str(checkout / "build" / "libtinyloop.so")), report

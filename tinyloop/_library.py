@@ -5,7 +5,8 @@ export macro and the extern "C" guard are stripped and the rest is handed to cff
 is TINYLOOP_LIBRARY when that is set; otherwise the one inside the package (`tinyloop/_lib/`,
 put there by `pip install .`) and, when tinyloop is imported from a source checkout, the
 checkout's CMake build (`build/`) and then the installed tinyloop package the checkout shadows.
-Right after dlopen the ABI version is checked.
+Right after dlopen the ABI version is checked; a library that fails to load or has another ABI
+version is passed over for the next one (a stale editable install must not hide a new `build/`).
 """
 import os
 import re
@@ -63,6 +64,16 @@ def library_candidates():
     return [(folder / name, origin) for folder, origin in folders for name in LIBRARY_NAMES]
 
 
+def rebuild_advice():
+    """What replaces a library this package cannot use."""
+    if os.environ.get("TINYLOOP_LIBRARY"):
+        return "rebuild it from this tinyloop's sources, or unset TINYLOOP_LIBRARY"
+    root = checkout_root()
+    if root is None:
+        return "reinstall tinyloop: pip install ."
+    return f"rebuild it: run `{BUILD_COMMAND}` in {root}"
+
+
 def not_found_message():
     """Why no library was found, and the command that provides one."""
     override = os.environ.get("TINYLOOP_LIBRARY")
@@ -78,24 +89,37 @@ def not_found_message():
             f"run `{BUILD_COMMAND}` there (needs a C compiler and CMake; see docs/install.md)")
 
 
+def open_library(cffi, path):
+    """(ffi, lib) of the library at `path`; raises LibraryUnavailable if it does not load or
+    has another ABI version."""
+    ffi = cffi.FFI()
+    ffi.cdef(cdef_from_header(header_path(path).read_text()))
+    try:
+        lib = ffi.dlopen(str(path))
+    except OSError as exc:
+        raise LibraryUnavailable(f"cannot load {path}: {exc}") from None
+    found = lib.tl_abi_version()
+    if found != ABI_VERSION:
+        raise LibraryUnavailable(f"{path} has ABI version {found}; this tinyloop package needs "
+                                 f"{ABI_VERSION}")
+    return ffi, lib
+
+
 def load_library():
-    """Returns (ffi, lib, path, origin) or raises LibraryUnavailable saying why."""
+    """Returns (ffi, lib, path, origin) or raises LibraryUnavailable saying why. A library
+    that cannot be used is passed over for the next candidate (a stale one left by an old
+    editable install must not hide a new build)."""
     try:
         import cffi
     except ImportError as exc:
         raise LibraryUnavailable(f"cffi is not installed ({exc})") from None
+    refused = []                  # why each library found was passed over, in search order
     for path, origin in library_candidates():
-        if not path.is_file():
-            continue
-        ffi = cffi.FFI()
-        ffi.cdef(cdef_from_header(header_path(path).read_text()))
-        try:
-            lib = ffi.dlopen(str(path))
-        except OSError as exc:
-            raise LibraryUnavailable(f"cannot load {path}: {exc}") from None
-        found = lib.tl_abi_version()
-        if found != ABI_VERSION:
-            raise LibraryUnavailable(f"{path} has ABI version {found}; this tinyloop package "
-                                     f"needs {ABI_VERSION} (rebuild or reinstall tinyloop)")
-        return ffi, lib, path, origin
+        if path.is_file():
+            try:
+                return (*open_library(cffi, path), path, origin)
+            except LibraryUnavailable as exc:
+                refused.append(str(exc))
+    if refused:
+        raise LibraryUnavailable("; ".join(refused) + f" ({rebuild_advice()})")
     raise LibraryUnavailable(not_found_message())
