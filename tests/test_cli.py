@@ -234,3 +234,25 @@ def test_bench_without_a_model_says_it_writes_a_random_one(monkeypatch, capsys):
     assert text.startswith("model bench-quick-int8: d_model 16, ")
     assert "(random weights, the quick shape)" in text.splitlines()[0]
     assert err.startswith("bench: writing a random quick-shape int8 model to ")
+
+
+def test_info_without_the_native_library_says_none(monkeypatch):
+    from tinyloop._library import LibraryUnavailable
+    monkeypatch.setattr("tinyloop.backends._native", {"error": LibraryUnavailable("not here")})
+    code, text = run("info", "--backend", "numpy")
+    assert code == 0
+    assert re.search(r"^ +library: none$", text, re.M), text
+    assert re.search(r"^ +cuda: not here$", text, re.M), text
+
+
+def test_bench_refuses_lengths_beyond_the_quick_shape_before_writing_its_model(monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the random model was written before the check")
+
+    monkeypatch.setattr("tinyloop.cli.bench_model", no_model)
+    limit = quickbench.SHAPES["quick"]["max_seq_len"]
+    code, text = run_on_one_stream(monkeypatch, "bench", "--prefix", str(limit), "--decode", "1",
+                                   "--backend", "numpy")
+    assert code == 2
+    assert text == (f"tinyloop: error: --prefix {limit} plus --decode 1 exceeds the model's "
+                    f"max_seq_len {limit}\n")

@@ -4,8 +4,10 @@ not import its consumer, and backend="auto" falls back to numba before numpy."""
 import ast
 import inspect
 import pathlib
+import shutil
 import warnings
 
+import numpy as np
 import pytest
 
 import tinyloop
@@ -176,3 +178,30 @@ def test_auto_without_the_library_takes_numba_and_says_once_that_it_compiles(
     fallbacks = [w for w in caught if issubclass(w.category, backends.FallbackWarning)]
     assert [str(w.message) for w in fallbacks] == [f"tinyloop: {info['reason']}"]
     assert fallbacks[0].filename == __file__          # points at the caller's Model(...)
+
+
+def test_backend_info_places_device_cuda_on_native_as_open_engine_does(model_files, monkeypatch):
+    """device="cuda" runs on the native backend, so "auto" with it never means numba."""
+    without_native_library(monkeypatch)
+    info = tinyloop.backend_info("auto", "cuda")
+    assert (info["requested"], info["chosen"], info["device"]) == ("auto", "native", "cuda")
+    assert (info["available"], info["reason"]) == (False, "no libtinyloop (test)")
+    with pytest.raises(RuntimeError, match=r"backend 'native' is not available: no libtinyloop"):
+        tinyloop.Model(model_files["int8-gqa"], device="cuda")
+    for call in (lambda: tinyloop.backend_info("numpy", "cuda"),
+                 lambda: tinyloop.Model(model_files["int8-gqa"], backend="numpy", device="cuda")):
+        with pytest.raises(ValueError, match="device='cuda' runs on the native backend, not 'numpy'"):
+            call()
+
+
+def test_an_open_model_outlives_its_file_on_every_backend(backend, model_files, tmp_path):
+    """Each engine reads the file once when it opens: rewriting or deleting it changes
+    nothing (docs/api.md, "Model files")."""
+    path = tmp_path / "m.tinyloop"
+    shutil.copy2(model_files["int8-gqa"], path)
+    with tinyloop.Model(path, threads=1, **backend_kwargs(backend)) as model:
+        before = model.logits([1, 2, 3], loops=1)
+        path.write_bytes(bytes(path.stat().st_size))      # zeros, in place
+        path.unlink()
+        after = model.logits([1, 2, 3], loops=1)
+    assert np.array_equal(before.view(np.uint32), after.view(np.uint32))

@@ -128,26 +128,39 @@ def cuda_device_status():
     return True, ""
 
 
+def placement(backend, device):
+    """(backend, device) as `backend` and `device` together mean them: device "cuda" runs on
+    the native backend, so it turns "auto" into "native"; TINYLOOP_DEVICE steers native models
+    only. Raises ValueError for device="cuda" with a Python backend."""
+    requested = requested_backend(backend)
+    device, from_env = requested_device(device)
+    if device == "cuda" and requested not in ("auto", "native"):
+        if not from_env:
+            raise ValueError(f"device='cuda' runs on the native backend, not {requested!r} "
+                             "(backend='numba-cuda' runs the numba kernels on a GPU)")
+        device = "auto"
+    return ("native" if device == "cuda" else requested), device
+
+
 def backend_info(backend="auto", device="auto"):
     """What `backend` and `device` resolve to here, and why: a dict for humans and tests.
     The device is where the chosen backend runs its forward pass: "cuda" for numba-cuda, and
     for native with device "cuda"; "auto" is the CPU until libtinyloop's CUDA backend has been
     verified on a GPU (docs/install.md)."""
-    requested = requested_backend(backend)
-    device, _ = requested_device(device)
-    chosen = resolve_backend_name(requested)
+    placed, device = placement(backend, device)
+    chosen = resolve_backend_name(placed)
     ok, why = backend_available(chosen)
-    info = {"requested": requested, "chosen": chosen, "available": ok, "reason": why,
-            "library": None, "origin": None, "library_version": None}
+    info = {"requested": requested_backend(backend), "chosen": chosen, "available": ok,
+            "reason": why, "library": None, "origin": None, "library_version": None}
     native_ok, native_why = backend_available("native")
     if native_ok:
         ffi, lib, path, origin = native_library()
         info.update(library=str(path), origin=origin,
                     library_version=ffi.string(lib.tl_version_string()).decode())
-    if requested == "auto":
+    if placed == "auto":
         info["reason"] = _auto_reason(chosen)
     cuda_ok, cuda_why = cuda_device_status() if native_ok else (False, native_why)
-    on_cuda = chosen == "numba-cuda" or (chosen == "native" and device == "cuda")
+    on_cuda = chosen == "numba-cuda" or device == "cuda"
     info.update(device="cuda" if on_cuda else "cpu", cuda_available=cuda_ok, cuda_reason=cuda_why)
     return info
 
@@ -199,15 +212,7 @@ def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0,
     """Open the model file at `path` with `backend` on `device`; its `runtime()` says which
     backend and device it runs on. device="cuda" needs the native backend (backend "auto" or
     "native") and a usable GPU."""
-    requested = requested_backend(backend)
-    device, from_env = requested_device(device)
-    if device == "cuda" and requested not in ("auto", "native"):
-        if not from_env:
-            raise ValueError(f"device='cuda' runs on the native backend, not {requested!r} "
-                             "(backend='numba-cuda' runs the numba kernels on a GPU)")
-        device = "auto"                # TINYLOOP_DEVICE steers native models only
-    if device == "cuda":
-        requested = "native"
+    requested, device = placement(backend, device)
     name = resolve_backend_name(requested)
     if requested == "auto" and name != "native":
         _warn_fallback_once(name)

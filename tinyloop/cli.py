@@ -21,7 +21,7 @@ from . import params as P
 from ._version import __version__
 from .backends import BACKENDS, DEVICES, backend_features, backend_info
 from .demo import run_demo
-from .quickbench import bench_model, describe, shared_prefix, speed
+from .quickbench import SHAPES, bench_model, describe, shared_prefix, speed
 
 PROGRESS_CHUNK = 256       # prompt tokens per chunk when a progress display is on
 PROGRESS_MIN_TOKENS = 1024  # "auto" shows progress for prompts at least this long
@@ -159,11 +159,13 @@ def run_info(args, out):
         for key, value in model.config().items():
             print(f"{key:>16}: {value}", file=out)
         runtime = model.runtime()
-        print(f"{'runtime':>16}: {runtime['isa']} kernels, {runtime['threads']} threads, "
+        threads = f"{runtime['threads']} thread{'s' if runtime['threads'] != 1 else ''}"
+        print(f"{'runtime':>16}: {runtime['isa']} kernels, {threads}, "
               f"KV blocks of {runtime['kv_block_size']}", file=out)
         print(f"{'device':>16}: {runtime['device_name']}", file=out)
     print(f"{'backend':>16}: {info['chosen']} ({info['reason'] or 'requested'})", file=out)
-    print(f"{'library':>16}: {info['library']} {info['library_version'] or ''}", file=out)
+    library = f"{info['library']} {info['library_version']}" if info["library"] else "none"
+    print(f"{'library':>16}: {library}", file=out)
     print(f"{'cuda':>16}: " + ("available" if info["cuda_available"] else info["cuda_reason"]), file=out)
     print(f"{'features':>16}: {', '.join(sorted(backend_features()))}", file=out)
     return 0
@@ -175,16 +177,21 @@ def run_bench(args, out):
     def stage(text):
         print(f"bench: {text}", file=sys.stderr, flush=True)
 
+    def check_lengths(max_seq_len):
+        for flag, n in (("--prefill", args.prefill), ("--prefix", args.prefix)):
+            if n + args.decode > max_seq_len:
+                raise ValueError(f"{flag} {n} plus --decode {args.decode} exceeds the model's "
+                                 f"max_seq_len {max_seq_len}")
+
+    if args.model is None:        # checked before the random model is written (seconds)
+        check_lengths(SHAPES["quick"]["max_seq_len"])
     with tempfile.TemporaryDirectory() as directory:
         path = args.model or bench_model("quick", args.format, directory, progress=stage)
         stage(f"opening {path}")
         with Model(path, backend=args.backend, threads=args.threads, prefix_cache_bytes=0,
                    device=args.device) as model:
             cfg = model.config()
-            for flag, n in (("--prefill", args.prefill), ("--prefix", args.prefix)):
-                if n + args.decode > cfg["max_seq_len"]:
-                    raise ValueError(f"{flag} {n} plus --decode {args.decode} exceeds the model's "
-                                     f"max_seq_len {cfg['max_seq_len']}")
+            check_lengths(cfg["max_seq_len"])
             source = path if args.model else "random weights, the quick shape"
             print(f"model {describe(cfg)} ({source}), backend {model.backend}", file=out, flush=True)
             _, prefill, decode = speed(model, args.prefill, args.decode, progress=stage)
@@ -217,11 +224,12 @@ def build_parser():
         p.add_argument("--model", type=model_file, default=None,
                        help=f"a .tinyloop file (default: {model_default})")
         p.add_argument("--backend", default="auto", choices=BACKENDS,
-                       help="the engine that runs the model; auto: the native library when it "
-                            "loads, else a Python fallback, or TINYLOOP_BACKEND when set "
+                       help="the engine that runs the model; auto: TINYLOOP_BACKEND when set, "
+                            "else the native library when it loads, else numba, else numpy "
                             "(default: %(default)s)")
         p.add_argument("--threads", type=integer(1), default=None,
-                       help="worker threads of the native backend (default: all cores)")
+                       help="worker threads of the native and numba backends (default: all "
+                            "cores)")
         p.add_argument("--device", default="auto", choices=DEVICES,
                        help="where the native backend runs; auto: the CPU for now "
                             "(default: %(default)s)")
