@@ -151,7 +151,8 @@ TL_API tl_model_params tl_model_params_default(void);
  * once this returns the file is never read again (it may be deleted, truncated or rewritten).
  * params may be NULL (defaults). On success *out owns a new model: release it with
  * tl_model_free. Errors: TL_ERR_IO, TL_ERR_BAD_FILE, TL_ERR_UNSUPPORTED, TL_ERR_OUT_OF_MEMORY,
- * TL_ERR_INVALID_ARGUMENT. Thread-safe. */
+ * TL_ERR_INVALID_ARGUMENT, TL_ERR_INTERNAL (a worker thread or the CUDA device could not start).
+ * Thread-safe. */
 TL_API tl_status tl_model_open(const char* path, const tl_model_params* params, tl_model** out);
 
 /* The file's configuration (docs/spec.md §6.1). */

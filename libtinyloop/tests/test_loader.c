@@ -3,8 +3,11 @@
  * fixed up, huge dimensions and offsets. Every bad file must give TL_ERR_BAD_FILE (never a
  * crash or an out-of-bounds read: run under ASan), and every accepted file must run. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "test_util.h"
 
@@ -233,6 +236,13 @@ static void test_paths(void) {
     CHECK_STATUS(tl_model_open("/nonexistent/model.tinyloop", NULL, &m), TL_ERR_IO);
     CHECK(m == NULL && strstr(tl_last_error(), "cannot open"), "%s", tl_last_error());
     CHECK_STATUS(tl_model_open("/tmp", NULL, &m), TL_ERR_IO);
+    /* A FIFO with no writer: opening must not block waiting for one (the test would hang). */
+    char fifo[64];
+    snprintf(fifo, sizeof fifo, "/tmp/tl-test-fifo-%ld", (long)getpid());
+    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
+    CHECK_STATUS(tl_model_open(fifo, NULL, &m), TL_ERR_IO);
+    CHECK(m == NULL && strstr(tl_last_error(), "not a regular file"), "%s", tl_last_error());
+    unlink(fifo);
     CHECK_STATUS(tl_model_open(NULL, NULL, &m), TL_ERR_INVALID_ARGUMENT);
     tu_spec spec = tu_spec_default();
     spec.tied = 1;

@@ -20,7 +20,8 @@ TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t 
     tl_seq* s = NULL;
     tl_prefix* p = NULL;
     st = tl_engine_resolve_loops(e, loops, &loops);
-    if (st == TL_OK && (!tokens || n == 0)) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is empty");
+    if (st == TL_OK && n == 0) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is empty");
+    if (st == TL_OK && !tokens) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "tokens is NULL");
     if (st == TL_OK && n > c->max_seq_len) /* before the copy of n tokens is allocated */
         st = tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", n, c->max_seq_len);
     if (st == TL_OK) st = tl_seq_new(e, loops, cache_window, &s);

@@ -644,7 +644,9 @@ static tl_status validate(reader* r, tl_file* f) {
 tl_status tl_file_open(const char* path, tl_file* out) {
     memset(out, 0, sizeof *out);
     if (!path) return tl_fail(TL_ERR_INVALID_ARGUMENT, "model path is NULL");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer (it is then refused below); it
+     * changes nothing for regular files. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return tl_fail(TL_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
