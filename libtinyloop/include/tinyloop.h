@@ -371,8 +371,10 @@ typedef struct tl_request {
  * Requests may differ in every parameter, depth and window included. Each request's tokens
  * and logits are bit-identical to tl_generate (or tl_generate_from_prefix) of it alone.
  * requests[0..n_requests) point to the requests (they need not be contiguous); each is read
- * up to its own `size`, which must cover this library's tl_request. A NULL pointer or a
- * short `size` fails the call before anything is written. Every request is then validated
+ * up to its own `size`, which must cover this library's tl_request. Each pointer must be
+ * distinct, and no two requests' output buffers may overlap. A NULL pointer, a short `size`
+ * or a pointer given twice fails the call with TL_ERR_INVALID_ARGUMENT before anything is
+ * written ("request 3 is the same as request 1"). Every request is then validated
  * before any work; the first invalid one fails the call with a message naming its index. On
  * a later failure (out of memory, non-finite logits) the call fails and each n_out says how
  * far its request got. Thread-safe like tl_generate. */

@@ -4,7 +4,8 @@
  * two all get exactly the tokens and logits (bit patterns) of tl_generate for every request,
  * not only the first; the library writes nothing past its own fields. A size smaller than this
  * library's struct is refused with TL_ERR_INVALID_ARGUMENT naming the request, before any
- * request is touched. */
+ * request is touched; so is a request pointer given twice (two streams would share its n_out
+ * and out_tokens), adjacent or not. */
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,6 +108,33 @@ static void check_refused(tl_model* m, size_t size) {
     outputs_free(&o);
 }
 
+/* batch[k] = &r[to[k]] for valid requests r, some given twice: refused naming the first
+ * repeat, batch[j] the same as batch[i], and nothing written. */
+static void check_aliased(tl_model* m, const int to[N], int j, int i) {
+    outputs o;
+    outputs_init(&o);
+    tl_request r[N];
+    tl_request* batch[N];
+    for (int k = 0; k < N; k++) {
+        fill(&r[k], sizeof r[k], k, &o);
+        r[k].n_out = 77;
+        for (int t = 0; t < MAX_NEW; t++) o.tokens[k][t] = -1;
+    }
+    for (int k = 0; k < N; k++) batch[k] = &r[to[k]];
+    CHECK_STATUS(tl_generate_batch(m, batch, N), TL_ERR_INVALID_ARGUMENT);
+    char want[64];
+    snprintf(want, sizeof want, "request %d is the same as request %d", j, i);
+    CHECK(strstr(tl_last_error(), want) != NULL, "message: %s", tl_last_error());
+    for (int k = 0; k < N; k++) {
+        CHECK(r[k].n_out == 77, "request %d was written although the batch was refused", k);
+        for (int t = 0; t < MAX_NEW; t++)
+            CHECK(o.tokens[k][t] == -1, "request %d: out_tokens[%d] written although the batch was refused", k, t);
+        for (size_t x = 0; x < (size_t)MAX_NEW * V; x++)
+            CHECK(o.logits[k][x] == 0.0f, "request %d: out_logits[%zu] written although the batch was refused", k, x);
+    }
+    outputs_free(&o);
+}
+
 int main(void) {
     tu_spec spec = tu_spec_default();
     V = spec.vocab;
@@ -130,6 +158,9 @@ int main(void) {
     check_batch(m, &want, 2, "both in one batch");
     check_refused(m, offsetof(tl_request, n_out)); /* an older struct, without the last field */
     check_refused(m, 0);                           /* size not set */
+    check_aliased(m, (const int[N]){0, 1, 1, 3, 4}, 2, 1); /* adjacent */
+    check_aliased(m, (const int[N]){0, 1, 2, 3, 0}, 4, 0); /* first and last */
+    check_aliased(m, (const int[N]){3, 0, 0, 3, 3}, 2, 1); /* two repeated: the first repeat named */
     outputs_free(&want);
     tl_model_free(m);
     return tu_finish("test_request_abi");

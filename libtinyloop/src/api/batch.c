@@ -6,8 +6,12 @@
  *
  * The requests come as an array of pointers, each struct read up to its own `size`: no
  * element's address depends on this library's sizeof(tl_request), so a caller compiled
- * against a newer, larger struct still works, and requests need not be contiguous. */
+ * against a newer, larger struct still works, and requests need not be contiguous. Each
+ * pointer must be distinct (a repeat is refused before anything is written): a request's
+ * n_out and out_tokens belong to exactly one stream. */
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/alloc.h"
@@ -26,8 +30,43 @@ typedef struct batch {
     float** logits;         /* [n] their streams' logits buffers         */
 } batch;
 
-/* Each request pointer is set and its struct covers this library's tl_request (a newer,
- * larger one is read up to the fields known here); checked before anything is written. */
+typedef struct request_ref {
+    uintptr_t address;
+    size_t index;
+} request_ref;
+
+static int by_address_then_index(const void* a, const void* b) {
+    const request_ref* x = a;
+    const request_ref* y = b;
+    if (x->address != y->address) return x->address < y->address ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+/* No request pointer appears twice: two streams would share one n_out and one out_tokens.
+ * Sorts (address, index) pairs, O(n log n); names the earliest repeat, as a scan in index
+ * order would: "request j is the same as request i", i < j the first index of that address. */
+static tl_status check_distinct(tl_request* const* r, size_t n) {
+    if (n < 2) return TL_OK;
+    request_ref* refs = tl_alloc_zeroed(n, sizeof *refs);
+    if (!refs) return tl_fail_oom("request check");
+    for (size_t i = 0; i < n; i++) refs[i] = (request_ref){(uintptr_t)r[i], i};
+    qsort(refs, n, sizeof *refs, by_address_then_index);
+    size_t first = 0, repeat = SIZE_MAX, original = 0;
+    for (size_t k = 1; k < n; k++) {
+        if (refs[k].address != refs[first].address) first = k;
+        else if (refs[k].index < repeat) {
+            repeat = refs[k].index;
+            original = refs[first].index;
+        }
+    }
+    tl_free(refs);
+    return repeat == SIZE_MAX ? TL_OK
+                              : tl_fail(TL_ERR_INVALID_ARGUMENT, "request %zu is the same as request %zu (each "
+                                        "element of requests must point to its own tl_request)", repeat, original);
+}
+
+/* Each request pointer is set, distinct, and its struct covers this library's tl_request (a
+ * newer, larger one is read up to the fields known here); checked before anything is written. */
 static tl_status check_layout(tl_request* const* r, size_t n) {
     for (size_t i = 0; i < n; i++) {
         if (!r[i]) return tl_fail(TL_ERR_INVALID_ARGUMENT, "request %zu is NULL", i);
@@ -36,7 +75,7 @@ static tl_status check_layout(tl_request* const* r, size_t n) {
                            "request %zu: size %zu is less than sizeof(tl_request) = %zu (set it to sizeof(tl_request))",
                            i, r[i]->size, sizeof(tl_request));
     }
-    return TL_OK;
+    return check_distinct(r, n);
 }
 
 static tl_status check_requests(const tl_engine* e, tl_request* const* r, size_t n, tl_gen_params* params) {
@@ -108,9 +147,21 @@ static tl_status sample_all(batch* b, size_t* n_live) {
     return TL_OK;
 }
 
+/* Every live sequence has room for one more position: tl_gen_check bounds each request's
+ * total length, so this guards the RoPE and KV tables should that bound ever be bypassed. */
+static tl_status check_room(const tl_engine* e, const batch* b, size_t n_live) {
+    const uint32_t max_seq_len = tl_engine_config(e)->max_seq_len;
+    for (size_t j = 0; j < n_live; j++)
+        if (b->live[j]->n >= max_seq_len)
+            return tl_fail(TL_ERR_SEQ_TOO_LONG, "request %zu: sequence length %zu exceeds max_seq_len %u",
+                           b->live_index[j], b->live[j]->n + 1, max_seq_len);
+    return TL_OK;
+}
+
 /* One batched decode step over the live sequences (all-or-nothing on failure). */
 static tl_status step(tl_engine* e, batch* b, size_t n_live) {
     tl_status st = tl_engine_check_open(e);
+    if (st == TL_OK) st = check_room(e, b, n_live);
     size_t tried = 0;  /* tables given a reservation attempt (a failed one changes nothing) */
     for (; st == TL_OK && tried < n_live; tried++) {
         tl_seq* s = b->live[tried];

@@ -42,17 +42,17 @@ static bool ends_with_stop(const tl_gen_params* p, const int32_t* emitted, size_
 
 tl_status tl_stream_sample(tl_stream* s, int32_t* token) {
     const tl_config* c = tl_engine_config(s->seq->engine);
-    const size_t i = *s->n_out;
+    const size_t i = s->n_emitted;
     tl_status st = tl_sample(&s->sampler, s->logits, c->vocab_size, s->seen, s->seq->n, &s->scratch, token);
     if (st != TL_OK) return st;
     s->out_tokens[i] = *token;
     if (s->out_logits) memcpy(s->out_logits + i * c->vocab_size, s->logits, c->vocab_size * sizeof(float));
     s->seen[*token] = 1;
-    *s->n_out = i + 1;
+    *s->n_out = s->n_emitted = i + 1;
     const tl_gen_params* p = s->p;
     s->done = (p->on_token && p->on_token(p->user_data, *token) != 0) ||
-              (c->eos_id >= 0 && *token == c->eos_id) || ends_with_stop(p, s->out_tokens, i + 1) ||
-              i + 1 == p->max_tokens;
+              (c->eos_id >= 0 && *token == c->eos_id) || ends_with_stop(p, s->out_tokens, s->n_emitted) ||
+              s->n_emitted >= p->max_tokens;
     return TL_OK;
 }
 

@@ -26,7 +26,8 @@ typedef struct tl_stream {
     float* logits;            /* [V] logits of the next token                */
     int32_t* out_tokens;      /* [max_tokens]                                */
     float* out_logits;        /* NULL or [max_tokens][V]                     */
-    size_t* n_out;
+    size_t n_emitted;         /* tokens emitted: the next out_tokens index   */
+    size_t* n_out;            /* out: n_emitted, written, never read back    */
     bool done;                /* a stop rule fired                           */
 } tl_stream;
 
