@@ -148,11 +148,12 @@ def test_a_stale_library_does_not_hide_the_checkout_build(checkout, tmp_path):
         "checkout build", str(checkout / "build" / "libtinyloop.so")), report
 
 
-def test_a_stale_library_alone_is_named_with_the_command_that_replaces_it(checkout):
+def test_a_stale_library_alone_is_named_with_the_command_that_replaces_it(checkout, tmp_path):
     from tinyloop import _library
     stale = checkout / "tinyloop" / "_lib" / "libtinyloop.so"
     stale_library(stale, _library.ABI_VERSION - 1)
-    report = run_in(checkout, "", pythonpath=[])
+    installed_package(tmp_path / "site")       # hides this environment's installed tinyloop
+    report = run_in(checkout, "", pythonpath=[tmp_path / "site"])
     assert report["library"] is None, report
     assert (f"{stale} has ABI version {_library.ABI_VERSION - 1}; this tinyloop package needs "
             f"{_library.ABI_VERSION} (rebuild it: run `cmake -S libtinyloop -B build && "
