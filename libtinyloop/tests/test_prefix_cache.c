@@ -484,7 +484,7 @@ static void test_lru_matches_reference(uint64_t seed) {
                 ref_insert(r, key, tokens, n, t);
                 tl_pcache_insert(c, &k, tokens, n, t);
                 const uint64_t walked = tl_pcache_eviction_visits(c) - visits;
-                CHECK(walked <= (r->evicted - evicted) + (n / BS) * h, "step %d: %llu nodes visited for %llu evictions",
+                CHECK(walked <= (r->evicted - evicted) + h, "step %d: %llu nodes visited for %llu evictions",
                       step, (unsigned long long)walked, (unsigned long long)(r->evicted - evicted));
                 if (k.window) tl_kv_release_outside(t, n, k.window);
             }
@@ -502,16 +502,26 @@ static void test_lru_matches_reference(uint64_t seed) {
     free(r);
 }
 
-/* Insert the one-block prompt {id / 1000, id % 1000} from table u (emptied first); returns the
- * nodes the eviction walk visited for it. */
-static uint64_t insert_one(tl_pcache* c, const tl_kv_geom* g, int32_t id, tl_kv_table* u) {
+enum { MAX_CHAIN = 8 };
+
+/* Insert the prompt of blocks {id, 0}, {id, 1}, ... (`blocks` of them: a new chain for a new
+ * id) from table u (emptied first); returns the nodes the eviction walk visited for it. */
+static uint64_t insert_chain(tl_pcache* c, const tl_kv_geom* g, int32_t id, size_t blocks, tl_kv_table* u) {
     const tl_pcache_key key = {NULL, 0, 1};
-    const int32_t tokens[BS] = {id / 1000, id % 1000};
+    int32_t tokens[MAX_CHAIN * BS];
+    for (size_t i = 0; i < blocks; i++) {
+        tokens[i * BS] = id;
+        tokens[i * BS + 1] = (int32_t)i;
+    }
     tl_kv_clear(u);
-    CHECK_OK(tl_kv_reserve(u, g, 1, 0, BS));
+    CHECK_OK(tl_kv_reserve(u, g, 1, 0, blocks * BS));
     const uint64_t before = tl_pcache_eviction_visits(c);
-    tl_pcache_insert(c, &key, tokens, BS, u);
+    tl_pcache_insert(c, &key, tokens, blocks * BS, u);
     return tl_pcache_eviction_visits(c) - before;
+}
+
+static uint64_t insert_one(tl_pcache* c, const tl_kv_geom* g, int32_t id, tl_kv_table* u) {
+    return insert_chain(c, g, id, 1, u);
 }
 
 /* N one-block entries fill the cache, the H oldest held by tables; each further insert evicts
@@ -546,6 +556,29 @@ static void test_eviction_cost(void) {
     tl_pcache_free(c);
 }
 
+/* One insert's evictions are one walk: with H held entries at the old end, an insert of B new
+ * blocks evicts B entries and visits the H held ones once, not once per block (B * (H + 1)). */
+static void test_eviction_cost_per_insert(void) {
+    enum { N = 1000, M = 100, H = 50, B = MAX_CHAIN };
+    const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4);
+    tl_kv_table held[H], t;
+    memset(held, 0, sizeof held);
+    memset(&t, 0, sizeof t);
+    CHECK_OK(tl_kv_reserve(&t, &g, 1, 0, BS));
+    tl_pcache* c = tl_pcache_new(&g, N * t.spans[0].block->bytes);
+    int32_t id = 0;
+    for (; id < N; id++) insert_one(c, &g, id, id < H ? &held[id] : &t);
+    for (int i = 0; i < M; i++, id++) {
+        const uint64_t evicted = tl_pcache_stats(c).evicted_blocks, walked = insert_chain(c, &g, id, B, &t);
+        const uint64_t k = tl_pcache_stats(c).evicted_blocks - evicted;
+        CHECK(k == B && walked == H + B, "insert %d of %d blocks with %d held: %llu evictions, %llu nodes visited", id,
+              B, H, (unsigned long long)k, (unsigned long long)walked);
+    }
+    for (int i = 0; i < H; i++) tl_kv_clear(&held[i]);
+    tl_kv_clear(&t);
+    tl_pcache_free(c);
+}
+
 int main(void) {
     tu_spec spec = tu_spec_default();
     V = spec.vocab;
@@ -560,5 +593,6 @@ int main(void) {
     test_prefix_build_checks_length_first(path);
     for (uint64_t seed = 1; seed <= 4; seed++) test_lru_matches_reference(seed);
     test_eviction_cost();
+    test_eviction_cost_per_insert();
     return tu_finish("test_prefix_cache");
 }

@@ -12,14 +12,20 @@
  * enters just before its parent too. So the list is sorted by last use, the nodes sharing a
  * tick form one chain with at most one leaf among them, and the least recently used leaf
  * nobody else holds (the victim) is the first node of the list that is a leaf with refs == 1.
- * A block's refs drop outside the cache, so that is checked when the walk gets there: an
- * eviction walks from the old end, skipping nodes that are held or lead to a held block, and
- * stops at the first node of the current tick. A walk only moves forward (an evicted node's
- * parent lies ahead of it), and a node it skips is held or has a skipped child, so a walk that
- * evicts k blocks visits at most k + h nodes, h being the cached nodes whose subtree holds a
- * block some sequence or prefix holds: O(1) per eviction when no running request holds cached
- * blocks, and never a scan of the whole cache. Clearing removes the list from its old end:
- * each node is a leaf by then.
+ * A block's refs drop outside the cache without telling it, so that is checked when the walk
+ * gets there: an insert's evictions are one walk from the old end, skipping nodes that are held
+ * or lead to a held block, stopping at the first node of the current tick, and each eviction
+ * goes on from where the previous one stopped. That is exact: a node the walk passed was held
+ * or had a child it passed, and under the mutex neither changes except by touch (which makes
+ * it current, hence ineligible for this insert) or by a release racing the insert (which may
+ * or may not be seen, as with any read of refs). The walk only moves forward (an evicted
+ * node's parent lies ahead of it), so an insert that evicts k blocks visits at most k + h
+ * nodes, h being the cached nodes whose subtree holds a block some sequence, prefix or fork
+ * holds: O(1) per evicted block when no cached block is held elsewhere, O(h) more per insert
+ * that evicts otherwise, and never a scan of the whole cache. The h term is the price of the
+ * exact order (docs/spec.md §4.3): any held node older than the victim may have been released
+ * since the last insert, which would make it the victim, and only reading its refs tells.
+ * Clearing removes the list from its old end: each node is a leaf by then.
  */
 #include "core/prefix_cache.h"
 
@@ -52,6 +58,7 @@ struct tl_pcache {
     node* inserting_root; /* the root of the insert under way, kept while empty */
     node* oldest;         /* the use list, least recently used first           */
     node* newest;
+    node* walk;           /* the insert under way: where its eviction walk is  */
     uint64_t tick;
     bool closed;          /* set by tl_pcache_close: nothing is served or added */
     uint64_t eviction_visits;
@@ -116,6 +123,7 @@ static void table_remove(tl_pcache* c, node* x) {
 /* ---- the use list --------------------------------------------------------------------------- */
 
 static void unlink_use(tl_pcache* c, node* x) {
+    if (c->walk == x) c->walk = x->newer; /* the insert's walk goes on at the next node */
     *(x->older ? &x->older->newer : &c->oldest) = x->newer;
     *(x->newer ? &x->newer->older : &c->newest) = x->older;
     x->older = x->newer = NULL;
@@ -212,20 +220,20 @@ static void remove_leaf(tl_pcache* c, node* x) {
 
 /* ---- eviction -------------------------------------------------------------------------------- */
 
-/* Evict until `extra` more bytes fit in the budget; false if they cannot. The walk skips
- * nodes held elsewhere or leading to such a node and stops at the current tick (see top). */
+/* Evict until `extra` more bytes fit in the budget; false if they cannot. The walk goes on
+ * from where the insert's previous one stopped, skips nodes held elsewhere or leading to such
+ * a node and stops at the current tick (see top). */
 static bool make_room(tl_pcache* c, size_t extra) {
     if (extra > c->budget) return false;
-    node* x = c->oldest;
     while (c->stats.bytes_in_use > c->budget - extra) {
+        node* x = c->walk;
         for (; x && x->last_used != c->tick; x = x->newer) {
             c->eviction_visits++;
             if (x->n_children == 0 && tl_kv_block_refs(x->block) == 1) break;
         }
+        c->walk = x;
         if (!x || x->last_used == c->tick) return false;
-        node* victim = x;
-        x = x->newer;
-        remove_leaf(c, victim);
+        remove_leaf(c, x); /* moves the walk on to the next node */
         c->stats.evicted_blocks++;
     }
     return true;
@@ -324,6 +332,7 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
     node* root = find_root(c, salt_of(key), key->window);
     if (!root) root = make_root(c, salt_of(key), key->window);
     c->inserting_root = root;
+    c->walk = c->oldest;
     node* parent = root;
     for (size_t i = 0; parent && i < n / bs; i++) {
         tl_kv_block* mine = aligned_block(t, i, bs);
@@ -344,6 +353,7 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
         parent = x;
     }
     c->inserting_root = NULL;
+    c->walk = NULL;
     if (root && root->n_children == 0) remove_root(c, root);
     pthread_mutex_unlock(&c->lock);
 }

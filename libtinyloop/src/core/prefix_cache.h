@@ -5,10 +5,13 @@
  * The index is a tree: a root per (salt, window), a node per cached block whose parent is the
  * node of the block before it. A node holds one reference to its block; the block's depth is
  * its layer count, and a node serves any request needing that many layers or fewer. Every
- * operation takes the cache's mutex, and a block's reference count only rises under it, so a
- * node whose block has refs == 1 is held by the cache alone and may be evicted. Eviction
- * takes the least recently used such leaf from a use list (prefix_cache.c): O(1) per evicted
- * block, never a scan of the whole cache.
+ * operation takes the cache's mutex. References to a block rise outside it too (tl_kv_share,
+ * for a fork or a sequence from a prefix, retains blocks a table holds), but a block only the
+ * cache holds (refs == 1) gains one only under it, so a node whose block has refs == 1 stays
+ * evictable for the rest of the call. Eviction takes the least recently used such leaf from a
+ * use list (prefix_cache.c), never a scan of the whole cache: an insert that evicts k blocks
+ * visits at most k + h nodes, h the cached nodes leading to a block held elsewhere (0 when no
+ * running request, prefix or fork holds a cached block).
  */
 #ifndef TL_PREFIX_CACHE_H
 #define TL_PREFIX_CACHE_H
