@@ -40,6 +40,14 @@ class BlockPool:
             if block.refs == 0:
                 self.bytes_in_use -= self.block_nbytes
 
+    def store(self, block, off, kq, sk, vq, sv):
+        """Write positions off .. off+n-1 of `block` (n = len(kq))."""
+        n = len(kq)
+        block.kq[off:off + n] = kq
+        block.sk[off:off + n] = sk
+        block.vq[off:off + n] = vq
+        block.sv[off:off + n] = sv
+
 
 class KVBlock:
     __slots__ = ("pool", "kq", "sk", "vq", "sv", "refs")
@@ -86,11 +94,8 @@ class KVCache:
                 self.pool.release(blocks[b])
                 blocks[b] = twin
             n = min(bs - off, len(kq) - done)
-            blk = blocks[b]
-            blk.kq[off:off + n] = kq[done:done + n]
-            blk.sk[off:off + n] = sk[done:done + n]
-            blk.vq[off:off + n] = vq[done:done + n]
-            blk.sv[off:off + n] = sv[done:done + n]
+            part = slice(done, done + n)
+            self.pool.store(blocks[b], off, kq[part], sk[part], vq[part], sv[part])
             done += n
 
     def read(self, layer, lo, hi):

@@ -3,9 +3,13 @@
 `ArenaBlockPool` is the numpy backend's BlockPool with every block stored as one row of four
 arena arrays: kq, vq (n_rows, block_size, G, D) int8 and sk, sv (n_rows, block_size, G)
 float32. The KV cache's paging, sharing and copy-on-write are unchanged (fallback/kvcache.py
-writes through each block's views); attention kernels read the keys in place through a block
-table of arena rows instead of gathering them. The arena doubles when full; freed rows are
-reused. numba_cuda.DeviceBlockPool keeps the same arena in device memory.
+writes through `store`); attention kernels read the keys in place through a block table of
+arena rows instead of gathering them. The arena doubles when full (into new arrays); freed rows
+are reused. Growing, writing and copying a block all hold the pool's lock, so a write racing a
+growth on another thread cannot land in the arena being replaced and be lost; a reader may keep
+an old arena, which still holds every row written before it was replaced (its own sequence's
+rows, and the full, immutable blocks it shares). numba_cuda.DeviceBlockPool keeps the same arena
+in device memory.
 """
 import numpy as np
 
@@ -29,8 +33,9 @@ class ArenaBlock(KVBlock):
 
     def copy(self):
         twin = self.pool.new_block()
-        for name in ARRAYS:
-            self.pool.copy_into(getattr(twin, name), getattr(self, name))
+        with self.pool._lock:
+            for name in ARRAYS:
+                self.pool.copy_into(getattr(twin, name), getattr(self, name))
         return twin
 
 
@@ -83,6 +88,10 @@ class ArenaBlockPool(BlockPool):
         if block.refs == 0:
             with self._lock:
                 self.free_rows.append(block.index)
+
+    def store(self, block, off, kq, sk, vq, sv):
+        with self._lock:                 # not into an arena a growing thread is replacing
+            super().store(block, off, kq, sk, vq, sv)
 
     def block_table(self, cache, layer, lo, hi):
         """(rows, shift): the arena rows of the blocks holding positions lo .. hi-1 of one
