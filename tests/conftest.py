@@ -12,6 +12,7 @@ in TINYLOOP_REQUIRE_BACKENDS (CI names native and numba) fails instead of skippi
 import functools
 import inspect
 import os
+import threading
 import zlib
 
 import numpy as np
@@ -128,6 +129,23 @@ def backend_given(**strategies):
         run.__signature__ = signature.replace(parameters=fixtures)
         return run
     return decorate
+
+
+def generate_on_threads(model, calls, n_threads=4):
+    """model.generate(prompt, **kwargs) for each (prompt, kwargs) of `calls`, spread over
+    `n_threads` threads racing on the one model; the results in call order."""
+    got = [None] * len(calls)
+
+    def work(worker):
+        for i in range(worker, len(calls), n_threads):
+            got[i] = model.generate(calls[i][0], **calls[i][1])
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(n_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return got
 
 
 def same_bits(a, b):

@@ -5,7 +5,6 @@ reports (docs/api.md formulas, which differ between libtinyloop and the Python e
 
 Each backend runs a cache-less twin of every cached model; a result is compared with the twin's.
 """
-import threading
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 import tinyloop
 from tinyloop.quickbench import backend_kwargs
 
-from conftest import MODEL_SHAPES, assert_same_bits, backend_given, require_backend
+from conftest import MODEL_SHAPES, assert_same_bits, backend_given, generate_on_threads, require_backend
 from strategies import sampling
 
 BLOCK = 4                          # the cached models' KV block size
@@ -329,17 +328,6 @@ def test_threads_sharing_one_cache_get_what_they_get_alone(backend, model_path, 
     systems = [rng.integers(0, 263, size=n).tolist() for n in (18, 27, 33)]
     calls = [(systems[i % 3] + [i], dict(max_tokens=3, temperature=0.9, seed=i)) for i in range(24)]
     want = [opened["off"].generate(p, **kw) for p, kw in calls]
-    got = [None] * len(calls)
-
-    def work(worker):
-        for i in range(worker, len(calls), 4):
-            got[i] = model.generate(calls[i][0], **calls[i][1])
-
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert got == want
+    assert generate_on_threads(model, calls) == want
     stats = model.cache_stats()
     assert stats["lookups"] == 24 and stats["bytes_in_use"] <= stats["budget_bytes"]

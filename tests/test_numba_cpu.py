@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -23,6 +22,8 @@ from tinyloop.fallback.kvcache import KVCache  # noqa: E402
 from tinyloop.fallback.sampling import NumericError, sample as reference_sample  # noqa: E402
 from tinyloop.fallback.weights import Linear  # noqa: E402
 from tinyloop.params import GenerationParams  # noqa: E402
+
+from conftest import generate_on_threads  # noqa: E402
 
 KERNELS = numba_cpu.NumbaKernels(threads=2)
 SPECIAL = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, 2.0 ** -64, 2.0 ** -65, 3e38,
@@ -262,15 +263,4 @@ def test_threads_racing_on_a_growing_kv_arena_lose_no_write(tmp_path):
         want = [reference.generate(prompt, **kw) for prompt, kw in calls]
     for trial in range(20):
         with tinyloop.Model(path, backend="numba", block_size=4, prefix_cache_bytes=20000) as model:
-            got = [None] * len(calls)
-
-            def work(worker):
-                for i in range(worker, len(calls), 4):
-                    got[i] = model.generate(calls[i][0], **calls[i][1])
-
-            threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-        assert got == want, f"trial {trial}"
+            assert generate_on_threads(model, calls) == want, f"trial {trial}"

@@ -524,6 +524,17 @@ static uint64_t insert_one(tl_pcache* c, const tl_kv_geom* g, int32_t id, tl_kv_
     return insert_chain(c, g, id, 1, u);
 }
 
+/* A cache of exactly n one-block entries (ids 0 .. n-1), the h oldest held by held[0 .. h),
+ * the rest by t (one reserved block, the shared source of every entry). */
+static tl_pcache* filled_cache(const tl_kv_geom* g, int n, int h, tl_kv_table* held, tl_kv_table* t) {
+    memset(held, 0, (size_t)h * sizeof *held);
+    memset(t, 0, sizeof *t);
+    CHECK_OK(tl_kv_reserve(t, g, 1, 0, BS));
+    tl_pcache* c = tl_pcache_new(g, (size_t)n * t->spans[0].block->bytes);
+    for (int32_t id = 0; id < n; id++) insert_one(c, g, id, id < h ? &held[id] : t);
+    return c;
+}
+
 /* N one-block entries fill the cache, the H oldest held by tables; each further insert evicts
  * exactly one entry and visits the H held ones and its victim, never the N cached nodes; once
  * they are released, it visits its victim only. */
@@ -531,15 +542,11 @@ static void test_eviction_cost(void) {
     enum { N = 2000, M = 300, H = 3 };
     const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4);
     tl_kv_table held[H], t;
-    memset(held, 0, sizeof held);
-    memset(&t, 0, sizeof t);
-    CHECK_OK(tl_kv_reserve(&t, &g, 1, 0, BS));
-    tl_pcache* c = tl_pcache_new(&g, N * t.spans[0].block->bytes);
-    int32_t id = 0;
-    uint64_t walked = 0;
-    for (; id < N; id++) walked += insert_one(c, &g, id, id < H ? &held[id] : &t);
+    tl_pcache* c = filled_cache(&g, N, H, held, &t);
+    uint64_t walked = tl_pcache_eviction_visits(c);
     CHECK(walked == 0 && tl_pcache_stats(c).blocks == N, "filling: %llu visits, %zu blocks",
           (unsigned long long)walked, tl_pcache_stats(c).blocks);
+    int32_t id = N;
     for (int i = 0; i < M; i++, id++) {
         walked = insert_one(c, &g, id, &t);
         CHECK(walked == H + 1, "insert %d with %d held: %llu nodes visited", id, H, (unsigned long long)walked);
@@ -562,12 +569,8 @@ static void test_eviction_cost_per_insert(void) {
     enum { N = 1000, M = 100, H = 50, B = MAX_CHAIN };
     const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4);
     tl_kv_table held[H], t;
-    memset(held, 0, sizeof held);
-    memset(&t, 0, sizeof t);
-    CHECK_OK(tl_kv_reserve(&t, &g, 1, 0, BS));
-    tl_pcache* c = tl_pcache_new(&g, N * t.spans[0].block->bytes);
-    int32_t id = 0;
-    for (; id < N; id++) insert_one(c, &g, id, id < H ? &held[id] : &t);
+    tl_pcache* c = filled_cache(&g, N, H, held, &t);
+    int32_t id = N;
     for (int i = 0; i < M; i++, id++) {
         const uint64_t evicted = tl_pcache_stats(c).evicted_blocks, walked = insert_chain(c, &g, id, B, &t);
         const uint64_t k = tl_pcache_stats(c).evicted_blocks - evicted;
