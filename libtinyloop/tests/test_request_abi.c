@@ -88,17 +88,24 @@ static void check_batch(tl_model* m, const outputs* want, int mode, const char* 
     outputs_free(&got);
 }
 
+/* N valid requests into o, each n_out = 77 and out_tokens all -1: a refused batch leaves
+ * them so. */
+static void fill_unwritten(tl_request r[N], outputs* o) {
+    for (int k = 0; k < N; k++) {
+        fill(&r[k], sizeof r[k], k, o);
+        r[k].n_out = 77;
+        for (int t = 0; t < MAX_NEW; t++) o->tokens[k][t] = -1;
+    }
+}
+
 /* A request of `size` bytes among valid ones: refused, and no request written. */
 static void check_refused(tl_model* m, size_t size) {
     outputs o;
     outputs_init(&o);
     tl_request r[N];
     tl_request* batch[N];
-    for (int i = 0; i < N; i++) {
-        fill(&r[i], sizeof r[i], i, &o);
-        r[i].n_out = 77;
-        batch[i] = &r[i];
-    }
+    fill_unwritten(r, &o);
+    for (int i = 0; i < N; i++) batch[i] = &r[i];
     r[2].size = size;
     CHECK_STATUS(tl_generate_batch(m, batch, N), TL_ERR_INVALID_ARGUMENT);
     char want[128];
@@ -115,11 +122,7 @@ static void check_aliased(tl_model* m, const int to[N], int j, int i) {
     outputs_init(&o);
     tl_request r[N];
     tl_request* batch[N];
-    for (int k = 0; k < N; k++) {
-        fill(&r[k], sizeof r[k], k, &o);
-        r[k].n_out = 77;
-        for (int t = 0; t < MAX_NEW; t++) o.tokens[k][t] = -1;
-    }
+    fill_unwritten(r, &o);
     for (int k = 0; k < N; k++) batch[k] = &r[to[k]];
     CHECK_STATUS(tl_generate_batch(m, batch, N), TL_ERR_INVALID_ARGUMENT);
     char want[64];
