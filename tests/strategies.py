@@ -72,7 +72,7 @@ def prompt_lengths(backend, min_size=1):
 def long_prompts(draw, vocab, backend, min_size=1):
     """A prompt whose length is drawn by prompt_lengths(backend)."""
     n = draw(prompt_lengths(backend, min_size))
-    return draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    return draw(prompts(vocab, n, n))
 
 
 @st.composite

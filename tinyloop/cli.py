@@ -54,9 +54,10 @@ def integer(minimum, maximum=None):
         if not INTEGER.fullmatch(text.strip()):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give one {rule}")
         value = int(text)
-        if value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"must be an integer {rule}, got {value}")
-        return value
+        try:
+            return P.check_int("value", value, minimum, maximum)                # the API's rule
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer {rule}, got {value}") from None
     return parse
 
 
@@ -70,10 +71,10 @@ def real(lower, lower_inclusive=True, upper=math.inf):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one {rule}") from None
-        below = value < lower if lower_inclusive else value <= lower
-        if not math.isfinite(value) or below or value > upper:
-            raise argparse.ArgumentTypeError(f"must be a finite number {rule}, got {text}")
-        return value
+        try:
+            return P.check_real("value", value, lower, lower_inclusive, upper)   # the API's rule
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a finite number {rule}, got {text}") from None
     return parse
 
 
