@@ -44,6 +44,14 @@ typedef struct tl_file {
     size_t n_linears;
 } tl_file;
 
+/* The index in tl_file.linears (and every backend's array laid out like it) of part `part` of
+ * the block that runs cache layer `layer`: pre block `layer`, or the loop block for every
+ * later layer. The head is the last entry. */
+static inline size_t tl_layer_linear_index(const tl_config* c, uint32_t layer, int part) {
+    const uint32_t block = layer < c->n_pre_blocks ? layer : c->n_pre_blocks;
+    return (size_t)block * TL_PARTS + (size_t)part;
+}
+
 /* Read and validate; on failure returns TL_ERR_IO / TL_ERR_BAD_FILE / TL_ERR_OUT_OF_MEMORY
  * with the first broken rule in tl_last_error() and leaves *out empty. */
 tl_status tl_file_open(const char* path, tl_file* out);

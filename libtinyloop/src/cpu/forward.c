@@ -184,8 +184,7 @@ static void task_swiglu(void* ctx, size_t t, unsigned worker) {
 
 /* Part `part` of the block that runs layer f->layer: pre block l, or the loop block. */
 static const tl_linear* layer_linear(const fwd* f, int part) {
-    const uint32_t n_pre = f->c->n_pre_blocks, block = f->layer < n_pre ? f->layer : n_pre;
-    return &f->linears[(size_t)block * TL_PARTS + (size_t)part];
+    return &f->linears[tl_layer_linear_index(f->c, f->layer, part)];
 }
 
 static void run_layer(fwd* f) {

@@ -75,9 +75,7 @@ static tl_status reserve(tl_cuda* c, tl_cu_buf* b, size_t bytes, bool pinned_hos
 }
 
 static const tl_cu_linear* layer_linear(const tl_cuda* c, uint32_t layer, int part) {
-    const uint32_t n_pre = c->cfg.n_pre_blocks;
-    const uint32_t block = layer < n_pre ? layer : n_pre;
-    return &c->lin[(size_t)block * TL_PARTS + (size_t)part];
+    return &c->lin[tl_layer_linear_index(&c->cfg, layer, part)];
 }
 
 static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t* max_keys) {
