@@ -20,12 +20,13 @@ from .weights import Weights
 
 @dataclass
 class Prefix:
-    """A prompt's KV at depth `loops` plus the last token's state after every loop iteration."""
+    """A prompt's KV at depth `loops` (the coda slots of every depth written) plus the last
+    token's final state (the head's input) at every depth 1 .. loops (docs/spec.md §5.4)."""
     tokens: np.ndarray          # (n,) int32
     loops: int
     cache_window: int
     cache: KVCache
-    loop_states: list = field(repr=False)   # loops x (1, d) float32, in the kernels' arrays
+    loop_states: list = field(repr=False)   # depth 1 .. loops: (1, d) f32, the kernels' arrays
 
     @property
     def nbytes(self):
@@ -57,20 +58,22 @@ class Engine:
                 "weight_bytes": host, "device_weight_bytes": device}
 
     def new_cache(self, loops, window):
-        return KVCache(self.pool, self.config.n_pre_blocks + loops, window)
+        return KVCache(self.pool, self.config.n_layers(loops), window)
 
-    def prefill(self, cache, tokens, chunk, layer_states=None, all_logits=False, release=True,
+    def prefill(self, cache, tokens, chunk, depth_states=None, all_logits=False, release=True,
                 on_chunk=None):
         """Feed tokens in chunks; returns logits (V,) of the last token, or (n, V) of all.
-        release=False keeps the blocks a window no longer sees (for the prefix cache);
-        on_chunk(tokens done in this call) runs after each chunk."""
+        depth_states: a list to receive the last token's final state at every depth, and the
+        coda's KV of every depth (a prefix build, forward_chunk); release=False keeps the
+        blocks a window no longer sees (for the prefix cache); on_chunk(tokens done in this
+        call) runs after each chunk."""
         outputs = []
         for start in range(0, len(tokens), chunk):
             piece = tokens[start:start + chunk]
-            states = [] if layer_states is not None else None
+            states = [] if depth_states is not None else None
             x = forward_chunk(self.kernels, self.weights, cache, piece, states)
-            if layer_states is not None and start + chunk >= len(tokens):
-                layer_states.extend(states)
+            if depth_states is not None and start + chunk >= len(tokens):
+                depth_states.extend(states)
             if all_logits:
                 outputs.append(head_logits(self.kernels, self.weights, x))
             if on_chunk is not None:
@@ -112,13 +115,19 @@ class Engine:
         if self.prefix_cache is None:
             return self.prefill(cache, prompt, params.prefill_chunk,
                                 on_chunk=self._progress(on_prefill, 0, len(prompt)))
-        key = (params.cache_salt, params.cache_window)
-        hit = self.prefix_cache.lookup(*key, cache, prompt)
+        tree = self._tree(params)
+        hit = self.prefix_cache.lookup(tree, cache, prompt)
         logits = self.prefill(cache, prompt[hit:], params.prefill_chunk, release=False,
                               on_chunk=self._progress(on_prefill, hit, len(prompt)))
-        self.prefix_cache.insert(*key, cache, prompt)
+        self.prefix_cache.insert(tree, cache, prompt)
         cache.release_outside_window()
         return logits
+
+    def _tree(self, params):
+        """The prefix cache's tree of a request (docs/spec.md §4.3): per (salt, window), and
+        per depth too when the model has a coda (its slots hold one depth's KV)."""
+        tree = (params.cache_salt, params.cache_window)
+        return tree + (params.loops,) if self.config.n_coda_blocks else tree
 
     def generate_batch(self, requests, want_logits=False):
         """requests: (prefix or None, tokens, params, callbacks) each. The reference runs them
@@ -137,13 +146,13 @@ class Engine:
     def build_prefix(self, prompt, loops, window, chunk):
         cache = self.new_cache(loops, window)
         states = []
-        self.prefill(cache, prompt, chunk, layer_states=states)
+        self.prefill(cache, prompt, chunk, depth_states=states)
         return Prefix(prompt.copy(), loops, window, cache, states)
 
     def generate_from_prefix(self, prefix, suffix, params, want_logits=False, callbacks=NO_CALLBACKS):
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth
         params.loops <= prefix.loops (checked by the caller)."""
-        cache = prefix.cache.fork(self.config.n_pre_blocks + params.loops)
+        cache = prefix.cache.fork(self.config.n_layers(params.loops))
         n = len(prefix.tokens)
         try:
             if len(suffix):

@@ -1,8 +1,13 @@
-"""Forward pass of a looped model over a chunk of tokens (docs/spec.md §4), for any kernel set.
+"""Forward pass of a looped model over a chunk of tokens (docs/spec.md §1, §4), for any kernel
+set.
 
-`forward_chunk` runs T new tokens at positions cache.length .. cache.length+T-1 through every
-layer of the cache, writing their keys and values, and returns the final hidden states. It
-releases nothing: the caller drops blocks a window no longer sees once its call is done.
+`forward_chunk` runs T new tokens at positions cache.length .. cache.length+T-1 through the
+model at the cache's depth L (its n_layers(L) slots, §1): the prelude, L iterations of the
+core (step norm, adapter, k blocks), the coda norm and the coda, writing the KV of every layer
+it runs, and returns the final hidden states (the head's input). A prefix build also runs the
+coda after each earlier iteration, on a copy of the state, writing the coda slots of every
+depth (§5.4). It releases nothing: the caller drops blocks a window no longer sees once its
+call is done.
 
 The orchestration here is shared by every Python backend; the arithmetic comes from a *kernel
 set*, an object with the attributes of `NumpyKernels` (the reference, the spec in numpy).
@@ -13,17 +18,22 @@ the same operations, each of which must give bit-identical results:
     device, device_name, isa, threads        where and how it runs, for Engine.runtime():
                                              "cpu" or "cuda", e.g. "cpu (numpy)", the
                                              kernel path, the threads a kernel may use
-    linear(w, scale, multipliers, group)     a linear layer's weights; calling it with
-                                             (q (T, K) int8, a (T,) f32) gives (T, R) f32
-    table(array)                             places a lookup table (embedding, RoPE)
+    linear(w, scale, multipliers, group,     a linear layer's weights (bias: (R,) f32 or
+           bias=None)                        None); calling it with (q (T, K) int8,
+                                             a (T,) f32) gives (T, R) f32, the bias added last
+    table(array)                             places a lookup table (embedding, RoPE) or an
+                                             f32 vector (biases' and norms' gains, a zero state)
     new_pool(block_size, n_kv_heads, D)      the KV cache's BlockPool
-    embed(weights, tokens)                   tokens (T,) int32 -> (T, d) f32
+    embed(weights, tokens)                   tokens (T,) int32 -> (T, d) f32:
+                                             ((f32) E[t] * es[t]) * weights.embed_scale
     rms_quantize(x, eps) / quantize_rows(x)  NQ / Q8 of every row: (q int8, scale (rows,) f32)
+    rms_norm(x, gain, eps)                   RN (§2.7) of every row: (T, d) -> (T, d) f32
     split_heads(z, cos, sin, config)         z (T, (H + 2G) * D) -> qh (T, H, D) after RoPE,
                                              and Q8 of K (after RoPE) and V: kq, sk, vq, sv
     attend(qh, cache, layer, pos0)           (T, H, D) queries over one cache layer -> (T, H * D)
     swiglu(gu)                               (T, 2F) gate|up -> (T, F)
     add(x, y)                                the residual addition
+    copy(x)                                  a copy of a (T, d) state (a prefix build's coda)
     last_row(x)                              (T, d) -> a (1, d) copy of the last row
     to_host(y)                               a numpy array of y
     sample(logits, history, params, pos)     spec §5.1 on host logits (V,)
@@ -32,14 +42,15 @@ import numpy as np
 
 from .attention import attend_cached
 from .kvcache import BlockPool
-from .numerics import F32, quantize_rows, rms_quantize, rope, silu
+from .numerics import F32, quantize_rows, rms_norm, rms_quantize, rope, silu
 from .sampling import sample
 from .weights import Linear
 
 
 def embed(weights, tokens):
-    """tokens: (T,) int -> (T, d) float32."""
-    return weights.embedding[tokens].astype(F32) * weights.embedding_scale[tokens][:, None]
+    """tokens: (T,) int -> (T, d) float32, times the model's embed_scale (§4)."""
+    rows = weights.embedding[tokens].astype(F32) * weights.embedding_scale[tokens][:, None]
+    return rows * weights.embed_scale
 
 
 def split_heads(z, cos, sin, config):
@@ -70,51 +81,98 @@ class NumpyKernels:
     embed = staticmethod(embed)
     rms_quantize = staticmethod(rms_quantize)
     quantize_rows = staticmethod(quantize_rows)
+    rms_norm = staticmethod(rms_norm)
     split_heads = staticmethod(split_heads)
     attend = staticmethod(attend_cached)
     swiglu = staticmethod(swiglu)
     add = staticmethod(np.add)
+    copy = staticmethod(np.copy)
     last_row = staticmethod(lambda x: x[-1:].copy())
     to_host = staticmethod(np.asarray)
     sample = staticmethod(sample)
 
 
-def attention_block(kernels, weights, block, cache, layer, x, pos0):
-    """x: (T, d) -> x + attention output, writing this layer's KV at pos0 .. pos0+T-1."""
+def depth(config, n_layers):
+    """The depth L of a cache of n_layers(L) slots (§1)."""
+    return (n_layers - config.n_pre_blocks) // (config.n_core_blocks + config.n_coda_blocks)
+
+
+def residual(kernels, weights, x, y, gain):
+    """§4's residual(x, y, g) of the model's block placement."""
+    layout, eps = weights.config.block_layout, weights.config.rms_eps
+    if layout == "pre":
+        return kernels.add(x, y)
+    if layout == "sandwich":
+        return kernels.add(x, kernels.rms_norm(y, gain, eps))
+    return kernels.rms_norm(kernels.add(x, y), gain, eps)
+
+
+def attention_block(kernels, weights, block, cache, slot, x, pos0):
+    """x: (T, d) -> residual(x, attention output), writing slot's KV at pos0 .. pos0+T-1."""
     cfg = weights.config
     q, a = kernels.rms_quantize(x, cfg.rms_eps)
-    z = block.attn_qkv(q, a)                                   # (T, (H + 2G) * D)
+    z = block.attn_qkv(q, a)                                   # (T, (H + 2G) * D), + bias
     rows = slice(pos0, pos0 + len(z))
     qh, kv = kernels.split_heads(z, weights.rope_cos[rows], weights.rope_sin[rows], cfg)
-    cache.write(layer, pos0, *kv)
-    o = kernels.attend(qh, cache, layer, pos0)                 # (T, H * D)
+    cache.write(slot, pos0, *kv)
+    o = kernels.attend(qh, cache, slot, pos0)                  # (T, H * D)
     q, s = kernels.quantize_rows(o)
-    return kernels.add(x, block.attn_out(q, s))
+    return residual(kernels, weights, x, block.attn_out(q, s), block.attn_post_norm)
 
 
 def mlp_block(kernels, weights, block, x):
-    """x: (T, d) -> x + SwiGLU MLP output."""
+    """x: (T, d) -> residual(x, SwiGLU MLP output)."""
     q, a = kernels.rms_quantize(x, weights.config.rms_eps)
     h = kernels.swiglu(block.ffn_gate_up(q, a))                # (T, F)
     q, s = kernels.quantize_rows(h)
-    return kernels.add(x, block.ffn_down(q, s))
+    return residual(kernels, weights, x, block.ffn_down(q, s), block.ffn_post_norm)
 
 
-def forward_chunk(kernels, weights, cache, tokens, layer_states=None):
-    """Run tokens (T,) int32 through all of the cache's layers; returns (T, d) final states.
+def run_block(kernels, weights, block, cache, slot, x, pos0):
+    """One layer: block's weights, its KV at cache slot `slot`."""
+    x = attention_block(kernels, weights, block, cache, slot, x, pos0)
+    return mlp_block(kernels, weights, block, x)
 
-    If `layer_states` is a list, the last token's hidden state after every loop iteration is
-    appended to it as a (1, d) row (what a prefix keeps, spec §5.4).
+
+def coda(kernels, weights, cache, loops, x, pos0):
+    """The coda norm, then the coda blocks writing the coda slots of depth `loops`."""
+    cfg = weights.config
+    if cfg.coda_norm:
+        x = kernels.rms_norm(x, weights.coda_norm, cfg.rms_eps)
+    for c, block in enumerate(weights.coda_blocks):
+        x = run_block(kernels, weights, block, cache, cfg.coda_slot(loops, c), x, pos0)
+    return x
+
+
+def forward_chunk(kernels, weights, cache, tokens, depth_states=None):
+    """Run tokens (T,) int32 through the model at the cache's depth; returns (T, d) final
+    states (the head's input).
+
+    If `depth_states` is a list (a prefix build, §5.4), the coda also runs after every earlier
+    iteration i, on a copy of the state, writing the coda slots of depth i + 1, and the last
+    token's final state at each depth 1 .. L is appended to it as a (1, d) row.
     """
-    pos0 = cache.length
+    cfg, pos0 = weights.config, cache.length
+    loops = depth(cfg, cache.n_layers)
     x = kernels.embed(weights, tokens)
-    n_pre = weights.config.n_pre_blocks
-    for layer in range(cache.n_layers):
-        block = weights.block(layer)
-        x = attention_block(kernels, weights, block, cache, layer, x, pos0)
-        x = mlp_block(kernels, weights, block, x)
-        if layer_states is not None and layer >= n_pre:
-            layer_states.append(kernels.last_row(x))
+    for b, block in enumerate(weights.pre_blocks):
+        x = run_block(kernels, weights, block, cache, b, x, pos0)
+    if cfg.injection:                  # the adapter's injected half is the same every iteration
+        injected = weights.adapter_inject(*kernels.quantize_rows(x))
+        x = kernels.table(np.zeros((len(tokens), cfg.d_model), F32))     # §4.4: state zero
+    for i in range(loops):
+        if cfg.step_norm and i >= 1:
+            x = kernels.rms_norm(x, weights.step_norm, cfg.rms_eps)
+        if cfg.injection:
+            x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x)), injected)
+        for j, block in enumerate(weights.core_blocks):
+            x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0)
+        if depth_states is not None and i < loops - 1:
+            out = coda(kernels, weights, cache, i + 1, kernels.copy(x), pos0)
+            depth_states.append(kernels.last_row(out))
+    x = coda(kernels, weights, cache, loops, x, pos0)
+    if depth_states is not None:
+        depth_states.append(kernels.last_row(x))
     cache.length += len(tokens)
     return x
 

@@ -29,7 +29,8 @@ def nan_ignoring_max(x, axis=-1, where=True):
 
 
 def quantize_rows(x, qmax=127):
-    """spec §2.2 Q(x, qmax). x: (..., n) float32 -> q: (..., n) int8, s: (...) float32."""
+    """spec §2.2 Q(x, qmax). x: (..., n) float32 -> q: (..., n) int8 (int16 when qmax > 127),
+    s: (...) float32."""
     x = np.asarray(x, dtype=F32)
     qmax = F32(qmax)
     amax = np.fmax.reduce(np.abs(x), axis=-1, initial=F32(0))
@@ -37,24 +38,37 @@ def quantize_rows(x, qmax=127):
     safe_amax = np.where(live, amax, F32(1))
     r = qmax / safe_amax
     with np.errstate(invalid="ignore"):        # inf * 0 in a non-finite row: clamp maps it
-        q = np.rint(clamp(x * r[..., None], -qmax, qmax)).astype(np.int8)
+        q = np.rint(clamp(x * r[..., None], -qmax, qmax)).astype(
+            np.int8 if qmax <= 127 else np.int16)
     q[~live] = 0
     s = np.where(live, amax / qmax, F32(0))
     return q, s
 
 
-def rms_quantize(x, eps):
-    """spec §2.3 NQ(x). x: (..., n) float32 -> q: (..., n) int8, a: (...) float32."""
-    q, s = quantize_rows(x)
-    q32 = q.astype(np.int32)
-    ss = np.einsum("...i,...i->...", q32, q32, dtype=np.int64)
+def root_mean_square(q, s, eps):
+    """spec §2.3 step 3 (shared by §2.7): t from the row's integers q (..., n) and scale s."""
+    q64 = q.astype(np.int64)
+    ss = np.einsum("...i,...i->...", q64, q64)                  # exact
     t = ss.astype(F32)
     t = t * s
     t = t * s
-    t = t / F32(x.shape[-1])
+    t = t / F32(q.shape[-1])
     t = t + F32(eps)
-    t = np.sqrt(t)
-    return q, s / t
+    return np.sqrt(t)
+
+
+def rms_quantize(x, eps):
+    """spec §2.3 NQ(x). x: (..., n) float32 -> q: (..., n) int8, a: (...) float32."""
+    q, s = quantize_rows(x)
+    return q, s / root_mean_square(q, s, eps)
+
+
+def rms_norm(x, gain, eps):
+    """spec §2.7 RN(x, g). x: (..., n) float32, gain: (n,) float32 -> (..., n) float32."""
+    x = np.asarray(x, dtype=F32)
+    t = root_mean_square(*quantize_rows(x, 32767), eps)
+    with np.errstate(invalid="ignore", divide="ignore"):    # non-finite rows stay defined
+        return (x / t[..., None]) * np.asarray(gain, F32)
 
 
 def exp2s(x):

@@ -178,18 +178,33 @@ MODEL_SHAPES = {
     "int4-eos": dict(vocab_size=129, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8,
                      ffn_dim=32, n_pre_blocks=1, default_loops=2, max_seq_len=96,
                      weight_format="int4", group_size=16, eos_id=7),
+    # version-2 layouts (docs/spec.md §1): Huginn's (prelude, adapter, coda, post norms, biases,
+    # embedding scale) and Ouro's (a sandwich core with the step norm), small
+    "int8-v2-coda": dict(vocab_size=270, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
+                         ffn_dim=48, n_pre_blocks=1, n_core_blocks=2, n_coda_blocks=1,
+                         default_loops=2, max_seq_len=96, block_layout="post", injection=True,
+                         coda_norm=True, qkv_bias=True, embed_scale=2.0),
+    "int4-v2-sandwich": dict(vocab_size=260, d_model=32, n_heads=2, n_kv_heads=2, head_dim=16,
+                             ffn_dim=64, n_pre_blocks=0, n_core_blocks=2, default_loops=3,
+                             max_seq_len=96, block_layout="sandwich", step_norm=True,
+                             weight_format="int4", group_size=8),
 }
+
+
+def write_random_models(root, shapes, **common):
+    """name -> path of a random model in `root` for each {name: config fields} of `shapes`
+    (plus `common`), seeded by its place in name order."""
+    paths = {}
+    for seed, (name, shape) in enumerate(sorted(shapes.items())):
+        paths[name] = root / f"{name}.tinyloop"
+        tinyloop.random_model(paths[name], seed=seed, **common, **shape)
+    return paths
 
 
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory):
     """name -> path of a random model file for every entry of MODEL_SHAPES."""
-    root = tmp_path_factory.mktemp("models")
-    paths = {}
-    for seed, (name, shape) in enumerate(sorted(MODEL_SHAPES.items())):
-        paths[name] = root / f"{name}.tinyloop"
-        tinyloop.random_model(paths[name], seed=seed, **shape)
-    return paths
+    return write_random_models(tmp_path_factory.mktemp("models"), MODEL_SHAPES)
 
 
 class ModelZoo:

@@ -17,10 +17,13 @@ LONG_PROMPT_ONE_IN = 5         # one drawn prompt in 5 may be up to MAX_PROMPT t
 
 
 @st.composite
-def model_shapes(draw, tiny=False):
+def model_shapes(draw, tiny=False, v1_like=False):
     """A small valid config: H = G * (heads per kv head), even head_dim, ffn, n_pre, loops,
-    int8 or int4 with an even group size dividing every K, tied head or not, an eos id or none.
-    `tiny`: the smallest widths (for numba's CUDA simulator)."""
+    int8 or int4 with an even group size dividing every K, tied head or not, an eos id or none,
+    and the version-2 layout (docs/spec.md §1, §4): k = 1 .. 3 core blocks, 0 .. 2 coda blocks,
+    block placement, qkv bias, injection, step and coda norms, an embedding scale.
+    `tiny`: the smallest widths (for numba's CUDA simulator). `v1_like`: the version-2 fields
+    at their version-1 values (one core block, no coda, pre-norm, ...)."""
     n_kv_heads = draw(st.integers(1, 2 if tiny else 3))
     n_heads = n_kv_heads * draw(st.integers(1, 2 if tiny else 3))
     head_dim = draw(st.sampled_from([2, 4, 8] if tiny else [2, 4, 6, 8, 16, 32]))
@@ -37,6 +40,13 @@ def model_shapes(draw, tiny=False):
     groups = [g for g in range(2, k + 1, 2) if k % g == 0]
     if draw(st.booleans()):
         shape.update(weight_format="int4", group_size=draw(st.sampled_from(groups)))
+    if not v1_like:
+        shape.update(n_core_blocks=draw(st.integers(1, 2 if tiny else 3)),
+                     n_coda_blocks=draw(st.integers(0, 1 if tiny else 2)),
+                     block_layout=draw(st.sampled_from(["pre", "sandwich", "post"])),
+                     qkv_bias=draw(st.booleans()), injection=draw(st.booleans()),
+                     step_norm=draw(st.booleans()), coda_norm=draw(st.booleans()),
+                     embed_scale=draw(st.sampled_from([1.0, 0.25, math.sqrt(d_model)])))
     return shape
 
 
@@ -46,11 +56,11 @@ def engine_settings():
                                       block_size=st.sampled_from([1, 2, 3, 4, 7, 16, 64])))
 
 
-def drawn_model(data, zoo, backend):
-    """A Model on `backend` of a shape (tiny on the simulator), thread count and KV block size
-    drawn from `data`."""
-    return zoo.open(data.draw(model_shapes(tiny=simulated(backend)), "shape"), backend,
-                    **data.draw(engine_settings(), "engine"))
+def drawn_model(data, zoo, backend, v1_like=False):
+    """A Model on `backend` of a shape (tiny on the simulator; `v1_like`: see model_shapes),
+    thread count and KV block size drawn from `data`."""
+    shapes = model_shapes(tiny=simulated(backend), v1_like=v1_like)
+    return zoo.open(data.draw(shapes, "shape"), backend, **data.draw(engine_settings(), "engine"))
 
 
 @st.composite

@@ -127,8 +127,8 @@ def flush_model(tmp_path_factory):
     """(path, the numpy reference's logits and generation) of the model described above."""
     config = random_config(**FLUSH_SHAPE)
     w = random_float_weights(config, seed=1)
-    w["tok_emb"], w["loop.wv"] = np.abs(w["tok_emb"]), np.abs(w["loop.wv"])
-    w["loop.wq"][:] = 0
+    w["tok_emb"], w["core.0.wv"] = np.abs(w["tok_emb"]), np.abs(w["core.0.wv"])
+    w["core.0.wq"][:] = 0
     path = tmp_path_factory.mktemp("flush") / "flush.tinyloop"
     save_model(path, *quantize_model(config, w))
     with tinyloop.Model(path, backend="numpy") as ref:

@@ -3,6 +3,8 @@
 The spec's byte offsets are restated here independently of modelfile.py, so the tests read and
 patch files on their own: a layout bug in the writer cannot hide behind the same bug in the reader.
 Every hostile file must raise ModelFormatError naming the broken rule, and nothing else.
+Version-1 files (§6.5) are made here by hand from version-2 ones (`as_version_1`): the library
+writes only version 2.
 """
 import dataclasses
 import functools
@@ -19,8 +21,8 @@ from hypothesis import given, settings, strategies as st
 
 from tinyloop.config import ModelConfig
 from tinyloop.errors import ModelFormatError
-from tinyloop.modelfile import (decode_model, encode_model, load_model, pack_int4, save_model,
-                                unpack_int4)
+from tinyloop.modelfile import (decode_model, encode_model, load_model, meta_tensor, pack_int4,
+                                read_meta, save_model, unpack_int4)
 
 # §6.1 / §6.2 layout, restated: field -> (offset, struct format).
 HEADER = {"magic": (0, "8s"), "version": (8, "<I"), "header_bytes": (12, "<I"),
@@ -32,7 +34,10 @@ HEADER = {"magic": (0, "8s"), "version": (8, "<I"), "header_bytes": (12, "<I"),
           "group_size": (88, "<I"), "tied_head": (92, "<I"), "bos_id": (96, "<i"),
           "eos_id": (100, "<i"), "tokenizer": (104, "<I"), "rope_theta": (108, "<f"),
           "rms_eps": (112, "<f"), "flags": (116, "<I"), "name": (120, "64s"),
-          "reserved": (184, "72s")}
+          "n_core_blocks": (184, "<I"), "n_coda_blocks": (188, "<I"), "block_layout": (192, "<I"),
+          "qkv_bias": (196, "<I"), "injection": (200, "<I"), "step_norm": (204, "<I"),
+          "embed_scale": (208, "<f"), "coda_norm": (212, "<I"), "reserved": (216, "40s")}
+V1_RESERVED = (184, "72s")                  # §6.5: in version 1 the version-2 fields are reserved
 ENTRY = {"name": (0, "48s"), "dtype": (48, "<I"), "ndim": (52, "<I"), "dims": (56, "<4Q"),
          "offset": (88, "<Q")}
 ENTRY_FORMAT = "<48sII4QQ"
@@ -53,12 +58,26 @@ def int4_config(**changes):
     return small_config(weight_format="int4", group_size=8, **changes)
 
 
+def v2_config(**changes):
+    """Every version-2 feature on: k = 2, a coda block, post placement, qkv bias, injection,
+    step and coda norms, an embedding scale."""
+    return small_config(**{**dict(n_core_blocks=2, n_coda_blocks=1, block_layout="post",
+                                  qkv_bias=True, injection=True, step_norm=True, coda_norm=True,
+                                  embed_scale=4.0), **changes})
+
+
+TOKENIZER_JSON = '{"model": {"type": "BPE", "vocab": {"é": 0, "✓": 1}}}'
+
+
 def random_tensors(config, seed=0, max_m=255):
-    """Random tensors of config's required shapes: scales in [0, 1), RoPE in [-1, 1)."""
+    """Random tensors of config's required shapes: scales, biases and gains in [0, 1), RoPE in
+    [-1, 1), and a tokenizer.json text when the config needs one."""
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, (dtype, shape) in config.required_tensors().items():
-        if dtype == np.float32:
+        if name == "meta.tokenizer_json":
+            tensors[name] = meta_tensor(TOKENIZER_JSON)
+        elif dtype == np.float32:
             low = -1.0 if name.startswith("rope.") else 0.0
             tensors[name] = rng.uniform(low, 1.0, shape).astype(np.float32)
         elif name.endswith(".m"):
@@ -72,19 +91,53 @@ def random_tensors(config, seed=0, max_m=255):
 CONFIGS = {"int8": small_config(), "int8-tied": small_config(tied_head=True),
            "int4": int4_config(), "int4-tied": int4_config(tied_head=True),
            "no-pre": small_config(n_pre_blocks=0, tokenizer="none", bos_id=-1, eos_id=-1,
-                                  name="")}
+                                  name=""),
+           "v2": v2_config(),
+           "v2-int4-sandwich": int4_config(n_pre_blocks=0, n_core_blocks=3, n_coda_blocks=2,
+                                           block_layout="sandwich", step_norm=True,
+                                           tied_head=True, embed_scale=0.5),
+           "hf": v2_config(tokenizer="hf", block_layout="pre", qkv_bias=False)}
+# Version-1 files of the version-2 kinds that version 1 can express (§6.5).
+V1_KINDS = {"v1-int8": "int8", "v1-int4-tied": "int4-tied", "v1-no-pre": "no-pre"}
+CONFIGS.update({v1: CONFIGS[v2] for v1, v2 in V1_KINDS.items()})
+V2_KINDS = sorted(set(CONFIGS) - set(V1_KINDS))
+# Optional meta.* texts written with a kind, beside those its config requires.
+EXTRA_META = {"hf": {"meta.architecture": "LlamaForCausalLM",
+                     "meta.tokenizer_config": '{"add_bos_token": true, "bos_token": "<s>"}'}}
+
+
+def kind_tensors(kind, seed=0):
+    """The tensors of a valid model of `kind` (a version-2 kind)."""
+    tensors = random_tensors(CONFIGS[kind], seed)
+    tensors.update({name: meta_tensor(text) for name, text in EXTRA_META.get(kind, {}).items()})
+    return tensors
+
+
+def as_version_1(buf):
+    """A version-2 file of a version-1-expressible model rewritten as version 1 (§6.5):
+    version 1, bytes 184 .. 255 zero, the core block's tensors named `loop.*`."""
+    b = bytearray(buf)
+    struct.pack_into("<I", b, 8, 1)
+    b[184:256] = bytes(72)
+    for name, at in table(buf).items():
+        if name.startswith("core.0."):
+            struct.pack_into("48s", b, at, ("loop." + name[len("core.0."):]).encode())
+    return with_crc(b)
 
 
 @functools.cache
 def valid_file(kind="int8"):
-    config = CONFIGS[kind]
-    return encode_model(config, random_tensors(config))
+    if kind in V1_KINDS:
+        return as_version_1(valid_file(V1_KINDS[kind]))
+    return encode_model(CONFIGS[kind], kind_tensors(kind))
 
 
 def assert_same_model(got, want):
+    """Same config and tensors; the tensors in the required order, the meta.* texts last."""
     (got_config, got_tensors), (want_config, want_tensors) = got, want
     assert got_config == want_config
-    assert list(got_tensors) == list(want_config.required_tensors())
+    required = [n for n in want_config.required_tensors() if not n.startswith("meta.")]
+    assert list(got_tensors)[:len(required)] == required
     assert set(got_tensors) == set(want_tensors)
     for name, want_array in want_tensors.items():
         a = got_tensors[name]
@@ -175,20 +228,20 @@ def assert_rejected(buf, *substrings):
 
 # ---- round trips -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("kind", V2_KINDS)
 def test_round_trip_through_bytes_is_bit_exact(kind):
     config = CONFIGS[kind]
-    tensors = random_tensors(config)
+    tensors = kind_tensors(kind)
     buf = encode_model(config, tensors)
     decoded = decode_model(buf)
     assert_same_model(decoded, (config, tensors))
     assert encode_model(*decoded) == buf
 
 
-@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("kind", V2_KINDS)
 def test_round_trip_through_a_file_is_bit_exact(tmp_path, kind):
     config = CONFIGS[kind]
-    tensors = random_tensors(config)
+    tensors = kind_tensors(kind)
     path = tmp_path / "m.tinyloop"
     save_model(path, config, tensors)
     assert path.read_bytes() == encode_model(config, tensors)
@@ -201,11 +254,14 @@ def test_layout_matches_the_spec():
     buf = valid_file("int4")
     config, tensors = decode_model(buf)
     assert header(buf, "magic") == b"TINYLOOP"
-    assert (header(buf, "version"), header(buf, "header_bytes")) == (1, 256)
+    assert (header(buf, "version"), header(buf, "header_bytes")) == (2, 256)
     assert header(buf, "file_bytes") == len(buf)
     assert header(buf, "checksum") == zlib.crc32(buf[:24] + bytes(4) + buf[28:])
     assert header(buf, "table_offset") == 256 and header(buf, "flags") == 0
-    assert header(buf, "reserved") == bytes(72)
+    assert header(buf, "reserved") == bytes(40)
+    assert [header(buf, f) for f in ("n_core_blocks", "n_coda_blocks", "block_layout", "qkv_bias",
+                                     "injection", "step_norm", "embed_scale", "coda_norm")] == \
+        [1, 0, 0, 0, 0, 0, 1.0, 0]
     assert header(buf, "name") == "tiny ✓".encode().ljust(64, b"\0")
     assert (header(buf, "weight_format"), header(buf, "group_size")) == (2, 8)
     assert (header(buf, "tokenizer"), header(buf, "bos_id"), header(buf, "eos_id")) == (1, 1, 2)
@@ -249,12 +305,12 @@ def test_loaded_arrays_are_read_only_and_outlive_the_file(tmp_path):
     config, tensors = CONFIGS["int8"], random_tensors(CONFIGS["int8"])
     save_model(path, config, tensors)
     _, loaded = load_model(path)
-    scale = loaded["loop.ffn_down.s"]
+    scale = loaded["core.0.ffn_down.s"]
     del loaded
     gc.collect()
     path.write_bytes(bytes(path.stat().st_size))     # rewritten in place: the copy is unaffected
     path.unlink()
-    assert np.array_equal(scale, tensors["loop.ffn_down.s"])
+    assert np.array_equal(scale, tensors["core.0.ffn_down.s"])
     assert not scale.flags.writeable
     with pytest.raises(ValueError):
         scale[0] = 1.0
@@ -286,6 +342,74 @@ def test_load_model_missing_empty_and_tiny_files(tmp_path):
             load_model(tmp_path / "small")
 
 
+# ---- version 1 (§6.5) and the meta.* texts ------------------------------------------------
+
+@pytest.mark.parametrize("kind", sorted(V1_KINDS))
+def test_version_1_file_reads_as_the_version_2_model_it_describes(kind):
+    v2 = V1_KINDS[kind]
+    buf = valid_file(kind)
+    assert header(buf, "version") == 1 and struct.unpack_from("72s", buf, 184)[0] == bytes(72)
+    assert any(name.startswith("loop.") for name in table(buf))
+    decoded = decode_model(buf)
+    assert_same_model(decoded, (CONFIGS[v2], kind_tensors(v2)))
+    assert encode_model(*decoded) == valid_file(v2)       # written back as version 2
+
+
+def test_version_1_reader_ignores_what_version_2_fields_would_say():
+    """A version-1 header's bytes 184 .. 255 are reserved, never read as n_core_blocks etc.:
+    a nonzero one is a reserved-bytes error, not a config error, whatever its offset."""
+    for at in (184, 192, 208, 212, 216):
+        assert_rejected(patch(valid_file("v1-int4-tied"), at, "<B", 2),
+                        "reserved: header bytes 184 .. 255")
+
+
+def test_meta_texts_round_trip_and_read_meta_reads_only_them(tmp_path):
+    buf = valid_file("hf")
+    config, tensors = decode_model(buf)
+    assert config.tokenizer == "hf"
+    texts = {"meta.tokenizer_json": TOKENIZER_JSON, **EXTRA_META["hf"]}
+    assert {n: a.tobytes().decode() for n, a in tensors.items() if n.startswith("meta.")} == texts
+    assert list(tensors)[-3:] == sorted(texts)              # after the weights, in table order
+    path = tmp_path / "m.tinyloop"
+    path.write_bytes(buf)
+    assert read_meta(path) == texts
+    # no checksum pass and no weight read: damage past the table and texts goes unseen
+    damaged = bytearray(buf)
+    (offset,) = entry(buf, "tok_emb.s", "offset")
+    damaged[offset:offset + 8] = struct.pack("<2f", NAN, -1.0)
+    path.write_bytes(damaged)
+    assert read_meta(path) == texts
+    with pytest.raises(ModelFormatError, match="checksum"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("kind", ["int8", "v1-int8", "v2"])
+def test_read_meta_of_a_file_without_texts_is_empty(tmp_path, kind):
+    path = tmp_path / "m.tinyloop"
+    path.write_bytes(valid_file(kind))
+    assert read_meta(path) == {}
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda b: b[:255], "file too small"),
+    (lambda b: set_header(b, "magic", b"TINYLOOQ"), "bad magic"),
+    (lambda b: b + b"\0", "file_bytes"),
+    (lambda b: set_header(b, "n_tensors", 2**32 - 1), "tensor table"),
+    (lambda b: set_entry(b, "meta.architecture", "offset", 2**64 - 64), "past the end"),
+    (lambda b: set_value(b, "meta.tokenizer_config", "<B", 0xFF, 1), "not valid UTF-8"),
+])
+def test_read_meta_rejects_a_broken_header_table_or_text(tmp_path, mutate, expected):
+    path = tmp_path / "m.tinyloop"
+    path.write_bytes(mutate(valid_file("hf")))
+    with pytest.raises(ModelFormatError, match=expected):
+        read_meta(path)
+
+
+def test_meta_tensor_is_the_utf8_bytes():
+    a = meta_tensor("é✓x")
+    assert a.dtype == np.uint8 and a.shape == (6,) and a.tobytes() == "é✓x".encode()
+
+
 @st.composite
 def configs(draw):
     n_kv_heads = draw(st.integers(1, 3))
@@ -294,7 +418,8 @@ def configs(draw):
     unit = group_size or 1                      # every K must be a multiple of the group size
     head_dim = 2 * unit * draw(st.integers(1, 3)) if group_size else 2 * draw(st.integers(1, 8))
     vocab_size = draw(st.integers(2, 300))
-    tokenizer = draw(st.sampled_from(["none", "bytes"] if vocab_size >= 256 else ["none"]))
+    tokenizer = draw(st.sampled_from(["none", "hf", "bytes"] if vocab_size >= 256
+                                     else ["none", "hf"]))
     name = draw(st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\0"),
                         max_size=30).filter(lambda s: len(s.encode()) <= 63))
     return ModelConfig(
@@ -305,7 +430,12 @@ def configs(draw):
         weight_format=weight_format, group_size=group_size, tied_head=draw(st.booleans()),
         bos_id=draw(st.integers(-1, vocab_size - 1)), eos_id=draw(st.integers(-1, vocab_size - 1)),
         tokenizer=tokenizer, rope_theta=draw(st.floats(2.0**-20, 2.0**30, width=32)),
-        rms_eps=draw(st.floats(2.0**-40, 1.0, width=32)), name=name)
+        rms_eps=draw(st.floats(2.0**-40, 1.0, width=32)), name=name,
+        n_core_blocks=draw(st.integers(1, 3)), n_coda_blocks=draw(st.integers(0, 2)),
+        block_layout=draw(st.sampled_from(["pre", "sandwich", "post"])),
+        qkv_bias=draw(st.booleans()), injection=draw(st.booleans()),
+        step_norm=draw(st.booleans()), coda_norm=draw(st.booleans()),
+        embed_scale=draw(st.floats(2.0**-20, 2.0**20, width=32)))
 
 
 @settings(deadline=None)
@@ -390,7 +520,8 @@ NAN = float("nan")
 HOSTILE = [
     # header, in validation order
     ("magic", "int8", lambda b: set_header(b, "magic", b"TINYLOOQ"), "bad magic"),
-    ("version 2", "int8", lambda b: set_header(b, "version", 2), "version"),
+    ("version 3", "int8", lambda b: set_header(b, "version", 3), "version: unsupported 3"),
+    ("version 0", "int8", lambda b: set_header(b, "version", 0), "version"),
     ("header_bytes", "int8", lambda b: set_header(b, "header_bytes", 255), "header_bytes"),
     ("file_bytes +1", "int8", lambda b: set_header(b, "file_bytes", len(b) + 1), "file_bytes"),
     ("file_bytes 2^64-1", "int8", lambda b: set_header(b, "file_bytes", 2**64 - 1), "file_bytes"),
@@ -432,6 +563,29 @@ HOSTILE = [
     ("rope_theta 0", "int8", lambda b: set_header(b, "rope_theta", 0.0), "rope_theta"),
     ("rms_eps -1", "int8", lambda b: set_header(b, "rms_eps", -1.0), "rms_eps"),
     ("rms_eps NaN", "int8", lambda b: set_header(b, "rms_eps", NAN), "rms_eps"),
+    ("tokenizer 3", "int8", lambda b: set_header(b, "tokenizer", 3),
+     "tokenizer: must be 'none', 'bytes' or 'hf' (file codes 0, 1, 2), got 3"),
+    ("n_core_blocks 0", "int8", lambda b: set_header(b, "n_core_blocks", 0),
+     "n_core_blocks: must be an int in 1 .. 256, got 0"),
+    ("n_core_blocks 257", "int8", lambda b: set_header(b, "n_core_blocks", 257), "n_core_blocks"),
+    ("n_coda_blocks 65", "int8", lambda b: set_header(b, "n_coda_blocks", 65),
+     "n_coda_blocks: must be an int in 0 .. 64, got 65"),
+    ("n_layers(default_loops) 65537", "int8",
+     lambda b: set_header(set_header(b, "default_loops", 256), "n_core_blocks", 256),
+     "n_pre_blocks + default_loops * (n_core_blocks + n_coda_blocks): must be <= 65536, "
+     "got 65537"),
+    ("block_layout 3", "int8", lambda b: set_header(b, "block_layout", 3),
+     "block_layout: must be 'pre', 'sandwich' or 'post' (file codes 0, 1, 2), got 3"),
+    ("qkv_bias 2", "int8", lambda b: set_header(b, "qkv_bias", 2), "qkv_bias: must be a bool"),
+    ("injection 2", "v2", lambda b: set_header(b, "injection", 2), "injection: must be a bool"),
+    ("step_norm 2^32-1", "int8", lambda b: set_header(b, "step_norm", 2**32 - 1), "step_norm"),
+    ("embed_scale 0", "int8", lambda b: set_header(b, "embed_scale", 0.0),
+     "embed_scale: must be a finite float > 0, got 0.0"),
+    ("embed_scale -inf", "v2", lambda b: set_header(b, "embed_scale", -math.inf), "embed_scale"),
+    ("embed_scale NaN", "int8", lambda b: set_header(b, "embed_scale", NAN), "embed_scale"),
+    ("coda_norm 2", "int8", lambda b: set_header(b, "coda_norm", 2), "coda_norm: must be a bool"),
+    ("version-1 tokenizer 2", "v1-int8", lambda b: set_header(b, "tokenizer", 2),
+     "tokenizer: 'hf' (file code 2) needs a version-2 file, got 'hf'"),
     ("name not UTF-8", "int8", lambda b: set_header(b, "name", b"\xff\xfe"),
      "name: not valid UTF-8"),
     ("name without NUL", "int8", lambda b: set_header(b, "name", b"n" * 64), "name: no NUL"),
@@ -453,7 +607,7 @@ HOSTILE = [
     ("entry name without NUL", "int8", lambda b: set_entry(b, "tok_emb.w", "name", b"t" * 48),
      "no NUL"),
     ("duplicate name", "int8",
-     lambda b: set_entry(b, "loop.attn_out.s", "name", b"loop.attn_out.w"), "duplicate name"),
+     lambda b: set_entry(b, "core.0.attn_out.s", "name", b"core.0.attn_out.w"), "duplicate name"),
     ("dtype code 4", "int8", lambda b: set_entry(b, "tok_emb.w", "dtype", 4), "dtype code"),
     ("dtype code 0", "int8", lambda b: set_entry(b, "tok_emb.w", "dtype", 0), "dtype code"),
     ("ndim 0", "int8", lambda b: set_entry(b, "tok_emb.w", "ndim", 0), "ndim"),
@@ -472,35 +626,106 @@ HOSTILE = [
     ("offset 2^64-64", "int8", lambda b: set_entry(b, "rope.cos", "offset", 2**64 - 64),
      "past the end"),
     ("overlap", "int8",
-     lambda b: set_entry(b, "loop.attn_out.s", "offset", entry(b, "tok_emb.w", "offset")[0]),
+     lambda b: set_entry(b, "core.0.attn_out.s", "offset", entry(b, "tok_emb.w", "offset")[0]),
      "overlap"),
     # required set
     ("unexpected name", "int8", lambda b: set_entry(b, "tok_emb.s", "name", b"bogus.s"),
      "unexpected tensor 'bogus.s'"),
     ("extra tensor", "int8", lambda b: rebuild(b, extra=[("extra.s", 1, (4,), bytes(16))]),
      "unexpected tensor 'extra.s'"),
-    ("missing tensor", "int8", lambda b: rebuild(b, drop=["loop.ffn_down.s"]),
-     "missing tensor 'loop.ffn_down.s'"),
+    ("missing tensor", "int8", lambda b: rebuild(b, drop=["core.0.ffn_down.s"]),
+     "missing tensor 'core.0.ffn_down.s'"),
+    ("missing adapter", "v2", lambda b: rebuild(b, drop=["core.adapter_inject.w"]),
+     "missing tensor 'core.adapter_inject.w'"),
+    ("missing bias", "v2", lambda b: rebuild(b, drop=["coda.0.attn_qkv.b"]),
+     "missing tensor 'coda.0.attn_qkv.b'"),
+    ("missing post norm", "v2-int4-sandwich", lambda b: rebuild(b, drop=["core.2.ffn_post_norm"]),
+     "missing tensor 'core.2.ffn_post_norm'"),
+    ("missing step norm", "v2", lambda b: rebuild(b, drop=["core.step_norm"]),
+     "missing tensor 'core.step_norm'"),
+    ("missing coda norm", "v2", lambda b: rebuild(b, drop=["coda.input_norm"]),
+     "missing tensor 'coda.input_norm'"),
+    ("coda tensors with n_coda_blocks 0", "v2", lambda b: set_header(b, "n_coda_blocks", 0),
+     "unexpected tensor 'coda.0."),
+    ("adapter without injection", "v2", lambda b: set_header(b, "injection", 0),
+     "unexpected tensor 'core.adapter_"),
+    ("bias without qkv_bias", "v2", lambda b: set_header(b, "qkv_bias", 0),
+     "unexpected tensor 'c"),
+    ("post norms with layout pre", "v2", lambda b: set_header(b, "block_layout", 0),
+     "_post_norm'"),
+    ("bias wrong shape", "v2", lambda b: set_entry(b, "core.1.attn_qkv.b", "dims", 31, 0, 0, 0),
+     "tensor 'core.1.attn_qkv.b': shape (31,) != expected (32,)"),
+    ("loop.* in version 2", "int8",
+     lambda b: set_entry(b, "core.0.attn_out.s", "name", b"loop.attn_out.s"),
+     "unexpected tensor 'loop.attn_out.s'"),
+    ("core.0.* in version 1", "v1-int8",
+     lambda b: set_entry(b, "loop.attn_out.s", "name", b"core.0.attn_out.s"),
+     "unexpected tensor 'core.0.attn_out.s'"),
+    ("version-1 missing loop tensor", "v1-int8", lambda b: rebuild(b, drop=["loop.ffn_down.w"]),
+     "missing tensor 'loop.ffn_down.w'"),
+    # meta.* texts
+    ("hf without tokenizer_json", "hf", lambda b: rebuild(b, drop=["meta.tokenizer_json"]),
+     "missing tensor 'meta.tokenizer_json'"),
+    ("tokenizer_json without hf", "int8",
+     lambda b: rebuild(b, extra=[("meta.tokenizer_json", 3, (2,), b"{}")]),
+     "unexpected tensor 'meta.tokenizer_json'"),
+    ("unknown meta", "hf", lambda b: rebuild(b, extra=[("meta.license", 3, (3,), b"MIT")]),
+     "unexpected tensor 'meta.license'"),
+    ("meta in version 1", "v1-int8",
+     lambda b: rebuild(b, extra=[("meta.architecture", 3, (3,), b"abc")]),
+     "unexpected tensor 'meta.architecture'"),
+    ("meta dtype i8", "hf", lambda b: set_entry(b, "meta.architecture", "dtype", 2),
+     "tensor 'meta.architecture': dtype int8 != expected uint8"),
+    ("meta 2-D", "hf", lambda b: set_entry(set_entry(b, "meta.tokenizer_config", "ndim", 2),
+                                           "meta.tokenizer_config", "dims", 1,
+                                           entry(b, "meta.tokenizer_config", "dims")[0], 0, 0),
+     "tensor 'meta.tokenizer_config': shape (1, "),
     ("head present though tied", "int8-tied",
      lambda b: rebuild(b, extra=[("head.s", 1, (300,), bytes(1200))]),
      "unexpected tensor 'head.s'"),
-    ("wrong dtype", "int8", lambda b: set_entry(b, "loop.attn_out.s", "dtype", 3),
-     "tensor 'loop.attn_out.s': dtype uint8 != expected float32"),
+    ("wrong dtype", "int8", lambda b: set_entry(b, "core.0.attn_out.s", "dtype", 3),
+     "tensor 'core.0.attn_out.s': dtype uint8 != expected float32"),
     ("wrong shape", "int8", lambda b: set_entry(b, "tok_emb.w", "dims", 16, 300, 0, 0),
      "tensor 'tok_emb.w': shape (16, 300) != expected (300, 16)"),
-    ("int4 shape", "int4", lambda b: set_entry(b, "loop.attn_out.w", "dims", 8, 16, 0, 0),
-     "tensor 'loop.attn_out.w': shape (8, 16) != expected (16, 8)"),
+    ("int4 shape", "int4", lambda b: set_entry(b, "core.0.attn_out.w", "dims", 8, 16, 0, 0),
+     "tensor 'core.0.attn_out.w': shape (8, 16) != expected (16, 8)"),
     # values
-    ("NaN scale", "int8", lambda b: set_value(b, "loop.attn_qkv.s", "<f", NAN, 3),
-     "tensor 'loop.attn_qkv.s': scales must be finite and >= 0, found nan"),
+    ("NaN scale", "int8", lambda b: set_value(b, "core.0.attn_qkv.s", "<f", NAN, 3),
+     "tensor 'core.0.attn_qkv.s': scales must be finite and >= 0, found nan"),
     ("inf scale", "int4", lambda b: set_value(b, "tok_emb.s", "<f", math.inf), "tok_emb.s"),
     ("negative scale", "int8", lambda b: set_value(b, "head.s", "<f", -1.0),
      "tensor 'head.s': scales must be finite and >= 0, found -1.0"),
     ("rope 2.0", "int8", lambda b: set_value(b, "rope.cos", "<f", 2.0, 5),
      "tensor 'rope.cos': values must be finite with |v| <= 1, found 2.0"),
     ("rope NaN", "int8", lambda b: set_value(b, "rope.sin", "<f", NAN), "rope.sin"),
+    ("bias NaN", "v2", lambda b: set_value(b, "pre.0.attn_qkv.b", "<f", NAN, 7),
+     "tensor 'pre.0.attn_qkv.b': values must be finite, found nan"),
+    ("post norm inf", "v2-int4-sandwich",
+     lambda b: set_value(b, "core.1.attn_post_norm", "<f", -math.inf, 2),
+     "tensor 'core.1.attn_post_norm': values must be finite, found -inf"),
+    ("step norm NaN", "v2", lambda b: set_value(b, "core.step_norm", "<f", NAN), "core.step_norm"),
+    ("coda norm inf", "v2", lambda b: set_value(b, "coda.input_norm", "<f", math.inf, 15),
+     "tensor 'coda.input_norm': values must be finite, found inf"),
+    ("adapter scale -1", "v2", lambda b: set_value(b, "core.adapter_state.s", "<f", -1.0),
+     "tensor 'core.adapter_state.s': scales must be finite and >= 0"),
+    ("meta not UTF-8", "hf", lambda b: set_value(b, "meta.tokenizer_json", "<B", 0xFF, 3),
+     "tensor 'meta.tokenizer_json': not valid UTF-8 (byte 3)"),
+    ("meta surrogate", "hf",
+     lambda b: rebuild(b, drop=["meta.architecture"],
+                       extra=[("meta.architecture", 3, (3,),
+                               "\ud800".encode("utf-8", "surrogatepass"))]),
+     "tensor 'meta.architecture': not valid UTF-8 (byte 0)"),
+    ("meta values in table order", "hf",
+     lambda b: set_value(set_value(b, "meta.tokenizer_json", "<B", 0xC0),
+                         "meta.architecture", "<B", 0xC0),
+     "tensor 'meta.architecture': not valid UTF-8"),
     # header leftovers, checked last
-    ("reserved", "int8", lambda b: patch(b, 250, "<B", 1), "reserved"),
+    ("reserved", "int8", lambda b: patch(b, 250, "<B", 1),
+     "reserved: header bytes 216 .. 255 must be zero"),
+    ("reserved 216", "v2", lambda b: patch(b, 216, "<B", 1), "reserved"),
+    ("version-1 reserved 184", "v1-int8", lambda b: patch(b, 184, "<B", 1),
+     "reserved: header bytes 184 .. 255 must be zero"),
+    ("version-1 reserved 255", "v1-no-pre", lambda b: patch(b, 255, "<B", 1), "reserved"),
     ("flags", "int8", lambda b: set_header(b, "flags", 1), "flags"),
 ]
 
@@ -518,11 +743,11 @@ def test_int4_accumulator_bound_is_enforced_exactly():
     config = int4_config(ffn_dim=8320)
     assert 127 * 8 * 8320 * 254 <= 2**31 - 1 < 127 * 8 * 8320 * 255
     tensors = random_tensors(config, max_m=254)
-    tensors["loop.ffn_down.m"][0, 0] = 254
+    tensors["core.0.ffn_down.m"][0, 0] = 254
     buf = encode_model(config, tensors)
     decode_model(buf)
-    assert_rejected(set_value(buf, "loop.ffn_down.m", "<B", 255, 7),
-                    "tensor 'loop.ffn_down.m': int4 accumulator bound", "8320 * 255")
+    assert_rejected(set_value(buf, "core.0.ffn_down.m", "<B", 255, 7),
+                    "tensor 'core.0.ffn_down.m': int4 accumulator bound", "8320 * 255")
     tensors["pre.0.ffn_down.m"][3, 1] = 255
     with pytest.raises(ModelFormatError, match="'pre.0.ffn_down.m': int4 accumulator bound"):
         encode_model(config, tensors)
@@ -539,7 +764,7 @@ def broken(change):
 
 @pytest.mark.parametrize("config, tensors, expected", [
     pytest.param(small_config(vocab_size=1), {}, "vocab_size", id="bad config"),
-    pytest.param(*broken(lambda t: t.pop("loop.ffn_down.w")), "missing tensor 'loop.ffn_down.w'",
+    pytest.param(*broken(lambda t: t.pop("core.0.ffn_down.w")), "missing tensor 'core.0.ffn_down.w'",
                  id="missing"),
     pytest.param(*broken(lambda t: t.update(extra=np.zeros(4, np.float32))),
                  "unexpected tensor 'extra'", id="extra"),
@@ -549,12 +774,25 @@ def broken(change):
                  "tensor 'tok_emb.w': shape (16, 300) != expected (300, 16)", id="shape"),
     pytest.param(*broken(lambda t: t.update({"tok_emb.s": list(t["tok_emb.s"])})),
                  "not a numpy array", id="not an array"),
-    pytest.param(*broken(lambda t: t["loop.attn_out.s"].__setitem__(2, NAN)),
-                 "loop.attn_out.s': scales must be finite", id="NaN scale"),
-    pytest.param(*broken(lambda t: t["loop.attn_out.s"].__setitem__(2, -0.5)),
+    pytest.param(*broken(lambda t: t["core.0.attn_out.s"].__setitem__(2, NAN)),
+                 "core.0.attn_out.s': scales must be finite", id="NaN scale"),
+    pytest.param(*broken(lambda t: t["core.0.attn_out.s"].__setitem__(2, -0.5)),
                  "found -0.5", id="negative scale"),
     pytest.param(*broken(lambda t: t["rope.sin"].__setitem__((1, 1), 2.0)),
                  "tensor 'rope.sin': values must be finite", id="rope 2.0"),
+    pytest.param(*broken(lambda t: t.update({"meta.architecture": meta_tensor("")})),
+                 "tensor 'meta.architecture': shape (0,) != expected (n,), n >= 1",
+                 id="empty meta"),
+    pytest.param(*broken(lambda t: t.update({"meta.architecture": np.array([0xC3], np.uint8)})),
+                 "tensor 'meta.architecture': not valid UTF-8 (byte 0)", id="meta not UTF-8"),
+    pytest.param(*broken(lambda t: t.update({"meta.tokenizer_json": meta_tensor("{}")})),
+                 "unexpected tensor 'meta.tokenizer_json'", id="tokenizer_json without hf"),
+    pytest.param(CONFIGS["hf"], {n: a for n, a in random_tensors(CONFIGS["hf"]).items()
+                                 if n != "meta.tokenizer_json"},
+                 "missing tensor 'meta.tokenizer_json'", id="hf without tokenizer_json"),
+    pytest.param(CONFIGS["v2"], {**random_tensors(CONFIGS["v2"]),
+                                 "core.step_norm": np.full(16, np.inf, np.float32)},
+                 "tensor 'core.step_norm': values must be finite, found inf", id="step norm inf"),
 ])
 def test_writer_rejects_what_the_reader_rejects(config, tensors, expected):
     with pytest.raises(ModelFormatError) as info:
@@ -618,11 +856,28 @@ def test_pack_int4_rejects_bad_input(w):
     ({"rms_eps": 0.0}, "rms_eps"), ({"rms_eps": "1e-5"}, "rms_eps"),
     ({"name": "x" * 64}, "name"), ({"name": "é" * 32}, "name"), ({"name": "a\0b"}, "name"),
     ({"name": "\udc80"}, "name"), ({"name": b"bytes"}, "name"),
+    ({"tokenizer": 2}, "tokenizer"), ({"n_core_blocks": 0}, "n_core_blocks"),
+    ({"n_core_blocks": 257}, "n_core_blocks"), ({"n_coda_blocks": -1}, "n_coda_blocks"),
+    ({"n_coda_blocks": 65}, "n_coda_blocks"),
+    ({"default_loops": 256, "n_core_blocks": 200, "n_coda_blocks": 56},
+     "n_pre_blocks + default_loops * (n_core_blocks + n_coda_blocks)"),
+    ({"block_layout": "postnorm"}, "block_layout"), ({"block_layout": 1}, "block_layout"),
+    ({"qkv_bias": 1}, "qkv_bias"), ({"injection": None}, "injection"),
+    ({"step_norm": "yes"}, "step_norm"), ({"embed_scale": 0.0}, "embed_scale"),
+    ({"embed_scale": math.inf}, "embed_scale"), ({"embed_scale": "1"}, "embed_scale"),
+    ({"coda_norm": 0}, "coda_norm"),
 ])
 def test_config_validation_names_the_field(changes, field):
     with pytest.raises(ModelFormatError) as info:
         small_config(**changes).validate()
     assert str(info.value).startswith(field + ":")
+
+
+def test_config_version_1_rule_for_the_tokenizer():
+    small_config(tokenizer="hf").validate()
+    with pytest.raises(ModelFormatError, match="needs a version-2 file, got 'hf'"):
+        small_config(tokenizer="hf").validate(version=1)
+    small_config(tokenizer="bytes").validate(version=1)
 
 
 def test_config_limits_are_inclusive():
@@ -631,28 +886,57 @@ def test_config_limits_are_inclusive():
                  n_heads=64, n_kv_heads=64, head_dim=1024).validate()
     small_config(vocab_size=2, tokenizer="none", bos_id=-1, eos_id=1, d_model=1,
                  ffn_dim=1, n_pre_blocks=0).validate()
+    small_config(n_pre_blocks=0, default_loops=256, n_core_blocks=192, n_coda_blocks=64,
+                 embed_scale=2.0**-126).validate()              # n_layers = 65536 exactly
+    small_config(n_pre_blocks=64, default_loops=1, n_core_blocks=256, n_coda_blocks=0).validate()
 
 
 def test_config_names_and_shapes():
     config = int4_config()
-    assert config.block_prefixes() == ["pre.0", "loop"]
-    assert small_config(n_pre_blocks=0).block_prefixes() == ["loop"]
+    assert config.block_prefixes() == ["pre.0", "core.0"]
+    assert small_config(n_pre_blocks=0).block_prefixes() == ["core.0"]
     shapes = config.linear_shapes()
     assert list(shapes) == ["pre.0.attn_qkv", "pre.0.attn_out", "pre.0.ffn_gate_up",
-                            "pre.0.ffn_down", "loop.attn_qkv", "loop.attn_out",
-                            "loop.ffn_gate_up", "loop.ffn_down", "head"]
-    assert shapes["loop.attn_qkv"] == ((2 + 2) * 8, 16) and shapes["head"] == (300, 16)
-    assert shapes["loop.attn_out"] == (16, 16) and shapes["loop.ffn_gate_up"] == (48, 16)
-    assert shapes["loop.ffn_down"] == (16, 24)
+                            "pre.0.ffn_down", "core.0.attn_qkv", "core.0.attn_out",
+                            "core.0.ffn_gate_up", "core.0.ffn_down", "head"]
+    assert shapes["core.0.attn_qkv"] == ((2 + 2) * 8, 16) and shapes["head"] == (300, 16)
+    assert shapes["core.0.attn_out"] == (16, 16) and shapes["core.0.ffn_gate_up"] == (48, 16)
+    assert shapes["core.0.ffn_down"] == (16, 24)
     assert "head" not in int4_config(tied_head=True).linear_shapes()
     required = config.required_tensors()
-    assert required["loop.ffn_down.w"] == (np.dtype(np.uint8), (16, 12))
-    assert required["loop.ffn_down.m"] == (np.dtype(np.uint8), (16, 3))
-    assert required["loop.ffn_down.s"] == (np.dtype(np.float32), (16,))
+    assert required["core.0.ffn_down.w"] == (np.dtype(np.uint8), (16, 12))
+    assert required["core.0.ffn_down.m"] == (np.dtype(np.uint8), (16, 3))
+    assert required["core.0.ffn_down.s"] == (np.dtype(np.float32), (16,))
     assert required["rope.cos"] == (np.dtype(np.float32), (32, 4))
     assert small_config().required_tensors()["head.w"] == (np.dtype(np.int8), (300, 16))
     assert len(small_config().required_tensors()) == 4 + 9 * 2
     assert len(config.required_tensors()) == 4 + 9 * 3
+
+
+def test_config_version_2_names_slots_and_shapes():
+    config = v2_config(n_pre_blocks=2, n_core_blocks=3, n_coda_blocks=2)
+    assert config.block_prefixes() == ["pre.0", "pre.1", "core.0", "core.1", "core.2",
+                                       "coda.0", "coda.1"]
+    assert config.n_layers(4) == 2 + 4 * 5
+    # §1: iteration i owns k + n_coda slots, its core blocks, then depth i+1's coda slots
+    assert [config.core_slot(1, j) for j in range(3)] == [7, 8, 9]
+    assert [config.coda_slot(2, c) for c in range(2)] == [10, 11]
+    assert config.coda_slot(1, 0) == 5 and config.core_slot(0, 0) == 2
+    required = config.required_tensors()
+    names = list(required)
+    block = [n for n in names if n.startswith("core.1.")]
+    assert block == ["core.1.attn_qkv.w", "core.1.attn_qkv.s", "core.1.attn_qkv.b",
+                     "core.1.attn_out.w", "core.1.attn_out.s", "core.1.attn_post_norm",
+                     "core.1.ffn_gate_up.w", "core.1.ffn_gate_up.s", "core.1.ffn_down.w",
+                     "core.1.ffn_down.s", "core.1.ffn_post_norm"]
+    assert names[-8:] == ["core.adapter_state.w", "core.adapter_state.s", "core.adapter_inject.w",
+                          "core.adapter_inject.s", "core.step_norm", "coda.input_norm",
+                          "head.w", "head.s"]
+    assert required["core.1.attn_qkv.b"] == (np.dtype(np.float32), ((2 + 2) * 8,))
+    assert required["core.adapter_inject.w"] == (np.dtype(np.int8), (16, 16))
+    assert required["coda.input_norm"] == (np.dtype(np.float32), (16,))
+    assert v2_config(tokenizer="hf").required_tensors()["meta.tokenizer_json"] == \
+        (np.dtype(np.uint8), (None,))
 
 
 def test_config_dict_round_trip_and_f32_rounding():

@@ -71,6 +71,34 @@ def test_rms_quantize_follows_the_spec_order():
     assert abs(float(a[0]) * 127 - 2.0 / np.sqrt((x.astype(np.float64) ** 2).mean())) < 0.02
 
 
+def test_q16_uses_32767_levels_in_int16():
+    q, s = N.quantize_rows(np.array([[2.0, -1.0, 0.5, 2.0 ** -20]], np.float32), qmax=32767)
+    assert q.dtype == np.int16 and s[0] == np.float32(2) / np.float32(32767)
+    assert q.tolist() == [[32767, -16384, 8192, 0]]               # -16383.5 -> even -16384
+
+
+def test_rms_norm_follows_the_spec_order():
+    """§2.7 RN(x, g): Q16's integer sum of squares gives t, then (x / t) * g with x itself."""
+    x = np.array([[0.3, -1.2, 2.0, 0.0, 0.7], [0.0] * 5], np.float32)
+    g = np.array([1.0, 0.5, -2.0, 3.0, 1.25], np.float32)
+    y = N.rms_norm(x, g, 1e-5)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    q, s = N.quantize_rows(x[:1], qmax=32767)
+    t = np.float32(int((q.astype(np.int64) ** 2).sum()))
+    t = np.float32(np.float32(np.float32(t * s[0]) * s[0]) / np.float32(5))
+    t = np.sqrt(np.float32(t + np.float32(1e-5)))
+    assert np.array_equal(y[0].view(np.uint32), ((x[0] / t) * g).view(np.uint32))
+    assert not y[1].any()                                            # a zero row stays zero
+    rms = np.sqrt((x[0].astype(np.float64) ** 2).mean() + 1e-5)
+    assert np.allclose(y[0], x[0] / rms * g, rtol=2.0 ** -13)
+
+
+def test_rms_norm_of_a_non_finite_row_is_defined():
+    y = N.rms_norm(np.array([[np.inf, 1.0], [np.nan, 1.0]], np.float32), np.ones(2, np.float32),
+                   1e-5)
+    assert np.isnan(y[0, 0]) and y[0, 1] == 0 and np.isnan(y[1, 0])
+
+
 def test_rng_is_splitmix64():
     # the first outputs of the reference SplitMix64 generator seeded with 0
     assert rng(0, 0) == 0xE220A8397B1DCDAF

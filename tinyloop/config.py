@@ -1,4 +1,4 @@
-"""Model configuration: the model fields of the `.tinyloop` header (docs/spec.md §6.1, §6.3).
+"""Model configuration: the model fields of the `.tinyloop` header (docs/spec.md §1, §6.1, §6.3).
 
 `ModelConfig.validate()` checks exactly the header rules of §6.1 and `required_tensors()` lists
 the tensor set of §6.3 that a file with this config holds. Nothing here knows about bytes: the
@@ -17,8 +17,13 @@ I8 = np.dtype("i1")
 U8 = np.dtype("u1")
 
 WEIGHT_FORMATS = ("int8", "int4")
-TOKENIZERS = ("none", "bytes")
+TOKENIZERS = ("none", "bytes", "hf")
+BLOCK_LAYOUTS = ("pre", "sandwich", "post")                           # §4, file codes 0, 1, 2
 LINEAR_PARTS = ("attn_qkv", "attn_out", "ffn_gate_up", "ffn_down")   # per block, §6.3
+# The optional UTF-8 texts of §6.3 (u8 [n], n >= 1); meta.tokenizer_json is present exactly
+# when tokenizer == "hf".
+META_TENSORS = ("meta.architecture", "meta.tokenizer_json", "meta.tokenizer_config")
+MAX_CACHE_LAYERS = 2**16                                              # n_layers(L) bound, §1
 NAME_MAX_BYTES = 63                                                    # char[64], one NUL kept
 
 
@@ -32,25 +37,37 @@ class ModelConfig:
     n_kv_heads: int          # G, key/value heads; divides H
     head_dim: int            # D, per head, even; 2 .. 1024, H * D <= 2^16
     ffn_dim: int             # F, SwiGLU hidden width; 1 .. 2^16
-    n_pre_blocks: int        # ordinary blocks before the loop block; 0 .. 64
-    default_loops: int       # loop-block applications when a call gives none; 1 .. 256
+    n_pre_blocks: int        # prelude blocks before the core; 0 .. 64
+    default_loops: int       # core iterations (the depth L) when a call gives none; 1 .. 256
     max_seq_len: int         # positions (and RoPE table rows); 1 .. 2^20
     weight_format: str       # "int8" | "int4"
     group_size: int          # int4 weights per multiplier, even, divides every K; 0 for int8
     tied_head: bool          # True: the LM head is the embedding (no "head" tensors)
     bos_id: int = -1         # beginning-of-sequence id; -1 = none
     eos_id: int = -1         # generation stops on this id; -1 = none
-    tokenizer: str = "none"  # "none" | "bytes" (ids 0..255 are bytes; needs V >= 256)
+    tokenizer: str = "none"  # "none" | "bytes" (ids 0..255 are bytes; needs V >= 256) | "hf"
     rope_theta: float = 1e4  # RoPE base, informational (the tables count); f32-rounded
     rms_eps: float = 1e-5    # RMSNorm epsilon (spec §2.3); f32-rounded
     name: str = ""           # free text, <= 63 UTF-8 bytes, no NUL
+    # version 2 (§6.1 offsets 184 ..); the defaults are what a version-1 file means (§6.5)
+    n_core_blocks: int = 1   # k, the core's blocks, applied L times; 1 .. 256
+    n_coda_blocks: int = 0   # blocks after the core; 0 .. 64
+    block_layout: str = "pre"   # "pre" | "sandwich" (Ouro) | "post" (Huginn), §4
+    qkv_bias: bool = False   # attn_qkv has a bias (attn_qkv.b)
+    injection: bool = False  # the adapter (§4.4) starts every iteration
+    step_norm: bool = False  # RN(x, core.step_norm) before iterations 1 .. L-1
+    embed_scale: float = 1.0  # the embedding's multiplier; f32-rounded, finite > 0
+    coda_norm: bool = False  # RN(x, coda.input_norm) after the last iteration
 
     def __post_init__(self):
-        object.__setattr__(self, "rope_theta", _f32(self.rope_theta))
-        object.__setattr__(self, "rms_eps", _f32(self.rms_eps))
+        for field in ("rope_theta", "rms_eps", "embed_scale"):
+            object.__setattr__(self, field, _f32(getattr(self, field)))
 
-    def validate(self):
-        """Raise ModelFormatError naming the first field (in header order) that breaks §6.1."""
+    def validate(self, version=2):
+        """Raise ModelFormatError naming the first field (in header order) that breaks §6.1.
+
+        `version` 1 applies §6.5's narrower tokenizer rule (0 or 1) of a version-1 file.
+        """
         self._int_range("vocab_size", 2, 2**20)
         self._int_range("d_model", 1, 2**16)
         self._int_range("n_heads", 1, None)
@@ -73,46 +90,104 @@ class ModelConfig:
         for field in ("bos_id", "eos_id"):
             self._int_range(field, -1, self.vocab_size - 1)
         _require(self.tokenizer in TOKENIZERS, "tokenizer",
-                 "must be 'none' or 'bytes' (file codes 0, 1)", self.tokenizer)
+                 "must be 'none', 'bytes' or 'hf' (file codes 0, 1, 2)", self.tokenizer)
+        if version == 1:
+            _require(self.tokenizer != "hf", "tokenizer",
+                     "'hf' (file code 2) needs a version-2 file", self.tokenizer)
         _require(self.tokenizer != "bytes" or self.vocab_size >= 256, "tokenizer",
                  "'bytes' needs vocab_size >= 256", self.vocab_size)
         for field in ("rope_theta", "rms_eps"):
-            value = getattr(self, field)
-            _require(isinstance(value, float) and math.isfinite(value) and value > 0, field,
-                     "must be a finite float > 0", value)
+            self._positive_float(field)
+        self._int_range("n_core_blocks", 1, 256)
+        self._int_range("n_coda_blocks", 0, 64)
+        _require(self.n_layers(self.default_loops) <= MAX_CACHE_LAYERS,
+                 "n_pre_blocks + default_loops * (n_core_blocks + n_coda_blocks)",
+                 f"must be <= {MAX_CACHE_LAYERS}", self.n_layers(self.default_loops))
+        _require(self.block_layout in BLOCK_LAYOUTS, "block_layout",
+                 "must be 'pre', 'sandwich' or 'post' (file codes 0, 1, 2)", self.block_layout)
+        for field in ("qkv_bias", "injection", "step_norm"):
+            _require(isinstance(getattr(self, field), bool), field,
+                     "must be a bool (file: 0 or 1)", getattr(self, field))
+        self._positive_float("embed_scale")
+        _require(isinstance(self.coda_norm, bool), "coda_norm", "must be a bool (file: 0 or 1)",
+                 self.coda_norm)
         self._check_name()
 
+    def n_layers(self, loops):
+        """Cache slots of a sequence at depth `loops` (§1): n_pre + L * (k + n_coda)."""
+        return self.n_pre_blocks + loops * (self.n_core_blocks + self.n_coda_blocks)
+
+    def core_slot(self, iteration, j):
+        """The cache slot of core block j in iteration `iteration` (0-based), §1."""
+        return self.n_pre_blocks + iteration * (self.n_core_blocks + self.n_coda_blocks) + j
+
+    def coda_slot(self, loops, c):
+        """The cache slot of coda block c at depth `loops`, §1."""
+        return self.core_slot(loops - 1, self.n_core_blocks + c)
+
     def block_prefixes(self):
-        """Tensor-name prefixes of the blocks in layer order: pre.0 .. pre.<n-1>, then loop."""
-        return [f"pre.{i}" for i in range(self.n_pre_blocks)] + ["loop"]
+        """Tensor-name prefixes of the blocks in file order: pre.*, core.*, coda.* (§6.3)."""
+        return ([f"pre.{i}" for i in range(self.n_pre_blocks)]
+                + [f"core.{j}" for j in range(self.n_core_blocks)]
+                + [f"coda.{c}" for c in range(self.n_coda_blocks)])
 
     def linear_shapes(self):
-        """{linear name: (R, K)} for every linear of §6.3, in block order, then head."""
-        d, H, G, D, F = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim
-        per_block = {"attn_qkv": ((H + 2 * G) * D, d), "attn_out": (d, H * D),
-                     "ffn_gate_up": (2 * F, d), "ffn_down": (d, F)}
-        shapes = {f"{b}.{part}": per_block[part] for b in self.block_prefixes()
-                  for part in LINEAR_PARTS}
-        if not self.tied_head:
-            shapes["head"] = (self.vocab_size, d)
-        return shapes
+        """{linear name: (R, K)} for every linear of §6.3, in the required order."""
+        return {name: shape for name, (kind, shape) in self._layout() if kind == "linear"}
 
     def required_tensors(self):
-        """{tensor name: (numpy dtype, shape)}: exactly the tensors of §6.3, in a fixed order.
+        """{tensor name: (numpy dtype, shape)}: exactly the required tensors of §6.3, in the
+        required order (the optional META_TENSORS are not listed; meta.tokenizer_json is
+        required when tokenizer == "hf", its length being free).
 
         Only meaningful for a config that passes validate().
         """
-        V, d, S, D = self.vocab_size, self.d_model, self.max_seq_len, self.head_dim
-        tensors = {"tok_emb.w": (I8, (V, d)), "tok_emb.s": (F32, (V,)),
-                   "rope.cos": (F32, (S, D // 2)), "rope.sin": (F32, (S, D // 2))}
-        for name, (R, K) in self.linear_shapes().items():
-            if self.weight_format == "int8":
+        tensors = {}
+        for name, (kind, shape) in self._layout():
+            if kind in ("f32", "i8"):
+                tensors[name] = (F32 if kind == "f32" else I8, shape)
+            elif self.weight_format == "int8":
+                R, K = shape
                 tensors[name + ".w"] = (I8, (R, K))
+                tensors[name + ".s"] = (F32, (R,))                          # row scales
             else:
+                R, K = shape
                 tensors[name + ".w"] = (U8, (R, K // 2))                 # two int4 per byte
                 tensors[name + ".m"] = (U8, (R, K // self.group_size))  # group multipliers
-            tensors[name + ".s"] = (F32, (R,))                          # row scales
+                tensors[name + ".s"] = (F32, (R,))
+        if self.tokenizer == "hf":
+            tensors["meta.tokenizer_json"] = (U8, (None,))              # any length >= 1
         return tensors
+
+    def _layout(self):
+        """[(name, (kind, shape))] in the required order of §6.3: kind "linear" with shape
+        (R, K) (stored as .w, .m, .s), or "i8" / "f32" for a tensor stored as it is."""
+        V, d, S, D = self.vocab_size, self.d_model, self.max_seq_len, self.head_dim
+        H, G, F = self.n_heads, self.n_kv_heads, self.ffn_dim
+        post = self.block_layout != "pre"
+        out = [("tok_emb.w", ("i8", (V, d))), ("tok_emb.s", ("f32", (V,))),
+               ("rope.cos", ("f32", (S, D // 2))), ("rope.sin", ("f32", (S, D // 2)))]
+        for b in self.block_prefixes():
+            out.append((f"{b}.attn_qkv", ("linear", ((H + 2 * G) * D, d))))
+            if self.qkv_bias:
+                out.append((f"{b}.attn_qkv.b", ("f32", ((H + 2 * G) * D,))))
+            out.append((f"{b}.attn_out", ("linear", (d, H * D))))
+            if post:
+                out.append((f"{b}.attn_post_norm", ("f32", (d,))))
+            out.append((f"{b}.ffn_gate_up", ("linear", (2 * F, d))))
+            out.append((f"{b}.ffn_down", ("linear", (d, F))))
+            if post:
+                out.append((f"{b}.ffn_post_norm", ("f32", (d,))))
+        if self.injection:
+            out += [("core.adapter_state", ("linear", (d, d))),
+                    ("core.adapter_inject", ("linear", (d, d)))]
+        if self.step_norm:
+            out.append(("core.step_norm", ("f32", (d,))))
+        if self.coda_norm:
+            out.append(("coda.input_norm", ("f32", (d,))))
+        if not self.tied_head:
+            out.append(("head", ("linear", (V, d))))
+        return out
 
     def to_dict(self):
         """The fields as a plain dict (what Model.config() returns)."""
@@ -130,6 +205,11 @@ class ModelConfig:
         config = cls(**d)
         config.validate()
         return config
+
+    def _positive_float(self, field):
+        value = getattr(self, field)
+        _require(isinstance(value, float) and math.isfinite(value) and value > 0, field,
+                 "must be a finite float > 0", value)
 
     def _int_range(self, field, lo, hi):
         value = getattr(self, field)

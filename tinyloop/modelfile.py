@@ -1,11 +1,15 @@
-"""Reader and writer of the `.tinyloop` model file, version 1 (docs/spec.md §6).
+"""Reader and writer of the `.tinyloop` model file, version 2 (docs/spec.md §6).
 
-`encode_model` / `save_model` write a file; `decode_model` / `load_model` read one back as
-read-only numpy arrays viewing the bytes (`load_model` reads the file once into memory of its own,
-so a later change to the file changes nothing, as in libtinyloop). Writer and reader
-apply the same tensor checks. The reader checks every rule of §6 in one fixed order and raises
-ModelFormatError naming the first rule broken, whatever the input bytes: sizes and offsets are
-Python ints (no overflow), and no byte outside the buffer is read or allocated for.
+`encode_model` / `save_model` write a file (always version 2); `decode_model` / `load_model`
+read one back, version 2 or 1 (§6.5: a version-1 file is returned as the version-2 model it
+describes, its `loop.*` tensors named `core.0.*`), as read-only numpy arrays viewing the bytes
+(`load_model` reads the file once into memory of its own, so a later change to the file changes
+nothing, as in libtinyloop). The optional `meta.*` texts are ordinary u8 1-D tensors of the
+dict; `meta_tensor` makes one and `read_meta` reads only them (header, table and their bytes) of
+a file another reader already validated. Writer and reader apply the same tensor checks. The
+reader checks every rule of §6 in one fixed order and raises ModelFormatError naming the first
+rule broken, whatever the input bytes: sizes and offsets are Python ints (no overflow), and no
+byte outside the buffer is read or allocated for.
 `pack_int4` / `unpack_int4` convert int4 weights to and from their stored form.
 Not here: quantization, or any interpretation of the weights.
 """
@@ -17,11 +21,13 @@ import zlib
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import BLOCK_LAYOUTS as LAYOUT_NAMES, META_TENSORS, ModelConfig
+from .config import TOKENIZERS as TOKENIZER_NAMES
 from .errors import ModelFormatError
 
 MAGIC = b"TINYLOOP"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)
 HEADER_BYTES = 256
 ENTRY_BYTES = 96
 ALIGN = 64
@@ -29,13 +35,19 @@ MAX_NDIM = 4
 DTYPES = {1: np.dtype("<f4"), 2: np.dtype("i1"), 3: np.dtype("u1")}   # §6.2 dtype codes
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}                                # §6.1 codes
-TOKENIZERS = {0: "none", 1: "bytes"}
+TOKENIZERS = dict(enumerate(TOKENIZER_NAMES))                          # §6.1 codes
+BLOCK_LAYOUTS = dict(enumerate(LAYOUT_NAMES))                          # §6.1 codes
+BOOLS = {0: False, 1: True}
 I32_MAX = 2**31 - 1
+V1_CORE, V2_CORE = "loop.", "core.0."                                   # §6.5 block names
 
 # §6.1: magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset,
-# data_offset | 17 config fields, vocab_size .. rms_eps | flags, name, reserved.
-HEADER = struct.Struct("<8sIIQIIQQ" "12I2iI2f" "I64s72s")
+# data_offset | 17 config fields, vocab_size .. rms_eps | flags, name | 8 version-2 fields,
+# n_core_blocks .. coda_norm | reserved.
+HEADER = struct.Struct("<8sIIQIIQQ" "12I2iI2f" "I64s" "6IfI" "40s")
+V1_VALUES = 27                   # HEADER's values up to the name; version 1 reserves the rest
 CHECKSUM_AT = 24
+V2_FIELDS_AT = 184
 # §6.2: name, dtype, ndim, dims[4], offset.
 ENTRY = struct.Struct("<48sII4QQ")
 assert HEADER.size == HEADER_BYTES and ENTRY.size == ENTRY_BYTES
@@ -67,6 +79,11 @@ def save_model(path, config: ModelConfig, tensors: dict) -> None:
         raise
 
 
+def meta_tensor(text: str) -> np.ndarray:
+    """A `meta.*` tensor (§6.3): the UTF-8 bytes of `text` as a u8 1-D array."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8)
+
+
 def _file_parts(config, tensors):
     """Check a model, then lay it out: header, table sorted by name, 64-byte aligned data.
 
@@ -76,10 +93,12 @@ def _file_parts(config, tensors):
     for name, a in tensors.items():
         if not isinstance(a, np.ndarray):
             raise ModelFormatError(f"tensor '{name}': not a numpy array")
-    _check_layout(config, {name: (a.dtype, a.shape) for name, a in tensors.items()})
-    _check_values(config, tensors)
-
     names = sorted(tensors)
+    required, optional = _tensor_set(config, VERSION)
+    _check_layout(required, optional, {name: (tensors[name].dtype, tensors[name].shape)
+                                       for name in names})
+    _check_values(config, {name: tensors[name] for name in _value_order(required, names)})
+
     table_end = HEADER_BYTES + ENTRY_BYTES * len(names)
     data_offset = _align(table_end)
     table, data, end = [], [], data_offset
@@ -97,7 +116,9 @@ def _file_parts(config, tensors):
         c.vocab_size, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.n_pre_blocks,
         c.default_loops, c.max_seq_len, _code(WEIGHT_FORMATS, c.weight_format), c.group_size,
         int(c.tied_head), c.bos_id, c.eos_id, _code(TOKENIZERS, c.tokenizer), c.rope_theta,
-        c.rms_eps, 0, c.name.encode("utf-8"), bytes(72)))
+        c.rms_eps, 0, c.name.encode("utf-8"),
+        c.n_core_blocks, c.n_coda_blocks, _code(BLOCK_LAYOUTS, c.block_layout), int(c.qkv_bias),
+        int(c.injection), int(c.step_norm), c.embed_scale, int(c.coda_norm), bytes(40)))
     parts = [header, *table, bytes(data_offset - table_end), *data]
     crc = 0
     for part in parts:
@@ -129,59 +150,117 @@ def load_model(path):
 def decode_model(buf):
     """(config, {name: read-only array viewing buf}) of .tinyloop bytes (any buffer object).
 
-    Checks, in order: size, magic, version, header_bytes, file_bytes, checksum, the config,
-    table bounds, each table entry, overlaps, the required tensor set, tensor values,
-    reserved bytes, flags. The first rule broken raises ModelFormatError.
+    Checks, in order (§6.3): size, magic, version, header_bytes, file_bytes, checksum, the
+    config, table bounds, each table entry, overlaps, the tensor set, tensor values, reserved
+    bytes, flags. The first rule broken raises ModelFormatError. The tensors are the required
+    ones in the required order, then the meta.* texts in table order; a version-1 file's
+    `loop.*` tensors are returned as `core.0.*`.
     """
     mv = memoryview(buf).cast("B")
     size = mv.nbytes
     if size < HEADER_BYTES:
         raise ModelFormatError(f"file too small: {size} bytes < {HEADER_BYTES}-byte header")
+    version, fields = _parse_header_start(mv, size)
+    crc = zlib.crc32(mv[CHECKSUM_AT + 4:], zlib.crc32(bytes(4), zlib.crc32(mv[:CHECKSUM_AT])))
+    if crc != fields["checksum"]:
+        raise ModelFormatError(f"checksum mismatch: header 0x{fields['checksum']:08x}, "
+                               f"computed 0x{crc:08x}")
+    config = _parse_config(version, fields)
+    entries = _parse_table(mv, fields["n_tensors"], fields["table_offset"],
+                           fields["data_offset"], fields["file_bytes"])
+    required, optional = _tensor_set(config, version)
+    _check_layout(required, optional,
+                  {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()})
+    found = {}
+    for name in _value_order(required, entries):
+        dtype, shape, offset = entries[name]
+        a = np.frombuffer(mv, dtype, math.prod(shape), offset).reshape(shape)
+        a.flags.writeable = False
+        found[name] = a
+    _check_values(config, found)
+    if any(fields["reserved"]):
+        raise ModelFormatError(f"reserved: header bytes {HEADER_BYTES - len(fields['reserved'])}"
+                               f" .. {HEADER_BYTES - 1} must be zero")
+    if fields["flags"] != 0:
+        raise ModelFormatError(f"flags: must be 0, got {fields['flags']}")
+    return config, {_v2_name(name) if version == 1 else name: a for name, a in found.items()}
+
+
+def read_meta(path) -> dict:
+    """{name: text} of the meta.* tensors of the file at `path` (§6.3), in table order.
+
+    Reads only the header, the tensor table and those tensors' bytes: no checksum pass, no
+    config or weight check, for a file that another reader (libtinyloop) already validated.
+    The parts it does read are checked as decode_model checks them (table entries, UTF-8).
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(HEADER_BYTES)
+        if len(head) < HEADER_BYTES:
+            raise ModelFormatError(f"file too small: {len(head)} bytes < {HEADER_BYTES}-byte "
+                                   "header")
+        _, fields = _parse_header_start(memoryview(head), size)
+        n, table_offset = fields["n_tensors"], fields["table_offset"]
+        if table_offset != HEADER_BYTES or table_offset + ENTRY_BYTES * n > size:
+            table = b""                 # _parse_table names the broken bound, reading nothing
+        else:
+            table = f.read(ENTRY_BYTES * n)
+        entries = _parse_table(memoryview(head + table), n, table_offset,
+                               fields["data_offset"], fields["file_bytes"])
+        texts = {}
+        for name, (dtype, shape, offset) in entries.items():
+            if name.startswith("meta."):
+                f.seek(offset)
+                texts[name] = _meta_text(name, f.read(math.prod(shape) * dtype.itemsize))
+        return texts
+
+
+def _parse_header_start(mv, size):
+    """(version, {header field: value}) after checking magic, version, header_bytes and
+    file_bytes (step 1 of §6.3 but the checksum). A version-1 header's bytes 184 .. 255 are
+    all reserved and its version-2 fields take the §6.5 values."""
+    values = HEADER.unpack_from(mv)
     (magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset, data_offset,
-     *config_fields, flags, name_field, reserved) = HEADER.unpack_from(mv)
+     *config_fields, flags, name_field) = values[:V1_VALUES]
     if magic != MAGIC:
         raise ModelFormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise ModelFormatError(f"version: unsupported {version}, expected {VERSION}")
+    if version not in VERSIONS:
+        raise ModelFormatError(f"version: unsupported {version}, expected 1 or 2")
     if header_bytes != HEADER_BYTES:
         raise ModelFormatError(f"header_bytes: must be {HEADER_BYTES}, got {header_bytes}")
     if file_bytes != size:
         raise ModelFormatError(f"file_bytes: header says {file_bytes}, file has {size} bytes")
-    crc = zlib.crc32(mv[CHECKSUM_AT + 4:], zlib.crc32(bytes(4), zlib.crc32(mv[:CHECKSUM_AT])))
-    if crc != checksum:
-        raise ModelFormatError(f"checksum mismatch: header 0x{checksum:08x}, "
-                               f"computed 0x{crc:08x}")
-    config = _parse_config(config_fields, name_field)
-    entries = _parse_table(mv, n_tensors, table_offset, data_offset, file_bytes)
-    _check_layout(config, {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()})
-    tensors = {}
-    for name in config.required_tensors():
-        dtype, shape, offset = entries[name]
-        a = np.frombuffer(mv, dtype, math.prod(shape), offset).reshape(shape)
-        a.flags.writeable = False
-        tensors[name] = a
-    _check_values(config, tensors)
-    if any(reserved):
-        raise ModelFormatError("reserved: header bytes 184 .. 255 must be zero")
-    if flags != 0:
-        raise ModelFormatError(f"flags: must be 0, got {flags}")
-    return config, tensors
+    if version == 1:
+        v2_fields = (1, 0, 0, 0, 0, 0, 1.0, 0)
+        reserved = bytes(mv[V2_FIELDS_AT:HEADER_BYTES])
+    else:
+        *v2_fields, reserved = values[V1_VALUES:]
+    return version, dict(checksum=checksum, n_tensors=n_tensors, table_offset=table_offset,
+                         data_offset=data_offset, file_bytes=file_bytes, flags=flags,
+                         config=(*config_fields, *v2_fields), name=name_field,
+                         reserved=reserved)
 
 
-def _parse_config(fields, name_field):
+def _parse_config(version, fields):
     """A validated ModelConfig from the header's config fields (the name's bytes checked first).
 
-    Unknown weight_format / tied_head / tokenizer codes pass through for validate() to reject.
+    Unknown codes (weight_format, the 0-or-1 fields, tokenizer, block_layout) pass through for
+    validate() to reject.
     """
     (vocab_size, d_model, n_heads, n_kv_heads, head_dim, ffn_dim, n_pre_blocks, default_loops,
      max_seq_len, weight_format, group_size, tied_head, bos_id, eos_id, tokenizer, rope_theta,
-     rms_eps) = fields
+     rms_eps, n_core_blocks, n_coda_blocks, block_layout, qkv_bias, injection, step_norm,
+     embed_scale, coda_norm) = fields["config"]
     config = ModelConfig(
         vocab_size, d_model, n_heads, n_kv_heads, head_dim, ffn_dim, n_pre_blocks,
         default_loops, max_seq_len, WEIGHT_FORMATS.get(weight_format, weight_format),
-        group_size, {0: False, 1: True}.get(tied_head, tied_head), bos_id, eos_id,
-        TOKENIZERS.get(tokenizer, tokenizer), rope_theta, rms_eps, _header_name(name_field))
-    config.validate()
+        group_size, BOOLS.get(tied_head, tied_head), bos_id, eos_id,
+        TOKENIZERS.get(tokenizer, tokenizer), rope_theta, rms_eps,
+        _header_name(fields["name"]), n_core_blocks, n_coda_blocks,
+        BLOCK_LAYOUTS.get(block_layout, block_layout), BOOLS.get(qkv_bias, qkv_bias),
+        BOOLS.get(injection, injection), BOOLS.get(step_norm, step_norm), embed_scale,
+        BOOLS.get(coda_norm, coda_norm))
+    config.validate(version)
     return config
 
 
@@ -194,7 +273,10 @@ def _header_name(field):
 
 
 def _parse_table(mv, n_tensors, table_offset, data_offset, file_bytes):
-    """{name: (dtype, shape, offset)} of the tensor table, every §6.2 rule checked."""
+    """{name: (dtype, shape, offset)} of the tensor table, every §6.2 rule checked.
+
+    Entries are read from `mv` at table_offset; the data bounds are checked against
+    file_bytes (the data itself is not read)."""
     if table_offset != HEADER_BYTES:
         raise ModelFormatError(f"table_offset: must be {HEADER_BYTES}, got {table_offset}")
     table_end = table_offset + ENTRY_BYTES * n_tensors
@@ -250,41 +332,87 @@ def _nul_padded(field, what):
     return field[:end]
 
 
+def _v1_name(name):
+    return V1_CORE + name[len(V2_CORE):] if name.startswith(V2_CORE) else name
+
+
+def _v2_name(name):
+    return V2_CORE + name[len(V1_CORE):] if name.startswith(V1_CORE) else name
+
+
 # ---- checks shared by writer and reader --------------------------------------------------
 
-def _check_layout(config, found):
-    """found {name: (dtype, shape)} is exactly §6.3's required set with its dtypes and shapes."""
+def _tensor_set(config, version):
+    """(required {file name: (dtype, shape)} in the required order, optional names) of §6.3
+    for a file of `version`: version 1 names the core block `loop` and has no meta.* texts;
+    meta.tokenizer_json is required with tokenizer "hf" and allowed with no other."""
     required = config.required_tensors()
+    if version == 1:
+        return {_v1_name(name): spec for name, spec in required.items()}, ()
+    return required, tuple(name for name in META_TENSORS
+                           if name not in required and name != "meta.tokenizer_json")
+
+
+def _check_layout(required, optional, found):
+    """found {name: (dtype, shape)} is exactly the required set with its dtypes and shapes,
+    plus optional meta.* texts (u8 [n]); a required shape (None,) is any length >= 1."""
     for name, (dtype, shape) in found.items():
-        if name not in required:
+        if name in required:
+            want_dtype, want_shape = required[name]
+        elif name in optional:
+            want_dtype, want_shape = np.dtype("u1"), (None,)
+        else:
             raise ModelFormatError(f"unexpected tensor '{name}'")
-        want_dtype, want_shape = required[name]
         if dtype != want_dtype:
             raise ModelFormatError(f"tensor '{name}': dtype {dtype} != expected {want_dtype}")
-        if shape != want_shape:
+        if want_shape == (None,):
+            if len(shape) != 1 or shape[0] < 1:
+                raise ModelFormatError(f"tensor '{name}': shape {shape} != expected (n,), "
+                                       "n >= 1")
+        elif shape != want_shape:
             raise ModelFormatError(f"tensor '{name}': shape {shape} != expected {want_shape}")
     for name in required:
         if name not in found:
             raise ModelFormatError(f"missing tensor '{name}'")
 
 
+def _value_order(required, names):
+    """The file's tensor names (table order) in §6.3's required order: the required tensors
+    but the meta.* texts, then the meta.* texts in table order."""
+    return [*(n for n in required if not n.startswith("meta.")),
+            *(n for n in names if n.startswith("meta."))]
+
+
 def _check_values(config, tensors):
-    """§6.3 value rules: scales finite and >= 0, RoPE tables finite with |v| <= 1, and the
-    int4 accumulator bound of §3 (int8's 127 * 128 * K bound holds for every valid K)."""
+    """§6.3 value rules, tensor by tensor in `tensors`' order (_value_order): scales finite
+    and >= 0, RoPE tables finite with |v| <= 1, biases and gains finite, meta.* texts valid
+    UTF-8, and the int4 accumulator bound of §3 (int8's 127 * 128 * K bound holds for every
+    valid K)."""
     linears = config.linear_shapes()
-    for name in config.required_tensors():
-        a = tensors[name]
-        if name.endswith(".s"):
+    for name, a in tensors.items():
+        if name.startswith("meta."):
+            _meta_text(name, a.tobytes())
+        elif name.endswith(".s"):
             _require_all(name, a, np.isfinite(a) & (a >= 0), "scales must be finite and >= 0")
         elif name.startswith("rope."):
             _require_all(name, a, np.isfinite(a) & (np.abs(a) <= 1),
                          "values must be finite with |v| <= 1")
+        elif name.endswith((".b", "norm")):
+            _require_all(name, a, np.isfinite(a), "values must be finite")
         elif name.endswith(".m"):
-            K, m = linears[name[:-2]][1], int(a.max())
+            K, m = linears[_v2_name(name[:-2])][1], int(a.max())
             if 127 * 8 * K * m > I32_MAX:
                 raise ModelFormatError(
                     f"tensor '{name}': int4 accumulator bound broken: 127 * 8 * K * max(m) = "
                     f"127 * 8 * {K} * {m} > 2^31 - 1")
+
+
+def _meta_text(name, raw):
+    """The text of a meta.* tensor's bytes; ModelFormatError if they are not valid UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelFormatError(f"tensor '{name}': not valid UTF-8 (byte {exc.start})") from None
 
 
 def _require_all(name, a, ok, rule):

@@ -1,13 +1,15 @@
-"""Random looped models of any shape and weight format, reproducible from a seed.
+"""Random looped models of any shape, weight format and version-2 layout, reproducible from a
+seed.
 
-Used by tests and benchmarks. Weights are drawn so activations stay in a realistic range:
-fan-in scaled projections, residual branches scaled by 1/sqrt(2 * depth), norm gains near 1,
-logits with a standard deviation of about 3.
+Used by tests and benchmarks. Weights are drawn so activations stay in a realistic range at any
+depth: fan-in scaled projections, residual branches scaled by 1/sqrt(2 * layers), norm gains
+(folded or stored) near 1, small biases, an adapter that keeps its input's scale, an embedding
+whose product with embed_scale is about 1, logits with a standard deviation of about 3.
 """
 import numpy as np
 
 from .config import ModelConfig
-from .modelfile import save_model
+from .modelfile import meta_tensor, save_model
 from .quantize import quantize_model
 
 DEFAULT_CONFIG = dict(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -31,7 +33,7 @@ def random_float_weights(config, seed=0):
     rng = np.random.default_rng(seed)
     d, H, G, D, F, V = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                         config.ffn_dim, config.vocab_size)
-    residual = 1.0 / np.sqrt(2.0 * (config.n_pre_blocks + config.default_loops))
+    residual = 1.0 / np.sqrt(2.0 * config.n_layers(config.default_loops))
 
     def normal(shape, std):
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -39,7 +41,7 @@ def random_float_weights(config, seed=0):
     def gain():
         return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
 
-    w = {"tok_emb": normal((V, d), 1.0)}
+    w = {"tok_emb": normal((V, d), 1.0 / config.embed_scale)}
     for b in config.block_prefixes():
         w[f"{b}.attn_norm"], w[f"{b}.mlp_norm"] = gain(), gain()
         w[f"{b}.wq"] = normal((H * D, d), d ** -0.5)
@@ -49,6 +51,16 @@ def random_float_weights(config, seed=0):
         w[f"{b}.w_gate"] = normal((F, d), d ** -0.5)
         w[f"{b}.w_up"] = normal((F, d), d ** -0.5)
         w[f"{b}.w_down"] = normal((d, F), F ** -0.5 * residual)
+        if config.qkv_bias:
+            w[f"{b}.bq"], w[f"{b}.bk"], w[f"{b}.bv"] = (normal(n, 0.1) for n in (H * D, G * D, G * D))
+        if config.block_layout != "pre":
+            w[f"{b}.attn_post_norm"], w[f"{b}.ffn_post_norm"] = gain(), gain()
+    if config.injection:
+        w["core.adapter"] = normal((d, 2 * d), (2 * d) ** -0.5)
+    if config.step_norm:
+        w["core.step_norm"] = gain()
+    if config.coda_norm:
+        w["coda.input_norm"] = gain()
     if config.tied_head:
         w["final_norm"] = np.ones(d, np.float32)
         w["tok_emb"] *= np.float32(3.0 / np.sqrt(d))
@@ -58,9 +70,12 @@ def random_float_weights(config, seed=0):
     return w
 
 
-def random_model(path, seed=0, **overrides):
-    """Write a random model to `path`; returns its ModelConfig. Overrides are config fields."""
+def random_model(path, seed=0, meta=None, **overrides):
+    """Write a random model to `path`; returns its ModelConfig. Overrides are config fields;
+    `meta` maps meta.* tensor names (docs/spec.md §6.3) to their texts."""
     config = random_config(**overrides)
     config, tensors = quantize_model(config, random_float_weights(config, seed))
+    for name, text in (meta or {}).items():
+        tensors[name] = meta_tensor(text)
     save_model(path, config, tensors)
     return config

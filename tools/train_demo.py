@@ -165,8 +165,11 @@ class LoopedLM(torch.nn.Module):
         return rms_norm(x, self.final_norm, self.c.rms_eps) @ self.head.T      # (B, T, V)
 
     def float_weights(self):
-        """{name: float32 ndarray} in quantize.py's layout (pre.<i>.*, loop.*, head, ...)."""
-        return {name: p.detach().float().numpy().copy() for name, p in self.named_parameters()}
+        """{name: float32 ndarray} in quantize.py's layout (pre.<i>.*, core.0.*, head, ...): the
+        loop block is the version-2 core's one block (the module keeps its name `loop`, so
+        checkpoints saved before still resume)."""
+        return {name.replace("loop.", "core.0.", 1) if name.startswith("loop.") else name:
+                p.detach().float().numpy().copy() for name, p in self.named_parameters()}
 
 
 # ---- data and training -----------------------------------------------------------------------

@@ -1,0 +1,168 @@
+"""Float64 references of the published looped layouts, and tiny random checkpoints of them.
+
+Written from the published model code's description (Ouro's `modeling_ouro.py`, Huginn's
+`raven_modeling_minimal.py`, Nanbeige's `modeling_nanbeige.py`), not from any TinyLoop
+backend, so a converter or backend that misreads a layout disagrees with them. Each `*_logits`
+takes a checkpoint's tensors by their Hugging Face names and its `config.json` dict and
+returns float64 logits (n, V) for a token list, attending causally over the whole list (no
+KV cache: one slot per (pass, layer) is what full-sequence attention computes anyway).
+transformers itself stands for the LLaMA family (tests/test_hf_fidelity.py).
+
+Tiny random checkpoints of these layouts come from tests/hf_folders.py.
+"""
+import numpy as np
+
+
+# ---- the float64 pieces -----------------------------------------------------------------
+
+def rms_norm(x, gain, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def inverse_frequencies(head_dim, theta):
+    return float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+def rope_rotate_half(x, theta):
+    """x: (n, heads, D) at positions 0 .. n-1; pairs (i, i + D/2)."""
+    n, D = x.shape[0], x.shape[-1]
+    angle = np.arange(n, dtype=np.float64)[:, None] * inverse_frequencies(D, theta)[None, :]
+    c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    a, b = x[..., :D // 2], x[..., D // 2:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def rope_interleaved(x, theta):
+    """x: (n, heads, D); pairs (2i, 2i + 1), as a complex multiplication."""
+    n, D = x.shape[0], x.shape[-1]
+    angle = np.arange(n, dtype=np.float64)[:, None] * inverse_frequencies(D, theta)[None, :]
+    c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * c - b * s, b * c + a * s
+    return out
+
+
+def causal_attention(q, k, v):
+    """q: (n, H, D), k, v: (n, G, D) -> (n, H * D), softmax(q k^T / sqrt(D)) v per head."""
+    n, H, D = q.shape
+    G = k.shape[1]
+    k, v = np.repeat(k, H // G, axis=1), np.repeat(v, H // G, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)
+    scores = np.where(np.tril(np.ones((n, n), bool))[None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hts,shd->thd", p, v).reshape(n, H * D)
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    return (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+
+# ---- LLaMA-style projections (Ouro and Nanbeige share the names) -----------------------
+
+def _llama_attention(t, p, x, cfg):
+    H, G = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg.get("head_dim") or cfg["hidden_size"] // H
+    n = len(x)
+    q = (x @ t[p + "self_attn.q_proj.weight"].T).reshape(n, H, D)
+    k = (x @ t[p + "self_attn.k_proj.weight"].T).reshape(n, G, D)
+    v = (x @ t[p + "self_attn.v_proj.weight"].T).reshape(n, G, D)
+    theta = cfg.get("rope_theta", 10000.0)
+    o = causal_attention(rope_rotate_half(q, theta), rope_rotate_half(k, theta), v)
+    return o @ t[p + "self_attn.o_proj.weight"].T
+
+
+def _llama_mlp(t, p, x):
+    return swiglu(x, t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"],
+                  t[p + "mlp.down_proj.weight"])
+
+
+def _embed_and_head(t):
+    return t["model.embed_tokens.weight"], t.get("lm_head.weight", t["model.embed_tokens.weight"])
+
+
+def ouro_logits(t, cfg, tokens):
+    """Sandwich layers (each sublayer's output normed before the residual add); all layers
+    run total_ut_steps times, model.norm after every pass feeding the next; lm_head on the
+    last normed state."""
+    eps = cfg["rms_norm_eps"]
+    emb, head = _embed_and_head(t)
+    x = emb[np.asarray(tokens)]
+    for _ in range(cfg["total_ut_steps"]):
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            y = _llama_attention(t, p, rms_norm(x, t[p + "input_layernorm.weight"], eps), cfg)
+            x = x + rms_norm(y, t[p + "input_layernorm_2.weight"], eps)
+            y = _llama_mlp(t, p, rms_norm(x, t[p + "post_attention_layernorm.weight"], eps))
+            x = x + rms_norm(y, t[p + "post_attention_layernorm_2.weight"], eps)
+        x = rms_norm(x, t["model.norm.weight"], eps)
+    return x @ head.T
+
+
+def nanbeige_logits(t, cfg, tokens):
+    """Pre-norm LLaMA layers run num_loops times, model.norm between loops (unless
+    skip_loop_final_norm) and once at the end."""
+    eps = cfg["rms_norm_eps"]
+    emb, head = _embed_and_head(t)
+    x = emb[np.asarray(tokens)]
+    loops = cfg["num_loops"]
+    for loop in range(loops):
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            x = x + _llama_attention(t, p, rms_norm(x, t[p + "input_layernorm.weight"], eps), cfg)
+            x = x + _llama_mlp(t, p, rms_norm(x, t[p + "post_attention_layernorm.weight"], eps))
+        if loop < loops - 1 and not cfg.get("skip_loop_final_norm", False):
+            x = rms_norm(x, t["model.norm.weight"], eps)
+    return rms_norm(x, t["model.norm.weight"], eps) @ head.T
+
+
+# ---- Huginn-0125 ------------------------------------------------------------------------
+
+def _huginn_block(t, p, x, cfg):
+    """Post-residual norms: x = norm_2(x + attn(norm_1(x))), x = norm_4(x + mlp(norm_3(x)))."""
+    eps, d, H = cfg["norm_eps"], cfg["n_embd"], cfg["n_heads"]
+    D, n = d // H, len(x)
+    h = rms_norm(x, t[p + "norm_1.weight"], eps)
+    q, k, v = np.split(h @ t[p + "attn.Wqkv.weight"].T, 3, axis=-1)
+    bias = t[p + "attn.qk_bias"]                         # (2, 1, H, D): q bias, k bias
+    q = q.reshape(n, H, D) + bias[0, 0]
+    k = k.reshape(n, H, D) + bias[1, 0]
+    theta = cfg["rope_base"]
+    o = causal_attention(rope_interleaved(q, theta), rope_interleaved(k, theta),
+                         v.reshape(n, H, D))
+    x = rms_norm(x + o @ t[p + "attn.proj.weight"].T, t[p + "norm_2.weight"], eps)
+    gate, up = np.split(rms_norm(x, t[p + "norm_3.weight"], eps) @ t[p + "mlp.fc.weight"].T, 2,
+                        axis=-1)
+    y = (silu(gate) * up) @ t[p + "mlp.proj.weight"].T
+    return rms_norm(x + y, t[p + "norm_4.weight"], eps)
+
+
+def huginn_logits(t, cfg, tokens, steps=None):
+    """Prelude, then `steps` (mean_recurrence) iterations of adapter([state, e]) and the core
+    blocks from a zero state (the reference draws it at random; TinyLoop pins zero), ln_f,
+    the coda, ln_f again, and the tied head."""
+    eps = cfg["norm_eps"]
+    wte = t["transformer.wte.weight"]
+    x = wte[np.asarray(tokens)] * np.sqrt(cfg["n_embd"])
+    for i in range(cfg["n_layers_in_prelude"]):
+        x = _huginn_block(t, f"transformer.prelude.{i}.", x, cfg)
+    e, x = x, np.zeros_like(x)
+    for _ in range(cfg["mean_recurrence"] if steps is None else steps):
+        x = np.concatenate([x, e], axis=-1) @ t["transformer.adapter.weight"].T
+        for j in range(cfg["n_layers_in_recurrent_block"]):
+            x = _huginn_block(t, f"transformer.core_block.{j}.", x, cfg)
+    x = rms_norm(x, t["transformer.ln_f.weight"], eps)
+    for c in range(cfg["n_layers_in_coda"]):
+        x = _huginn_block(t, f"transformer.coda.{c}.", x, cfg)
+    x = rms_norm(x, t["transformer.ln_f.weight"], eps)
+    return x @ t.get("lm_head.weight", wte).T
+
+
+LOGITS = {"OuroForCausalLM": ouro_logits, "NanbeigeForCausalLM": nanbeige_logits,
+          "RavenForCausalLM": huginn_logits}
