@@ -94,7 +94,8 @@ def _f32_from_bits(i):
 S = numba_scalar.build(scalar, SimpleNamespace(
     mul=_mul, add=_add, sub=_sub, rint=_rint, floor=_floor, sqrt=_sqrt,
     f32_from_bits=_f32_from_bits))
-quantize_row, rms_scale, linear_out = S.quantize_row, S.rms_scale, S.linear_out
+quantize_row, rms_scale, rms_norm_row, linear_out = (
+    S.quantize_row, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times, exp2s = S.rope_pair, S.silu_times, S.exp2s
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
@@ -116,27 +117,34 @@ def rms_quantize_kernel(x, eps, q, a):
         a[i] = rms_scale(q[i], quantize_row(x[i], q[i], numba_scalar.QMAX8), eps)
 
 
+@njit(parallel=True, cache=True)
+def rms_norm_kernel(x, gain, eps, y):
+    """RN of every row. x: (N, n) float32, gain: (n,) float32 -> y: (N, n) float32."""
+    for i in prange(x.shape[0]):
+        rms_norm_row(x[i], gain, eps, y[i])
+
+
 # -- linear -------------------------------------------------------------------------------
 
 @scalar
-def _store_tile(accs, n_tok, n_rows, t, r, a, scale, y):
+def _store_tile(accs, n_tok, n_rows, t, r, a, scale, bias, y):
     """y for tokens t .. t+n_tok-1 and rows r .. r+n_rows-1 (those below y's width) from
     int_dots' accumulators."""
     for i in range(n_tok):
         for j in range(n_rows):
             if r + j < y.shape[1]:
-                y[t + i, r + j] = linear_out(accs[i * n_rows + j], a[t + i], scale[r + j])
+                y[t + i, r + j] = linear_out(accs[i * n_rows + j], a[t + i], scale, bias, r + j)
 
 
 @njit(parallel=True, cache=True)
-def linear_kernel(q, a, w, scale, y):
-    """spec §3 for T tokens: y = ((f32) acc * a) * ws with acc exact in int32.
+def linear_kernel(q, a, w, scale, bias, y):
+    """spec §3 for T tokens: y = ((f32) acc * a) * ws (+ b) with acc exact in int32.
 
     q: (T, K) int8; a: (T,) float32; w: NumbaLinear.w, R' >= R rows, a multiple of
-    ROW_BLOCK; scale: (R',) float32 -> y: (T, R) float32. Each thread takes ROW_BLOCK weight
-    rows and runs every token over them: TOKEN_TILE tokens x ROW_TILE rows per int_dots call,
-    the last tokens one row at a time (one row streams weights from memory faster than
-    several).
+    ROW_BLOCK; scale: (R',) float32; bias: (R,) float32, or empty -> y: (T, R) float32.
+    Each thread takes ROW_BLOCK weight rows and runs every token over them: TOKEN_TILE tokens
+    x ROW_TILE rows per int_dots call, the last tokens one row at a time (one row streams
+    weights from memory faster than several).
     """
     q16 = q.astype(np.int16)
     n_tok = q.shape[0]
@@ -146,10 +154,11 @@ def linear_kernel(q, a, w, scale, y):
         for t in range(0, tiled, TOKEN_TILE):
             for r in range(first, first + ROW_BLOCK, ROW_TILE):
                 accs = numba_dot.int_dots(q16, t, w, r, TOKEN_TILE, ROW_TILE)
-                _store_tile(accs, TOKEN_TILE, ROW_TILE, t, r, a, scale, y)
+                _store_tile(accs, TOKEN_TILE, ROW_TILE, t, r, a, scale, bias, y)
         for t in range(tiled, n_tok):
             for r in range(first, first + ROW_BLOCK):
-                _store_tile(numba_dot.int_dots(q16, t, w, r, 1, 1), 1, 1, t, r, a, scale, y)
+                _store_tile(numba_dot.int_dots(q16, t, w, r, 1, 1), 1, 1, t, r, a, scale, bias,
+                            y)
 
 
 def _pad_rows(array, n_rows):
@@ -160,9 +169,10 @@ class NumbaLinear:
     """A linear layer's weights as numba_dot.int_dots reads them, rows padded with zeros to a
     multiple of ROW_BLOCK: int8 as they are; int4 as (values int8, a multiplier per LANES
     columns int16) when the group size is a multiple of numba_dot.LANES (1.125 bytes a
-    weight), else unpacked with the multipliers folded in (weights.integer_weights, int16)."""
+    weight), else unpacked with the multipliers folded in (weights.integer_weights, int16).
+    The bias, if any, as it is (an empty array when there is none)."""
 
-    def __init__(self, kernels, w, scale, multipliers=None, group_size=0):
+    def __init__(self, kernels, w, scale, multipliers=None, group_size=0, bias=None):
         self.kernels = kernels
         self.n_out = len(scale)
         n_rows = self.n_out + -self.n_out % ROW_BLOCK
@@ -173,17 +183,18 @@ class NumbaLinear:
         else:
             self.w = _pad_rows(integer_weights(w, multipliers, group_size), n_rows)
         self.scale = np.pad(np.asarray(scale, F32), (0, n_rows - self.n_out))
+        self.bias = np.empty(0, F32) if bias is None else np.ascontiguousarray(bias, F32)
 
     @property
     def nbytes(self):
         parts = self.w if isinstance(self.w, tuple) else (self.w,)
-        return sum(part.nbytes for part in parts) + self.scale.nbytes
+        return sum(part.nbytes for part in parts) + self.scale.nbytes + self.bias.nbytes
 
     def __call__(self, q, a):
         """q: (T, K) int8, a: (T,) float32 -> (T, R) float32."""
         y = np.empty((len(q), self.n_out), F32)
         self.kernels.launch(linear_kernel, self.kernels.threads_for(len(self.scale) * q.size),
-                            np.ascontiguousarray(q), a, self.w, self.scale, y)
+                            np.ascontiguousarray(q), a, self.w, self.scale, self.bias, y)
         return y
 
 
@@ -399,8 +410,8 @@ def sample(logits, history, params, pos):
 
 class NumbaKernels(NumpyKernels):
     """The kernel set of backend "numba": numba kernels for the hot operations, the numpy
-    reference's for the rest (embedding, residual additions); the KV cache's blocks live in
-    an arena that attention reads in place."""
+    reference's for the rest (embedding, residual additions, state copies); the KV cache's
+    blocks live in an arena that attention reads in place."""
     name = "numba"
     isa = "llvm"              # compiled by numba's LLVM for this CPU (device_name)
     new_pool = ArenaBlockPool
@@ -425,8 +436,8 @@ class NumbaKernels(NumpyKernels):
             _numba_threads.count = threads
         kernel(*args)
 
-    def linear(self, w, scale, multipliers=None, group_size=0):
-        return NumbaLinear(self, w, scale, multipliers, group_size)
+    def linear(self, w, scale, multipliers=None, group_size=0, bias=None):
+        return NumbaLinear(self, w, scale, multipliers, group_size, bias)
 
     def quantize_rows(self, x):
         q, s = np.empty(x.shape, np.int8), np.empty(x.shape[:-1], F32)
@@ -438,6 +449,11 @@ class NumbaKernels(NumpyKernels):
         q, a = np.empty(x.shape, np.int8), np.empty(len(x), F32)
         self.launch(rms_quantize_kernel, self.threads_for(x.size), x, F32(eps), q, a)
         return q, a
+
+    def rms_norm(self, x, gain, eps):
+        y = np.empty(x.shape, F32)
+        self.launch(rms_norm_kernel, self.threads_for(x.size), x, gain, F32(eps), y)
+        return y
 
     def split_heads(self, z, cos, sin, config):
         n_tok, H, G, D = len(z), config.n_heads, config.n_kv_heads, config.head_dim

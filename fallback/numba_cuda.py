@@ -55,7 +55,8 @@ def _float_ops():
 OPS = _float_ops()
 S = numba_scalar.build(cuda.jit(device=True), OPS)
 fmul, fadd, fsqrt, dmul, dadd = OPS.mul, OPS.add, OPS.sqrt, OPS.dmul, OPS.dadd
-quantize_row, rms_scale, linear_out = S.quantize_row, S.rms_scale, S.linear_out
+quantize_row, rms_scale, rms_norm_row, linear_out = (
+    S.quantize_row, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times = S.rope_pair, S.silu_times
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
@@ -74,13 +75,13 @@ def _grid(n):
 # -- element and row kernels ----------------------------------------------------------------
 
 @cuda.jit(fastmath=False)
-def embed_kernel(tokens, table, scale, x):
-    """x[t, i] = (f32) E[tok, i] * es[tok]. tokens (T,) int32; x (T, d)."""
+def embed_kernel(tokens, table, scale, embed_scale, x):
+    """x[t, i] = ((f32) E[tok, i] * es[tok]) * embed_scale. tokens (T,) int32; x (T, d)."""
     i = cuda.grid(1)
     if i < x.size:
         t, c = i // x.shape[1], i % x.shape[1]
         tok = tokens[t]
-        x[t, c] = fmul(F32(table[tok, c]), scale[tok])
+        x[t, c] = fmul(fmul(F32(table[tok, c]), scale[tok]), embed_scale)
 
 
 @cuda.jit(fastmath=False)
@@ -119,6 +120,14 @@ def rms_quantize_kernel(x, eps, q, a):
 
 
 @cuda.jit(fastmath=False)
+def rms_norm_kernel(x, gain, eps, y):
+    """RN of every row: x (N, n) float32, gain (n,) -> y (N, n) float32."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        rms_norm_row(x[i], gain, eps, y[i])
+
+
+@cuda.jit(fastmath=False)
 def rope_kernel(z, cos, sin, qh, kh):
     """RoPE of the Q heads into qh (T, H, D) and of the K heads into kh (T, G, D)."""
     i = cuda.grid(1)
@@ -153,10 +162,11 @@ def quantize_kv_kernel(kh, z, v_col, kq, sk, vq, sv):
 # -- linear ---------------------------------------------------------------------------------
 
 @cuda.jit(fastmath=False)
-def linear_kernel(q, a, w, scale, y):
-    """spec §3: y (T, R) = ((f32) (q @ w.T) * a) * ws, exact int32 accumulation.
+def linear_kernel(q, a, w, scale, bias, y):
+    """spec §3: y (T, R) = ((f32) (q @ w.T) * a) * ws (+ b), exact int32 accumulation.
 
-    q: (T, K) int8; a: (T,) float32; w: (R, K) int8, or int16 holding m * w for int4.
+    q: (T, K) int8; a: (T,) float32; w: (R, K) int8, or int16 holding m * w for int4;
+    scale: (R,) float32; bias: (R,) float32, or empty for a linear without one.
     Block (TILE, n): thread (x, y) computes weight row x of the block's TILE rows for token
     y of its n tokens; K advances in TILE-wide tiles staged in shared memory.
     """
@@ -177,20 +187,23 @@ def linear_kernel(q, a, w, scale, y):
             acc = I32(acc + sq[ty, kk] * sw[tx, kk])
         cuda.syncthreads()
     if t < n_tok and r0 + tx < w.shape[0]:
-        y[t, r0 + tx] = linear_out(acc, a[t], scale[r0 + tx])
+        y[t, r0 + tx] = linear_out(acc, a[t], scale, bias, r0 + tx)
 
 
 class CudaLinear:
-    """A linear layer on the device: (R, K) int8 weights, or int16 m * w for int4."""
+    """A linear layer on the device: (R, K) int8 weights, or int16 m * w for int4; its bias
+    (an empty array when it has none)."""
 
-    def __init__(self, w, scale, multipliers=None, group_size=0):
+    def __init__(self, w, scale, multipliers=None, group_size=0, bias=None):
         self.w = cuda.to_device(np.ascontiguousarray(integer_weights(w, multipliers, group_size)))
         self.scale = cuda.to_device(np.asarray(scale, F32))
+        self.bias = cuda.to_device(np.empty(0, F32) if bias is None
+                                   else np.ascontiguousarray(bias, F32))
         self.n_out = len(scale)
 
     @property
     def nbytes(self):
-        return self.w.nbytes + self.scale.nbytes
+        return self.w.nbytes + self.scale.nbytes + self.bias.nbytes
 
     def __call__(self, q, a):
         """q: (T, K) int8, a: (T,) float32 (device) -> (T, R) float32 (device)."""
@@ -198,7 +211,7 @@ class CudaLinear:
         per_block = min(TILE, n_tok)
         y = cuda.device_array((n_tok, self.n_out), F32)
         grid = (_blocks(self.n_out, TILE), _blocks(n_tok, per_block))
-        linear_kernel[grid, (TILE, per_block)](q, a, self.w, self.scale, y)
+        linear_kernel[grid, (TILE, per_block)](q, a, self.w, self.scale, self.bias, y)
         return y
 
 
@@ -346,7 +359,7 @@ class CudaKernels(NumpyKernels):
     def embed(weights, tokens):
         x = cuda.device_array((len(tokens), weights.config.d_model), F32)
         embed_kernel[_grid(x.size)](cuda.to_device(tokens), weights.embedding,
-                                                      weights.embedding_scale, x)
+                                    weights.embedding_scale, weights.embed_scale, x)
         return x
 
     @staticmethod
@@ -372,6 +385,18 @@ class CudaKernels(NumpyKernels):
         q, a = cuda.device_array(x.shape, np.int8), cuda.device_array(x.shape[0], F32)
         rms_quantize_kernel[_grid(x.shape[0])](x, F32(eps), q, a)
         return q, a
+
+    @staticmethod
+    def rms_norm(x, gain, eps):
+        y = cuda.device_array(x.shape, F32)
+        rms_norm_kernel[_grid(x.shape[0])](x, gain, F32(eps), y)
+        return y
+
+    @staticmethod
+    def copy(x):
+        twin = cuda.device_array(x.shape, F32)
+        twin.copy_to_device(x)
+        return twin
 
     @staticmethod
     def split_heads(z, cos, sin, config):

@@ -27,6 +27,7 @@ C0, C1, C2, C3, C4, C5, C6 = EXP2_COEFFS
 EXP2_LO, EXP2_HI = F32(-126), F32(126)
 ONE = F32(1)
 QMAX8 = F32(127)
+QMAX16 = F32(32767)
 
 
 def build(jit, ops):
@@ -61,22 +62,40 @@ def build(jit, ops):
         return mul(g / add(ONE, e), u)
 
     @jit
-    def quantize_row(x, q, qmax):
-        """spec §2.2 Q(x, qmax) of one row x (n,) float32 into q (n,) int8; returns the scale."""
+    def abs_max(x):
+        """spec §2.2 step 1: max_i |x_i| of a row x (n,) float32, ignoring NaN, from 0."""
         amax = F32(0)
         for i in range(x.shape[0]):
             v = abs(x[i])
-            if v > amax:                 # NaN never wins: the NaN-ignoring max
+            if v > amax:                 # NaN never wins
                 amax = v
+        return amax
+
+    @jit
+    def quantized(v, r, qmax):
+        """spec §2.2 step 4: rint(clamp(v * r, -qmax, qmax)), an integral float32."""
+        return rint(clamp(mul(v, r), -qmax, qmax))
+
+    @jit
+    def quantize_row(x, q, qmax):
+        """spec §2.2 Q(x, qmax) of one row x (n,) float32 into q (n,) int8; returns the scale."""
+        amax = abs_max(x)
         if not amax >= Q_TINY:
             for i in range(x.shape[0]):
                 q[i] = 0
             return F32(0)
         r = qmax / amax
-        lo = -qmax
         for i in range(x.shape[0]):
-            q[i] = np.int8(rint(clamp(mul(x[i], r), lo, qmax)))
+            q[i] = np.int8(quantized(x[i], r, qmax))
         return amax / qmax
+
+    @jit
+    def rms(ss, s, n, eps):
+        """spec §2.3 / §2.7 step 3: t from the exact ss = Σ q_i², the scale s and length n."""
+        t = mul(F32(ss), s)
+        t = mul(t, s)
+        t = t / F32(n)
+        return sqrt(add(t, eps))
 
     @jit
     def rms_scale(q, s, eps):
@@ -85,16 +104,30 @@ def build(jit, ops):
         for i in range(q.shape[0]):
             v = np.int64(q[i])
             ss += v * v
-        t = mul(F32(ss), s)
-        t = mul(t, s)
-        t = t / F32(q.shape[0])
-        t = sqrt(add(t, eps))
-        return s / t
+        return s / rms(ss, s, q.shape[0], eps)
 
     @jit
-    def linear_out(acc, a, ws):
-        """spec §3: y = ((f32) acc * a) * ws."""
-        return mul(mul(F32(acc), a), ws)
+    def rms_norm_row(x, g, eps, y):
+        """spec §2.7 RN(x, g) of one row x (n,) float32 with gain g (n,) into y (n,): the
+        Q16 values are summed as they are formed (exactly, in int64), never stored."""
+        amax = abs_max(x)
+        ss, s = np.int64(0), F32(0)
+        if amax >= Q_TINY:
+            r = QMAX16 / amax
+            for i in range(x.shape[0]):
+                v = np.int64(quantized(x[i], r, QMAX16))
+                ss += v * v
+            s = amax / QMAX16
+        t = rms(ss, s, x.shape[0], eps)
+        for i in range(x.shape[0]):
+            y[i] = mul(x[i] / t, g[i])
+
+    @jit
+    def linear_out(acc, a, scale, bias, j):
+        """spec §3, output j: ((f32) acc * a) * ws_j, then + b_j when the linear has a bias
+        (scale (R,) float32; bias (R,) float32, or empty for a linear without one)."""
+        y = mul(mul(F32(acc), a), scale[j])
+        return add(y, bias[j]) if bias.shape[0] else y
 
     @jit
     def rope_pair(x1, x2, c, s):
@@ -118,6 +151,7 @@ def build(jit, ops):
         return mul(F32(num) / F32(den), svmax)
 
     return SimpleNamespace(clamp=clamp, exp2s=exp2s, silu_times=silu_times,
-                           quantize_row=quantize_row, rms_scale=rms_scale, linear_out=linear_out,
+                           quantize_row=quantize_row, rms_scale=rms_scale,
+                           rms_norm_row=rms_norm_row, linear_out=linear_out,
                            rope_pair=rope_pair, attention_score=attention_score,
                            attention_weights=attention_weights, attention_out=attention_out)

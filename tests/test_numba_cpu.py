@@ -1,6 +1,6 @@
 """The numba CPU kernels against the numpy reference on the edges a random model never hits:
 non-finite and tiny rows, accumulators at the spec's bound, all-zero value rows, padding
-tails, sampling with ties and overflow; plus the compiled code itself (no FMA) and
+tails, biases, sampling with ties and overflow; plus the compiled code itself (no FMA) and
 thread-count invariance."""
 import json
 import os
@@ -19,6 +19,7 @@ from tinyloop.fallback import forward as ref  # noqa: E402
 from tinyloop.fallback import numba_cpu  # noqa: E402
 from tinyloop.fallback.attention import attend_cached  # noqa: E402
 from tinyloop.fallback.kvcache import KVCache  # noqa: E402
+from tinyloop.fallback.numerics import rms_norm  # noqa: E402
 from tinyloop.fallback.sampling import NumericError, sample as reference_sample  # noqa: E402
 from tinyloop.fallback.weights import Linear  # noqa: E402
 from tinyloop.params import GenerationParams  # noqa: E402
@@ -51,6 +52,25 @@ def test_row_quantizers_match_on_edge_rows(n):
         assert bits(*KERNELS.rms_quantize(x, 1e-5)) == bits(*ref.rms_quantize(x, 1e-5))
 
 
+@pytest.mark.parametrize("eps", [1e-5, 0.0])
+@pytest.mark.parametrize("n", [1, 7, 64, 301])
+def test_rms_norm_matches_on_edge_rows(n, eps):
+    """RN (spec §2.7) on the edge rows, on rows at +-amax (Σ q² past int32, rounded to
+    float32), on rows below, just above and far above Q_TINY (the norm overflows), with
+    gains holding zeros, signs and huge values (no NaN gain: which of two NaN operands a
+    product keeps is the compiler's choice)."""
+    rng = np.random.default_rng(n)
+    signs = np.where(rng.random(n) < 0.5, 1, -1)
+    x = np.concatenate([edge_rows(rng, n), [signs * 3.0, signs * 3e38],
+                        rng.standard_normal((3, n)) * [[1e-40], [1e-19], [1e30]]])
+    x = x.astype(np.float32)
+    gains = np.array([rng.standard_normal(n), rng.choice(SPECIAL[~np.isnan(SPECIAL)], n)],
+                     np.float32)
+    for gain in gains:
+        with np.errstate(all="ignore"):
+            assert bits(KERNELS.rms_norm(x, gain, eps)) == bits(rms_norm(x, gain, eps))
+
+
 def test_swiglu_and_exp2_match_on_special_values():
     rng = np.random.default_rng(0)
     values = np.concatenate([SPECIAL, rng.standard_normal(2000).astype(np.float32) * 30,
@@ -72,6 +92,25 @@ def test_linear_matches_for_every_tail(n_tok, n_out, n_in):
     q = rng.integers(-127, 128, (n_tok, n_in), dtype=np.int8)
     a = rng.random(n_tok).astype(np.float32)
     assert bits(KERNELS.linear(w, scale)(q, a)) == bits(Linear(w, scale)(q, a))
+
+
+@pytest.mark.parametrize("multipliers", [False, True])
+@pytest.mark.parametrize("n_tok", [1, 2, 3])
+def test_linear_with_a_bias_matches(n_tok, multipliers):
+    """A bias is added after the row scale (spec §3), for every tile tail, int8 and int4;
+    bias values include -0.0 (-0.0 + -0.0 stays -0.0), infinities and NaN."""
+    rng = np.random.default_rng(n_tok + 10 * multipliers)
+    n_out, n_in, group = 21, 48, 16 if multipliers else 0
+    w = (rng.integers(0, 256, (n_out, n_in // 2), dtype=np.uint8) if multipliers else
+         rng.integers(-127, 128, (n_out, n_in), dtype=np.int8))
+    m = rng.integers(0, 256, (n_out, n_in // 16), dtype=np.uint8) if multipliers else None
+    scale = (rng.random(n_out) - 0.5).astype(np.float32)
+    bias = rng.choice(SPECIAL, n_out)
+    q = rng.integers(-127, 128, (n_tok, n_in), dtype=np.int8)
+    q[0] = 0                                          # acc 0: y is -0.0 where ws < 0
+    a = rng.random(n_tok).astype(np.float32)
+    got = KERNELS.linear(w, scale, m, group, bias=bias)(q, a)
+    assert bits(got) == bits(Linear(w, scale, m, group, bias=bias)(q, a))
 
 
 @pytest.mark.parametrize("group", [2, 8, 16, 48, 96])
@@ -182,10 +221,13 @@ def test_thread_count_never_changes_a_bit(model_files, monkeypatch, name):
 
 FMA_PROBE = """
 import json, sys
-import numba, tinyloop
+import numba, numpy as np, tinyloop
 from tinyloop.fallback import numba_cpu
 with tinyloop.Model(sys.argv[1], backend="numba") as model:
     model.generate([1, 2, 3], max_tokens=3, cache_window=2)
+kernels, x = numba_cpu.NumbaKernels(), np.ones((2, 8), np.float32)
+kernels.rms_norm(x, x[0], 1e-5)
+kernels.linear(np.ones((3, 8), np.int8), x[0, :3], bias=x[0, :3])(np.ones((2, 8), np.int8), x[:, 0])
 found = {}
 for f in list(vars(numba_cpu).values()) + list(vars(numba_cpu.S).values()):
     if isinstance(f, numba.core.dispatcher.Dispatcher) and f.signatures:
@@ -199,15 +241,16 @@ FMA_OPS = ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")
 
 def test_no_kernel_contains_a_fused_multiply_add(model_files, tmp_path):
     """Compiles every numba_cpu kernel afresh (an empty NUMBA_CACHE_DIR: cached code cannot be
-    inspected), runs a model through them and reads their x86 assembly."""
+    inspected), runs a model and the kernels it may not use (RN, a biased linear) through
+    them and reads their x86 assembly."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", f"FMA_OPS = {FMA_OPS!r}" + FMA_PROBE,
                           str(model_files["int8-gqa"])], env=env, capture_output=True, text=True,
                          check=True, cwd=tmp_path).stdout
     found = json.loads(out)
     kernels = {name for name in found if name.endswith("_kernel")}
-    assert kernels == {"quantize_rows_kernel", "rms_quantize_kernel", "linear_kernel",
-                       "attend_kernel", "split_heads_kernel", "swiglu_kernel"}
+    assert kernels == {"quantize_rows_kernel", "rms_quantize_kernel", "rms_norm_kernel",
+                       "linear_kernel", "attend_kernel", "split_heads_kernel", "swiglu_kernel"}
     assert sum(n_mul for n_mul, _ in found.values()) > 0          # float code was inspected
     assert {name: lines for name, (_, lines) in found.items() if lines} == {}
 

@@ -63,6 +63,73 @@ def pairs(cuda_backend, tmp_path_factory):
 PROMPT = [3, 17, 5, 40, 22, 9, 31, 2]
 
 
+@pytest.fixture(scope="module")
+def kernels(cuda_backend):
+    from tinyloop.fallback.numba_cuda import CudaKernels
+    return CudaKernels()
+
+
+def assert_same_bits_or_nan(got, want):
+    """Bit for bit, except that a NaN may be any NaN: the default NaN a GPU makes (inf - inf,
+    0 / 0) is not x86's."""
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    assert_same_bits(np.where(nan, np.float32(0), got), np.where(nan, np.float32(0), want))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the simulator's numpy scalars: inf * 0
+def test_rms_norm_matches_numpy_on_edge_rows(kernels):
+    """RN (spec §2.7) on random, zero, tiny, huge, non-finite and +-amax rows, one of them a
+    single element."""
+    from numba import cuda
+
+    from tinyloop.fallback.numerics import rms_norm
+    rng = np.random.default_rng(5)
+    n = 7
+    x = np.array([rng.standard_normal(n), np.zeros(n), rng.standard_normal(n) * 1e-19,
+                  np.full(n, 1e-30), [3e38, -3e38, 1, 0, -0.0, 2.5, 1e-45],
+                  [np.nan, np.inf, 1, 2, 3, 4, 5], [-np.inf] + [1.0] * 6,
+                  np.where(rng.random(n) < 0.5, 7.0, -7.0)], np.float32)
+    gain = np.array([1.5, -2, 0, -0.0, 3e38, 1e-3, 1], np.float32)
+    with np.errstate(all="ignore"):
+        want, want_one = rms_norm(x, gain, 1e-5), rms_norm(x[:1, :1], gain[:1], 1e-5)
+        got = kernels.rms_norm(cuda.to_device(x), kernels.table(gain), 1e-5).copy_to_host()
+        got_one = kernels.rms_norm(cuda.to_device(x[:1, :1]), kernels.table(gain[:1]), 1e-5)
+    assert_same_bits_or_nan(got, want)
+    assert_same_bits_or_nan(got_one.copy_to_host(), want_one)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_linear_with_a_bias_matches_numpy(kernels, fmt):
+    """The bias is added after the row scale (spec §3): -0.0 + b, infinities, NaN."""
+    from numba import cuda
+
+    from tinyloop.fallback.weights import Linear
+    rng = np.random.default_rng(6)
+    n_out, n_in = 5, 16
+    if fmt == "int8":
+        w, m, group = rng.integers(-127, 128, (n_out, n_in), dtype=np.int8), None, 0
+    else:
+        w, group = rng.integers(0, 256, (n_out, n_in // 2), dtype=np.uint8), 8
+        m = rng.integers(0, 256, (n_out, n_in // group), dtype=np.uint8)
+    scale = np.array([0.5, -0.25, 1, -3, 2], np.float32)
+    bias = np.array([-0.0, 0.0, np.inf, np.nan, 1.5], np.float32)
+    q = rng.integers(-127, 128, (3, n_in), dtype=np.int8)
+    q[0] = 0                                          # acc 0: y is -0.0 where ws < 0
+    a = np.array([1, 0.5, 3], np.float32)
+    got = kernels.linear(w, scale, m, group, bias=bias)(cuda.to_device(q), cuda.to_device(a))
+    assert_same_bits_or_nan(got.copy_to_host(), Linear(w, scale, m, group, bias=bias)(q, a))
+
+
+def test_copy_is_independent_of_its_source(kernels):
+    from numba import cuda
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    source = cuda.to_device(x)
+    twin = kernels.copy(source)
+    source.copy_to_device(np.zeros_like(x))
+    assert_same_bits(twin.copy_to_host(), x)
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_logits_match_numpy(pairs, fmt):
     ref, got = pairs[fmt]
@@ -83,6 +150,25 @@ def test_prefix_suffix_generation_matches_numpy(pairs):
         tokens, logits = got.generate_from_prefix_cache(prefix, **run)
         assert tokens == want[0]
         assert_same_bits(logits, want[1])
+
+
+def test_looped_v2_model_matches_numpy(cuda_backend, tmp_path):
+    """Every version-2 part on the device: embed_scale, the injection adapter from a zero
+    state, the step norm, qkv biases, sandwich norms, the coda norm and a coda block. A
+    prefix built at depth 2 runs the coda after iteration 1 on a copy of the state; it then
+    serves depth 1 (the coda slots of depth 1) with a suffix."""
+    path = tmp_path / "v2.tinyloop"
+    tinyloop.random_model(path, seed=4, **TINY, n_core_blocks=2, n_coda_blocks=1,
+                          block_layout="sandwich", qkv_bias=True, injection=True, step_norm=True,
+                          coda_norm=True, embed_scale=4.0)
+    run = dict(loops=1, max_tokens=2, suffix=PROMPT[4:6], return_logits=True)
+    with tinyloop.Model(path, backend="numpy") as ref, \
+            tinyloop.Model(path, backend="numba-cuda", block_size=2) as got:
+        want = ref.generate_from_prefix_cache(ref.build_prefix_cache(PROMPT[:4], loops=2), **run)
+        tokens, logits = got.generate_from_prefix_cache(got.build_prefix_cache(PROMPT[:4],
+                                                                               loops=2), **run)
+    assert tokens == want[0]
+    assert_same_bits(logits, want[1])
 
 
 def test_compiled_kernels_have_no_fma_approximation_or_ftz(pairs):
@@ -116,14 +202,15 @@ def kernel_signatures():
     f1, f2, f3 = t.float32[::1], t.float32[:, ::1], t.float32[:, :, ::1]
     i8_2, i8_3, i8_4, n = t.int8[:, ::1], t.int8[:, :, ::1], t.int8[:, :, :, ::1], t.int64
     return {
-        "embed_kernel": [(t.int32[::1], i8_2, f1, f2)],
+        "embed_kernel": [(t.int32[::1], i8_2, f1, t.float32, f2)],
         "add_kernel": [(f2, f2, f2)],
         "swiglu_kernel": [(f2, f2)],
         "quantize_rows_kernel": [(f2, i8_2, f1)],
         "rms_quantize_kernel": [(f2, t.float32, i8_2, f1)],
+        "rms_norm_kernel": [(f2, f1, t.float32, f2)],
         "rope_kernel": [(f2, f2, f2, f3, f3)],
         "quantize_kv_kernel": [(f3, f2, n, i8_3, f2, i8_3, f2)],
-        "linear_kernel": [(i8_2, f1, w, f1, f2) for w in (i8_2, t.int16[:, ::1])],
+        "linear_kernel": [(i8_2, f1, w, f1, f1, f2) for w in (i8_2, t.int16[:, ::1])],
         "attend_kernel": [(f3, i8_4, t.float32[:, :, ::1], i8_4, t.float32[:, :, ::1],
                            t.int32[::1], n, n, n, n, n, f2)],
     }
