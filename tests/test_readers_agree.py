@@ -2,23 +2,32 @@
 file of test_modelfile.py, every header field at its edge values, truncations, flipped bytes),
 libtinyloop's loader (a native Model open) and the Python reader (tinyloop.modelfile.load_model)
 both accept it, or both reject it with the same error type and a message about the same rule.
+Versions 2 and 1 alike (docs/spec.md §6, §6.5): the version-2 header fields, each tensor of
+every version-2 option dropped or renamed, bad values in its biases, gains and scales, and
+meta.* texts of arbitrary bytes, where the two messages must agree word for word (the byte
+offset of the first invalid UTF-8 sequence included).
 
 Native only: the C loader is one of the two readers.
 """
 import re
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 import tinyloop
 from tinyloop.modelfile import load_model
 
-from test_modelfile import CONFIGS, HEADER, HOSTILE, header, patch, valid_file, with_crc
+from test_modelfile import (CONFIGS, HEADER, HOSTILE, V1_KINDS, V2_KINDS, entry, header, patch,
+                            rebuild, set_value, table, valid_file, with_crc)
 
 pytestmark = pytest.mark.usefixtures("require_native")
 
 NATIVE_PREFIX = "bad model file: "        # libtinyloop's ModelFormatError messages start so
+# Version-2 kinds with every kind of tensor between them: biases, post and step norms, the
+# adapter, a coda and its norm, int4 weights, the meta.* texts.
+RICH_KINDS = ("v2", "v2-int4-sandwich", "hf")
 
 
 def subject(message):
@@ -29,10 +38,11 @@ def subject(message):
 
 
 def outcome(open_file, path):
+    """(exception type name or "accepted", the exception's message without the native prefix)."""
     try:
         open_file(path)
     except Exception as exc:            # the outcome is compared, whatever it is
-        return type(exc).__name__, subject(str(exc))
+        return type(exc).__name__, str(exc).removeprefix(NATIVE_PREFIX)
     return "accepted", ""
 
 
@@ -41,22 +51,41 @@ def open_native(path):
 
 
 @pytest.fixture(scope="module")
-def agree(tmp_path_factory):
-    """agree(buf): asserts both readers give the same outcome for the file holding `buf`;
-    returns it."""
+def outcomes(tmp_path_factory):
+    """outcomes(buf): (Python reader's outcome, C reader's outcome) for the file holding buf."""
     path = tmp_path_factory.mktemp("agree") / "m.tinyloop"
 
-    def check(buf):
+    def both(buf):
         path.write_bytes(buf)
-        python, native = outcome(load_model, path), outcome(open_native, path)
-        assert native == python, f"C reader: {native}, Python reader: {python}"
-        return python
+        return outcome(load_model, path), outcome(open_native, path)
+    return both
+
+
+@pytest.fixture(scope="module")
+def agree(outcomes):
+    """agree(buf): asserts both readers give the same outcome for the file holding `buf`, by
+    error type and the rule the message names; returns (type, rule)."""
+    def check(buf):
+        (python_type, python), (native_type, native) = outcomes(buf)
+        assert (native_type, subject(native)) == (python_type, subject(python)), \
+            f"C reader: {native_type}: {native!r}, Python reader: {python_type}: {python!r}"
+        return python_type, subject(python)
     return check
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_both_accept_every_valid_file(agree, kind):
     assert agree(valid_file(kind)) == ("accepted", "")
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_both_read_the_same_config(tmp_path, kind):
+    """Every field, the version-2 ones included, through tl_model_config_get and the Python
+    reader alike (a version-1 file's as §6.5 says)."""
+    path = tmp_path / "m.tinyloop"
+    path.write_bytes(valid_file(kind))
+    with tinyloop.Model(path, backend="native", prefix_cache_bytes=0) as model:
+        assert model.config() == load_model(path)[0].to_dict() == CONFIGS[kind].to_dict()
 
 
 @pytest.mark.parametrize("kind, mutate", [pytest.param(case[1], case[2], id=case[0])
@@ -70,10 +99,11 @@ EDGE_VALUES = (0, 1, 2, 255, 256, 2**16, 2**16 + 1, 2**20, 2**20 + 1, 2**31 - 1,
 
 
 @pytest.mark.parametrize("field", sorted(set(HEADER) - {"magic", "name", "reserved"}))
-@pytest.mark.parametrize("kind", ["int8", "int4-tied"])
+@pytest.mark.parametrize("kind", ["int8", "int4-tied", "v2", "hf", "v1-int8"])
 def test_every_header_field_at_its_edges(agree, field, kind):
     """Each value at the edges of the field's width, the valid value +- 1 and its bit flips,
-    with the checksum fixed up (checksum itself: left as written)."""
+    with the checksum fixed up (checksum itself: left as written). In a version-1 file the
+    version-2 fields are reserved bytes."""
     buf = valid_file(kind)
     offset, fmt = HEADER[field]
     size = struct.calcsize(fmt)
@@ -86,10 +116,11 @@ def test_every_header_field_at_its_edges(agree, field, kind):
         agree(bytes(raw) if field == "checksum" else with_crc(raw))
 
 
-def test_truncations(agree):
+@pytest.mark.parametrize("kind", ["int4", "hf", "v1-int4-tied"])
+def test_truncations(agree, kind):
     """Cut anywhere (through the header, table, gaps and data), as is and with file_bytes and
     the checksum fixed up to the shorter length."""
-    buf = valid_file("int4")
+    buf = valid_file(kind)
     table_end = header(buf, "data_offset")
     cuts = {*range(0, 300, 7), *range(table_end - 100, table_end + 100, 3),
             *range(table_end, len(buf), 97), len(buf) - 1}
@@ -97,6 +128,79 @@ def test_truncations(agree):
         assert agree(buf[:n])[0] == "ModelFormatError"
         if n >= 256:
             assert agree(patch(buf[:n], 16, "<Q", n))[0] == "ModelFormatError"
+
+
+@pytest.mark.parametrize("kind", [*RICH_KINDS, *sorted(V1_KINDS)])
+def test_each_tensor_dropped_or_renamed(agree, kind):
+    """Every tensor of the file left out (only the optional texts may be), and renamed to a
+    name of another option (a version-1 name in version 2 and the reverse, a coda block that
+    is not there, a meta.* text the spec does not list): both readers name the same missing
+    or unexpected tensor."""
+    buf = valid_file(kind)
+    optional = {"meta.architecture", "meta.tokenizer_config"}
+    renames = {"core.": "loop.", "loop.": "core.0.", "coda.0.": "coda.9.", "meta.": "meta.x"}
+    for name, at in table(buf).items():
+        want = "accepted" if name in optional else "ModelFormatError"
+        assert agree(rebuild(buf, drop=[name]))[0] == want, name
+        new = next((name.replace(old, to, 1) for old, to in renames.items() if old in name),
+                   name + "x")
+        raw = bytearray(buf)
+        raw[at:at + 48] = new.encode().ljust(48, b"\0")
+        assert agree(with_crc(raw))[0] == "ModelFormatError", name
+
+
+def f32_tensors(kind):
+    return sorted(name for name in table(valid_file(kind))
+                  if entry(valid_file(kind), name, "dtype")[0] == 1)
+
+
+@given(data=st.data(), kind=st.sampled_from(RICH_KINDS),
+       value=st.sampled_from([float("nan"), float("inf"), -float("inf"), -1.0, -0.0, 2.0,
+                              3e38, 1e-45]))
+def test_bad_values_in_every_f32_tensor(agree, data, kind, value):
+    """One value of an f32 tensor (a scale, bias, gain or RoPE table) set to a value that some
+    rule forbids (or none does): the same outcome, the same tensor named."""
+    buf = valid_file(kind)
+    name = data.draw(st.sampled_from(f32_tensors(kind)))
+    (n0, n1, *_), ndim = entry(buf, name, "dims"), entry(buf, name, "ndim")[0]
+    index = data.draw(st.integers(0, n0 * (n1 if ndim == 2 else 1) - 1))
+    agree(set_value(buf, name, "<f", value, index))
+
+
+META_NAMES = sorted(n for n in table(valid_file("hf")) if n.startswith("meta."))
+
+
+def check_meta_text(outcomes, name, text):
+    """Meta text `name` replaced by the bytes `text`: both readers accept it exactly when it
+    is UTF-8, and otherwise give the same message, the offset of the first bad sequence
+    included."""
+    buf = valid_file("hf")
+    mutated = rebuild(buf, drop=[name], extra=[(name, 3, (len(text),), text)])
+    python, native = outcomes(mutated)
+    assert native == python
+    try:
+        text.decode("utf-8")
+        assert python == ("accepted", "")
+    except UnicodeDecodeError as exc:
+        assert python == ("ModelFormatError",
+                          f"tensor '{name}': not valid UTF-8 (byte {exc.start})")
+
+
+@given(name=st.sampled_from(META_NAMES), text=st.binary(min_size=1, max_size=40))
+def test_meta_texts_of_any_bytes(outcomes, name, text):
+    check_meta_text(outcomes, name, text)
+
+
+@pytest.mark.parametrize("text", [
+    # broken in each way the strict decoder refuses: truncated at the end after valid text,
+    # overlong, a surrogate, above U+10FFFF, a bad continuation, a lone continuation, 0xff
+    b"ok\xe2\x82", b"\xf0\x9f\x98", b"\xc3", b"a\xc0\x80", b"\xe0\x80\x80", b"\xf0\x80\x80\x80",
+    b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x28\xa1", b"\x80", b"\xff", b"\xf5\x80\x80\x80",
+    # valid: long, every sequence length, the edges around the surrogates and U+10FFFF, NUL
+    *(t.encode("utf-8") for t in ("a" * 5000, "é✓😀" * 100, "\0", "\U0010ffff",
+                                  "\ud7ff\ue000"))])
+def test_meta_texts_at_the_edges_of_utf8(outcomes, text):
+    check_meta_text(outcomes, "meta.tokenizer_json", text)
 
 
 positions = st.one_of(st.integers(0, 256 + 96 * 40),               # header and table
@@ -112,3 +216,15 @@ def test_flipped_bytes(agree, kind, edits, fix_checksum):
     for at, mask in edits:
         buf[at % len(buf)] ^= mask
     agree(with_crc(buf) if fix_checksum else bytes(buf))
+
+
+def test_v2_kinds_are_covered():
+    """The kinds above exist and hold what they are here for (a guard against a silent change
+    of test_modelfile's kinds)."""
+    assert set(RICH_KINDS) <= set(V2_KINDS)
+    names = set().union(*(table(valid_file(kind)) for kind in RICH_KINDS))
+    for needed in ("pre.0.attn_qkv.b", "core.1.attn_post_norm", "core.adapter_state.w",
+                   "core.step_norm", "coda.input_norm", "coda.0.ffn_down.s", "core.0.ffn_down.m",
+                   "meta.tokenizer_json", "meta.architecture", "meta.tokenizer_config"):
+        assert needed in names, needed
+    assert np.uint32(header(valid_file("v1-int8"), "version")) == 1

@@ -6,19 +6,28 @@ releases the GIL during every C call, so threads sharing one model run in parall
 call is turned into the exception type the Python API documents, with the library's message.
 `NativeEngine` implements the engine interface (tinyloop/engine.py); tinyloop.backends opens it.
 """
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Sequence
+
 import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFormatError
-from .engine import CACHE_STAT_NAMES, NO_CALLBACKS
+from .engine import (CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, Generated, GenerationParams,
+                     Request)
 
-TOKENIZERS = {0: "none", 1: "bytes"}
+TOKENIZERS = {0: "none", 1: "bytes", 2: "hf"}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}
+BLOCK_LAYOUTS = {0: "pre", 1: "sandwich", 2: "post"}
 
 
-def _error_types(lib):
+def _error_types(lib: Any) -> dict[int, type[Exception]]:
     value_errors = (lib.TL_ERR_INVALID_ARGUMENT, lib.TL_ERR_OUT_OF_RANGE, lib.TL_ERR_WRONG_MODEL)
-    table = {status: ValueError for status in value_errors}
+    table: dict[int, type[Exception]] = {status: ValueError for status in value_errors}
     table[lib.TL_ERR_BAD_FILE] = ModelFormatError
     table[lib.TL_ERR_IO] = OSError
     return table
@@ -27,7 +36,8 @@ def _error_types(lib):
 class NativePrefix:
     """A tl_prefix handle and what the Python side needs to know about it (an EnginePrefix)."""
 
-    def __init__(self, engine, handle, tokens, loops, window):
+    def __init__(self, engine: NativeEngine, handle: Any, tokens: np.ndarray, loops: int,
+                 window: int) -> None:
         self.handle = handle
         self.tokens = tokens          # (n,) int32 copy
         self.loops = loops
@@ -35,13 +45,13 @@ class NativePrefix:
         self._engine = engine
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         nbytes = self._engine.ffi.new("size_t*")
         self._engine.lib.tl_prefix_info(self.handle, self._engine.ffi.NULL, self._engine.ffi.NULL,
                                         self._engine.ffi.NULL, nbytes)
         return int(nbytes[0])
 
-    def free(self):
+    def free(self) -> None:
         if self.handle is not None:
             self._engine.ffi.release(self.handle)
             self.handle = None
@@ -50,7 +60,9 @@ class NativePrefix:
 class NativeEngine:
     """A tl_model: the engine of backend "native" (`loaded` is backends.native_library())."""
 
-    def __init__(self, loaded, path, *, block_size, threads, prefix_cache_bytes=0, device="auto"):
+    def __init__(self, loaded: tuple[Any, Any, Path, str], path: str | os.PathLike[str], *,
+                 block_size: int, threads: int | None, prefix_cache_bytes: int = 0,
+                 device: str = "auto") -> None:
         self.ffi, self.lib, self.library_path, self.library_origin = loaded
         self._errors = _error_types(self.lib)
         params = self.ffi.new("tl_model_params*", self.lib.tl_model_params_default())
@@ -65,21 +77,21 @@ class NativeEngine:
         self.config = self._read_config()
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _check(self, status):
+    def _check(self, status: int) -> None:
         if status != self.lib.TL_OK:
             message = self.ffi.string(self.lib.tl_last_error()).decode("utf-8", "replace")
             if status == self.lib.TL_ERR_IO and "No such file" in message:
                 raise FileNotFoundError(message)
             raise self._errors.get(status, RuntimeError)(message)
 
-    def _owned(self, out, free):
+    def _owned(self, out: Any, free: str) -> Any:
         """The new handle in *out, freed by the library's `free` function when collected."""
         if out[0] == self.ffi.NULL:
             raise RuntimeError(f"libtinyloop returned success but no handle (for {free})")
         release = getattr(self.lib, free)     # keeps the library alive inside the destructor
         return self.ffi.gc(out[0], release)
 
-    def _read_config(self):
+    def _read_config(self) -> ModelConfig:
         c = self.ffi.new("tl_model_config*")
         c.size = self.ffi.sizeof("tl_model_config")
         self._check(self.lib.tl_model_config_get(self.model, c))
@@ -90,9 +102,13 @@ class NativeEngine:
             max_seq_len=c.max_seq_len, weight_format=WEIGHT_FORMATS[c.weight_format],
             group_size=c.group_size, tied_head=bool(c.tied_head), bos_id=c.bos_id,
             eos_id=c.eos_id, tokenizer=TOKENIZERS[c.tokenizer], rope_theta=c.rope_theta,
-            rms_eps=c.rms_eps, name=self.ffi.string(c.name).decode("utf-8"))
+            rms_eps=c.rms_eps, name=self.ffi.string(c.name).decode("utf-8"),
+            n_core_blocks=c.n_core_blocks, n_coda_blocks=c.n_coda_blocks,
+            block_layout=BLOCK_LAYOUTS[c.block_layout], qkv_bias=bool(c.qkv_bias),
+            injection=bool(c.injection), step_norm=bool(c.step_norm),
+            embed_scale=c.embed_scale, coda_norm=bool(c.coda_norm))
 
-    def runtime(self):
+    def runtime(self) -> dict[str, Any]:
         r = self.ffi.new("tl_model_runtime*")
         r.size = self.ffi.sizeof("tl_model_runtime")
         self._check(self.lib.tl_model_runtime_get(self.model, r))
@@ -103,11 +119,11 @@ class NativeEngine:
                 "isa": isa, "threads": r.n_threads, "kv_block_size": r.kv_block_size,
                 "weight_bytes": r.weight_bytes, "device_weight_bytes": r.device_weight_bytes}
 
-    def _tokens(self, tokens):
+    def _tokens(self, tokens: Any) -> tuple[np.ndarray, Any]:
         tokens = np.ascontiguousarray(tokens, np.int32)
         return tokens, self.ffi.from_buffer("int32_t[]", tokens)
 
-    def _gen_params(self, params, keep):
+    def _gen_params(self, params: GenerationParams, keep: list[Any]) -> Any:
         p = self.ffi.new("tl_gen_params*", self.lib.tl_gen_params_default())
         p.max_tokens = params.max_tokens
         p.loops = params.loops
@@ -129,21 +145,23 @@ class NativeEngine:
             p.n_stop = len(params.stop_sequences)
         return p
 
-    def _callback(self, ctype, fn, raised):
+    def _callback(self, ctype: str, fn: Callable[..., None], raised: list[BaseException]) -> Any:
         """A C callback of type `ctype` calling fn with its arguments after user_data (as
         ints); an exception stops the request (a KeyboardInterrupt during a long prefill
         lands here) and is kept in `raised`."""
-        def onerror(exc_type, exc, tb):
+        def onerror(exc_type: type[BaseException], exc: BaseException,
+                    tb: TracebackType | None) -> int:
             raised.append(exc)
             return 1
 
-        def call(user_data, *args):
+        def call(user_data: Any, *args: Any) -> int:
             fn(*map(int, args))
             return 0
 
         return self.ffi.callback(ctype, call, onerror=onerror)
 
-    def _request_params(self, params, callbacks, keep, raised):
+    def _request_params(self, params: GenerationParams, callbacks: Callbacks, keep: list[Any],
+                        raised: list[BaseException]) -> Any:
         """tl_gen_params for `params`, with callbacks.on_token / on_prefill wired to C."""
         p = self._gen_params(params, keep)
         if callbacks.on_token is not None:
@@ -154,49 +172,55 @@ class NativeEngine:
             p.on_prefill = keep[-1]
         return p
 
-    def _outputs(self, params, want_logits):
+    def _outputs(self, params: GenerationParams,
+                 want_logits: bool) -> tuple[Any, np.ndarray | None, Any]:
         """(out_tokens cdata, logits array or None, its float* or NULL) for one request."""
         out_tokens = self.ffi.new("int32_t[]", params.max_tokens)
         logits = np.empty((params.max_tokens, self.config.vocab_size), np.float32) if want_logits else None
         out_logits = self.ffi.from_buffer("float[]", logits) if want_logits else self.ffi.NULL
         return out_tokens, logits, out_logits
 
-    def _finish(self, status, raised):
+    def _finish(self, status: int, raised: list[BaseException]) -> None:
         if raised:
             raise raised[0]
         self._check(status)
 
-    def _run_generation(self, call, params, want_logits, callbacks):
+    def _run_generation(self, call: Callable[[Any, Any, Any, Any], int], params: GenerationParams,
+                        want_logits: bool, callbacks: Callbacks) -> Generated:
         """call(gen_params, out_tokens, n_out, out_logits) -> status."""
-        keep, raised = [], []
+        keep: list[Any] = []
+        raised: list[BaseException] = []
         p = self._request_params(params, callbacks, keep, raised)
         out_tokens, logits, out_logits = self._outputs(params, want_logits)
         n_out = self.ffi.new("size_t*")
         self._finish(call(p, out_tokens, n_out, out_logits), raised)
         n = int(n_out[0])
-        return list(self.ffi.unpack(out_tokens, n)), (list(logits[:n]) if want_logits else None)
+        return list(self.ffi.unpack(out_tokens, n)), (list(logits[:n]) if logits is not None else None)
 
     # -- the engine interface ---------------------------------------------------------------
-    def generate(self, prompt, params, want_logits=False, callbacks=NO_CALLBACKS):
+    def generate(self, prompt: np.ndarray, params: GenerationParams, want_logits: bool = False,
+                 callbacks: Callbacks = NO_CALLBACKS) -> Generated:
         prompt, buf = self._tokens(prompt)
         return self._run_generation(
             lambda p, toks, n, lg: self.lib.tl_generate(self.model, buf, len(prompt), p, toks, n, lg),
             params, want_logits, callbacks)
 
-    def build_prefix(self, prompt, loops, window, chunk):
+    def build_prefix(self, prompt: np.ndarray, loops: int, window: int, chunk: int) -> NativePrefix:
         prompt, buf = self._tokens(prompt)
         out = self.ffi.new("tl_prefix**")
         self._check(self.lib.tl_prefix_build(self.model, buf, len(prompt), loops, window, chunk, out))
         return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), loops, window)
 
-    def generate_from_prefix(self, prefix, suffix, params, want_logits=False, callbacks=NO_CALLBACKS):
+    def generate_from_prefix(self, prefix: NativePrefix, suffix: np.ndarray,
+                             params: GenerationParams, want_logits: bool = False,
+                             callbacks: Callbacks = NO_CALLBACKS) -> Generated:
         suffix, buf = self._tokens(suffix)
         return self._run_generation(
             lambda p, toks, n, lg: self.lib.tl_generate_from_prefix(
                 prefix.handle, buf, len(suffix), p, toks, n, lg),
             params, want_logits, callbacks)
 
-    def logits(self, tokens, loops, window, chunk):
+    def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int) -> np.ndarray:
         out = self.ffi.new("tl_seq**")
         self._check(self.lib.tl_seq_create(self.model, loops, window, out))
         seq = self._owned(out, "tl_seq_free")
@@ -209,11 +233,14 @@ class NativeEngine:
             self.ffi.release(seq)
         return result
 
-    def generate_batch(self, requests, want_logits=False):
+    def generate_batch(self, requests: Sequence[Request[NativePrefix]],
+                       want_logits: bool = False) -> list[Generated]:
         """requests: (NativePrefix or None, tokens, params, callbacks) each; one
         tl_generate_batch call. Returns [(emitted, logits or None)] in request order."""
         reqs = self.ffi.new("tl_request[]", len(requests))
-        keep, raised, outputs = [], [], []
+        keep: list[Any] = []
+        raised: list[BaseException] = []
+        outputs: list[tuple[Any, np.ndarray | None]] = []
         for r, (prefix, tokens, params, callbacks) in zip(reqs, requests):
             tokens, buf = self._tokens(tokens)
             keep += [tokens, buf]
@@ -227,17 +254,17 @@ class NativeEngine:
             outputs.append((out_tokens, logits))
         pointers = self.ffi.new("tl_request*[]", [reqs + i for i in range(len(requests))])
         self._finish(self.lib.tl_generate_batch(self.model, pointers, len(requests)), raised)
-        return [(list(self.ffi.unpack(out, r.n_out)), list(logits[:r.n_out]) if want_logits else None)
+        return [(list(self.ffi.unpack(out, r.n_out)), list(logits[:r.n_out]) if logits is not None else None)
                 for r, (out, logits) in zip(reqs, outputs)]
 
-    def cache_stats(self):
+    def cache_stats(self) -> dict[str, int]:
         s = self.ffi.new("tl_prefix_cache_stats*")
         s.size = self.ffi.sizeof("tl_prefix_cache_stats")
         self._check(self.lib.tl_model_prefix_cache_stats(self.model, s))
         return {name: int(getattr(s, name)) for name in CACHE_STAT_NAMES}
 
-    def clear_prefix_cache(self):
+    def clear_prefix_cache(self) -> None:
         self._check(self.lib.tl_model_prefix_cache_clear(self.model))
 
-    def close(self):
+    def close(self) -> None:
         self.lib.tl_model_close(self.model)

@@ -155,7 +155,9 @@ TL_API tl_model_params tl_model_params_default(void);
  * Thread-safe. */
 TL_API tl_status tl_model_open(const char* path, const tl_model_params* params, tl_model** out);
 
-/* The file's configuration (docs/spec.md §6.1). */
+/* The file's configuration (docs/spec.md §6.1). A version-1 file reports the version-2 model it
+ * describes (§6.5): version 1, one core block, no coda, pre layout, embed_scale 1, no bias,
+ * injection, step or coda norm. */
 typedef struct tl_model_config {
     size_t size;            /* in: sizeof(tl_model_config)                                    */
     uint32_t vocab_size;
@@ -172,13 +174,25 @@ typedef struct tl_model_config {
     uint32_t tied_head;     /* 1: the LM head is the embedding                                */
     int32_t bos_id;         /* -1 = none                                                      */
     int32_t eos_id;         /* -1 = none                                                      */
-    uint32_t tokenizer;     /* 0 = none, 1 = bytes                                            */
+    uint32_t tokenizer;     /* 0 = none, 1 = bytes, 2 = hf (a tokenizer.json the library does
+                               not read: it is token-in, token-out)                         */
     float rope_theta;
     float rms_eps;
     char name[64];          /* UTF-8, NUL-terminated                                          */
+    /* the version-2 fields (docs/spec.md §6.1); a caller built before them passes a smaller
+       size and gets the fields before them only                                             */
+    uint32_t version;       /* the file format version, 1 or 2                                */
+    uint32_t n_core_blocks; /* k: the core's blocks, applied `loops` times (docs/spec.md §1)  */
+    uint32_t n_coda_blocks; /* blocks after the core                                          */
+    uint32_t block_layout;  /* 0 = pre-norm, 1 = sandwich (Ouro), 2 = post-norm (Huginn)       */
+    uint32_t qkv_bias;      /* 1: attn_qkv adds a bias                                        */
+    uint32_t injection;     /* 1: the adapter starts every core iteration (§4.4)              */
+    uint32_t step_norm;     /* 1: RMSNorm with a gain between core iterations                 */
+    float embed_scale;      /* the embedding's multiplier (1 = none)                          */
+    uint32_t coda_norm;     /* 1: RMSNorm with a gain after the last core iteration           */
 } tl_model_config;
 
-/* Copy the configuration into *out (out->size set by the caller). Thread-safe.
+/* Copy the configuration into *out, up to out->size (set by the caller). Thread-safe.
  * TL_ERR_CLOSED after tl_model_close. */
 TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out);
 
@@ -230,9 +244,11 @@ TL_API void tl_model_free(tl_model* model);
  * reference to the model's weights. Use from one thread at a time. */
 typedef struct tl_seq tl_seq;
 
-/* An empty sequence at depth `loops` (0 = the model's default_loops; at most 1024) with
- * sliding window `cache_window` (0 = full context). *out is owned by the caller
- * (tl_seq_free). Thread-safe with respect to the model. */
+/* An empty sequence at depth `loops` (0 = the model's default_loops; at most 1024, and at
+ * most 65536 cache layers n_pre + loops * (k + n_coda), docs/spec.md §1: a deeper request,
+ * here or in tl_prefix_build / tl_generate, is TL_ERR_INVALID_ARGUMENT) with sliding window
+ * `cache_window` (0 = full context). *out is owned by the caller (tl_seq_free). Thread-safe
+ * with respect to the model. */
 TL_API tl_status tl_seq_create(tl_model* model, uint32_t loops, uint32_t cache_window,
                                tl_seq** out);
 
@@ -265,9 +281,10 @@ TL_API void tl_seq_free(tl_seq* seq);
 
 /* ===== Prefixes ============================================================================= */
 
-/* An immutable prompt prefix run once at depth L_b with window W: the KV of its
- * n_pre_blocks + L_b layers and the last token's hidden state after each loop iteration, so
- * sequences at any depth L <= L_b start from it with no recomputation (docs/spec.md §5.4).
+/* An immutable prompt prefix run once at depth L_b with window W: the KV of its n_layers(L_b)
+ * cache layers (with a coda, its slots for every depth 1 .. L_b) and the last token's final
+ * state at each depth, so sequences at any depth L <= L_b start from it with no recomputation
+ * (docs/spec.md §5.4).
  * Holds a reference to the model's weights; shareable between threads. */
 typedef struct tl_prefix tl_prefix;
 

@@ -4,16 +4,19 @@
 usage: make_golden.py OUT_DIR       (needs the tinyloop package installed: pip install .)
 
 Writes small random models (int8 and int4, GQA, n_pre 0..2, tied and untied heads, odd
-vocabularies, an eos id) and, for each, expected logits at every position and expected tokens
+vocabularies, an eos id; and version-2 shapes: several core blocks, a coda, the sandwich and
+post block layouts, q/k/v biases, the injection adapter, step and coda norms, an embedding
+scale) and, for each, expected logits at every position and expected tokens
 (greedy, sampled with seeds, penalties, stop sequences, chunked prefill, windows, prefixes at
 nested depths) into OUT_DIR, with OUT_DIR/manifest.txt listing the cases one per line:
 
     <kind> key=value ...
 
-kind is logits | generate | prefix. Arrays are raw little-endian files: token ids int32
-(*.i32), logits float32 bit patterns (*.f32). Float parameters are written as the hex bits of
-their float32 value so that C reads exactly the value numpy used. Every generate/prefix case
-stores only the emitted tokens (the prompt is in its own file).
+kind is logits | generate | prefix (a prefix case's chunk is the prefix build's). Arrays are
+raw little-endian files: token ids int32 (*.i32), logits float32 bit patterns (*.f32). Float
+parameters are written as the hex bits of their float32 value so that C reads exactly the
+value numpy used. Every generate/prefix case stores only the emitted tokens (the prompt is in
+its own file).
 """
 import os
 import struct
@@ -37,6 +40,23 @@ MODELS = {
     "int8_tied_mha": (14, dict(vocab_size=256, d_model=40, n_heads=2, n_kv_heads=2, head_dim=20,
                                ffn_dim=72, n_pre_blocks=1, default_loops=2, max_seq_len=160,
                                weight_format="int8", tied_head=True)),
+    # version 2 (docs/spec.md §1, §4): Ouro's shape (a sandwich core of 2 blocks, step norm)
+    "v2_ouro": (15, dict(vocab_size=259, d_model=48, n_heads=4, n_kv_heads=4, head_dim=12,
+                         ffn_dim=80, n_pre_blocks=0, n_core_blocks=2, default_loops=3,
+                         max_seq_len=160, weight_format="int8", tied_head=False,
+                         block_layout="sandwich", step_norm=True)),
+    # Huginn's: prelude, core, coda, post layout, injection, coda norm, biases, scale, tied
+    "v2_huginn": (16, dict(vocab_size=256, d_model=48, n_heads=4, n_kv_heads=2, head_dim=12,
+                           ffn_dim=64, n_pre_blocks=1, n_core_blocks=2, n_coda_blocks=1,
+                           default_loops=3, max_seq_len=160, weight_format="int8",
+                           tied_head=True, block_layout="post", injection=True, coda_norm=True,
+                           qkv_bias=True, embed_scale=6.928203230275509)),
+    # int4 with a two-block coda, injection and the step norm, pre layout
+    "v2_int4_coda": (17, dict(vocab_size=270, d_model=64, n_heads=4, n_kv_heads=1, head_dim=16,
+                              ffn_dim=96, n_pre_blocks=1, n_core_blocks=2, n_coda_blocks=2,
+                              default_loops=2, max_seq_len=160, weight_format="int4",
+                              group_size=16, tied_head=False, injection=True, step_norm=True,
+                              embed_scale=0.75)),
 }
 
 
@@ -122,15 +142,17 @@ def model_cases(w, name, seed, overrides):
             w.case("generate", model=name + ".tinyloop", loops=loops, window=window, prompt=p_file,
                    expect=w.array(stem + ".expect", out[len(prompt):], np.int32), **fields)
 
-    # prefixes: built at depth L+1, served at depths 1 .. L+1, with and without a window
+    # prefixes: built at depth L+1 (whole, and in chunks of 4), served at depths 1 .. L+1, with
+    # and without a window
     head = prompt[:30]
     h_file = w.array(f"{name}.prefix_prompt", head, np.int32)
-    for window in (0, 7):
-        prefix = model.build_prefix_cache(head, loops=L + 1, cache_window=window)
+    for window, chunk in ((0, 0), (7, 4)):
+        prefix = model.build_prefix_cache(head, loops=L + 1, cache_window=window,
+                                          prefill_chunk=chunk or None)
         for loops in range(1, L + 2):
             for j, s in enumerate([dict(), dict(temperature=0.9, top_k=0, seed=loops * 1000 + 7)]):
                 stem = f"{name}.prefix.W{window}.L{loops}.{j}"
-                fields = gen_fields(w, stem, 10, **s)
+                fields = gen_fields(w, stem, 10, chunk=chunk, **s)
                 out = model.generate_from_prefix_cache(prefix, loops=loops, cache_window=window,
                                                        **kwargs_of(fields, ()))
                 full = model.generate(head, loops=loops, cache_window=window,

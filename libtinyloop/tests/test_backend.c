@@ -3,7 +3,9 @@
  * in a "device" allocator of its own (host memory, so the CPU pass can still read it). Checked:
  * the core reaches the pass only through the seam (every entry point is counted), block data
  * comes from the backend's allocator and all of it goes back, an allocator failure leaves the
- * sequence unchanged, and the logits are bit-identical to the same model run plainly. */
+ * sequence unchanged, a prefix build hands every chunk's pass its loop_states (so each chunk
+ * writes every depth's coda slots), and the logits are bit-identical to the same model run
+ * plainly. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +22,7 @@ typedef struct recorder {
     tl_backend* inner;  /* the CPU backend the model opened with */
     tl_kv_allocator kv; /* ctx = this recorder                   */
     int forwards, batches, heads;
+    int builds; /* forward calls with loop_states (a prefix build's chunks) */
     int allocs, frees, fail_next_alloc;
 } recorder;
 
@@ -27,6 +30,7 @@ static tl_status rec_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, si
                              float* logits_last, float* last_hidden, float* loop_states) {
     recorder* r = (recorder*)b;
     r->forwards++;
+    r->builds += loop_states != NULL;
     return r->inner->iface->forward(r->inner, s, tokens, T, logits_all, logits_last, last_hidden, loop_states);
 }
 
@@ -90,7 +94,8 @@ static tl_status batch_step(tl_seq** seqs, const int32_t* tokens, size_t n, floa
 }
 
 int main(void) {
-    const tu_spec spec = tu_spec_default();
+    tu_spec spec = tu_spec_default(); /* with a coda: its slots depend on the depth */
+    spec.n_core = 2, spec.n_coda = 1;
     const char* path = tu_write_model("backend.tinyloop", &spec);
     tl_model* plain = tu_open(path, 2, TL_ISA_AUTO, BLOCK);
     tl_model* seam = tu_open(path, 2, TL_ISA_AUTO, BLOCK);
@@ -158,6 +163,23 @@ int main(void) {
     CHECK_OK(tl_seq_decode(pf, tokens[1], want + V));
     CHECK(tu_same_bits(want, got, 2 * V), "batched logits differ");
     CHECK(blocks_on_device(s, &rec) && blocks_on_device(sf, &rec), "batch blocks not from the allocator");
+
+    /* a prefix build: every chunk's pass carries loop_states; the prefix serves depth 1 exactly */
+    const int forwards = rec.forwards;
+    tl_prefix* prefix = NULL;
+    CHECK_OK(tl_prefix_build(seam, prompt, PROMPT, 2, 0, CHUNK, &prefix));
+    CHECK(rec.forwards - forwards == (PROMPT + CHUNK - 1) / CHUNK && rec.builds == rec.forwards - forwards,
+          "prefix build: %d forward calls, %d with loop_states", rec.forwards - forwards, rec.builds);
+    tl_seq* from = NULL;
+    CHECK_OK(tl_seq_from_prefix(prefix, 1, &from));
+    CHECK_OK(tl_seq_last_logits(from, got));
+    tl_seq* fresh = NULL;
+    CHECK_OK(tl_seq_create(plain, 1, 0, &fresh));
+    CHECK_OK(tl_seq_prefill(fresh, prompt, PROMPT, 0, want));
+    CHECK(tu_same_bits(want, got, V), "prefix at depth 1 differs from a fresh run");
+    tl_seq_free(from);
+    tl_seq_free(fresh);
+    tl_prefix_free(prefix);
 
     tl_seq_free(s);
     tl_seq_free(sf);

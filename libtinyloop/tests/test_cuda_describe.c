@@ -1,11 +1,17 @@
-/* test_cuda_describe.c — the host side of the CUDA forward pass, on the CPU: how
- * tl_cuda_describe turns sequences (span tables, windows, reserved positions) into the rows and
- * KV spans the device reads. Two sequences, one windowed, several blocks, some released. */
+/* test_cuda_describe.c — the host side of the CUDA forward pass, on the CPU:
+ *  - how tl_cuda_describe turns sequences (span tables, windows, reserved positions) into the
+ *    rows and KV spans the device reads: two sequences, one windowed, several blocks, some
+ *    released;
+ *  - the pass schedule of cuda/pass.h (which rows run which step, on which state, writing which
+ *    cache slot), recorded per row and compared with docs/spec.md §1 / §4 / §5.4 written out
+ *    independently: the slot table's formulas, not tl_slot_at. */
+#include <stdbool.h>
 #include <string.h>
 
 #include "core/engine.h"
 #include "core/seq.h"
 #include "cuda/backend_cuda.h"
+#include "cuda/pass.h"
 #include "test_util.h"
 
 enum { BLOCK = 4, N_A = 10, N_B = 13, WINDOW_B = 6 };
@@ -29,8 +35,10 @@ static tl_seq* prefilled(tl_engine* e, uint32_t loops, uint32_t window, size_t n
     return s;
 }
 
-int main(void) {
-    const tu_spec spec = tu_spec_default();
+static void test_describe(void) {
+    tu_spec spec = tu_spec_default();
+    spec.n_core = 2; /* two core blocks and a coda: a row's depth is not its slot count */
+    spec.n_coda = 1;
     tl_model* m = tu_open(tu_write_model("describe.tinyloop", &spec), 1, TL_ISA_AUTO, BLOCK);
     tl_engine* e = NULL;
     CHECK_OK(tl_model_acquire(m, &e));
@@ -57,7 +65,7 @@ int main(void) {
         const tl_cuda_row* r = &rows[t];
         const tl_seq* s = seqs[t];
         const tl_kv_span* w = span_of(s, pos[t]);
-        CHECK(r->token == tokens[t] && r->pos == pos[t] && r->n_layers == s->n_layers && r->window == s->window,
+        CHECK(r->token == tokens[t] && r->pos == pos[t] && r->loops == s->loops && r->window == s->window,
               "row %d fields", t);
         CHECK(w && r->write_data == w->block->data && r->write_slot == pos[t] - w->start && r->write_slot < BLOCK,
               "row %d: K/V goes to slot %u", t, r->write_slot);
@@ -84,5 +92,159 @@ int main(void) {
     tl_seq_free(b);
     tl_engine_unref(e);
     tl_model_free(m);
+}
+
+/* ---- the pass schedule ------------------------------------------------------------------------ */
+
+enum { MAX_ROWS = 8, MAX_EVENTS = 256 };
+enum { EV_BLOCK, EV_NORM, EV_INJECT, EV_ADAPTER, EV_COPY, EV_STATE };
+
+/* One step as one row saw it: BLOCK (a = slot, b = block), NORM (a = tl_cu_norm), STATE
+ * (a = depth), on state `on`. */
+typedef struct event {
+    int kind;
+    uint32_t a, b;
+    tl_cu_state on;
+} event;
+
+typedef struct trace {
+    size_t T;
+    bool one_sequence;          /* every block step must cover all rows (they attend together) */
+    event ev[MAX_ROWS][MAX_EVENTS];
+    size_t n[MAX_ROWS];
+    size_t state_row;           /* the row every STATE step named                              */
+} trace;
+
+static void record(trace* tr, size_t lo, size_t hi, event e) {
+    CHECK(lo < hi && hi <= tr->T, "step kind %d on rows [%zu, %zu) of %zu", e.kind, lo, hi, tr->T);
+    CHECK(!tr->one_sequence || e.kind != EV_BLOCK || (lo == 0 && hi == tr->T),
+          "block %u (slot %u) of one sequence on rows [%zu, %zu) only", e.b, e.a, lo, hi);
+    for (size_t r = lo; r < hi && r < tr->T; r++)
+        if (tr->n[r] < MAX_EVENTS) tr->ev[r][tr->n[r]++] = e;
+}
+
+static tl_status rec_block(void* ctx, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on) {
+    record(ctx, lo, hi, (event){EV_BLOCK, slot, block, on});
+    return TL_OK;
+}
+static tl_status rec_norm(void* ctx, tl_cu_norm which, size_t lo, size_t hi, tl_cu_state on) {
+    record(ctx, lo, hi, (event){EV_NORM, (uint32_t)which, 0, on});
+    return TL_OK;
+}
+static tl_status rec_inject(void* ctx, size_t hi) {
+    record(ctx, 0, hi, (event){EV_INJECT, 0, 0, TL_CU_ON_X});
+    return TL_OK;
+}
+static tl_status rec_adapter(void* ctx, size_t hi) {
+    record(ctx, 0, hi, (event){EV_ADAPTER, 0, 0, TL_CU_ON_X});
+    return TL_OK;
+}
+static tl_status rec_copy(void* ctx, size_t hi) {
+    record(ctx, 0, hi, (event){EV_COPY, 0, 0, TL_CU_ON_COPY});
+    return TL_OK;
+}
+static tl_status rec_state(void* ctx, uint32_t depth, size_t row, tl_cu_state on) {
+    trace* tr = ctx;
+    tr->state_row = row;
+    record(tr, row, row + 1, (event){EV_STATE, depth, 0, on});
+    return TL_OK;
+}
+
+/* What docs/spec.md says one row of depth L goes through; `build`: a prefix build's last row. */
+static size_t expected(const tl_config* c, uint32_t L, bool build, event* out) {
+    const uint32_t n_pre = c->n_pre_blocks, k = c->n_core_blocks, n_coda = c->n_coda_blocks;
+    const bool coda = c->coda_norm || n_coda;
+    size_t n = 0;
+    for (uint32_t b = 0; b < n_pre; b++) out[n++] = (event){EV_BLOCK, b, b, TL_CU_ON_X};
+    if (c->injection) out[n++] = (event){EV_INJECT, 0, 0, TL_CU_ON_X};
+    for (uint32_t i = 0; i < L; i++) {
+        if (c->step_norm && i >= 1) out[n++] = (event){EV_NORM, TL_CU_STEP_NORM, 0, TL_CU_ON_X};
+        if (c->injection) out[n++] = (event){EV_ADAPTER, 0, 0, TL_CU_ON_X};
+        for (uint32_t j = 0; j < k; j++) out[n++] = (event){EV_BLOCK, n_pre + i * (k + n_coda) + j, n_pre + j, TL_CU_ON_X};
+        /* the depth i + 1 ends: on x at the row's own depth, on a copy before it (a build) */
+        const bool last = i + 1 == L;
+        if (!last && !build) continue;
+        const tl_cu_state on = last || !coda ? TL_CU_ON_X : TL_CU_ON_COPY;
+        if (on == TL_CU_ON_COPY) out[n++] = (event){EV_COPY, 0, 0, TL_CU_ON_COPY};
+        if (c->coda_norm) out[n++] = (event){EV_NORM, TL_CU_CODA_NORM, 0, on};
+        for (uint32_t j = 0; j < n_coda; j++)
+            out[n++] = (event){EV_BLOCK, n_pre + i * (k + n_coda) + k + j, n_pre + k + j, on};
+        if (build) out[n++] = (event){EV_STATE, i + 1, 0, on};
+    }
+    return n;
+}
+
+static bool same_event(event a, event b) { return a.kind == b.kind && a.a == b.a && a.b == b.b && a.on == b.on; }
+
+/* Walk a pass of rows of the given depths (deepest first) and compare each row's trace. */
+static void check_schedule(const char* what, const tl_config* c, const uint32_t* loops, size_t T, bool build) {
+    static trace tr;
+    memset(&tr, 0, sizeof tr);
+    tr.T = T;
+    tr.one_sequence = build;
+    tr.state_row = T;
+    tl_cuda_row rows[MAX_ROWS];
+    memset(rows, 0, sizeof rows);
+    for (size_t t = 0; t < T; t++) rows[t].loops = loops[t];
+    const tl_cu_pass_steps steps = {&tr, rec_block, rec_norm, rec_inject, rec_adapter, rec_copy, rec_state};
+    CHECK_OK(tl_cu_pass_walk(c, rows, T, build, &steps));
+    CHECK(!build || tr.state_row == T - 1, "%s: states of row %zu", what, tr.state_row);
+    event want[MAX_EVENTS];
+    for (size_t t = 0; t < T; t++) {
+        /* only the last row of a build keeps states; every row of a build runs every depth */
+        size_t n = expected(c, loops[t], build, want);
+        if (build && t + 1 < T) { /* drop the STATE events: the other rows record none */
+            size_t kept = 0;
+            for (size_t i = 0; i < n; i++)
+                if (want[i].kind != EV_STATE) want[kept++] = want[i];
+            n = kept;
+        }
+        CHECK(tr.n[t] == n, "%s: row %zu (loops %u) ran %zu steps, want %zu", what, t, loops[t], tr.n[t], n);
+        for (size_t i = 0; i < n && i < tr.n[t]; i++) {
+            const event g = tr.ev[t][i], w = want[i];
+            CHECK(same_event(g, w), "%s: row %zu step %zu is (%d, %u, %u, on %d), want (%d, %u, %u, on %d)", what, t,
+                  i, g.kind, g.a, g.b, (int)g.on, w.kind, w.a, w.b, (int)w.on);
+            if (!same_event(g, w)) break;
+        }
+        for (size_t i = 0; i < tr.n[t]; i++)
+            if (tr.ev[t][i].kind == EV_BLOCK)
+                CHECK(tr.ev[t][i].a < tl_n_layers(c, loops[t]), "%s: row %zu writes slot %u of %zu", what, t,
+                      tr.ev[t][i].a, tl_n_layers(c, loops[t]));
+    }
+}
+
+static tl_config config(uint32_t n_pre, uint32_t k, uint32_t n_coda, uint32_t flags) {
+    tl_config c;
+    memset(&c, 0, sizeof c);
+    c.n_pre_blocks = n_pre;
+    c.n_core_blocks = k;
+    c.n_coda_blocks = n_coda;
+    c.injection = flags & 1;
+    c.step_norm = (flags >> 1) & 1;
+    c.coda_norm = (flags >> 2) & 1;
+    return c;
+}
+
+static void test_schedule(void) {
+    enum { INJ = 1, STEP = 2, CODA_NORM = 4 };
+    const uint32_t mixed[5] = {4, 4, 3, 1, 1}, one[3] = {3, 3, 3}, single[1] = {1};
+    const tl_config huginn = config(2, 3, 2, INJ | CODA_NORM), ouro = config(0, 4, 0, STEP);
+    const tl_config v1 = config(1, 1, 0, 0), norm_only = config(1, 2, 0, STEP | CODA_NORM | INJ);
+    const tl_config* configs[4] = {&huginn, &ouro, &v1, &norm_only};
+    const char* names[4] = {"huginn-like", "ouro-like", "version 1", "coda norm without coda blocks"};
+    for (int i = 0; i < 4; i++) {
+        char what[96];
+        snprintf(what, sizeof what, "%s, mixed batch", names[i]);
+        check_schedule(what, configs[i], mixed, 5, false);
+        snprintf(what, sizeof what, "%s, prefix build", names[i]);
+        check_schedule(what, configs[i], one, 3, true);
+        snprintf(what, sizeof what, "%s, one row at depth 1, build", names[i]);
+        check_schedule(what, configs[i], single, 1, true);
+    }
+}
+
+int main(void) {
+    test_describe();
+    test_schedule();
     return tu_finish("test_cuda_describe");
 }

@@ -120,6 +120,10 @@ int main(void) {
         check_detached("int4, groups of 8", int4, isas[i]);
         int4.group_size = 4; /* not a multiple of 8: the scalar path on every ISA */
         check_detached("int4, groups of 4", int4, isas[i]);
+        check_detached("version 2, every option", tu_spec_rich(), isas[i]);
+        tu_spec v1 = int8;
+        v1.version = 1;
+        check_detached("version 1", v1, isas[i]);
     }
     return tu_finish("test_file_changes");
 }

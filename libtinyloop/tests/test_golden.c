@@ -112,7 +112,8 @@ static void run_case(const char* kind, const fields* f, tl_model* m, const char*
             CHECK_OK(tl_generate(m, prompt, n_prompt, &gp, got, &n_got, NULL));
         } else {
             tl_prefix* p = NULL;
-            CHECK_OK(tl_prefix_build(m, prompt, n_prompt, (uint32_t)get_u64(f, "prefix_loops"), gp.cache_window, 0, &p));
+            CHECK_OK(tl_prefix_build(m, prompt, n_prompt, (uint32_t)get_u64(f, "prefix_loops"), gp.cache_window,
+                                     gp.prefill_chunk, &p));
             CHECK_OK(tl_generate_from_prefix(p, NULL, 0, &gp, got, &n_got, NULL));
             tl_prefix_free(p);
         }

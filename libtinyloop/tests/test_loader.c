@@ -1,7 +1,11 @@
-/* test_loader.c — the `.tinyloop` reader against valid and hostile files (docs/spec.md §6):
- * named rule violations, truncation at many lengths, random byte flips with the checksum
- * fixed up, huge dimensions and offsets. Every bad file must give TL_ERR_BAD_FILE (never a
- * crash or an out-of-bounds read: run under ASan), and every accepted file must run. */
+/* test_loader.c — the `.tinyloop` reader against valid and hostile files (docs/spec.md §6),
+ * versions 2 and 1: named rule violations (header fields, the tensor set of every version-2
+ * option, meta.* texts, value rules), the order in which rules are reported, truncation at
+ * many lengths, random byte flips with the checksum fixed up, huge dimensions and offsets.
+ * Every bad file must give TL_ERR_BAD_FILE (never a crash or an out-of-bounds read: run under
+ * ASan), and every accepted file must run; a version-1 file runs as the version-2 model it
+ * describes (§6.5), bit for bit, and the config reaches tl_model_config_get. */
+#include <stddef.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,11 +60,12 @@ static tl_status try_open(const uint8_t* bytes, size_t n) {
 
 typedef void (*edit_fn)(uint8_t* f, size_t n);
 
-/* Apply an edit to a fresh valid file (checksum fixed) and expect a message containing `needle`. */
-static void expect_rule(const char* what, edit_fn edit, const char* needle, int fix_crc) {
-    tu_spec spec = tu_spec_default();
+/* Apply an edit to a fresh valid file of `spec` (checksum fixed) and expect a message
+ * containing `needle`. */
+static void expect_rule_on(const tu_spec* spec, const char* what, edit_fn edit, const char* needle,
+                           int fix_crc) {
     size_t n;
-    uint8_t* f = tu_model_bytes(&spec, &n);
+    uint8_t* f = tu_model_bytes(spec, &n);
     edit(f, n);
     if (fix_crc) tu_fix_checksum(f, n);
     tl_status st = try_open(f, n);
@@ -69,8 +74,27 @@ static void expect_rule(const char* what, edit_fn edit, const char* needle, int 
     free(f);
 }
 
+static void expect_rule(const char* what, edit_fn edit, const char* needle, int fix_crc) {
+    const tu_spec spec = tu_spec_default();
+    expect_rule_on(&spec, what, edit, needle, fix_crc);
+}
+
+static tu_spec v1_spec(void) {
+    tu_spec s = tu_spec_default();
+    s.version = 1;
+    return s;
+}
+
+static void rename_entry(uint8_t* f, const char* from, const char* to) {
+    const long e = entry_of(f, from);
+    memset(f + e, 0, 48);
+    memcpy(f + e, to, strlen(to));
+}
+
+static uint8_t* data_of(uint8_t* f, const char* name) { return f + get64(f + entry_of(f, name) + 88); }
+
 static void e_magic(uint8_t* f, size_t n) { (void)n, f[0] = 'X'; }
-static void e_version(uint8_t* f, size_t n) { (void)n, put32(f + 8, 2); }
+static void e_version(uint8_t* f, size_t n) { (void)n, put32(f + 8, 3); }
 static void e_header_bytes(uint8_t* f, size_t n) { (void)n, put32(f + 12, 128); }
 static void e_file_bytes(uint8_t* f, size_t n) { put64(f + 16, n + 1); }
 static void e_checksum(uint8_t* f, size_t n) { f[n - 1] ^= 1; }
@@ -88,7 +112,7 @@ static void e_eps(uint8_t* f, size_t n) { (void)n, put32(f + 112, 0x7fc00000); }
 static void e_name(uint8_t* f, size_t n) { (void)n, memset(f + 120, 'a', 64); }
 static void e_name_utf8(uint8_t* f, size_t n) { (void)n, f[120] = 0xc0, f[121] = 0x80; }
 static void e_flags(uint8_t* f, size_t n) { (void)n, put32(f + 116, 1); }
-static void e_reserved(uint8_t* f, size_t n) { (void)n, f[200] = 1; }
+static void e_reserved(uint8_t* f, size_t n) { (void)n, f[216] = 1; }
 static void e_table_offset(uint8_t* f, size_t n) { (void)n, put64(f + 32, 320); }
 static void e_n_tensors(uint8_t* f, size_t n) { (void)n, put32(f + 28, 0x7fffffff); }
 static void e_data_offset(uint8_t* f, size_t n) { (void)n, put64(f + 40, get64(f + 40) + 1); }
@@ -102,7 +126,7 @@ static void e_huge_dims(uint8_t* f, size_t n) {
     put64(f + e + 56, 1ull << 62);
     put64(f + e + 64, 1ull << 62);
 }
-static void e_huge_offset(uint8_t* f, size_t n) { (void)n, put64(f + entry_of(f, "loop.attn_qkv.s") + 88, ~63ull); }
+static void e_huge_offset(uint8_t* f, size_t n) { (void)n, put64(f + entry_of(f, "core.0.attn_qkv.s") + 88, ~63ull); }
 static void e_misaligned(uint8_t* f, size_t n) { (void)n, put64(f + entry_of(f, "tok_emb.s") + 88, get64(f + entry_of(f, "tok_emb.s") + 88) + 4); }
 static void e_overlap(uint8_t* f, size_t n) {
     (void)n;
@@ -112,9 +136,77 @@ static void e_duplicate(uint8_t* f, size_t n) { (void)n, memcpy(f + entry_of(f, 
 static void e_unprintable(uint8_t* f, size_t n) { (void)n, f[entry_of(f, "tok_emb.s")] = 0x07; }
 static void e_unexpected(uint8_t* f, size_t n) { (void)n, memcpy(f + entry_of(f, "tok_emb.s"), "tok_emb.x", 10); }
 static void e_shape(uint8_t* f, size_t n) { (void)n, put64(f + entry_of(f, "tok_emb.s") + 56, 255); }
-static void e_scale_nan(uint8_t* f, size_t n) { (void)n, put32(f + get64(f + entry_of(f, "loop.ffn_down.s") + 88) + 8, 0x7fc00000); }
-static void e_scale_negative(uint8_t* f, size_t n) { (void)n, put32(f + get64(f + entry_of(f, "tok_emb.s") + 88), 0xbf800000); }
-static void e_rope(uint8_t* f, size_t n) { (void)n, put32(f + get64(f + entry_of(f, "rope.sin") + 88) + 4, 0x3f800001); }
+static void e_scale_nan(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "core.0.ffn_down.s") + 8, 0x7fc00000); }
+static void e_scale_negative(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "tok_emb.s"), 0xbf800000); }
+static void e_rope(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "rope.sin") + 4, 0x3f800001); }
+
+/* version-2 header fields (docs/spec.md §6.1, offsets 184 .. 215) */
+static void e_n_core(uint8_t* f, size_t n) { (void)n, put32(f + 184, 0); }
+static void e_n_core_big(uint8_t* f, size_t n) { (void)n, put32(f + 184, 257); }
+static void e_n_coda(uint8_t* f, size_t n) { (void)n, put32(f + 188, 65); }
+static void e_n_layers(uint8_t* f, size_t n) { (void)n, put32(f + 184, 256), put32(f + 76, 256); }
+static void e_layout(uint8_t* f, size_t n) { (void)n, put32(f + 192, 3); }
+static void e_qkv_bias(uint8_t* f, size_t n) { (void)n, put32(f + 196, 2); }
+static void e_injection(uint8_t* f, size_t n) { (void)n, put32(f + 200, 2); }
+static void e_step_norm(uint8_t* f, size_t n) { (void)n, put32(f + 204, 0xffffffffu); }
+static void e_embed_scale(uint8_t* f, size_t n) { (void)n, put32(f + 208, 0); }
+static void e_embed_scale_inf(uint8_t* f, size_t n) { (void)n, put32(f + 208, 0x7f800000); }
+static void e_coda_norm(uint8_t* f, size_t n) { (void)n, put32(f + 212, 2); }
+static void e_tokenizer(uint8_t* f, size_t n) { (void)n, put32(f + 104, 3); }
+/* the first broken rule wins: an n_core_blocks of 0 before a bad coda_norm */
+static void e_two_fields(uint8_t* f, size_t n) { e_coda_norm(f, n), e_n_core(f, n); }
+/* the tensor set of each option, against a header that says otherwise */
+static void e_no_bias(uint8_t* f, size_t n) { (void)n, put32(f + 196, 0); }
+static void e_wants_bias(uint8_t* f, size_t n) { (void)n, put32(f + 196, 1); }
+static void e_pre_layout(uint8_t* f, size_t n) { (void)n, put32(f + 192, 0); }
+static void e_wants_post(uint8_t* f, size_t n) { (void)n, put32(f + 192, 2); }
+static void e_no_injection(uint8_t* f, size_t n) { (void)n, put32(f + 200, 0); }
+static void e_wants_injection(uint8_t* f, size_t n) { (void)n, put32(f + 200, 1); }
+static void e_wants_step_norm(uint8_t* f, size_t n) { (void)n, put32(f + 204, 1); }
+static void e_wants_coda_norm(uint8_t* f, size_t n) { (void)n, put32(f + 212, 1); }
+static void e_no_coda(uint8_t* f, size_t n) { (void)n, put32(f + 188, 0); }
+static void e_wants_coda(uint8_t* f, size_t n) { (void)n, put32(f + 188, 1); }
+static void e_wants_core(uint8_t* f, size_t n) { (void)n, put32(f + 184, 2); }
+static void e_loop_name(uint8_t* f, size_t n) { (void)n, rename_entry(f, "core.0.attn_out.w", "loop.attn_out.w"); }
+/* meta.* texts */
+static void e_wants_hf(uint8_t* f, size_t n) { (void)n, put32(f + 104, 2); }
+static void e_not_hf(uint8_t* f, size_t n) { (void)n, put32(f + 104, 1); }
+static void e_meta_name(uint8_t* f, size_t n) { (void)n, rename_entry(f, "meta.architecture", "meta.arch"); }
+static void e_meta_dtype(uint8_t* f, size_t n) { (void)n, put32(f + entry_of(f, "meta.tokenizer_json") + 48, 2); }
+static void e_meta_ndim(uint8_t* f, size_t n) {
+    (void)n;
+    const long e = entry_of(f, "meta.tokenizer_config");
+    put32(f + e + 52, 2);
+    put64(f + e + 64, 1);
+}
+static void e_meta_utf8(uint8_t* f, size_t n) { (void)n, data_of(f, "meta.tokenizer_config")[3] = 0xff; }
+static void e_meta_surrogate(uint8_t* f, size_t n) {
+    (void)n, memcpy(data_of(f, "meta.architecture"), "\xed\xa0\x80", 3);
+}
+static void e_meta_cut(uint8_t* f, size_t n) { /* a text ending inside a character */
+    (void)n;
+    uint8_t* json = data_of(f, "meta.tokenizer_json");
+    const long e = entry_of(f, "meta.tokenizer_json");
+    const uint64_t len = get64(f + e + 56);
+    const uint8_t* acute = memchr(json, 0xc3, len);
+    put64(f + e + 56, (uint64_t)(acute - json) + 1);
+}
+/* values of the version-2 tensors, and their order: the required order, then the texts */
+static void e_bias_nan(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "coda.0.attn_qkv.b") + 4, 0x7fc00000); }
+static void e_gain_inf(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "core.1.ffn_post_norm") + 8, 0xff800000); }
+static void e_step_gain(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "core.step_norm"), 0x7f800000); }
+static void e_coda_gain(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "coda.input_norm") + 4, 0x7fc00001); }
+static void e_adapter_scale(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "core.adapter_inject.s"), 0xbf800000); }
+static void e_head_and_text(uint8_t* f, size_t n) { e_meta_utf8(f, n), put32(data_of(f, "head.s"), 0x7fc00000); }
+static void e_text_and_gain(uint8_t* f, size_t n) { e_meta_utf8(f, n), e_coda_gain(f, n); }
+static void e_gain_and_bias(uint8_t* f, size_t n) {
+    e_gain_inf(f, n), put32(data_of(f, "pre.0.attn_qkv.b"), 0x7f800000);
+}
+/* version 1 (docs/spec.md §6.5) */
+static void e_v1_hf(uint8_t* f, size_t n) { (void)n, put32(f + 104, 2); }
+static void e_v1_reserved(uint8_t* f, size_t n) { (void)n, f[184] = 1; }
+static void e_v1_core_name(uint8_t* f, size_t n) { (void)n, rename_entry(f, "loop.attn_out.w", "core.0.attn_out.w"); }
+static void e_v1_meta(uint8_t* f, size_t n) { (void)n, rename_entry(f, "tok_emb.s", "meta.architecture"); }
 
 static void test_rules(void) {
     expect_rule("magic", e_magic, "magic", 1);
@@ -157,6 +249,68 @@ static void test_rules(void) {
     expect_rule("rope", e_rope, "|v| <= 1", 1);
 }
 
+static void test_v2_rules(void) {
+    const tu_spec rich = tu_spec_rich();
+    expect_rule("n_core_blocks 0", e_n_core, "n_core_blocks: must be an int in 1 .. 256, got 0", 1);
+    expect_rule("n_core_blocks 257", e_n_core_big, "n_core_blocks: must be an int in 1 .. 256", 1);
+    expect_rule("n_coda_blocks", e_n_coda, "n_coda_blocks: must be an int in 0 .. 64", 1);
+    expect_rule("n_layers", e_n_layers,
+                "n_pre_blocks + default_loops * (n_core_blocks + n_coda_blocks): must be <= 65536, got 65537", 1);
+    expect_rule("block_layout", e_layout, "block_layout:", 1);
+    expect_rule("qkv_bias", e_qkv_bias, "qkv_bias: must be 0 or 1, got 2", 1);
+    expect_rule("injection", e_injection, "injection: must be 0 or 1", 1);
+    expect_rule("step_norm", e_step_norm, "step_norm: must be 0 or 1", 1);
+    expect_rule("embed_scale 0", e_embed_scale, "embed_scale: must be a finite float > 0", 1);
+    expect_rule("embed_scale inf", e_embed_scale_inf, "embed_scale: must be a finite float > 0", 1);
+    expect_rule("coda_norm", e_coda_norm, "coda_norm: must be 0 or 1", 1);
+    expect_rule("tokenizer", e_tokenizer, "tokenizer: must be 0 (none), 1 (bytes) or 2 (hf), got 3", 1);
+    expect_rule("first field wins", e_two_fields, "n_core_blocks", 1);
+    expect_rule_on(&rich, "bias off", e_no_bias, "unexpected tensor 'pre.0.attn_qkv.b'", 1);
+    expect_rule("bias on", e_wants_bias, "missing tensor 'pre.0.attn_qkv.b'", 1);
+    expect_rule_on(&rich, "layout pre", e_pre_layout, "unexpected tensor 'pre.0.attn_post_norm'", 1);
+    expect_rule("layout post", e_wants_post, "missing tensor 'pre.0.attn_post_norm'", 1);
+    expect_rule_on(&rich, "injection off", e_no_injection, "unexpected tensor 'core.adapter_state.w'", 1);
+    expect_rule("injection on", e_wants_injection, "missing tensor 'core.adapter_state.w'", 1);
+    expect_rule("step_norm on", e_wants_step_norm, "missing tensor 'core.step_norm'", 1);
+    expect_rule("coda_norm on", e_wants_coda_norm, "missing tensor 'coda.input_norm'", 1);
+    expect_rule_on(&rich, "coda off", e_no_coda, "unexpected tensor 'coda.0.attn_qkv.w'", 1);
+    expect_rule("coda on", e_wants_coda, "missing tensor 'coda.0.attn_qkv.w'", 1);
+    expect_rule("core of 2", e_wants_core, "missing tensor 'core.1.attn_qkv.w'", 1);
+    expect_rule("loop name in version 2", e_loop_name, "unexpected tensor 'loop.attn_out.w'", 1);
+    expect_rule("hf without its text", e_wants_hf, "missing tensor 'meta.tokenizer_json'", 1);
+    expect_rule_on(&rich, "text without hf", e_not_hf, "unexpected tensor 'meta.tokenizer_json'", 1);
+    expect_rule_on(&rich, "meta name", e_meta_name, "unexpected tensor 'meta.arch'", 1);
+    expect_rule_on(&rich, "meta dtype", e_meta_dtype, "tensor 'meta.tokenizer_json': dtype int8 != expected uint8", 1);
+    expect_rule_on(&rich, "meta ndim", e_meta_ndim, "tensor 'meta.tokenizer_config': shape", 1);
+    expect_rule_on(&rich, "meta UTF-8", e_meta_utf8, "tensor 'meta.tokenizer_config': not valid UTF-8 (byte 3)", 1);
+    expect_rule_on(&rich, "meta surrogate", e_meta_surrogate, "tensor 'meta.architecture': not valid UTF-8", 1);
+    expect_rule_on(&rich, "meta cut", e_meta_cut, "tensor 'meta.tokenizer_json': not valid UTF-8", 1);
+    expect_rule_on(&rich, "bias NaN", e_bias_nan, "tensor 'coda.0.attn_qkv.b': values must be finite", 1);
+    expect_rule_on(&rich, "gain -inf", e_gain_inf,
+                   "tensor 'core.1.ffn_post_norm': values must be finite, found -inf", 1);
+    expect_rule_on(&rich, "step gain", e_step_gain, "tensor 'core.step_norm': values must be finite", 1);
+    expect_rule_on(&rich, "coda gain", e_coda_gain, "tensor 'coda.input_norm': values must be finite", 1);
+    expect_rule_on(&rich, "adapter scale", e_adapter_scale,
+                   "tensor 'core.adapter_inject.s': scales must be finite and >= 0", 1);
+    expect_rule_on(&rich, "head before texts", e_head_and_text, "tensor 'head.s'", 1);
+    expect_rule_on(&rich, "norms before texts", e_text_and_gain, "tensor 'coda.input_norm'", 1);
+    expect_rule_on(&rich, "blocks in order", e_gain_and_bias, "tensor 'pre.0.attn_qkv.b'", 1);
+    expect_rule_on(&rich, "reserved", e_reserved, "reserved: header bytes 216 .. 255 must be zero", 1);
+    expect_rule_on(&rich, "checksum first", e_meta_utf8, "checksum mismatch", 0);
+    expect_rule_on(&rich, "checksum first", e_n_layers, "checksum mismatch", 0);
+}
+
+static void test_v1_rules(void) {
+    const tu_spec v1 = v1_spec();
+    expect_rule_on(&v1, "v1 hf tokenizer", e_v1_hf, "tokenizer: 2 (hf) needs a version-2 file, got 2 in version 1", 1);
+    expect_rule_on(&v1, "v1 reserved", e_v1_reserved, "reserved: header bytes 184 .. 255 must be zero", 1);
+    expect_rule_on(&v1, "v1 version-2 field", e_n_core_big, "reserved: header bytes 184", 1);
+    expect_rule_on(&v1, "v1 core name", e_v1_core_name, "unexpected tensor 'core.0.attn_out.w'", 1);
+    expect_rule_on(&v1, "v1 meta", e_v1_meta, "unexpected tensor 'meta.architecture'", 1);
+    expect_rule_on(&v1, "v1 scale", e_scale_negative, "tensor 'tok_emb.s': scales must be finite", 1);
+    expect_rule_on(&v1, "v1 version", e_version, "version: unsupported 3, expected 1 or 2", 1);
+}
+
 /* The checksum comes before every rule of the config, table, tensor set and values: with the
  * checksum left stale, those edits must report it. (The loader checks the structure before it
  * reads the data, the one pass that sums every byte, and holds back what it found till then.) */
@@ -195,13 +349,15 @@ static void test_int4_bound(void) {
     free(f);
 }
 
+/* On an int4 file with every version-2 option (and so every kind of tensor). */
 static void test_truncation_and_flips(void) {
-    tu_spec spec = tu_spec_default();
+    tu_spec spec = tu_spec_rich();
     spec.int4 = 1;
     spec.group_size = 8;
     size_t n;
     uint8_t* f = tu_model_bytes(&spec, &n);
     CHECK(try_open(f, n) == TL_OK, "valid int4 file: %s", tl_last_error());
+    const uint32_t table_end = 256 + 96 * (f[28] | f[29] << 8);
     uint8_t* g = malloc(n);
     /* truncation: every length in the header and table, then a spread over the data */
     for (size_t len = 0; len < n; len += len < 2048 ? 1 : 97) {
@@ -215,13 +371,14 @@ static void test_truncation_and_flips(void) {
         tu_fix_checksum(g, len);
         CHECK(try_open(g, len) == TL_ERR_BAD_FILE, "truncated (patched) to %zu accepted", len);
     }
-    /* random byte flips with the checksum fixed: any outcome but a crash, mostly in the header */
+    /* random byte flips with the checksum fixed: any outcome but a crash, mostly in the header
+     * and the table */
     uint64_t rng = 99;
-    for (int round = 0; round < 1500; round++) {
+    for (int round = 0; round < 3000; round++) {
         memcpy(g, f, n);
         const int flips = tu_uniform(&rng, 1, 3);
         for (int k = 0; k < flips; k++) {
-            const size_t at = round % 3 ? (size_t)tu_uniform(&rng, 0, 255 + 96 * 40) % n : tu_next(&rng) % n;
+            const size_t at = round % 3 ? (size_t)tu_uniform(&rng, 0, (int32_t)table_end - 1) : tu_next(&rng) % n;
             g[at] ^= (uint8_t)tu_uniform(&rng, 1, 255);
         }
         tu_fix_checksum(g, n);
@@ -229,6 +386,82 @@ static void test_truncation_and_flips(void) {
     }
     free(g);
     free(f);
+}
+
+/* Every version-2 option loads and runs, and reaches tl_model_config_get. */
+static void test_v2_models(void) {
+    tu_spec specs[5];
+    specs[0] = tu_spec_rich();
+    specs[1] = tu_spec_rich(); /* int4, tied head, post layout */
+    specs[1].int4 = 1, specs[1].group_size = 16, specs[1].tied = 1, specs[1].layout = 2;
+    specs[2] = tu_spec_default(); /* no prelude, a core of 3, a coda of 2, plain blocks */
+    specs[2].n_pre = 0, specs[2].n_core = 3, specs[2].n_coda = 2, specs[2].loops = 2;
+    specs[3] = tu_spec_default(); /* injection straight from the embedding, the texts without hf */
+    specs[3].n_pre = 0, specs[3].injection = 1, specs[3].meta = 1, specs[3].embed_scale = 0.5f;
+    specs[4] = tu_spec_default(); /* the deepest cache the header allows: 1 + 256 * 256 - 1 */
+    specs[4].n_core = 255, specs[4].n_coda = 1, specs[4].loops = 255, specs[4].d = 8, specs[4].heads = 1;
+    specs[4].kv_heads = 1, specs[4].head_dim = 8, specs[4].ffn = 8, specs[4].max_seq = 4;
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        const tu_spec* sp = &specs[i];
+        size_t n;
+        uint8_t* f = tu_model_bytes(sp, &n);
+        CHECK(try_open(f, n) == TL_OK, "v2 model %zu: %s", i, tl_last_error());
+        free(f);
+        tl_model* m = tu_open(tu_write_model("v2.tinyloop", sp), 1, TL_ISA_AUTO, 0);
+        if (!m) continue;
+        tl_model_config cfg = {.size = sizeof cfg};
+        CHECK_OK(tl_model_config_get(m, &cfg));
+        CHECK(cfg.version == 2 && cfg.n_core_blocks == sp->n_core && cfg.n_coda_blocks == sp->n_coda &&
+                  cfg.block_layout == sp->layout && cfg.qkv_bias == sp->qkv_bias &&
+                  cfg.injection == sp->injection && cfg.step_norm == sp->step_norm &&
+                  cfg.coda_norm == sp->coda_norm && cfg.embed_scale == sp->embed_scale &&
+                  cfg.tokenizer == (sp->hf ? 2u : 1u) && cfg.tied_head == sp->tied &&
+                  cfg.n_pre_blocks == sp->n_pre && cfg.default_loops == sp->loops,
+              "v2 model %zu: config round trip", i);
+        tl_model_free(m);
+    }
+}
+
+/* A version-1 file is the version-2 model it describes (docs/spec.md §6.5): the same tensors
+ * under `loop` give the same logits, bit for bit, at every depth. */
+static void test_v1_is_v2(void) {
+    tu_spec v1 = v1_spec(), v2 = tu_spec_default();
+    v1.n_pre = v2.n_pre = 2;
+    tl_model* m1 = tu_open(tu_write_model("v1.tinyloop", &v1), 1, TL_ISA_AUTO, 0);
+    tl_model* m2 = tu_open(tu_write_model("v2.tinyloop", &v2), 1, TL_ISA_AUTO, 0);
+    if (!m1 || !m2) {
+        tl_model_free(m1);
+        tl_model_free(m2);
+        return;
+    }
+    static const int32_t tokens[5] = {3, 1, 4, 1, 5};
+    for (uint32_t loops = 1; loops <= 3; loops++) {
+        float a[5 * 256], b[5 * 256];
+        tl_seq *s1 = NULL, *s2 = NULL;
+        CHECK_OK(tl_seq_create(m1, loops, 0, &s1));
+        CHECK_OK(tl_seq_create(m2, loops, 0, &s2));
+        CHECK_OK(tl_seq_prefill_all(s1, tokens, 5, 0, a));
+        CHECK_OK(tl_seq_prefill_all(s2, tokens, 5, 0, b));
+        CHECK(tu_same_bits(a, b, 5 * 256), "version 1 and 2 logits differ at depth %u", loops);
+        tl_seq_free(s1);
+        tl_seq_free(s2);
+    }
+    tl_model_config cfg = {.size = sizeof cfg};
+    CHECK_OK(tl_model_config_get(m1, &cfg));
+    CHECK(cfg.version == 1 && cfg.n_core_blocks == 1 && cfg.n_coda_blocks == 0 && cfg.block_layout == 0 &&
+              cfg.qkv_bias == 0 && cfg.injection == 0 && cfg.step_norm == 0 && cfg.coda_norm == 0 &&
+              cfg.embed_scale == 1.0f && cfg.n_pre_blocks == 2,
+          "version-1 config reads as its version-2 model");
+    /* a caller built before the version-2 fields gets the fields it knows, nothing past them */
+    tl_model_config old;
+    memset(&old, 0xab, sizeof old);
+    old.size = offsetof(tl_model_config, version);
+    CHECK_OK(tl_model_config_get(m2, &old));
+    CHECK(old.size == offsetof(tl_model_config, version) && old.vocab_size == 256 &&
+              strcmp(old.name, "c-test-model") == 0 && old.version == 0xababababu && old.embed_scale != 1.0f,
+          "a short tl_model_config is filled up to its size only");
+    tl_model_free(m1);
+    tl_model_free(m2);
 }
 
 static void test_paths(void) {
@@ -253,14 +486,19 @@ static void test_paths(void) {
     tl_model_config cfg = {.size = sizeof cfg};
     CHECK_OK(tl_model_config_get(m, &cfg));
     CHECK(cfg.vocab_size == 263 && cfg.tied_head == 1 && cfg.n_pre_blocks == 0 && cfg.eos_id == 5 &&
-              cfg.tokenizer == 1 && strcmp(cfg.name, "c-test-model") == 0 && cfg.rms_eps == 1e-5f,
+              cfg.tokenizer == 1 && strcmp(cfg.name, "c-test-model") == 0 && cfg.rms_eps == 1e-5f &&
+              cfg.version == 2 && cfg.n_core_blocks == 1 && cfg.embed_scale == 1.0f,
           "config round trip");
     tl_model_free(m);
 }
 
 int main(void) {
     test_rules();
+    test_v2_rules();
+    test_v1_rules();
     test_checksum_first();
+    test_v2_models();
+    test_v1_is_v2();
     test_int4_bound();
     test_truncation_and_flips();
     test_paths();

@@ -1,6 +1,8 @@
-/* test_model.c — the public API end to end, on models written by test_util: invariance of
- * logits and tokens under thread count, kernel path, chunking, block size, forking, prefixes,
- * depth nesting and windows; block sharing (forks and prefix continuations copy no block);
+/* test_model.c — the public API end to end, on models written by test_util (version 1, and
+ * version 2 with several core blocks, a coda, each block layout, biases, the injection adapter,
+ * the step and coda norms): invariance of logits and tokens under thread count, kernel path,
+ * chunking, block size, forking, prefixes, depth nesting and windows; a version-1 file equals
+ * the version-2 file of the same weights; block sharing (forks and prefix continuations copy no block);
  * argument validation with its messages; closed models; concurrent use of one model. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -10,8 +12,10 @@
 
 enum { N_PROMPT = 37 };
 
-static tu_spec specs[4];
-static const char* paths[4];
+enum { N_MODELS = 7 };
+
+static tu_spec specs[N_MODELS];
+static const char* paths[N_MODELS];
 static int32_t prompt[N_PROMPT];
 
 /* Logits of every position of tokens[0..n), as [n][V] (malloc'd). */
@@ -192,6 +196,86 @@ static void test_fork_prefix(void) {
     tl_model_free(m);
     tl_prefix_free(p); /* releases the weights last */
     free(ref3), free(logits), free(la), free(lb);
+}
+
+/* A version-1 file reads as the version-2 model of the same weights (docs/spec.md §6.5): the
+ * same logits, bit for bit, at every depth. */
+static void test_version1_is_version2(void) {
+    tu_spec v1 = specs[0];
+    v1.version = 1;
+    const char* path = tu_write_model("v1.tinyloop", &v1);
+    tl_model* m1 = tu_open(path, 2, TL_ISA_AUTO, 4);
+    tl_model* m2 = tu_open(paths[0], 2, TL_ISA_AUTO, 4);
+    tl_model_config c1 = {.size = sizeof c1}, c2 = {.size = sizeof c2};
+    CHECK_OK(tl_model_config_get(m1, &c1));
+    CHECK_OK(tl_model_config_get(m2, &c2));
+    CHECK(c1.version == 1 && c2.version == 2 && c1.n_core_blocks == 1 && c1.embed_scale == 1.0f,
+          "versions %u, %u", c1.version, c2.version);
+    for (uint32_t L = 1; L <= 3; L++) {
+        float* a = all_logits(m1, prompt, N_PROMPT, L, 0, 5, v1.vocab);
+        float* b = all_logits(m2, prompt, N_PROMPT, L, 0, 0, v1.vocab);
+        CHECK(tu_same_bits(a, b, N_PROMPT * v1.vocab), "version 1 differs from version 2 at depth %u", L);
+        free(a), free(b);
+    }
+    tl_model_free(m1);
+    tl_model_free(m2);
+}
+
+/* A prefix built at depth 3 (in chunks) serves depths 1, 2, 3 exactly as fresh runs of the whole
+ * prompt: with a coda it wrote the coda slots of every depth and the final state of each. */
+static void test_prefix_depths(int which) {
+    const uint32_t V = specs[which].vocab;
+    tl_model* m = tu_open(paths[which], 3, TL_ISA_AUTO, 4);
+    tl_prefix* p = NULL;
+    CHECK_OK(tl_prefix_build(m, prompt, 30, 3, 0, 7, &p));
+    float* logits = malloc(V * sizeof(float));
+    for (uint32_t L = 1; L <= 3; L++) {
+        float* ref = all_logits(m, prompt, N_PROMPT, L, 0, 0, V);
+        tl_seq* s = NULL;
+        CHECK_OK(tl_seq_from_prefix(p, L, &s));
+        CHECK_OK(tl_seq_last_logits(s, logits));
+        CHECK(tu_same_bits(logits, ref + 29 * V, V), "model %d: prefix at depth %u: first logits", which, L);
+        for (size_t i = 30; i < N_PROMPT; i++) {
+            CHECK_OK(tl_seq_decode(s, prompt[i], logits));
+            CHECK(tu_same_bits(logits, ref + i * V, V), "model %d: prefix at depth %u: position %zu", which, L, i);
+        }
+        tl_seq_free(s);
+        free(ref);
+    }
+    tl_prefix_free(p);
+    free(logits);
+    tl_model_free(m);
+}
+
+/* n_layers(L) <= 65536 (docs/spec.md §1): a prelude block and 64 core blocks run at most 1023
+ * loops. */
+static void test_depth_limit(void) {
+    tu_spec sp = tu_spec_default();
+    sp.vocab = 16, sp.d = 8, sp.heads = 1, sp.kv_heads = 1, sp.head_dim = 8, sp.ffn = 8, sp.n_pre = 1;
+    sp.n_core = 64, sp.loops = 1, sp.max_seq = 8;
+    tl_model* m = tu_open(tu_write_model("deep.tinyloop", &sp), 1, TL_ISA_AUTO, 4);
+    tl_seq* s = NULL;
+    CHECK_OK(tl_seq_create(m, 1023, 0, &s));
+    const int32_t token = 3;
+    CHECK_OK(tl_seq_prefill(s, &token, 1, 0, NULL));
+    tl_seq_free(s);
+    s = NULL;
+    CHECK_STATUS(tl_seq_create(m, 1024, 0, &s), TL_ERR_INVALID_ARGUMENT);
+    CHECK(s == NULL && strstr(tl_last_error(), "loops=1024 needs 65537 cache layers, more than 65536") != NULL,
+          "%s", tl_last_error());
+    tl_prefix* p = NULL;
+    CHECK_STATUS(tl_prefix_build(m, &token, 1, 1024, 0, 0, &p), TL_ERR_INVALID_ARGUMENT);
+    tl_gen_params gp = tl_gen_params_default();
+    gp.loops = 1024;
+    gp.max_tokens = 2;
+    int32_t out[4];
+    size_t n_out;
+    CHECK_STATUS(tl_generate(m, &token, 1, &gp, out, &n_out, NULL), TL_ERR_INVALID_ARGUMENT);
+    tl_request r = {.size = sizeof r, .prompt = &token, .n_prompt = 1, .params = &gp, .out_tokens = out};
+    tl_request* batch[1] = {&r};
+    CHECK_STATUS(tl_generate_batch(m, batch, 1), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tl_last_error(), "request 0: loops=1024 needs 65537 cache layers") != NULL, "%s", tl_last_error());
+    tl_model_free(m);
 }
 
 /* on_token sees every emitted token in order; a nonzero return stops generation there. */
@@ -455,13 +539,27 @@ int main(void) {
     specs[2] = base, specs[2].n_pre = 0, specs[2].tied = 1, specs[2].vocab = 263, specs[2].kv_heads = 1;
     specs[3] = base, specs[3].int4 = 1, specs[3].group_size = 6, specs[3].n_pre = 2, specs[3].d = 36,
     specs[3].ffn = 42, specs[3].heads = 3, specs[3].kv_heads = 3; /* group size 6: scalar fallback */
-    const char* names[4] = {"m0.tinyloop", "m1.tinyloop", "m2.tinyloop", "m3.tinyloop"};
-    for (int i = 0; i < 4; i++) paths[i] = tu_write_model(names[i], &specs[i]);
+    /* Ouro-like: no prelude, two core blocks, sandwich, step norm */
+    specs[4] = base, specs[4].n_pre = 0, specs[4].n_core = 2, specs[4].layout = 1, specs[4].step_norm = 1;
+    /* Huginn-like: prelude, core, coda, post, injection, coda norm, q/k/v bias, embedding scale, tied */
+    specs[5] = base, specs[5].n_core = 2, specs[5].n_coda = 1, specs[5].layout = 2, specs[5].injection = 1,
+    specs[5].coda_norm = 1, specs[5].qkv_bias = 1, specs[5].embed_scale = 2.5f, specs[5].tied = 1;
+    /* int4 with a two-block coda, injection and the step norm, pre layout */
+    specs[6] = base, specs[6].int4 = 1, specs[6].group_size = 16, specs[6].n_core = 2, specs[6].n_coda = 2,
+    specs[6].injection = 1, specs[6].step_norm = 1, specs[6].embed_scale = 0.5f;
+    for (int i = 0; i < N_MODELS; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "m%d.tinyloop", i);
+        paths[i] = tu_write_model(name, &specs[i]);
+    }
     uint64_t rng = 42;
     for (int i = 0; i < N_PROMPT; i++) prompt[i] = tu_uniform(&rng, 0, 255);
     const size_t baseline = bytes_in_use();
-    for (int i = 0; i < 4; i++) test_invariance(i);
+    for (int i = 0; i < N_MODELS; i++) test_invariance(i);
+    test_version1_is_version2();
     test_fork_prefix();
+    for (int i = 4; i < N_MODELS; i++) test_prefix_depths(i);
+    test_depth_limit();
     test_window_memory();
     test_token_callback();
     test_prefill_progress();

@@ -1,7 +1,8 @@
 /* test_prefix_cache.c — the automatic prefix cache and batched generation.
  *
- * Through the public API: tokens and logits equal those of a model without a cache (hits,
- * misses, evictions under a tiny budget, salts, depths, windows); the counters; clear and
+ * Through the public API, on a model without a coda and one with (whose tree is per depth):
+ * tokens and logits equal those of a model without a cache (hits, misses, evictions under a
+ * tiny budget, salts, depths, windows); which depths a cached block serves; the counters; clear and
  * close, and a request still running at close adds nothing afterwards; tl_generate_batch
  * against tl_generate / tl_generate_from_prefix request by request, and its validation;
  * tl_prefix_build's length check. Directly on the cache (this test links the library's
@@ -192,6 +193,30 @@ static void test_batch(const char* path) {
     tl_model_free(m);
 }
 
+/* A block cached at depth 3 serves a request at depth 2 when the model has no coda (depth
+ * nesting); with a coda it serves depth 3 alone (its coda slots hold depth 3's KV). */
+static void test_depth_trees(const char* path, int coda) {
+    tl_model* m = open_with_cache(path, 1 << 30);
+    tl_model* plain = open_with_cache(path, 0);
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 3;
+    gp.loops = 3;
+    result deep = run(m, system_prompt, N_SYSTEM, &gp), want_deep = run(plain, system_prompt, N_SYSTEM, &gp);
+    check_same(deep, want_deep, "depth 3");
+    gp.loops = 2;
+    const tl_prefix_cache_stats before = stats_of(m);
+    result shallow = run(m, system_prompt, N_SYSTEM, &gp), want = run(plain, system_prompt, N_SYSTEM, &gp);
+    check_same(shallow, want, "depth 2 after depth 3");
+    const tl_prefix_cache_stats after = stats_of(m);
+    CHECK(after.hit_tokens - before.hit_tokens == (coda ? 0u : 20u),
+          "coda %d: depth 2 reused %llu tokens of depth 3", coda,
+          (unsigned long long)(after.hit_tokens - before.hit_tokens));
+    CHECK(after.blocks == (coda ? 10u : 5u), "coda %d: %zu blocks cached", coda, after.blocks);
+    free(deep.logits), free(want_deep.logits), free(shallow.logits), free(want.logits);
+    tl_model_free(m);
+    tl_model_free(plain);
+}
+
 /* ---- a request running while its model is closed ---------------------------------------- */
 
 typedef struct rendezvous {
@@ -294,7 +319,7 @@ static void test_prefix_build_checks_length_first(const char* path) {
 
 /* ---- the cache itself against a reference model ------------------------------------------- */
 
-enum { BS = 2, MAX_REF = 64, MAX_PROMPT = 11, N_SLOTS = 6, N_KEYS = 4 };
+enum { BS = 2, MAX_REF = 64, MAX_PROMPT = 11, N_SLOTS = 6, N_KEYS = 6 };
 
 /* The policy, written plainly: nodes in an array, found by scanning; a call's tick marks what
  * it touched; the victim is the leaf with the smallest tick whose block only the cache holds. */
@@ -456,15 +481,19 @@ static void test_lru_matches_reference(uint64_t seed) {
     ref_cache* r = calloc(1, sizeof *r);
     r->budget = 1500; /* 5 .. 11 blocks of 1 .. 3 layers */
     tl_pcache* c = tl_pcache_new(&g, r->budget);
-    const char* salts[N_KEYS] = {NULL, NULL, "t", "t"};
-    const uint32_t windows[N_KEYS] = {0, 3, 0, 3};
+    /* the last two are per-depth trees (a model with a coda): blocks of one layer count each,
+     * apart from the depth-nested trees of the same salt and window */
+    const char* salts[N_KEYS] = {NULL, NULL, "t", "t", NULL, "t"};
+    const uint32_t windows[N_KEYS] = {0, 3, 0, 3, 0, 3};
+    const uint32_t tree_depths[N_KEYS] = {0, 0, 0, 0, 2, 3};
     tl_kv_table slots[N_SLOTS];
     memset(slots, 0, sizeof slots);
     uint64_t rng = seed;
     int32_t tokens[MAX_PROMPT];
     for (int step = 0; step < 3000; step++) {
         const int op = tu_uniform(&rng, 0, 99), key = tu_uniform(&rng, 0, N_KEYS - 1);
-        const tl_pcache_key k = {salts[key], windows[key], (uint32_t)tu_uniform(&rng, 1, 3)};
+        const uint32_t layers = tree_depths[key] ? tree_depths[key] : (uint32_t)tu_uniform(&rng, 1, 3);
+        const tl_pcache_key k = {salts[key], windows[key], layers, tree_depths[key]};
         const size_t n = (size_t)tu_uniform(&rng, 1, MAX_PROMPT);
         for (size_t i = 0; i < n; i++) tokens[i] = tu_uniform(&rng, 0, 1);
         tl_kv_table* t = &slots[tu_uniform(&rng, 0, N_SLOTS - 1)];
@@ -507,7 +536,7 @@ enum { MAX_CHAIN = 8 };
 /* Insert the prompt of blocks {id, 0}, {id, 1}, ... (`blocks` of them: a new chain for a new
  * id) from table u (emptied first); returns the nodes the eviction walk visited for it. */
 static uint64_t insert_chain(tl_pcache* c, const tl_kv_geom* g, int32_t id, size_t blocks, tl_kv_table* u) {
-    const tl_pcache_key key = {NULL, 0, 1};
+    const tl_pcache_key key = {NULL, 0, 1, 0};
     int32_t tokens[MAX_CHAIN * BS];
     for (size_t i = 0; i < blocks; i++) {
         tokens[i * BS] = id;
@@ -586,12 +615,21 @@ int main(void) {
     tu_spec spec = tu_spec_default();
     V = spec.vocab;
     const char* path = tu_write_model("pcache.tinyloop", &spec);
+    tu_spec coda_spec = spec; /* Huginn's shape: prelude, two core blocks, a coda, post layout */
+    coda_spec.n_core = 2, coda_spec.n_coda = 1, coda_spec.layout = 2, coda_spec.injection = 1;
+    coda_spec.coda_norm = 1, coda_spec.qkv_bias = 1;
+    const char* coda = tu_write_model("pcache-coda.tinyloop", &coda_spec);
     uint64_t rng = 3;
     for (int i = 0; i < N_SYSTEM; i++) system_prompt[i] = tu_uniform(&rng, 0, (int32_t)V - 1);
     test_results_unchanged(path, (size_t)1 << 30);
     test_results_unchanged(path, 9000);
+    test_results_unchanged(coda, (size_t)1 << 30);
+    test_results_unchanged(coda, 19000);
+    test_depth_trees(path, 0);
+    test_depth_trees(coda, 1);
     test_counters_salts_clear(path);
     test_batch(path);
+    test_batch(coda);
     test_no_insert_after_close(path);
     test_prefix_build_checks_length_first(path);
     for (uint64_t seed = 1; seed <= 4; seed++) test_lru_matches_reference(seed);

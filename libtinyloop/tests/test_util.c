@@ -2,6 +2,7 @@
 #include "test_util.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -41,17 +42,35 @@ uint32_t tu_crc32(const uint8_t* p, size_t n) {
 }
 
 tu_spec tu_spec_default(void) {
-    tu_spec s = {256, 48, 4, 2, 12, 80, 1, 3, 96, 0, 0, 0, -1, 1};
+    tu_spec s = {.vocab = 256, .d = 48, .heads = 4, .kv_heads = 2, .head_dim = 12, .ffn = 80,
+                 .n_pre = 1, .loops = 3, .max_seq = 96, .eos = -1, .seed = 1,
+                 .version = 2, .n_core = 1, .embed_scale = 1.0f};
+    return s;
+}
+
+tu_spec tu_spec_rich(void) {
+    tu_spec s = tu_spec_default();
+    s.n_core = 2, s.n_coda = 1, s.layout = 1, s.qkv_bias = 1, s.injection = 1, s.step_norm = 1;
+    s.coda_norm = 1, s.embed_scale = 2.0f, s.hf = 1, s.meta = 1;
     return s;
 }
 
 /* ---- file writer ---------------------------------------------------------------------- */
+
+/* What a tensor holds, which says how it is filled. */
+typedef enum kind {
+    K_EMB_W, K_EMB_S, K_ROPE_COS, K_ROPE_SIN, K_WEIGHTS, K_MULT, K_SCALE, K_BIAS, K_GAIN, K_TEXT
+} kind;
 
 typedef struct tensor {
     char name[48];
     uint32_t dtype, ndim;
     uint64_t dims[2];
     uint64_t offset, nbytes;
+    kind kind;
+    uint32_t K;         /* K_SCALE: the linear's inputs                                  */
+    float gain;         /* K_SCALE: the output's rough standard deviation                */
+    const char* text;   /* K_TEXT                                                         */
 } tensor;
 
 static void put32(uint8_t* p, uint32_t v) {
@@ -66,15 +85,91 @@ static void putf(uint8_t* p, float f) {
     put32(p, u);
 }
 
-static void add(tensor* t, size_t* n, const char* name, uint32_t dtype, uint64_t d0, uint64_t d1) {
+static tensor* add(tensor* t, size_t* n, const char* name, kind k, uint32_t dtype, uint64_t d0, uint64_t d1) {
     tensor* x = &t[(*n)++];
     memset(x, 0, sizeof *x);
     snprintf(x->name, sizeof x->name, "%s", name);
+    x->kind = k;
     x->dtype = dtype;
     x->ndim = d1 ? 2 : 1;
     x->dims[0] = d0;
     x->dims[1] = d1;
     x->nbytes = d0 * (d1 ? d1 : 1) * (dtype == 1 ? 4 : 1);
+    return x;
+}
+
+/* Linear `prefix`, y[R] from x[K], its output of rough standard deviation `gain`. */
+static void add_linear(const tu_spec* s, tensor* t, size_t* n, const char* prefix, uint32_t R, uint32_t K,
+                       float gain) {
+    char name[48];
+    snprintf(name, sizeof name, "%s.w", prefix);
+    add(t, n, name, K_WEIGHTS, s->int4 ? 3 : 2, R, s->int4 ? K / 2 : K);
+    if (s->int4) {
+        snprintf(name, sizeof name, "%s.m", prefix);
+        add(t, n, name, K_MULT, 3, R, K / s->group_size);
+    }
+    snprintf(name, sizeof name, "%s.s", prefix);
+    tensor* sc = add(t, n, name, K_SCALE, 1, R, 0);
+    sc->K = K;
+    sc->gain = gain;
+}
+
+static void add_f32(tensor* t, size_t* n, kind k, uint64_t len, const char* fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void add_f32(tensor* t, size_t* n, kind k, uint64_t len, const char* fmt, ...) {
+    char name[48];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(name, sizeof name, fmt, args);
+    va_end(args);
+    add(t, n, name, k, 1, len, 0);
+}
+
+static void add_text(tensor* t, size_t* n, const char* name, const char* text) {
+    add(t, n, name, K_TEXT, 3, strlen(text), 0)->text = text;
+}
+
+/* The tensors of docs/spec.md §6.3 in the required order (version 1: the core block is
+ * `loop`); returns the count. */
+static size_t layout(const tu_spec* s, tensor* t) {
+    const uint32_t V = s->vocab, d = s->d, H = s->heads, G = s->kv_heads, D = s->head_dim, F = s->ffn;
+    const int post = s->layout != 0;
+    size_t n = 0;
+    add(t, &n, "tok_emb.w", K_EMB_W, 2, V, d);
+    add(t, &n, "tok_emb.s", K_EMB_S, 1, V, 0);
+    add(t, &n, "rope.cos", K_ROPE_COS, 1, s->max_seq, D / 2);
+    add(t, &n, "rope.sin", K_ROPE_SIN, 1, s->max_seq, D / 2);
+    for (uint32_t b = 0; b < s->n_pre + s->n_core + s->n_coda; b++) {
+        char p[16], name[48];
+        if (b < s->n_pre) snprintf(p, sizeof p, "pre.%u", b);
+        else if (s->version == 1) snprintf(p, sizeof p, "loop");
+        else if (b < s->n_pre + s->n_core) snprintf(p, sizeof p, "core.%u", b - s->n_pre);
+        else snprintf(p, sizeof p, "coda.%u", b - s->n_pre - s->n_core);
+        snprintf(name, sizeof name, "%s.attn_qkv", p);
+        add_linear(s, t, &n, name, (H + 2 * G) * D, d, 1.0f);
+        if (s->qkv_bias) add_f32(t, &n, K_BIAS, (H + 2 * G) * D, "%s.attn_qkv.b", p);
+        snprintf(name, sizeof name, "%s.attn_out", p);
+        add_linear(s, t, &n, name, d, H * D, 0.5f);
+        if (post) add_f32(t, &n, K_GAIN, d, "%s.attn_post_norm", p);
+        snprintf(name, sizeof name, "%s.ffn_gate_up", p);
+        add_linear(s, t, &n, name, 2 * F, d, 1.0f);
+        snprintf(name, sizeof name, "%s.ffn_down", p);
+        add_linear(s, t, &n, name, d, F, 0.5f);
+        if (post) add_f32(t, &n, K_GAIN, d, "%s.ffn_post_norm", p);
+    }
+    if (s->injection) {
+        add_linear(s, t, &n, "core.adapter_state", d, d, 0.7f);
+        add_linear(s, t, &n, "core.adapter_inject", d, d, 0.7f);
+    }
+    if (s->step_norm) add_f32(t, &n, K_GAIN, d, "core.step_norm");
+    if (s->coda_norm) add_f32(t, &n, K_GAIN, d, "coda.input_norm");
+    if (!s->tied) add_linear(s, t, &n, "head", V, d, 3.0f);
+    if (s->meta) {
+        add_text(t, &n, "meta.architecture", "TinyLoopTestForCausalLM");
+        add_text(t, &n, "meta.tokenizer_config", "{\"add_bos_token\": false}");
+    }
+    if (s->hf) add_text(t, &n, "meta.tokenizer_json", "{\"model\": {\"vocab\": {\"caf\xc3\xa9\": 0}}}");
+    return n;
 }
 
 /* Row scale making a linear's output roughly unit-variance (times `gain`). */
@@ -83,51 +178,57 @@ static float row_scale(const tu_spec* s, uint32_t K, float gain) {
     return gain / (w_std * sqrtf((float)K));
 }
 
-static void fill_linear(const tu_spec* s, uint8_t* data, tensor* t, size_t* i, uint32_t R, uint32_t K,
-                        float gain, uint64_t* rng) {
-    tensor* w = &t[(*i)++];
-    for (uint64_t k = 0; k < w->nbytes; k++)
-        data[w->offset + k] = s->int4 ? (uint8_t)tu_uniform(rng, 0, 255) : (uint8_t)(int8_t)tu_uniform(rng, -127, 127);
-    if (s->int4) {
-        tensor* m = &t[(*i)++];
-        for (uint64_t k = 0; k < m->nbytes; k++) data[m->offset + k] = (uint8_t)tu_uniform(rng, 1, 255);
+static float uniform01(uint64_t* rng) { return (float)(tu_next(rng) >> 40) / 16777216.0f; }
+
+/* Tensor x's values at data + x->offset. */
+static void fill(const tu_spec* s, uint8_t* data, const tensor* x, uint64_t* rng) {
+    uint8_t* p = data + x->offset;
+    const uint32_t half = s->head_dim / 2;
+    switch (x->kind) {
+    case K_EMB_W:
+        for (uint64_t k = 0; k < x->nbytes; k++) p[k] = (uint8_t)(int8_t)tu_uniform(rng, -127, 127);
+        break;
+    case K_EMB_S:
+        for (uint64_t v = 0; v < x->dims[0]; v++) putf(p + 4 * v, (0.8f + 0.4f * uniform01(rng)) / 73.0f);
+        break;
+    case K_ROPE_COS:
+    case K_ROPE_SIN:
+        for (uint32_t pos = 0; pos < s->max_seq; pos++)
+            for (uint32_t j = 0; j < half; j++) {
+                const double angle = pos * pow(10000.0, -2.0 * j / s->head_dim);
+                putf(p + 4 * ((uint64_t)pos * half + j), (float)(x->kind == K_ROPE_COS ? cos(angle) : sin(angle)));
+            }
+        break;
+    case K_WEIGHTS:
+        for (uint64_t k = 0; k < x->nbytes; k++)
+            p[k] = s->int4 ? (uint8_t)tu_uniform(rng, 0, 255) : (uint8_t)(int8_t)tu_uniform(rng, -127, 127);
+        break;
+    case K_MULT:
+        for (uint64_t k = 0; k < x->nbytes; k++) p[k] = (uint8_t)tu_uniform(rng, 1, 255);
+        break;
+    case K_SCALE:
+        for (uint64_t r = 0; r < x->dims[0]; r++)
+            putf(p + 4 * r, row_scale(s, x->K, x->gain) * (0.75f + 0.5f * uniform01(rng)));
+        break;
+    case K_BIAS:
+        for (uint64_t r = 0; r < x->dims[0]; r++) putf(p + 4 * r, 0.5f * uniform01(rng) - 0.25f);
+        break;
+    case K_GAIN:
+        for (uint64_t r = 0; r < x->dims[0]; r++) putf(p + 4 * r, 0.5f + uniform01(rng));
+        break;
+    case K_TEXT: memcpy(p, x->text, x->nbytes); break;
     }
-    tensor* sc = &t[(*i)++];
-    for (uint32_t r = 0; r < R; r++)
-        putf(data + sc->offset + 4 * r, row_scale(s, K, gain) * (0.75f + 0.5f * (float)(tu_next(rng) >> 40) / 16777216.0f));
 }
 
 uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
-    const uint32_t V = s->vocab, d = s->d, H = s->heads, G = s->kv_heads, D = s->head_dim, F = s->ffn;
-    const uint32_t blocks = s->n_pre + 1;
-    tensor* t = calloc(4 + 3 * (4 * blocks + 1), sizeof *t);
-    size_t n = 0;
-    char name[48];
-    add(t, &n, "tok_emb.w", 2, V, d);
-    add(t, &n, "tok_emb.s", 1, V, 0);
-    add(t, &n, "rope.cos", 1, s->max_seq, D / 2);
-    add(t, &n, "rope.sin", 1, s->max_seq, D / 2);
-    const char* parts[4] = {"attn_qkv", "attn_out", "ffn_gate_up", "ffn_down"};
-    const uint32_t Rs[4] = {(H + 2 * G) * D, d, 2 * F, d}, Ks[4] = {d, H * D, d, F};
-    for (uint32_t b = 0; b <= blocks; b++) {
-        const int head = b == blocks;
-        if (head && s->tied) break;
-        for (int p = 0; p < (head ? 1 : 4); p++) {
-            char prefix[40];
-            if (head) snprintf(prefix, sizeof prefix, "head");
-            else if (b < s->n_pre) snprintf(prefix, sizeof prefix, "pre.%u.%s", b, parts[p]);
-            else snprintf(prefix, sizeof prefix, "loop.%s", parts[p]);
-            const uint32_t R = head ? V : Rs[p], K = head ? d : Ks[p];
-            snprintf(name, sizeof name, "%s.w", prefix);
-            add(t, &n, name, s->int4 ? 3 : 2, R, s->int4 ? K / 2 : K);
-            if (s->int4) {
-                snprintf(name, sizeof name, "%s.m", prefix);
-                add(t, &n, name, 3, R, K / s->group_size);
-            }
-            snprintf(name, sizeof name, "%s.s", prefix);
-            add(t, &n, name, 1, R, 0);
-        }
+    if (s->version == 1 && (s->n_core != 1 || s->n_coda || s->layout || s->qkv_bias || s->injection ||
+                            s->step_norm || s->coda_norm || s->embed_scale != 1.0f || s->hf || s->meta)) {
+        fprintf(stderr, "tu_model_bytes: version 1 has one core block and none of the version-2 options\n");
+        exit(2);
     }
+    const uint32_t blocks = s->n_pre + s->n_core + s->n_coda;
+    tensor* t = calloc(4 + 15 * (size_t)blocks + 6 + 2 + 3 + 3, sizeof *t);
+    const size_t n = layout(s, t);
     const uint64_t data_offset = (256 + 96 * n + 63) / 64 * 64;
     uint64_t end = data_offset;
     for (size_t i = 0; i < n; i++) {
@@ -136,21 +237,28 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
     }
     uint8_t* f = calloc(1, end);
     memcpy(f, "TINYLOOP", 8);
-    put32(f + 8, 1);
+    put32(f + 8, s->version);
     put32(f + 12, 256);
     put64(f + 16, end);
     put32(f + 28, (uint32_t)n);
     put64(f + 32, 256);
     put64(f + 40, data_offset);
-    const uint32_t cfg[12] = {V, d, H, G, D, F, s->n_pre, s->loops, s->max_seq, s->int4 ? 2 : 1,
-                              s->int4 ? s->group_size : 0, s->tied};
+    const uint32_t cfg[12] = {s->vocab, s->d, s->heads, s->kv_heads, s->head_dim, s->ffn, s->n_pre, s->loops,
+                              s->max_seq, s->int4 ? 2 : 1, s->int4 ? s->group_size : 0, s->tied};
     for (int i = 0; i < 12; i++) put32(f + 48 + 4 * i, cfg[i]);
     put32(f + 96, (uint32_t)-1);
     put32(f + 100, (uint32_t)s->eos);
-    put32(f + 104, V >= 256 ? 1 : 0);
+    put32(f + 104, s->hf ? 2 : s->vocab >= 256 ? 1 : 0);
     putf(f + 108, 10000.0f);
     putf(f + 112, 1e-5f);
     memcpy(f + 120, "c-test-model", 12);
+    if (s->version >= 2) {
+        const uint32_t v2[6] = {s->n_core, s->n_coda, s->layout, s->qkv_bias, s->injection, s->step_norm};
+        for (int i = 0; i < 6; i++) put32(f + 184 + 4 * i, v2[i]);
+        putf(f + 208, s->embed_scale);
+        put32(f + 212, s->coda_norm);
+    }
+    uint64_t rng = s->seed;
     for (size_t i = 0; i < n; i++) {
         uint8_t* e = f + 256 + 96 * i;
         memcpy(e, t[i].name, strlen(t[i].name));
@@ -159,23 +267,8 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         put64(e + 56, t[i].dims[0]);
         put64(e + 64, t[i].ndim > 1 ? t[i].dims[1] : 0);
         put64(e + 88, t[i].offset);
+        fill(s, f, &t[i], &rng);
     }
-    uint64_t rng = s->seed;
-    size_t i = 0;
-    for (uint64_t k = 0; k < t[0].nbytes; k++) f[t[0].offset + k] = (uint8_t)(int8_t)tu_uniform(&rng, -127, 127);
-    for (uint32_t v = 0; v < V; v++) putf(f + t[1].offset + 4 * v, (0.8f + 0.4f * (float)(tu_next(&rng) >> 40) / 16777216.0f) / 73.0f);
-    for (uint32_t p = 0; p < s->max_seq; p++)
-        for (uint32_t j = 0; j < D / 2; j++) {
-            const double angle = p * pow(10000.0, -2.0 * j / D);
-            putf(f + t[2].offset + 4 * ((uint64_t)p * (D / 2) + j), (float)cos(angle));
-            putf(f + t[3].offset + 4 * ((uint64_t)p * (D / 2) + j), (float)sin(angle));
-        }
-    i = 4;
-    for (uint32_t b = 0; b < blocks; b++) {
-        const float gains[4] = {1.0f, 0.5f, 1.0f, 0.5f};
-        for (int p = 0; p < 4; p++) fill_linear(s, f, t, &i, Rs[p], Ks[p], gains[p], &rng);
-    }
-    if (!s->tied) fill_linear(s, f, t, &i, V, d, 3.0f, &rng);
     free(t);
     tu_fix_checksum(f, end);
     *n_out = end;

@@ -1,7 +1,7 @@
 /* test_util.h — shared helpers of the C tests: CHECK macros that count failures (a test
  * binary exits nonzero when any check failed), a deterministic RNG, a bitwise CRC-32, and a
- * writer of valid random `.tinyloop` files (an independent implementation of docs/spec.md §6,
- * so the loader is tested against a second reading of the spec). */
+ * writer of valid random `.tinyloop` files of version 2 or 1 (an independent implementation
+ * of docs/spec.md §6, so the loader is tested against a second reading of the spec). */
 #ifndef TL_TEST_UTIL_H
 #define TL_TEST_UTIL_H
 
@@ -47,10 +47,26 @@ typedef struct tu_spec {
     uint32_t int4, group_size, tied;
     int32_t eos;
     uint64_t seed;
+    /* version 2 (docs/spec.md §1, §6.1) */
+    uint32_t version;     /* 2, or 1: then every field below keeps its default (§6.5)     */
+    uint32_t n_core;      /* k, the core's blocks                                        */
+    uint32_t n_coda;      /* blocks after the core                                       */
+    uint32_t layout;      /* 0 pre, 1 sandwich, 2 post                                   */
+    uint32_t qkv_bias, injection, step_norm, coda_norm;
+    float embed_scale;
+    uint32_t hf;          /* tokenizer 2 (hf) with a meta.tokenizer_json                   */
+    uint32_t meta;        /* also meta.architecture and meta.tokenizer_config             */
 } tu_spec;
 
-tu_spec tu_spec_default(void); /* a small int8 GQA model */
-/* The bytes of a valid model file (malloc'd), *n its size. */
+/* A small int8 GQA model of one core block, written as version 2 (the tokenizer is bytes
+ * when vocab >= 256, else none). */
+tu_spec tu_spec_default(void);
+/* tu_spec_default with every version-2 option: a core of 2 after the prelude, a coda of 1,
+ * sandwich blocks, qkv biases, injection, both norms, an embedding scale of 2, an hf
+ * tokenizer and every meta.* text. */
+tu_spec tu_spec_rich(void);
+/* The bytes of a valid model file (malloc'd), *n its size; exits with status 2 on a spec that
+ * version 1 cannot express. */
 uint8_t* tu_model_bytes(const tu_spec* spec, size_t* n);
 /* Recompute the header checksum after editing bytes. */
 void tu_fix_checksum(uint8_t* bytes, size_t n);

@@ -80,7 +80,8 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
     if (st != TL_OK) return st;
     if (!prefix) {
         st = check_length(tl_engine_config(e), n, p->max_tokens);
-        return st == TL_OK ? tl_engine_resolve_loops(e, p->loops, &p->loops) : st;
+        if (st == TL_OK) st = tl_engine_resolve_loops(e, p->loops, &p->loops);
+        return st == TL_OK ? tl_seq_check_depth(e, p->loops) : st;
     }
     if (p->loops == 0) p->loops = prefix->loops;
     if (p->loops > prefix->loops)
@@ -97,7 +98,9 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
 static tl_status run_prompt(tl_engine* e, tl_seq* s, const int32_t* prompt, size_t n, const tl_gen_params* p,
                             tl_run_opts* opts) {
     if (!e->pcache) return tl_seq_run(s, prompt, n, p->prefill_chunk, opts);
-    const tl_pcache_key key = {p->cache_salt, p->cache_window, s->n_layers};
+    /* with a coda a block's coda slots hold its own depth only: one tree per depth (§4.3) */
+    const uint32_t tree_depth = tl_engine_config(e)->n_coda_blocks ? s->loops : 0;
+    const tl_pcache_key key = {p->cache_salt, p->cache_window, s->n_layers, tree_depth};
     size_t hit;
     tl_pcache_lookup(e->pcache, &key, prompt, n, &s->kv, &hit);
     s->n = hit;

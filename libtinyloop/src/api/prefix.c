@@ -1,7 +1,8 @@
 /* prefix.c — tl_prefix: a prompt run once at depth L_b, immutable afterwards (docs/spec.md
- * §5.4). It keeps the KV blocks of all n_pre + L_b layers and the last token's hidden state
- * after each loop iteration; a sequence at depth L <= L_b starts from it by sharing the blocks
- * (no copy) and taking state L-1 as its last hidden state. */
+ * §5.4). It keeps the KV blocks of all n_layers(L_b) slots, with the coda slots of every depth
+ * 1 .. L_b written, and the last token's final state at each depth; a sequence at depth
+ * L <= L_b starts from it by sharing the blocks (no copy) and taking state L-1 as its last
+ * hidden state. */
 #include <string.h>
 
 #include "base/alloc.h"

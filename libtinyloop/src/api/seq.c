@@ -9,8 +9,17 @@
 #include "base/errors.h"
 #include "core/forward.h"
 
+tl_status tl_seq_check_depth(const tl_engine* e, uint32_t loops) {
+    const size_t n_layers = tl_n_layers(tl_engine_config(e), loops);
+    if (n_layers <= TL_MAX_CACHE_LAYERS) return TL_OK;
+    return tl_fail(TL_ERR_INVALID_ARGUMENT, "loops=%u needs %zu cache layers, more than %d", loops, n_layers,
+                   TL_MAX_CACHE_LAYERS);
+}
+
 tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out) {
     *out = NULL;
+    tl_status st = tl_seq_check_depth(e, loops);
+    if (st != TL_OK) return st;
     tl_seq* s = tl_alloc_zeroed(1, sizeof *s);
     float* hidden = tl_alloc_zeroed(tl_engine_config(e)->d_model, sizeof(float));
     float* next = tl_alloc_zeroed(tl_engine_config(e)->d_model, sizeof(float));
@@ -23,7 +32,7 @@ tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out
     tl_engine_ref(e);
     s->engine = e;
     s->loops = loops;
-    s->n_layers = tl_engine_config(e)->n_pre_blocks + loops;
+    s->n_layers = (uint32_t)tl_n_layers(tl_engine_config(e), loops);
     s->window = window;
     s->last_hidden = hidden;
     s->next_hidden = next;
@@ -73,9 +82,10 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, c
         const size_t T = n - off < chunk ? n - off : chunk;
         st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, T);
         const bool last = off + T == n;
+        /* a prefix build's every chunk writes every depth's coda slots; the last one's states stay */
         if (st == TL_OK)
             st = tl_forward(s, tokens + off, T, opts->logits_all ? opts->logits_all + off * c->vocab_size : NULL,
-                            last ? opts->logits_last : NULL, hidden, last ? opts->loop_states : NULL);
+                            last ? opts->logits_last : NULL, hidden, opts->loop_states);
         if (st == TL_OK) {
             s->n += T;
             stopped = report(opts->progress, T);

@@ -7,6 +7,15 @@
  * chosen once, when api/model.c opens the model. Every backend computes docs/spec.md §4 exactly,
  * so the choice never changes a bit of the logits.
  *
+ * Spec v2 (docs/spec.md §1, §5.4): the signatures are version 1's; what changed is what a pass
+ * computes. A sequence at depth L has s->n_layers = tl_n_layers(cfg, L) cache slots (see
+ * tl_slot_at) and runs prelude, L core iterations, then coda_norm and the coda in depth L's
+ * slots. A non-NULL loop_states marks a prefix build: the core passes it on EVERY chunk (not
+ * only the last), and each chunk's pass ends every depth 1 .. L on a copy of the state (writing
+ * that depth's coda slots) and stores the last row's final state at depth i+1 (the head's input)
+ * in loop_states[i]. A batch's rows are ordered deepest first (tl_sort_deepest_first); the rows
+ * whose depth is i+1 run coda_norm and the coda right after iteration i.
+ *
  * Not here: sampling, KV bookkeeping (span tables, reference counts), anything per request. */
 #ifndef TL_BACKEND_H
 #define TL_BACKEND_H
@@ -30,7 +39,8 @@ typedef struct tl_backend_info {
 } tl_backend_info;
 
 typedef struct tl_backend_iface {
-    /* The forward pass of T tokens of one sequence: core/forward.h's tl_forward. */
+    /* The forward pass of T tokens of one sequence: core/forward.h's tl_forward (loop_states: a
+     * prefix build's chunk, see above). */
     tl_status (*forward)(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
                          float* logits_last, float* last_hidden, float* loop_states);
     /* One new token for each of B sequences: core/forward.h's tl_forward_batch. */

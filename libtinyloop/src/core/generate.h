@@ -11,7 +11,7 @@
 
 /* Check a request before any work: the prompt (or prefix + suffix) tokens, every parameter
  * (defaults overlaid with `given`, resolved into *p: loops 0 becomes the depth), the depth and
- * window against the prefix, and the total length. */
+ * window against the prefix (without one, the depth's cache slots), and the total length. */
 tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                        const tl_gen_params* given, tl_gen_params* p);
 

@@ -1,5 +1,5 @@
 /* loader.c — read a `.tinyloop` file into private memory and validate it against
- * docs/spec.md §6.
+ * docs/spec.md §6: version 2, or version 1 read as the version-2 model it describes (§6.5).
  *
  * The file is read once, front to back, with pread: the header, the tensor table, then each
  * tensor into its own allocation (the bytes between tensors are summed and dropped). The
@@ -10,12 +10,14 @@
  *
  * The checks report in the same order as the Python reader (tinyloop/modelfile.py): size,
  * magic, version, header_bytes, file_bytes, checksum, the config (name first, then header
- * order), table bounds, each table entry, overlaps, the required tensor set, tensor values,
- * reserved bytes, flags. The first broken rule is reported. The checksum needs every byte,
- * but the structure (config, table, tensor set) says where the bytes go, so the structure is
- * checked first and a rule it breaks is reported only once the checksum is known to be good.
+ * order, the version-2 fields last), table bounds, each table entry, overlaps, the tensor set
+ * (required and optional), tensor values, reserved bytes, flags. The first broken rule is
+ * reported. The checksum needs every byte, but the structure (config, table, tensor set) says
+ * where the bytes go, so the structure is checked first and a rule it breaks is reported only
+ * once the checksum is known to be good.
  * All size/offset/shape arithmetic is done in u64 with explicit overflow checks; nothing
  * outside [0, file size) is read, and a file that shrinks while it is read is TL_ERR_IO.
+ * The optional meta.* texts are checked, then dropped: the Python layer reads them itself.
  * Not here: repacking weights for the kernels (cpu/pack.c).
  */
 #include "core/loader.h"
@@ -137,8 +139,9 @@ static tl_status check_nul_padded(const uint8_t* field, size_t size, const char*
     return TL_OK;
 }
 
-/* Strict UTF-8 (no overlongs, surrogates or code points above U+10FFFF), as Python decodes. */
-static int valid_utf8(const uint8_t* s, size_t n) {
+/* Where strict UTF-8 (no overlongs, surrogates or code points above U+10FFFF, as Python
+ * decodes) breaks: the offset of the first invalid sequence, or n when s[0..n) is valid. */
+static size_t utf8_error(const uint8_t* s, size_t n) {
     size_t i = 0;
     while (i < n) {
         uint8_t c = s[i];
@@ -154,14 +157,14 @@ static int valid_utf8(const uint8_t* s, size_t n) {
             extra = 3;
             if (c == 0xf0) lo = 0x90;
             if (c == 0xf4) hi = 0x8f;
-        } else return 0;
-        if (n - i <= extra) return 0;
-        if (s[i + 1] < lo || s[i + 1] > hi) return 0;
+        } else return i;
+        if (n - i <= extra) return i;
+        if (s[i + 1] < lo || s[i + 1] > hi) return i;
         for (size_t k = 2; k <= extra; k++)
-            if ((s[i + k] & 0xc0) != 0x80) return 0;
+            if ((s[i + k] & 0xc0) != 0x80) return i;
         i += extra + 1;
     }
-    return 1;
+    return n;
 }
 
 static tl_status check_range(const char* field, int64_t value, int64_t lo, int64_t hi) {
@@ -171,13 +174,26 @@ static tl_status check_range(const char* field, int64_t value, int64_t lo, int64
     return TL_OK;
 }
 
-/* The config fields at header offset 48 .. 183, checked like ModelConfig.validate(). */
+static tl_status check_flag(const char* field, uint32_t value) {
+    if (value > 1) return bad("%s: must be 0 or 1, got %u", field, value);
+    return TL_OK;
+}
+
+static tl_status check_positive(const char* field, float value) {
+    if (!isfinite(value) || !(value > 0))
+        return bad("%s: must be a finite float > 0, got %g", field, (double)value);
+    return TL_OK;
+}
+
+/* The config fields at header offset 48 .. 183 and, in version 2, 184 .. 215, checked like
+ * ModelConfig.validate(); the header's version (1 or 2, checked) decides which. */
 static tl_status parse_config(const uint8_t* h, tl_config* c) {
     size_t name_len = 0;
     TRY(check_nul_padded(h + 120, 64, "name", &name_len));
-    if (!valid_utf8(h + 120, name_len)) return bad("name: not valid UTF-8");
+    if (utf8_error(h + 120, name_len) < name_len) return bad("name: not valid UTF-8");
     memset(c, 0, sizeof *c);
     memcpy(c->name, h + 120, name_len);
+    c->version = rd_u32(h + 8);
     c->vocab_size = rd_u32(h + 48);
     c->d_model = rd_u32(h + 52);
     c->n_heads = rd_u32(h + 56);
@@ -225,85 +241,167 @@ static tl_status parse_config(const uint8_t* h, tl_config* c) {
                        c->n_heads * c->head_dim, gs);
         if (c->ffn_dim % gs) return bad("group_size: must divide ffn_dim (%u), got %u", c->ffn_dim, gs);
     }
-    if (c->tied_head > 1) return bad("tied_head: must be 0 or 1, got %u", c->tied_head);
+    TRY(check_flag("tied_head", c->tied_head));
     TRY(check_range("bos_id", c->bos_id, -1, (int64_t)c->vocab_size - 1));
     TRY(check_range("eos_id", c->eos_id, -1, (int64_t)c->vocab_size - 1));
-    if (c->tokenizer > 1) return bad("tokenizer: must be 0 (none) or 1 (bytes), got %u", c->tokenizer);
-    if (c->tokenizer == 1 && c->vocab_size < 256)
+    if (c->tokenizer > TL_TOKENIZER_HF)
+        return bad("tokenizer: must be 0 (none), 1 (bytes) or 2 (hf), got %u", c->tokenizer);
+    if (c->version == 1 && c->tokenizer == TL_TOKENIZER_HF)
+        return bad("tokenizer: 2 (hf) needs a version-2 file, got %u in version 1", c->tokenizer);
+    if (c->tokenizer == TL_TOKENIZER_BYTES && c->vocab_size < 256)
         return bad("tokenizer: 'bytes' needs vocab_size >= 256, got %u", c->vocab_size);
-    if (!isfinite(c->rope_theta) || !(c->rope_theta > 0))
-        return bad("rope_theta: must be a finite float > 0, got %g", (double)c->rope_theta);
-    if (!isfinite(c->rms_eps) || !(c->rms_eps > 0))
-        return bad("rms_eps: must be a finite float > 0, got %g", (double)c->rms_eps);
-    return TL_OK;
+    TRY(check_positive("rope_theta", c->rope_theta));
+    TRY(check_positive("rms_eps", c->rms_eps));
+    if (c->version == 1) { /* the version-2 model a version-1 file describes (§6.5) */
+        c->n_core_blocks = 1;
+        c->block_layout = TL_LAYOUT_PRE;
+        c->embed_scale = 1.0f;
+        return TL_OK;
+    }
+    c->n_core_blocks = rd_u32(h + 184);
+    c->n_coda_blocks = rd_u32(h + 188);
+    c->block_layout = rd_u32(h + 192);
+    c->qkv_bias = rd_u32(h + 196);
+    c->injection = rd_u32(h + 200);
+    c->step_norm = rd_u32(h + 204);
+    c->embed_scale = rd_f32(h + 208);
+    c->coda_norm = rd_u32(h + 212);
+    TRY(check_range("n_core_blocks", c->n_core_blocks, 1, 256));
+    TRY(check_range("n_coda_blocks", c->n_coda_blocks, 0, 64));
+    if (tl_n_layers(c, c->default_loops) > TL_MAX_CACHE_LAYERS)
+        return bad("n_pre_blocks + default_loops * (n_core_blocks + n_coda_blocks): must be <= %d, got %zu",
+                   TL_MAX_CACHE_LAYERS, tl_n_layers(c, c->default_loops));
+    if (c->block_layout > TL_LAYOUT_POST)
+        return bad("block_layout: must be 0 (pre), 1 (sandwich) or 2 (post), got %u", c->block_layout);
+    TRY(check_flag("qkv_bias", c->qkv_bias));
+    TRY(check_flag("injection", c->injection));
+    TRY(check_flag("step_norm", c->step_norm));
+    TRY(check_positive("embed_scale", c->embed_scale));
+    return check_flag("coda_norm", c->coda_norm);
 }
 
-/* ---- required tensors (docs/spec.md §6.3), in the reader's fixed order ------------------ */
+/* ---- the tensor set (docs/spec.md §6.3), in the required order -------------------------- */
+
+/* Where build_views puts a tensor, which also says which value rule it obeys. */
+typedef enum target {
+    T_EMB_W, T_EMB_S, T_ROPE_COS, T_ROPE_SIN,
+    T_LINEAR_W8, T_LINEAR_W4, T_LINEAR_M, T_LINEAR_S, /* of linear `index`        */
+    T_QKV_BIAS, T_ATTN_POST_NORM, T_FFN_POST_NORM,    /* of block `index`         */
+    T_STEP_NORM, T_CODA_NORM,
+    T_META                                            /* checked, then dropped    */
+} target;
 
 typedef struct required {
     char name[48];
     uint32_t dtype, ndim;
-    uint64_t dims[2];
-    int64_t entry; /* index in the table, -1 until found */
+    uint64_t dims[2]; /* dims[0] == 0: any length (a meta.* text)               */
+    target target;
+    uint32_t index;   /* the linear or block of the target                      */
+    uint32_t cols;    /* K of a linear's tensors                                 */
+    int optional;     /* a meta.* text the file may leave out                    */
+    int64_t entry;    /* index in the table, -1 until found                      */
 } required;
 
-static void add_required(required* r, size_t* n, const char* name, uint32_t dtype, uint64_t d0,
-                         uint64_t d1) {
+static void add_required(required* r, size_t* n, target tg, uint32_t index, uint32_t dtype,
+                         uint64_t d0, uint64_t d1, const char* fmt, ...)
+    __attribute__((format(printf, 8, 9)));
+static void add_required(required* r, size_t* n, target tg, uint32_t index, uint32_t dtype,
+                         uint64_t d0, uint64_t d1, const char* fmt, ...) {
     required* t = &r[(*n)++];
-    snprintf(t->name, sizeof t->name, "%s", name);
+    memset(t, 0, sizeof *t);
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(t->name, sizeof t->name, fmt, args);
+    va_end(args);
     t->dtype = dtype;
     t->ndim = d1 ? 2 : 1;
     t->dims[0] = d0;
     t->dims[1] = d1;
+    t->target = tg;
+    t->index = index;
     t->entry = -1;
 }
 
-static size_t n_linears_of(const tl_config* c) {
-    return (size_t)(c->n_pre_blocks + 1) * TL_PARTS + (c->tied_head ? 0 : 1);
-}
-
-/* Linear i in file order: its name prefix and (R, K). */
-static void linear_shape(const tl_config* c, size_t i, char* prefix, size_t prefix_size,
-                         uint32_t* R, uint32_t* K) {
-    static const char* const parts[TL_PARTS] = {"attn_qkv", "attn_out", "ffn_gate_up", "ffn_down"};
-    const uint32_t d = c->d_model, HD = c->n_heads * c->head_dim, F = c->ffn_dim;
-    const size_t blocks = (size_t)c->n_pre_blocks + 1;
-    if (i == blocks * TL_PARTS) {
-        snprintf(prefix, prefix_size, "head");
-        *R = c->vocab_size;
-        *K = d;
-        return;
+/* Linear `index` of tl_file.linears, y[R] from x[K], named by fmt: stored as <name>.w,
+ * <name>.m (int4) and <name>.s. */
+static void add_linear(const tl_config* c, required* r, size_t* n, size_t index, uint32_t R,
+                       uint32_t K, const char* fmt, ...) __attribute__((format(printf, 7, 8)));
+static void add_linear(const tl_config* c, required* r, size_t* n, size_t index, uint32_t R,
+                       uint32_t K, const char* fmt, ...) {
+    char name[40];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(name, sizeof name, fmt, args);
+    va_end(args);
+    const size_t first = *n;
+    const uint32_t i = (uint32_t)index;
+    if (c->weight_format == TL_FORMAT_INT8) {
+        add_required(r, n, T_LINEAR_W8, i, DT_I8, R, K, "%s.w", name);
+    } else {
+        add_required(r, n, T_LINEAR_W4, i, DT_U8, R, K / 2, "%s.w", name);
+        add_required(r, n, T_LINEAR_M, i, DT_U8, R, K / c->group_size, "%s.m", name);
     }
-    const size_t b = i / TL_PARTS, p = i % TL_PARTS;
-    if (b + 1 == blocks) snprintf(prefix, prefix_size, "loop.%s", parts[p]);
-    else snprintf(prefix, prefix_size, "pre.%zu.%s", b, parts[p]);
-    const uint32_t Rs[TL_PARTS] = {(c->n_heads + 2 * c->n_kv_heads) * c->head_dim, d, 2 * F, d};
-    const uint32_t Ks[TL_PARTS] = {d, HD, d, F};
-    *R = Rs[p];
-    *K = Ks[p];
+    add_required(r, n, T_LINEAR_S, i, DT_F32, R, 0, "%s.s", name);
+    for (size_t k = first; k < *n; k++) r[k].cols = K;
 }
 
-/* Fills r (capacity 4 + 3 * n_linears) and returns the count. */
+/* The entries of tl_file.linears: 4 per block, the adapter's 2 when injection, the head. */
+static size_t n_linears_of(const tl_config* c) {
+    return (size_t)tl_n_blocks(c) * TL_PARTS + (c->injection ? 2 : 0) + 1;
+}
+
+/* The tensor-name prefix of block b (file order): pre.<b>, core.<j>, coda.<c>; version 1's one
+ * core block is `loop`. */
+static void block_prefix(const tl_config* c, uint32_t b, char* out, size_t size) {
+    const uint32_t core = c->n_pre_blocks, coda = core + c->n_core_blocks;
+    if (b < core) snprintf(out, size, "pre.%u", b);
+    else if (c->version == 1) snprintf(out, size, "loop");
+    else if (b < coda) snprintf(out, size, "core.%u", b - core);
+    else snprintf(out, size, "coda.%u", b - coda);
+}
+
+/* An upper bound on required_tensors' count. */
+static size_t max_required(const tl_config* c) {
+    const size_t per_block = 3 * TL_PARTS + 3; /* linears as .w .m .s, the bias, two gains */
+    return 4 + per_block * tl_n_blocks(c) + 3 * 3 + 2 + 3; /* adapter, head; norms; texts */
+}
+
+/* Fills r (capacity max_required(c)) in the required order, the meta.* texts last; returns
+ * the count. */
 static size_t required_tensors(const tl_config* c, required* r) {
+    const uint32_t V = c->vocab_size, d = c->d_model, D = c->head_dim, F = c->ffn_dim;
+    const uint32_t QKV = (c->n_heads + 2 * c->n_kv_heads) * D, HD = c->n_heads * D;
+    const int post = c->block_layout != TL_LAYOUT_PRE;
     size_t n = 0;
-    char prefix[40], name[48];
-    add_required(r, &n, "tok_emb.w", DT_I8, c->vocab_size, c->d_model);
-    add_required(r, &n, "tok_emb.s", DT_F32, c->vocab_size, 0);
-    add_required(r, &n, "rope.cos", DT_F32, c->max_seq_len, c->head_dim / 2);
-    add_required(r, &n, "rope.sin", DT_F32, c->max_seq_len, c->head_dim / 2);
-    for (size_t i = 0; i < n_linears_of(c); i++) {
-        uint32_t R, K;
-        linear_shape(c, i, prefix, sizeof prefix, &R, &K);
-        snprintf(name, sizeof name, "%s.w", prefix);
-        if (c->weight_format == TL_FORMAT_INT8) {
-            add_required(r, &n, name, DT_I8, R, K);
-        } else {
-            add_required(r, &n, name, DT_U8, R, K / 2);
-            snprintf(name, sizeof name, "%s.m", prefix);
-            add_required(r, &n, name, DT_U8, R, K / c->group_size);
-        }
-        snprintf(name, sizeof name, "%s.s", prefix);
-        add_required(r, &n, name, DT_F32, R, 0);
+    add_required(r, &n, T_EMB_W, 0, DT_I8, V, d, "tok_emb.w");
+    add_required(r, &n, T_EMB_S, 0, DT_F32, V, 0, "tok_emb.s");
+    add_required(r, &n, T_ROPE_COS, 0, DT_F32, c->max_seq_len, D / 2, "rope.cos");
+    add_required(r, &n, T_ROPE_SIN, 0, DT_F32, c->max_seq_len, D / 2, "rope.sin");
+    for (uint32_t b = 0; b < tl_n_blocks(c); b++) {
+        char p[16];
+        block_prefix(c, b, p, sizeof p);
+        add_linear(c, r, &n, tl_block_linear_index(b, TL_PART_QKV), QKV, d, "%s.attn_qkv", p);
+        if (c->qkv_bias) add_required(r, &n, T_QKV_BIAS, b, DT_F32, QKV, 0, "%s.attn_qkv.b", p);
+        add_linear(c, r, &n, tl_block_linear_index(b, TL_PART_OUT), d, HD, "%s.attn_out", p);
+        if (post) add_required(r, &n, T_ATTN_POST_NORM, b, DT_F32, d, 0, "%s.attn_post_norm", p);
+        add_linear(c, r, &n, tl_block_linear_index(b, TL_PART_GATE_UP), 2 * F, d, "%s.ffn_gate_up", p);
+        add_linear(c, r, &n, tl_block_linear_index(b, TL_PART_DOWN), d, F, "%s.ffn_down", p);
+        if (post) add_required(r, &n, T_FFN_POST_NORM, b, DT_F32, d, 0, "%s.ffn_post_norm", p);
+    }
+    if (c->injection) {
+        add_linear(c, r, &n, tl_adapter_linear_index(c, 0), d, d, "core.adapter_state");
+        add_linear(c, r, &n, tl_adapter_linear_index(c, 1), d, d, "core.adapter_inject");
+    }
+    if (c->step_norm) add_required(r, &n, T_STEP_NORM, 0, DT_F32, d, 0, "core.step_norm");
+    if (c->coda_norm) add_required(r, &n, T_CODA_NORM, 0, DT_F32, d, 0, "coda.input_norm");
+    if (!c->tied_head) add_linear(c, r, &n, n_linears_of(c) - 1, V, d, "head");
+    if (c->version >= 2) { /* the texts, of any length; meta.tokenizer_json exactly when hf */
+        add_required(r, &n, T_META, 0, DT_U8, 0, 0, "meta.architecture");
+        r[n - 1].optional = 1;
+        add_required(r, &n, T_META, 0, DT_U8, 0, 0, "meta.tokenizer_config");
+        r[n - 1].optional = 1;
+        if (c->tokenizer == TL_TOKENIZER_HF)
+            add_required(r, &n, T_META, 0, DT_U8, 0, 0, "meta.tokenizer_json");
     }
     return n;
 }
@@ -466,14 +564,14 @@ static tl_status read_tensors(reader* r, table* t) {
     return read_skipped(r, r->size - r->pos);
 }
 
-/* ---- required set and values ------------------------------------------------------------ */
+/* ---- the tensor set and values --------------------------------------------------------- */
 
 static int by_required_name(const void* a, const void* b) {
     return strcmp(((const required*)a)->name, ((const required*)b)->name);
 }
 
-/* Every entry must be required with the right dtype and shape; every required one present.
- * `sorted` is a name-sorted copy of `req` used for lookups. */
+/* Every entry must be required or optional, with the right dtype and shape; then every
+ * required one present. `sorted` is a name-sorted copy of `req` used for lookups. */
 static tl_status check_layout(const table* t, required* req, size_t n_req, required* sorted) {
     memcpy(sorted, req, n_req * sizeof *req);
     qsort(sorted, n_req, sizeof *sorted, by_required_name);
@@ -488,53 +586,72 @@ static tl_status check_layout(const table* t, required* req, size_t n_req, requi
             return bad("tensor '%s': dtype %s != expected %s", e->name, dtype_name(e->dtype),
                        dtype_name(r->dtype));
         int same = e->ndim == r->ndim;
-        for (uint32_t k = 0; same && k < r->ndim; k++) same = e->dims[k] == r->dims[k];
+        for (uint32_t k = 0; same && k < r->ndim; k++) same = !r->dims[k] || e->dims[k] == r->dims[k];
         if (!same) return bad("tensor '%s': shape does not match the config", e->name);
         r->entry = (int64_t)i;
     }
     for (size_t i = 0; i < n_req; i++) {
         required key = req[i];
         const required* r = bsearch(&key, sorted, n_req, sizeof *sorted, by_required_name);
-        if (r->entry < 0) return bad("missing tensor '%s'", req[i].name);
+        if (r->entry < 0 && !r->optional) return bad("missing tensor '%s'", req[i].name);
         req[i].entry = r->entry;
     }
     return TL_OK;
 }
 
-static int ends_with(const char* s, const char* suffix) {
-    size_t n = strlen(s), m = strlen(suffix);
-    return n >= m && strcmp(s + n - m, suffix) == 0;
+/* The rule every f32 of a tensor obeys, or NULL for a tensor that is not checked value by
+ * value (weights, multipliers, texts). */
+static const char* f32_rule(target tg) {
+    switch (tg) {
+    case T_EMB_S:
+    case T_LINEAR_S: return "scales must be finite and >= 0";
+    case T_ROPE_COS:
+    case T_ROPE_SIN: return "values must be finite with |v| <= 1";
+    case T_QKV_BIAS:
+    case T_ATTN_POST_NORM:
+    case T_FFN_POST_NORM:
+    case T_STEP_NORM:
+    case T_CODA_NORM: return "values must be finite"; /* biases and gains */
+    default: return NULL;
+    }
 }
 
-/* The value rules, on the tensors' copies. */
-static tl_status check_values(const table* t, const required* req, size_t n_req, const tl_config* c) {
+static int f32_ok(target tg, float v) {
+    if (!isfinite(v)) return 0;
+    if (tg == T_EMB_S || tg == T_LINEAR_S) return v >= 0;
+    if (tg == T_ROPE_COS || tg == T_ROPE_SIN) return fabsf(v) <= 1;
+    return 1;
+}
+
+/* The value rules, on the tensors' copies: the required tensors in the required order, then
+ * the meta.* texts in table order. */
+static tl_status check_values(const table* t, const required* req, size_t n_req) {
     for (size_t i = 0; i < n_req; i++) {
+        if (req[i].target == T_META) continue;
         const entry* e = &t->entries[req[i].entry];
         const uint64_t count = (e->end - e->offset) / dtype_bytes(e->dtype);
         const uint8_t* data = t->data[req[i].entry];
-        if (ends_with(e->name, ".s")) {
-            for (uint64_t k = 0; k < count; k++) {
-                float v = rd_f32(data + 4 * k);
-                if (!isfinite(v) || !(v >= 0))
-                    return bad("tensor '%s': scales must be finite and >= 0, found %g", e->name, (double)v);
-            }
-        } else if (strncmp(e->name, "rope.", 5) == 0) {
-            for (uint64_t k = 0; k < count; k++) {
-                float v = rd_f32(data + 4 * k);
-                if (!isfinite(v) || !(fabsf(v) <= 1))
-                    return bad("tensor '%s': values must be finite with |v| <= 1, found %g", e->name,
-                               (double)v);
-            }
-        } else if (ends_with(e->name, ".m")) {
+        const char* rule = f32_rule(req[i].target);
+        for (uint64_t k = 0; rule && k < count; k++) {
+            const float v = rd_f32(data + 4 * k);
+            if (!f32_ok(req[i].target, v)) return bad("tensor '%s': %s, found %g", e->name, rule, (double)v);
+        }
+        if (req[i].target == T_LINEAR_M) {
             uint64_t m = 0;
             for (uint64_t k = 0; k < count; k++)
                 if (data[k] > m) m = data[k];
-            const uint64_t K = e->dims[1] * c->group_size;
+            const uint64_t K = req[i].cols;
             if (127u * 8u * K * m > 2147483647u)
                 return bad("tensor '%s': int4 accumulator bound broken: 127 * 8 * K * max(m) = "
                            "127 * 8 * %llu * %llu > 2^31 - 1", e->name, (unsigned long long)K,
                            (unsigned long long)m);
         }
+    }
+    for (size_t i = 0; i < t->n; i++) {
+        const entry* e = &t->entries[i];
+        if (strncmp(e->name, "meta.", 5) != 0) continue; /* only the texts are scanned */
+        const size_t len = (size_t)(e->end - e->offset), at = utf8_error(t->data[i], len);
+        if (at < len) return bad("tensor '%s': not valid UTF-8 (byte %zu)", e->name, at);
     }
     return TL_OK;
 }
@@ -548,29 +665,41 @@ static const void* take(table* t, const required* r) {
     return data;
 }
 
-static tl_status build_views(table* t, const required* req, tl_file* f) {
-    const tl_config* c = &f->cfg;
-    f->n_linears = (size_t)(c->n_pre_blocks + 1) * TL_PARTS + 1;
-    f->linears = tl_alloc_zeroed(f->n_linears, sizeof *f->linears);
-    if (!f->linears) return tl_fail_oom("linear views");
-    size_t r = 0;
-    f->emb_w = take(t, &req[r++]);
-    f->emb_s = take(t, &req[r++]);
-    f->rope_cos = take(t, &req[r++]);
-    f->rope_sin = take(t, &req[r++]);
-    char prefix[40];
-    for (size_t i = 0; i < n_linears_of(c); i++) {
-        tl_linear_src* L = &f->linears[i];
-        linear_shape(c, i, prefix, sizeof prefix, &L->rows, &L->cols);
-        if (c->weight_format == TL_FORMAT_INT8) {
-            L->w8 = take(t, &req[r++]);
-        } else {
-            L->group_size = c->group_size;
-            L->w4 = take(t, &req[r++]);
-            L->mult = take(t, &req[r++]);
-        }
-        L->scale = take(t, &req[r++]);
+/* Put the copy of tensor r where its target says in f. */
+static void place(table* t, const required* r, tl_file* f) {
+    switch (r->target) {
+    case T_EMB_W: f->emb_w = take(t, r); break;
+    case T_EMB_S: f->emb_s = take(t, r); break;
+    case T_ROPE_COS: f->rope_cos = take(t, r); break;
+    case T_ROPE_SIN: f->rope_sin = take(t, r); break;
+    case T_LINEAR_W8: f->linears[r->index].w8 = take(t, r); break;
+    case T_LINEAR_W4: f->linears[r->index].w4 = take(t, r); break;
+    case T_LINEAR_M: f->linears[r->index].mult = take(t, r); break;
+    case T_LINEAR_S: {
+        tl_linear_src* L = &f->linears[r->index];
+        L->scale = take(t, r);
+        L->rows = (uint32_t)r->dims[0];
+        L->cols = r->cols;
+        L->group_size = f->cfg.weight_format == TL_FORMAT_INT4 ? f->cfg.group_size : 0;
+        break;
     }
+    case T_QKV_BIAS: f->blocks[r->index].qkv_bias = take(t, r); break;
+    case T_ATTN_POST_NORM: f->blocks[r->index].attn_post_norm = take(t, r); break;
+    case T_FFN_POST_NORM: f->blocks[r->index].ffn_post_norm = take(t, r); break;
+    case T_STEP_NORM: f->step_norm = take(t, r); break;
+    case T_CODA_NORM: f->coda_norm = take(t, r); break;
+    case T_META: break; /* not kept: freed with the table */
+    }
+}
+
+static tl_status build_views(table* t, const required* req, size_t n_req, tl_file* f) {
+    const tl_config* c = &f->cfg;
+    f->n_linears = n_linears_of(c);
+    f->linears = tl_alloc_zeroed(f->n_linears, sizeof *f->linears);
+    f->blocks = tl_alloc_zeroed(tl_n_blocks(c), sizeof *f->blocks);
+    if (!f->linears || !f->blocks) return tl_fail_oom("tensor views");
+    for (size_t i = 0; i < n_req; i++)
+        if (req[i].entry >= 0) place(t, &req[i], f);
     if (c->tied_head) {
         tl_linear_src* head = &f->linears[f->n_linears - 1];
         head->rows = c->vocab_size;
@@ -584,12 +713,13 @@ static tl_status build_views(table* t, const required* req, tl_file* f) {
 /* ---- entry point ---------------------------------------------------------------------------- */
 
 /* The structure, which says where the bytes go: the config, the table (read here) and the
- * tensor set. On success *req (owned) holds the *n_req required tensors, each with its entry. */
+ * tensor set. On success *req (owned) holds the *n_req required and optional tensors, each
+ * with its entry (-1: an optional one the file leaves out). */
 static tl_status parse_structure(reader* r, const uint8_t* h, tl_config* c, table* t, required** req,
                                  size_t* n_req) {
     TRY(parse_config(h, c));
     TRY(parse_table(r, r->size, rd_u32(h + 28), rd_u64(h + 32), rd_u64(h + 40), t));
-    const size_t cap = 4 + 3 * n_linears_of(c);
+    const size_t cap = max_required(c);
     *req = tl_alloc_zeroed(2 * cap, sizeof **req);
     if (!*req) return tl_fail_oom("required tensor list");
     *n_req = required_tensors(c, *req);
@@ -603,7 +733,8 @@ static tl_status validate(reader* r, tl_file* f) {
     uint8_t h[HEADER_BYTES];
     TRY(read_header(r, h));
     if (memcmp(h, "TINYLOOP", 8) != 0) return bad("bad magic, expected \"TINYLOOP\"");
-    if (rd_u32(h + 8) != 1) return bad("version: unsupported %u, expected 1", rd_u32(h + 8));
+    const uint32_t version = rd_u32(h + 8);
+    if (version != 1 && version != 2) return bad("version: unsupported %u, expected 1 or 2", version);
     if (rd_u32(h + 12) != HEADER_BYTES)
         return bad("header_bytes: must be %d, got %u", HEADER_BYTES, rd_u32(h + 12));
     const uint64_t file_bytes = rd_u64(h + 16);
@@ -626,16 +757,12 @@ static tl_status validate(reader* r, tl_file* f) {
             st = bad("checksum mismatch: header 0x%08x, computed 0x%08x", rd_u32(h + CHECKSUM_AT), r->crc);
         else if (st != TL_OK) st = tl_fail(st, "%s", broken);
     }
-    if (st == TL_OK) st = check_values(&t, req, n_req, &f->cfg);
-    if (st == TL_OK) {
-        for (int k = 184; k < HEADER_BYTES; k++)
-            if (h[k]) {
-                st = bad("reserved: header bytes 184 .. 255 must be zero");
-                break;
-            }
-    }
+    if (st == TL_OK) st = check_values(&t, req, n_req);
+    const int reserved_from = version == 1 ? 184 : 216; /* version 1 reserves the v2 fields */
+    for (int k = reserved_from; st == TL_OK && k < HEADER_BYTES; k++)
+        if (h[k]) st = bad("reserved: header bytes %d .. %d must be zero", reserved_from, HEADER_BYTES - 1);
     if (st == TL_OK && rd_u32(h + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(h + 116));
-    if (st == TL_OK) st = build_views(&t, req, f);
+    if (st == TL_OK) st = build_views(&t, req, n_req, f);
     table_free(&t);
     tl_free(req);
     return st;
@@ -680,8 +807,18 @@ void tl_file_release_linear(tl_file* f, size_t i) {
     L->scale = NULL;
 }
 
+/* The f32 vectors the file holds besides the linears: each block's, the step and coda norms. */
+static size_t vector_bytes(const tl_file* f) {
+    size_t bytes = held(f->step_norm) + held(f->coda_norm);
+    for (uint32_t b = 0; f->blocks && b < tl_n_blocks(&f->cfg); b++) {
+        const tl_block_vectors* v = &f->blocks[b];
+        bytes += held(v->qkv_bias) + held(v->attn_post_norm) + held(v->ffn_post_norm);
+    }
+    return bytes;
+}
+
 size_t tl_file_held_bytes(const tl_file* f) {
-    size_t bytes = held(f->emb_w) + held(f->emb_s) + held(f->rope_cos) + held(f->rope_sin);
+    size_t bytes = held(f->emb_w) + held(f->emb_s) + held(f->rope_cos) + held(f->rope_sin) + vector_bytes(f);
     for (size_t i = 0; f->linears && i < f->n_linears; i++) {
         const tl_linear_src* L = &f->linears[i];
         if (!is_tied_head(f, i)) bytes += held(L->w8) + held(L->w4) + held(L->mult) + held(L->scale);
@@ -692,6 +829,14 @@ size_t tl_file_held_bytes(const tl_file* f) {
 void tl_file_close(tl_file* f) {
     for (size_t i = 0; f->linears && i < f->n_linears; i++) tl_file_release_linear(f, i);
     tl_free(f->linears);
+    for (uint32_t b = 0; f->blocks && b < tl_n_blocks(&f->cfg); b++) {
+        tl_free((void*)f->blocks[b].qkv_bias);
+        tl_free((void*)f->blocks[b].attn_post_norm);
+        tl_free((void*)f->blocks[b].ffn_post_norm);
+    }
+    tl_free(f->blocks);
+    tl_free((void*)f->step_norm);
+    tl_free((void*)f->coda_norm);
     tl_free((void*)f->emb_w);
     tl_free((void*)f->emb_s);
     tl_free((void*)f->rope_cos);

@@ -1,9 +1,10 @@
-/* loader.h — the `.tinyloop` file (docs/spec.md §6): read it once into private memory,
- * validate every rule on that copy, and own the tensors. Once tl_file_open has returned, the
- * file on disk is never read again: a host may delete, truncate or rewrite it. */
+/* loader.h — the `.tinyloop` file, versions 1 and 2 (docs/spec.md §6): read it once into
+ * private memory, validate every rule on that copy, and own the tensors. Once tl_file_open has
+ * returned, the file on disk is never read again: a host may delete, truncate or rewrite it. */
 #ifndef TL_LOADER_H
 #define TL_LOADER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -11,6 +12,9 @@
 
 enum { TL_FORMAT_INT8 = 1, TL_FORMAT_INT4 = 2 };
 enum { TL_PART_QKV = 0, TL_PART_OUT = 1, TL_PART_GATE_UP = 2, TL_PART_DOWN = 3, TL_PARTS = 4 };
+enum { TL_LAYOUT_PRE = 0, TL_LAYOUT_SANDWICH = 1, TL_LAYOUT_POST = 2 }; /* docs/spec.md §4 */
+enum { TL_TOKENIZER_NONE = 0, TL_TOKENIZER_BYTES = 1, TL_TOKENIZER_HF = 2 };
+enum { TL_MAX_CACHE_LAYERS = 65536 }; /* n_layers(L) bound, docs/spec.md §1 */
 
 typedef struct tl_config {
     uint32_t vocab_size, d_model, n_heads, n_kv_heads, head_dim, ffn_dim;
@@ -19,6 +23,12 @@ typedef struct tl_config {
     uint32_t tokenizer;
     float rope_theta, rms_eps;
     char name[64];
+    /* version 2 (a version-1 file reads as 1, 0, PRE, 0, 0, 0, 1.0f, 0: docs/spec.md §6.5) */
+    uint32_t version;                     /* the file's, 1 or 2                         */
+    uint32_t n_core_blocks, n_coda_blocks; /* k >= 1, n_coda                            */
+    uint32_t block_layout;                /* TL_LAYOUT_*                                */
+    uint32_t qkv_bias, injection, step_norm, coda_norm; /* 0 or 1                       */
+    float embed_scale;
 } tl_config;
 
 /* One linear as stored: y[R] from x[K] (docs/spec.md §3). */
@@ -31,25 +41,69 @@ typedef struct tl_linear_src {
     const float* scale;    /* row scales [R]                                      */
 } tl_linear_src;
 
-/* Every tensor below is its own 64-byte-aligned allocation, owned by the tl_file. */
+/* The f32 vectors of one block (NULL where the config has none). */
+typedef struct tl_block_vectors {
+    const float* qkv_bias;       /* [(H + 2G) * D] when qkv_bias                        */
+    const float* attn_post_norm; /* [d] gain, sandwich and post layouts                  */
+    const float* ffn_post_norm;  /* [d] gain, sandwich and post layouts                  */
+} tl_block_vectors;
+
+/* Every tensor below is its own 64-byte-aligned allocation, owned by the tl_file. The blocks
+ * are numbered in file order: prelude 0 .. n_pre-1, core n_pre .. n_pre+k-1, then the coda. */
 typedef struct tl_file {
     tl_config cfg;
     const int8_t* emb_w;   /* [V][d]                                              */
     const float* emb_s;    /* [V]                                                 */
     const float* rope_cos; /* [max_seq_len][D/2]                                  */
     const float* rope_sin; /* [max_seq_len][D/2]                                  */
-    /* Linears of block b (0 .. n_pre_blocks; the last is the loop block), part p:
-     * linears[b * TL_PARTS + p]; then the head (the embedding when tied). */
+    /* Part p of block b at linears[tl_block_linear_index(b, p)]; then the adapter's two
+     * linears (state, inject) when injection; then the head (the embedding when tied). */
     tl_linear_src* linears;
     size_t n_linears;
+    tl_block_vectors* blocks; /* [tl_n_blocks(cfg)]                                  */
+    const float* step_norm;  /* [d] gain of core.step_norm, or NULL                 */
+    const float* coda_norm;  /* [d] gain of coda.input_norm, or NULL                */
 } tl_file;
 
-/* The index in tl_file.linears (and every backend's array laid out like it) of part `part` of
- * the block that runs cache layer `layer`: pre block `layer`, or the loop block for every
- * later layer. The head is the last entry. */
-static inline size_t tl_layer_linear_index(const tl_config* c, uint32_t layer, int part) {
-    const uint32_t block = layer < c->n_pre_blocks ? layer : c->n_pre_blocks;
+static inline uint32_t tl_n_blocks(const tl_config* c) {
+    return c->n_pre_blocks + c->n_core_blocks + c->n_coda_blocks;
+}
+
+/* Cache slots of a sequence at depth `loops` (docs/spec.md §1): n_pre + L * (k + n_coda). */
+static inline size_t tl_n_layers(const tl_config* c, uint32_t loops) {
+    return (size_t)c->n_pre_blocks + (size_t)loops * (c->n_core_blocks + c->n_coda_blocks);
+}
+
+/* Whether a pass has work after the last iteration (coda_norm or coda blocks): what a prefix
+ * build repeats on a copy of the state at every shallower depth (docs/spec.md §5.4). */
+static inline bool tl_has_coda(const tl_config* c) { return c->coda_norm || c->n_coda_blocks > 0; }
+
+/* What runs cache slot `slot` (docs/spec.md §1): the block number (file order) and, for a coda
+ * slot, the depth whose coda writes it (0 for prelude and core slots, which every depth whose
+ * slot range covers them runs). */
+typedef struct tl_slot {
+    uint32_t block;
+    uint32_t coda_depth;
+} tl_slot;
+
+static inline tl_slot tl_slot_at(const tl_config* c, size_t slot) {
+    tl_slot s = {(uint32_t)slot, 0};
+    if (slot < c->n_pre_blocks) return s;
+    const size_t per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    const size_t r = slot - c->n_pre_blocks, i = r / per, j = r % per;
+    s.block = c->n_pre_blocks + (uint32_t)j;
+    s.coda_depth = j < c->n_core_blocks ? 0 : (uint32_t)i + 1;
+    return s;
+}
+
+/* The index in tl_file.linears (and every backend's array laid out like it) of part `part`
+ * of block `block` (file order). */
+static inline size_t tl_block_linear_index(uint32_t block, int part) {
     return (size_t)block * TL_PARTS + (size_t)part;
+}
+/* The adapter's linears (injection only): 0 = state, 1 = inject. */
+static inline size_t tl_adapter_linear_index(const tl_config* c, int which) {
+    return (size_t)tl_n_blocks(c) * TL_PARTS + (size_t)which;
 }
 
 /* Read and validate; on failure returns TL_ERR_IO / TL_ERR_BAD_FILE / TL_ERR_OUT_OF_MEMORY

@@ -97,16 +97,21 @@ static inline TL_HD int64_t tl_to_i64(float x) {
 /* NaN-ignoring max (C fmaxf semantics, without the libm call). */
 static inline TL_HD float tl_fmax(float acc, float x) { return (x > acc || acc != acc) ? x : acc; }
 
-/* §2.3 NQ, steps 3-4: the matmul input scale a from ss = Σ q² (exact) and the Q8 scale s of a
- * row of n elements. */
-static inline TL_HD float tl_nq_scale(int64_t ss, float s, size_t n, float eps) {
+/* §2.3 step 3 and §2.7 step 3: the root mean square t of a row of n elements from
+ * ss = Σ q² (exact) and the row's quantization scale s (Q8 for NQ, Q16 for RN). */
+static inline TL_HD float tl_rms_of(int64_t ss, float s, size_t n, float eps) {
     float t = (float)ss;
     t = t * s;
     t = t * s;
     t = t / (float)n;
     t = t + eps;
-    t = sqrtf(t);
-    return s / t;
+    return sqrtf(t);
+}
+
+/* §2.3 NQ, steps 3-4: the matmul input scale a from ss = Σ q² (exact) and the Q8 scale s of a
+ * row of n elements. */
+static inline TL_HD float tl_nq_scale(int64_t ss, float s, size_t n, float eps) {
+    return s / tl_rms_of(ss, s, n, eps);
 }
 
 #endif

@@ -1,7 +1,7 @@
 /* prefix_cache.c — the automatic prefix cache (prefix_cache.h, docs/spec.md §4.3).
  *
  * Nodes live in one chained hash table keyed by (parent node, the block's tokens), beside the
- * roots, one per (salt, window) keyed by those; a root goes with its last child. Each lookup
+ * roots, one per (salt, window, tree depth) keyed by those; a root goes with its last child. Each lookup
  * and each insert is one tick; every node it touches carries that tick and is never evicted
  * by it, so the chain being extended stays put. A lookup or an insert costs expected O(1) per
  * block of the prompt, whatever the number of nodes or tenants, plus its evictions (below).
@@ -45,6 +45,7 @@ typedef struct node {
     uint64_t last_used;   /* tick of the last call that used it                */
     size_t n_children;
     uint32_t window;      /* roots                                             */
+    uint32_t tree_depth;  /* roots: the key's tree_depth                       */
     char* salt;           /* roots: owned copy                                 */
     int32_t tokens[];     /* [block_size]: the block's tokens (block nodes)    */
 } node;
@@ -77,9 +78,11 @@ static uint64_t block_hash(const node* parent, const int32_t* tokens, uint32_t n
     return finish(h);
 }
 
-static uint64_t root_hash(const char* salt, uint32_t window) {
-    uint64_t h = mix(0xcbf29ce484222325u, window);
-    for (const char* p = salt; *p; p++) h = mix(h, (unsigned char)*p);
+static const char* salt_of(const tl_pcache_key* key) { return key->salt ? key->salt : ""; }
+
+static uint64_t root_hash(const tl_pcache_key* key) {
+    uint64_t h = mix(mix(0xcbf29ce484222325u, key->window), key->tree_depth);
+    for (const char* p = salt_of(key); *p; p++) h = mix(h, (unsigned char)*p);
     return finish(h);
 }
 
@@ -157,25 +160,28 @@ static node* find_child(tl_pcache* c, const node* parent, const int32_t* tokens)
     return NULL;
 }
 
-static node* find_root(tl_pcache* c, const char* salt, uint32_t window) {
-    const uint64_t h = root_hash(salt, window);
+static node* find_root(tl_pcache* c, const tl_pcache_key* key) {
+    const uint64_t h = root_hash(key);
     for (node* r = *bucket_of(c, h); r; r = r->next)
-        if (r->hash == h && !r->parent && r->window == window && strcmp(r->salt, salt) == 0) return r;
+        if (r->hash == h && !r->parent && r->window == key->window && r->tree_depth == key->tree_depth &&
+            strcmp(r->salt, salt_of(key)) == 0)
+            return r;
     return NULL;
 }
 
-static node* make_root(tl_pcache* c, const char* salt, uint32_t window) {
+static node* make_root(tl_pcache* c, const tl_pcache_key* key) {
     node* r = tl_alloc_zeroed(1, sizeof *r);
-    const size_t len = strlen(salt) + 1;
+    const size_t len = strlen(salt_of(key)) + 1;
     char* copy = r ? tl_alloc(len) : NULL;
     if (!copy) {
         tl_free(r);
         return NULL;
     }
-    memcpy(copy, salt, len);
+    memcpy(copy, salt_of(key), len);
     r->salt = copy;
-    r->window = window;
-    r->hash = root_hash(salt, window);
+    r->window = key->window;
+    r->tree_depth = key->tree_depth;
+    r->hash = root_hash(key);
     table_add(c, r);
     return r;
 }
@@ -284,8 +290,6 @@ void tl_pcache_free(tl_pcache* c) {
     tl_free(c);
 }
 
-static const char* salt_of(const tl_pcache_key* key) { return key->salt ? key->salt : ""; }
-
 void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tokens, size_t n,
                       tl_kv_table* t, size_t* hit) {
     const uint32_t bs = c->geom.block_size;
@@ -294,7 +298,7 @@ void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
     pthread_mutex_lock(&c->lock);
     c->tick++;
     c->stats.lookups++;
-    node* parent = c->closed ? NULL : find_root(c, salt_of(key), key->window);
+    node* parent = c->closed ? NULL : find_root(c, key);
     while (parent && k < max_blocks) {
         node* x = find_child(c, parent, tokens + k * bs);
         if (!x || x->block->n_layers < key->n_layers) break;
@@ -329,8 +333,8 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
         return;
     }
     c->tick++;
-    node* root = find_root(c, salt_of(key), key->window);
-    if (!root) root = make_root(c, salt_of(key), key->window);
+    node* root = find_root(c, key);
+    if (!root) root = make_root(c, key);
     c->inserting_root = root;
     c->walk = c->oldest;
     node* parent = root;

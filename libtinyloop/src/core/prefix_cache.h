@@ -2,9 +2,11 @@
  * block-aligned KV blocks keyed by (cache salt, window, the tokens of every block up to and
  * including this one), with LRU eviction of blocks nobody else holds under a byte budget.
  *
- * The index is a tree: a root per (salt, window), a node per cached block whose parent is the
- * node of the block before it. A node holds one reference to its block; the block's depth is
- * its layer count, and a node serves any request needing that many layers or fewer. Every
+ * The index is a tree: a root per (salt, window, tree depth), a node per cached block whose
+ * parent is the node of the block before it. A node holds one reference to its block; the
+ * block's depth is its layer count, and a node serves any request of its tree needing that many
+ * layers or fewer. A model without a coda has one tree for all depths (tree depth 0: depth
+ * nesting); with a coda each depth has its own, whose blocks all have its layer count. Every
  * operation takes the cache's mutex. References to a block rise outside it too (tl_kv_share,
  * for a fork or a sequence from a prefix, retains blocks a table holds), but a block only the
  * cache holds (refs == 1) gains one only under it, so a node whose block has refs == 1 stays
@@ -23,11 +25,13 @@
 
 typedef struct tl_pcache tl_pcache;
 
-/* A request's place in the index: salt (NUL-terminated; NULL = ""), window, layers needed. */
+/* A request's place in the index: salt (NUL-terminated; NULL = ""), window, layers needed,
+ * and its tree: 0 when blocks of every depth serve shallower ones (no coda), else the depth. */
 typedef struct tl_pcache_key {
     const char* salt;
     uint32_t window;
     uint32_t n_layers;
+    uint32_t tree_depth;
 } tl_pcache_key;
 
 /* A cache with budget `budget_bytes` (> 0) for blocks of geometry g. NULL when out of memory. */

@@ -16,7 +16,7 @@ typedef struct tl_scratch {
 struct tl_seq {
     tl_engine* engine;      /* holds a reference                                          */
     uint32_t loops;         /* L                                                          */
-    uint32_t n_layers;      /* n_pre_blocks + L                                           */
+    uint32_t n_layers;      /* cache slots: tl_n_layers(cfg, L) <= TL_MAX_CACHE_LAYERS     */
     uint32_t window;        /* cache_window W, 0 = full                                   */
     size_t n;               /* tokens so far                                              */
     tl_kv_table kv;
@@ -32,11 +32,15 @@ struct tl_prefix {
     size_t n;
     uint32_t loops;         /* L_b                                                        */
     uint32_t window;
-    tl_kv_table kv;         /* immutable once built                                       */
-    float* loop_states;     /* [L_b][d]: last token's hidden state after loop iteration i  */
+    tl_kv_table kv;         /* immutable once built; every depth's coda slots written     */
+    float* loop_states;     /* [L_b][d]: last token's final state at depth i + 1           */
 };
 
-/* A new empty sequence (engine reference taken). */
+/* TL_OK, or TL_ERR_INVALID_ARGUMENT when depth `loops` needs more than TL_MAX_CACHE_LAYERS
+ * cache slots (docs/spec.md §1). */
+tl_status tl_seq_check_depth(const tl_engine* e, uint32_t loops);
+/* A new empty sequence at depth `loops` (engine reference taken); refuses a depth
+ * tl_seq_check_depth refuses. */
 tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out);
 /* A prefill's progress report: fn(user_data, done, total) after each chunk, `done` counting
  * from its value at the start; a nonzero return sets `stopped`. */
@@ -51,7 +55,8 @@ typedef struct tl_progress {
 typedef struct tl_run_opts {
     float* logits_all;     /* [n][V]: logits of every position                              */
     float* logits_last;    /* [V]: logits of the last token                                 */
-    float* loop_states;    /* [loops][d]: the last token's state after each loop iteration  */
+    float* loop_states;    /* [loops][d]: a prefix build (tl_forward): every depth's coda slots
+                              written, and the last token's final state at each depth       */
     bool keep_window;      /* keep the blocks the window no longer sees (the caller offers
                               them to the prefix cache, then calls tl_kv_release_outside)    */
     tl_progress* progress; /* reported after each chunk; may stop the prefill               */

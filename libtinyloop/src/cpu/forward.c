@@ -1,11 +1,15 @@
-/* forward.c — the CPU pass (docs/spec.md §4) of T rows through every layer, the pre blocks
- * then the loop block L times, each layer with its own KV cache. The rows are either a chunk of
- * one sequence (positions n .. n+T-1) or one new token of each of T sequences (batched decode);
- * either way row t knows its sequence and position, and nothing else differs.
+/* forward.c — the CPU pass (docs/spec.md §1, §4) of T rows: the embedding, the prelude, L
+ * iterations of the core (step norm, injection adapter, k blocks), then coda_norm and the coda
+ * in the depth's own slots, each block application a layer with its own KV cache slot. The rows
+ * are either a chunk of one sequence (positions n .. n+T-1) or one new token of each of T
+ * sequences (batched decode); either way row t knows its sequence and position, and nothing
+ * else differs.
  *
- * A batch may mix depths: its rows are ordered by layer count, deepest first, so layer l runs
- * on the first `active` rows (those with more than l layers) and a row leaves the batch with
- * its final state once its layers are done.
+ * A batch may mix depths: its rows are ordered by depth, deepest first, so iteration i runs on
+ * the first `active` rows (those deeper than i), and the rows whose depth is exactly i + 1 (the
+ * last of those) then run coda_norm and the coda at that depth and leave with their final state.
+ * A prefix build (loop_states) also finishes every shallower depth on a copy of the state after
+ * each iteration, writing that depth's coda slots and keeping the last row's final state.
  *
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool. Each
@@ -31,26 +35,33 @@
 typedef struct fwd {
     const tl_engine* e;
     const tl_config* c;
-    const tl_linear* linears; /* [n_linears] indexed like tl_file.linears         */
-    size_t T;                /* rows in this layer (the active ones)              */
-    tl_seq** seqs;           /* [T] the sequence of each row                      */
-    size_t* pos;             /* [T] the position of each row                      */
-    int32_t* tokens;         /* [T]                                               */
-    size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                               */
-    uint32_t layer;          /* current layer                                     */
-    bool simd;               /* SIMD kernels: acts need qx/qsum; AVX2 row operations */
-    float* x;                /* [T][d]                                            */
-    float* qkv;              /* [T][qkv_dim]                                      */
-    float* o;                /* [T][hd]                                           */
-    float* gu;               /* [T][2F]                                           */
-    tl_acts acts;            /* [T][stride] for the next linear                   */
-    tl_attn_scratch* attn;   /* [pool threads]                                    */
-    size_t* order;           /* [T] batch: row r is the caller's order[r]         */
-    float* logits;           /* [T][V] batch: the rows' logits, in row order      */
+    const tl_linear* linears; /* [n_linears] indexed like tl_file.linears              */
+    size_t T;                /* rows of the current step: the active ones, or a range  */
+    tl_seq** seqs;           /* [T] the sequence of each row                           */
+    size_t* pos;             /* [T] the position of each row                           */
+    int32_t* tokens;         /* [T]                                                    */
+    size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
+    uint32_t layer;          /* cache slot of the current layer                        */
+    bool simd;               /* SIMD kernels: acts need qx/qsum; AVX2 row operations    */
+    float* x;                /* [T][d] the state the blocks run on                     */
+    float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e))       */
+    float* side;             /* [T][d] a prefix build: the state a shallower depth ends on */
+    float* y;                /* [T][d] sandwich: a sublayer's output before its norm    */
+    float* qkv;              /* [T][qkv_dim]                                           */
+    float* o;                /* [T][hd]                                                */
+    float* gu;               /* [T][2F]                                                */
+    tl_acts acts;            /* [T][stride] for the next linear                        */
+    tl_attn_scratch* attn;   /* [pool threads]                                         */
+    size_t* order;           /* [T] batch: row r is the caller's order[r]              */
+    float* logits;           /* [T][V] batch: the rows' logits, in row order           */
     /* input of the quantize task */
     const float* q_src;
     size_t q_src_stride, q_cols;
     bool q_rms;
+    /* input of the norm task */
+    float* rn_rows;
+    const float* rn_gain;
+    bool rn_add;
 } fwd;
 
 /* ---- scratch ------------------------------------------------------------------------------ */
@@ -71,18 +82,23 @@ static void* take(carve* c, size_t bytes) {
 
 static size_t round8(size_t k) { return (k + 7) / 8 * 8; }
 
+/* Whether a depth ends with more than the last iteration's state: coda_norm or coda blocks. */
+
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
- * buffers only for a batch. */
-static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch) {
+ * buffers only for a batch, the side state only for a prefix build. */
+static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch, bool build) {
     const tl_config* cfg = f->c;
-    const size_t T = f->T, D = cfg->head_dim;
+    const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
     if (cfg->ffn_dim > kmax) kmax = cfg->ffn_dim;
     kmax = round8(kmax);
     f->seqs = take(c, T * sizeof(tl_seq*));
     f->pos = take(c, T * sizeof(size_t));
     f->tokens = take(c, T * sizeof(int32_t));
-    f->x = take(c, T * cfg->d_model * sizeof(float));
+    f->x = take(c, state);
+    f->inject = take(c, cfg->injection ? state : 0);
+    f->side = take(c, build && tl_has_coda(cfg) ? state : 0);
+    f->y = take(c, cfg->block_layout == TL_LAYOUT_SANDWICH ? state : 0);
     f->qkv = take(c, T * f->qkv_dim * sizeof(float));
     f->o = take(c, T * f->hd * sizeof(float));
     f->gu = take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
@@ -127,6 +143,25 @@ static void quantize_rows(fwd* f, const float* src, size_t src_stride, size_t co
     f->acts.n = f->T;
     f->acts.stride = round8(cols);
     tl_pool_run(f->e->pool, f->T, task_quantize, f);
+}
+
+/* rn_rows row t := RN(it, rn_gain); with rn_add, x row t += that too (the sandwich residual). */
+static void task_norm(void* ctx, size_t t, unsigned worker) {
+    (void)worker;
+    fwd* f = ctx;
+    const size_t d = f->c->d_model;
+    float* row = f->rn_rows + t * d;
+    tl_rms_norm_row(row, f->rn_gain, d, f->c->rms_eps, row);
+    if (!f->rn_add) return;
+    float* x = f->x + t * d;
+    for (size_t i = 0; i < d; i++) x[i] = x[i] + row[i];
+}
+
+static void norm_rows(fwd* f, float* rows, const float* gain, bool add_to_x) {
+    f->rn_rows = rows;
+    f->rn_gain = gain;
+    f->rn_add = add_to_x;
+    tl_pool_run(f->e->pool, f->T, task_norm, f);
 }
 
 /* RoPE on token t's Q and K heads, then Q8 of each K and V head into the cache. */
@@ -182,47 +217,106 @@ static void task_swiglu(void* ctx, size_t t, unsigned worker) {
 
 /* ---- the pass ------------------------------------------------------------------------------ */
 
-/* Part `part` of the block that runs layer f->layer: pre block l, or the loop block. */
-static const tl_linear* layer_linear(const fwd* f, int part) {
-    return &f->linears[tl_layer_linear_index(f->c, f->layer, part)];
+/* x = residual(x, linear(lin; acts), gain) for the model's block_layout (docs/spec.md §4):
+ * pre x + y, sandwich x + RN(y, gain), post RN(x + y, gain). */
+static void residual(fwd* f, const tl_linear* lin, const float* gain) {
+    const size_t d = f->c->d_model;
+    const bool sandwich = f->c->block_layout == TL_LAYOUT_SANDWICH;
+    tl_linear_run(lin, &f->acts, sandwich ? f->y : f->x, d, !sandwich, f->e->pool);
+    if (f->c->block_layout != TL_LAYOUT_PRE) norm_rows(f, sandwich ? f->y : f->x, gain, sandwich);
 }
 
-static void run_layer(fwd* f) {
+/* Block `block` (file order) on the rows, as the layer of cache slot `slot`. */
+static void run_block(fwd* f, uint32_t block, size_t slot) {
     const tl_config* c = f->c;
     const size_t d = c->d_model, F = c->ffn_dim;
     tl_pool* pool = f->e->pool;
-    const tl_linear* qkv = layer_linear(f, TL_PART_QKV);
-    const tl_linear* out = layer_linear(f, TL_PART_OUT);
-    const tl_linear* gate_up = layer_linear(f, TL_PART_GATE_UP);
-    const tl_linear* down = layer_linear(f, TL_PART_DOWN);
+    const tl_linear* part = &f->linears[tl_block_linear_index(block, 0)]; /* part p at part[p] */
+    const tl_block_vectors* vec = &f->e->file.blocks[block];
+    f->layer = (uint32_t)slot;
 
     quantize_rows(f, f->x, d, d, true);
-    tl_linear_run(qkv, &f->acts, f->qkv, f->qkv_dim, false, pool);
+    if (vec->qkv_bias) /* y + b, as b + y: one f32 addition either way */
+        for (size_t t = 0; t < f->T; t++) memcpy(f->qkv + t * f->qkv_dim, vec->qkv_bias, f->qkv_dim * sizeof(float));
+    tl_linear_run(&part[TL_PART_QKV], &f->acts, f->qkv, f->qkv_dim, vec->qkv_bias != NULL, pool);
     tl_pool_run(pool, f->T, task_kv_write, f);
     tl_pool_run(pool, f->T * c->n_heads, task_attention, f);
     quantize_rows(f, f->o, f->hd, f->hd, false);
-    tl_linear_run(out, &f->acts, f->x, d, true, pool);
+    residual(f, &part[TL_PART_OUT], vec->attn_post_norm);
 
     quantize_rows(f, f->x, d, d, true);
-    tl_linear_run(gate_up, &f->acts, f->gu, 2 * F, false, pool);
+    tl_linear_run(&part[TL_PART_GATE_UP], &f->acts, f->gu, 2 * F, false, pool);
     f->acts.stride = round8(F);
     tl_pool_run(pool, f->T, task_swiglu, f);
-    tl_linear_run(down, &f->acts, f->x, d, true, pool);
+    residual(f, &part[TL_PART_DOWN], vec->ffn_post_norm);
+}
+
+/* The start of injection (docs/spec.md §4.4), on the prelude's output e in x: inject =
+ * linear(adapter_inject; Q8(e)), the same term at every iteration; then the state is zero. */
+static void begin_injection(fwd* f) {
+    const size_t d = f->c->d_model;
+    quantize_rows(f, f->x, d, d, false);
+    tl_linear_run(&f->linears[tl_adapter_linear_index(f->c, 1)], &f->acts, f->inject, d, false, f->e->pool);
+    memset(f->x, 0, f->T * d * sizeof(float));
+}
+
+/* The adapter: x = linear(adapter_state; Q8(x)) + inject, added as inject + linear (one f32
+ * addition either way). */
+static void adapter(fwd* f) {
+    const size_t d = f->c->d_model;
+    quantize_rows(f, f->x, d, d, false);
+    memcpy(f->x, f->inject, f->T * d * sizeof(float));
+    tl_linear_run(&f->linears[tl_adapter_linear_index(f->c, 0)], &f->acts, f->x, d, true, f->e->pool);
+}
+
+/* Core iteration i on the rows: the step norm (i >= 1), the adapter, the k core blocks. */
+static void iteration(fwd* f, uint32_t i) {
+    const tl_config* c = f->c;
+    const size_t per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    if (c->step_norm && i > 0) norm_rows(f, f->x, f->e->file.step_norm, false);
+    if (c->injection) adapter(f);
+    for (uint32_t j = 0; j < c->n_core_blocks; j++)
+        run_block(f, c->n_pre_blocks + j, c->n_pre_blocks + i * per + j);
+}
+
+/* The end of depth `depth` for rows [lo, hi) of `state` (f->x or f->side): coda_norm, then the
+ * coda blocks in that depth's slots. The rows' state becomes their final state at that depth. */
+static void end_depth(fwd* f, float* state, size_t lo, size_t hi, uint32_t depth) {
+    const tl_config* c = f->c;
+    if (lo == hi || !tl_has_coda(c)) return;
+    const size_t d = c->d_model, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    float* const x = f->x;
+    tl_seq** const seqs = f->seqs;
+    size_t* const pos = f->pos;
+    const size_t T = f->T;
+    f->x = state + lo * d;
+    f->seqs += lo;
+    f->pos += lo;
+    f->T = hi - lo;
+    if (c->coda_norm) norm_rows(f, f->x, f->e->file.coda_norm, false);
+    for (uint32_t j = 0; j < c->n_coda_blocks; j++)
+        run_block(f, c->n_pre_blocks + c->n_core_blocks + j,
+                  c->n_pre_blocks + (size_t)(depth - 1) * per + c->n_core_blocks + j);
+    f->x = x;
+    f->seqs = seqs;
+    f->pos = pos;
+    f->T = T;
 }
 
 static void embed(fwd* f) {
     const size_t d = f->c->d_model;
+    const float embed_scale = f->c->embed_scale;
     for (size_t t = 0; t < f->T; t++) {
         const int8_t* row = f->e->file.emb_w + (size_t)f->tokens[t] * d;
         const float scale = f->e->file.emb_s[f->tokens[t]];
-        for (size_t i = 0; i < d; i++) f->x[t * d + i] = (float)row[i] * scale;
+        for (size_t i = 0; i < d; i++) f->x[t * d + i] = ((float)row[i] * scale) * embed_scale;
     }
 }
 
 /* Lay out the scratch of T rows whose positions are all below max_keys in `scratch`, growing it
  * first if they do not fit: the pass's only allocation, and on failure nothing has changed. */
 static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, size_t T, size_t max_keys, bool batch,
-                       tl_scratch* scratch) {
+                       bool build, tl_scratch* scratch) {
     memset(f, 0, sizeof *f);
     f->e = e;
     f->c = tl_engine_config(e);
@@ -234,7 +328,7 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
     carve arena = {0, NULL};
-    layout(f, &arena, workers, max_keys, batch);
+    layout(f, &arena, workers, max_keys, batch, build);
     if (arena.used > scratch->bytes) {
         void* grown = tl_alloc(arena.used);
         if (!grown) return tl_fail_oom("forward scratch");
@@ -242,21 +336,38 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
         *scratch = (tl_scratch){grown, arena.used};
     }
     arena = (carve){0, scratch->base};
-    layout(f, &arena, workers, max_keys, batch);
+    layout(f, &arena, workers, max_keys, batch, build);
     return TL_OK;
 }
 
-/* Every layer of the rows (ordered deepest first); after loop iteration i the state of the
- * last row goes to loop_states[i] when that is not NULL. */
-static void run_layers(fwd* f, float* loop_states) {
-    const size_t d = f->c->d_model, rows = f->T;
-    for (f->layer = 0; f->layer < f->seqs[0]->n_layers; f->layer++) {
-        while (f->T > 0 && f->seqs[f->T - 1]->n_layers <= f->layer) f->T--;
-        run_layer(f);
-        if (loop_states && f->layer >= f->c->n_pre_blocks)
-            memcpy(loop_states + (f->layer - f->c->n_pre_blocks) * d, f->x + (f->T - 1) * d, d * sizeof(float));
+/* Every layer of the embedded rows (ordered deepest first); x ends as each row's final state.
+ * With `states` (a prefix build: one sequence, depth L), every depth 1 .. L-1 also ends on a
+ * copy of the state, writing its coda slots, and states[i] receives the last row's final state
+ * at depth i + 1. */
+static void run_layers(fwd* f, float* states) {
+    const tl_config* c = f->c;
+    const size_t d = c->d_model, rows = f->T;
+    for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(f, b, b);
+    if (c->injection) begin_injection(f);
+    const uint32_t loops = f->seqs[0]->loops;
+    for (uint32_t i = 0; i < loops; i++) {
+        while (f->seqs[f->T - 1]->loops <= i) f->T--;
+        iteration(f, i);
+        size_t lo = f->T; /* rows [lo, T) end at depth i + 1 */
+        while (lo > 0 && f->seqs[lo - 1]->loops == i + 1) lo--;
+        if (states && lo == f->T) { /* a shallower depth of a prefix build */
+            const float* final = f->x;
+            if (tl_has_coda(c)) {
+                memcpy(f->side, f->x, f->T * d * sizeof(float));
+                end_depth(f, f->side, 0, f->T, i + 1);
+                final = f->side;
+            }
+            memcpy(states + (size_t)i * d, final + (f->T - 1) * d, d * sizeof(float));
+        }
+        end_depth(f, f->x, lo, f->T, i + 1);
     }
     f->T = rows;
+    if (states) memcpy(states + (size_t)(loops - 1) * d, f->x + (rows - 1) * d, d * sizeof(float));
 }
 
 /* logits[T][V] of the final states x[T][d]. */
@@ -277,7 +388,7 @@ static void head_last(fwd* f, float* logits) {
 tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
                          float* logits_last, float* last_hidden, float* loop_states) {
     fwd f;
-    tl_status st = begin(&f, s->engine, linears, T, s->n + T, false, &s->scratch);
+    tl_status st = begin(&f, s->engine, linears, T, s->n + T, false, loop_states != NULL, &s->scratch);
     if (st != TL_OK) return st;
     for (size_t t = 0; t < T; t++) {
         f.seqs[t] = s;
@@ -301,7 +412,7 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
         if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
     fwd f;
     const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
-    tl_status st = begin(&f, e, linears, B, max_keys, true, &seqs[0]->scratch);
+    tl_status st = begin(&f, e, linears, B, max_keys, true, false, &seqs[0]->scratch);
     if (st != TL_OK) return st;
     tl_sort_deepest_first(seqs, B, f.order);
     for (size_t r = 0; r < B; r++) {

@@ -1,8 +1,8 @@
 /* forward.h (cpu) — the CPU pass: core/forward.h's three entry points computed on the host
  * with the linears repacked for the engine's kernel path (matmul.h) and the engine's pool.
- * `linears` is indexed like tl_file.linears (block * TL_PARTS + part, then the head). The CPU
- * backend (backend_cpu.c) calls these; the CUDA backend borrows tl_cpu_head_logits for the one
- * head it keeps on the host. */
+ * `linears` is indexed like tl_file.linears (tl_block_linear_index, the adapter's two at
+ * tl_adapter_linear_index, then the head). The CPU backend (backend_cpu.c) calls these; the
+ * CUDA backend borrows tl_cpu_head_logits for the one head it keeps on the host. */
 #ifndef TL_CPU_FORWARD_H
 #define TL_CPU_FORWARD_H
 

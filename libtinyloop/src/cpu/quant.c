@@ -1,5 +1,5 @@
-/* quant.c — Q8/Q4 row quantization, NQ and RoPE (docs/spec.md §2.2, §2.3, §2.6), scalar and
- * exact. These rows are O(d) per token; the matmuls dominate, so clarity wins here. */
+/* quant.c — Q8/Q4 row quantization, NQ, RoPE and RN (docs/spec.md §2.2, §2.3, §2.6, §2.7),
+ * scalar and exact. These rows are O(d) per token; the matmuls dominate, so clarity wins here. */
 #include "cpu/quant.h"
 
 #include <math.h>
@@ -20,15 +20,22 @@ static float abs_max(const float* x, size_t n) {
     return amax;
 }
 
+#define TINY_ROW 5.421010862427522e-20f /* 2^-64, 0x1f800000: §2.2 step 2 */
+
+/* §2.2 step 4 for one element: rint(clamp(x * r, -qmax, qmax)), qmax = fq. */
+static inline int quantize_one(float x, float r, float fq) {
+    return (int)tl_rint_small(tl_clamp(x * r, -fq, fq));
+}
+
 float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q) {
     const float amax = abs_max(x, n);
-    if (amax < 5.421010862427522e-20f) { /* 2^-64, 0x1f800000 */
+    if (amax < TINY_ROW) {
         for (size_t i = 0; i < n; i++) q[i] = 0;
         return 0.0f;
     }
     const float fq = (float)qmax;
     const float r = fq / amax;
-    for (size_t i = 0; i < n; i++) q[i] = (int8_t)(int)tl_rint_small(tl_clamp(x[i] * r, -fq, fq));
+    for (size_t i = 0; i < n; i++) q[i] = (int8_t)quantize_one(x[i], r, fq);
     return amax / fq;
 }
 
@@ -37,6 +44,22 @@ float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q) {
     int64_t ss = 0;
     for (size_t i = 0; i < n; i++) ss += (int32_t)q[i] * q[i];
     return tl_nq_scale(ss, s, n, eps);
+}
+
+void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, float* y) {
+    const float fq = 32767.0f, amax = abs_max(x, n); /* Q16; a tiny row has q = 0, s = 0 */
+    int64_t ss = 0;
+    float s = 0.0f;
+    if (amax >= TINY_ROW) {
+        const float r = fq / amax;
+        for (size_t i = 0; i < n; i++) {
+            const int64_t q = quantize_one(x[i], r, fq);
+            ss += q * q;
+        }
+        s = amax / fq;
+    }
+    const float t = tl_rms_of(ss, s, n, eps);
+    for (size_t i = 0; i < n; i++) y[i] = (x[i] / t) * gain[i];
 }
 
 void tl_swiglu_row(float* gate, const float* up, size_t n) {

@@ -1,5 +1,6 @@
-/* quant.h — row operations of docs/spec.md §2.2, §2.3 and §2.6: Q8/Q4 row quantization, the
- * fused RMSNorm-quantize NQ, and rotate-half RoPE. Shapes are per row. */
+/* quant.h — row operations of docs/spec.md §2.2, §2.3, §2.6 and §2.7: Q8/Q4 row quantization,
+ * the fused RMSNorm-quantize NQ, rotate-half RoPE and the RMSNorm with a gain RN. Shapes are
+ * per row. */
 #ifndef TL_QUANT_H
 #define TL_QUANT_H
 
@@ -10,6 +11,9 @@
 float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q);
 /* §2.3 NQ(x): x[n] -> q[n]; returns the matmul input scale a. */
 float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q);
+/* §2.7 RN(x, g): y[i] = (x[i] / t) * gain[i], t the root mean square of x through Q16 and an
+ * exact i64 sum of squares. y may be x. */
+void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, float* y);
 /* §2.5 SwiGLU in place: gate[i] = silu(gate[i]) * up[i]. */
 void tl_swiglu_row(float* gate, const float* up, size_t n);
 

@@ -44,7 +44,7 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
             count = n_spans - first;
         }
         const tl_kv_span* write = &s->kv.spans[tl_kv_find(&s->kv, pos[t])];
-        rows[t] = (tl_cuda_row){tokens[t], (uint32_t)pos[t], s->n_layers, s->window, write->block->data,
+        rows[t] = (tl_cuda_row){tokens[t], (uint32_t)pos[t], s->loops, s->window, write->block->data,
                                 (uint32_t)(pos[t] - write->start), (uint32_t)first, (uint32_t)count};
         if (pos[t] + 1 > *max_keys) *max_keys = (uint32_t)(pos[t] + 1);
     }
@@ -52,8 +52,8 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
 }
 
 /* Rows t < T: token tokens[t] of seqs[t] at position pos[t] (KV reserved), deepest first.
- * Writes hidden [T][d], logits [T][V], logits_last [V] of row T-1 and loop_states of row T-1
- * (each output but hidden may be NULL). */
+ * Writes hidden [T][d], logits [T][V], logits_last [V] of row T-1 and, making the pass a prefix
+ * build's, loop_states of row T-1 (each output but hidden may be NULL). */
 static tl_status run_rows(tl_cuda* c, tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
                           float* hidden, float* logits, float* logits_last, float* loop_states) {
     const tl_engine* e = seqs[0]->engine;

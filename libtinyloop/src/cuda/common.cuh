@@ -14,7 +14,9 @@
  *   int4 linear  w_hi, w_lo [rows_pad][cols_pad] i8 with m*w = 128*hi + lo (tensor-core GEMM),
  *                and, when group_size % 8 == 0, w4 [rows_pad][cols/8] u32 (8 elements a word:
  *                byte b holds element b in its low nibble and element b+4 in its high nibble)
- *                with m8 [rows_pad][cols/8] u8 (the group multiplier of each word) for GEMV. */
+ *                with m8 [rows_pad][cols/8] u8 (the group multiplier of each word) for GEMV
+ *   bias         [rows_pad] f32 (attn_qkv with qkv_bias), added after the row scale
+ *   gains        [d] f32 per vector (tl_cu_block's, step_norm, coda_norm) */
 #ifndef TL_CUDA_COMMON_CUH
 #define TL_CUDA_COMMON_CUH
 
@@ -39,8 +41,9 @@ enum {
     TL_CU_GRAPHS = 8       /* executable graphs kept per model, one per pass shape             */
 };
 
-/* 2^-64 (0x1f800000), the Q8 "tiny row" threshold, written as quant.c writes it. */
-#define TL_CU_Q8_TINY 5.421010862427522e-20f
+/* 2^-64 (0x1f800000), the "tiny row" threshold of every Q(x, qmax) (Q8, Q16), written as
+ * quant.c writes it. */
+#define TL_CU_TINY_ROW 5.421010862427522e-20f
 
 /* One linear in device memory (see the layouts above). */
 typedef struct tl_cu_linear {
@@ -53,7 +56,14 @@ typedef struct tl_cu_linear {
     uint32_t* w4;                 /* int4 with group_size % 8 == 0, else NULL */
     uint8_t* m8;                  /* with w4                                  */
     float* scale;                 /* [rows_pad]                               */
+    float* bias;                  /* [rows_pad], or NULL                      */
 } tl_cu_linear;
+
+/* The gains of one block's sandwich / post placement in device memory (NULL for pre). */
+typedef struct tl_cu_block {
+    float* attn_post_norm;        /* [d]                                      */
+    float* ffn_post_norm;         /* [d]                                      */
+} tl_cu_block;
 
 /* A grow-on-demand device (or pinned host) buffer. */
 typedef struct tl_cu_buf {
@@ -68,9 +78,9 @@ typedef struct tl_cu_pass_shape {
     uint32_t key_stride;                /* row stride of the scores scratch (> every row's pos) */
     uint32_t block_size;
     size_t head_bytes;
-    uint32_t n_layers;                  /* of the deepest row (row 0)                           */
+    uint32_t loops;                     /* of the deepest row (row 0)                           */
     uint32_t outputs;                   /* which outputs the pass copies back (forward.cu)      */
-    uint32_t depth[TL_CU_GRAPH_MAX_T];  /* each row's n_layers (graph passes; 0 beyond T)       */
+    uint32_t depth[TL_CU_GRAPH_MAX_T];  /* each row's loops (graph passes; 0 beyond T)          */
 } tl_cu_pass_shape;
 
 /* One cached executable graph and the shape it was captured for. */
@@ -112,8 +122,11 @@ struct tl_cuda {
     bool lock_made, stream_made;
     cudaMemPool_t pool;           /* KV blocks and scratch (stream-ordered on `stream`); NULL = cudaMalloc */
     tl_config cfg;
-    tl_cu_linear* lin;            /* like tl_file.linears: block * TL_PARTS + part, then the head */
+    tl_cu_linear* lin;            /* like tl_file.linears: tl_block_linear_index, the adapter, the head */
     size_t n_lin;
+    tl_cu_block* blocks;          /* [tl_n_blocks(cfg)]                                     */
+    float* step_norm;             /* [d] gain of core.step_norm, or NULL                    */
+    float* coda_norm;             /* [d] gain of coda.input_norm, or NULL                   */
     const int8_t* emb_w;          /* [V][emb_ld]: own upload, or the tied head's w8        */
     size_t emb_ld;
     const float* emb_s;           /* [V]                                                    */
@@ -128,6 +141,9 @@ struct tl_cuda {
     int sm_count;                 /* multiprocessors: how far decode attention splits       */
     /* scratch of tl_cuda_forward (device, from `pool` when there is one, unless noted) */
     tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, att_split, io, logits, states;
+    tl_cu_buf e;                  /* [T][d] the injected input (injection)                  */
+    tl_cu_buf sub;                /* [T][d] a sublayer's output before its norm (sandwich)  */
+    tl_cu_buf xcopy;              /* [T][d] the state a prefix build's coda runs on         */
     tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
     tl_cu_buf host_out;           /* pinned host staging of the outputs                     */
     /* CUDA graphs of decode passes (forward.cu), guarded by `lock` */
@@ -188,26 +204,37 @@ static __device__ __forceinline__ long long tl_cu_block_sum(long long v, long lo
     return s;
 }
 
-/* docs/spec.md §2.2 Q8 of x[0 .. n) (global or shared) into q[0 .. n), by the whole block, as
- * tl_quantize_row: amax from 0 ignoring NaN, the tiny-row rule, r = 127 / amax,
- * q = rint(clamp(x * r)). Returns the scale s to every thread; *sumsq is this thread's share
- * of Σ q² (exact; the caller sums it over the block for NQ). `sh` is __shared__ [32]. */
-static __device__ __forceinline__ float tl_cu_block_q8(const float* x, int n, int8_t* q, int* sumsq, float* sh) {
+/* docs/spec.md §2.2 step 1 by the whole block: max |x_i| of x[0 .. n) from 0, ignoring NaN, to
+ * every thread. `sh` is __shared__ [32]. */
+static __device__ __forceinline__ float tl_cu_block_amax(const float* x, int n, float* sh) {
     float m = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = fabsf(x[i]);
         m = v > m ? v : m; /* a NaN never compares greater */
     }
-    const float amax = tl_cu_block_max(m, sh);
+    return tl_cu_block_max(m, sh);
+}
+
+/* docs/spec.md §2.2 step 4 of one element: rint(clamp(x * r, -qmax, qmax)). */
+static __device__ __forceinline__ int tl_cu_quantize_one(float x, float r, float qmax) {
+    return (int)tl_rint_small(tl_clamp(x * r, -qmax, qmax));
+}
+
+/* docs/spec.md §2.2 Q8 of x[0 .. n) (global or shared) into q[0 .. n), by the whole block, as
+ * tl_quantize_row: amax, the tiny-row rule, r = 127 / amax, q = rint(clamp(x * r)). Returns the
+ * scale s to every thread; *sumsq is this thread's share of Σ q² (exact; the caller sums it over
+ * the block for NQ). `sh` is __shared__ [32]. */
+static __device__ __forceinline__ float tl_cu_block_q8(const float* x, int n, int8_t* q, int* sumsq, float* sh) {
+    const float amax = tl_cu_block_amax(x, n, sh);
     int ss = 0;
-    if (amax < TL_CU_Q8_TINY) {
+    if (amax < TL_CU_TINY_ROW) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) q[i] = 0;
         *sumsq = 0;
         return 0.0f;
     }
     const float r = 127.0f / amax;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int v = (int)tl_rint_small(tl_clamp(x[i] * r, -127.0f, 127.0f));
+        const int v = tl_cu_quantize_one(x[i], r, 127.0f);
         q[i] = (int8_t)v;
         ss += v * v;
     }
@@ -220,7 +247,7 @@ static inline size_t tl_cu_round_up(size_t n, size_t m) { return (n + m - 1) / m
 /* ---- launch wrappers (all on c->stream; they check the launch) ----------------------------- */
 
 /* rows.cu */
-/* x[t][0 .. d) = embedding of rows[t].token, t < T. */
+/* x[t][0 .. d) = embedding of rows[t].token times embed_scale, t < T. */
 tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x);
 /* q[t][0 .. lda) = Q8 (rms: NQ) of x[t * xs .. + n), zero beyond n; scale[t] = s (rms: a). */
 tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
@@ -231,9 +258,12 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
                         uint32_t block_size, size_t head_bytes);
 /* gu [T][2F]: gate := silu(gate) * up (in place), then q[t] = Q8(gate), scale[t] = s. */
 tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale);
+/* dst[t] = RN(src[t], gain) (docs/spec.md §2.7), or dst[t] + RN(src[t], gain) when add, rows
+ * t < T of d floats; dst may be src. */
+tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add);
 
 /* gemm.cu */
-/* y[t][j] (stride ys) = or += ((f32)acc * scale[t]) * L->scale[j], t < T, j < R, from the
+/* y[t][j] (stride ys) = or += ((f32)acc * scale[t]) * L->scale[j] (+ L->bias[j]), t < T, j < R, from the
  * activations q [T_pad][L->cols_pad]. int4 linears of T >= TL_CU_GEMV_MAX_T (or without w4) use
  * `raw` ([T_pad][L->rows_pad] i32) as scratch. */
 tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, const float* scale, size_t T,

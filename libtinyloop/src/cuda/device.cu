@@ -5,7 +5,9 @@
  * the caller back its own current device.
  *
  * Weights are uploaded once, padded with zeros (rows to TL_CU_TILE_N, columns to TL_CU_TILE_K)
- * so the kernels never test bounds inside their loops. An int4 linear is stored twice: the
+ * so the kernels never test bounds inside their loops; so are the f32 vectors of version 2
+ * (docs/spec.md §6.3): the qkv biases beside their linears, each block's post-norm gains, the
+ * step norm's and the coda norm's gains. An int4 linear is stored twice: the
  * exact int8 split m*w = 128*hi + lo (|hi| <= 16, -64 <= lo < 64) that the tensor-core GEMM
  * runs, and, when the group size is a multiple of 8, the packed nibbles + per-word multipliers
  * of the dp4a GEMV. Both compute the same exact integer acc of docs/spec.md §3. */
@@ -156,6 +158,19 @@ static tl_status upload_linear(tl_cuda* c, const tl_linear_src* s, tl_cu_linear*
     return st;
 }
 
+/* Device copy of the f32 vector src[n] zero-padded to `padded` elements; NULL stays NULL. */
+static tl_status upload_vector(tl_cuda* c, float** dst, const float* src, size_t n, size_t padded,
+                               const char* what) {
+    *dst = NULL;
+    if (!src) return TL_OK;
+    float* v = (float*)tl_alloc_zeroed(padded, sizeof(float));
+    if (!v) return tl_fail_oom("CUDA weight staging");
+    memcpy(v, src, n * sizeof(float));
+    const tl_status st = upload(c, (void**)dst, v, padded * sizeof(float), what);
+    tl_free(v);
+    return st;
+}
+
 static void free_linear(tl_cu_linear* L) {
     cudaFree(L->w8);
     cudaFree(L->w_hi);
@@ -163,7 +178,27 @@ static void free_linear(tl_cu_linear* L) {
     cudaFree(L->w4);
     cudaFree(L->m8);
     cudaFree(L->scale);
+    cudaFree(L->bias);
     memset(L, 0, sizeof *L);
+}
+
+/* Every block's qkv bias (onto its attn_qkv linear) and post-norm gains, and the step and coda
+ * norm gains. */
+static tl_status upload_vectors(tl_cuda* c, const tl_file* f) {
+    const tl_config* cfg = &f->cfg;
+    const uint32_t n_blocks = tl_n_blocks(cfg);
+    const size_t d = cfg->d_model;
+    c->blocks = (tl_cu_block*)tl_alloc_zeroed(n_blocks, sizeof *c->blocks);
+    if (!c->blocks) return tl_fail_oom("CUDA block vectors");
+    for (uint32_t b = 0; b < n_blocks; b++) {
+        const tl_block_vectors* v = &f->blocks[b];
+        tl_cu_linear* qkv = &c->lin[tl_block_linear_index(b, TL_PART_QKV)];
+        TL_CU_TRY(upload_vector(c, &qkv->bias, v->qkv_bias, qkv->rows, qkv->rows_pad, "qkv bias"));
+        TL_CU_TRY(upload_vector(c, &c->blocks[b].attn_post_norm, v->attn_post_norm, d, d, "attn_post_norm"));
+        TL_CU_TRY(upload_vector(c, &c->blocks[b].ffn_post_norm, v->ffn_post_norm, d, d, "ffn_post_norm"));
+    }
+    TL_CU_TRY(upload_vector(c, &c->step_norm, f->step_norm, d, d, "core.step_norm"));
+    return upload_vector(c, &c->coda_norm, f->coda_norm, d, d, "coda.input_norm");
 }
 
 /* A memory pool for KV blocks that keeps up to POOL_KEEP_BYTES of released memory cached, or
@@ -234,6 +269,7 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
         if (L->cols_pad > c->max_cols_pad) c->max_cols_pad = L->cols_pad;
         if (L->group_size && L->rows_pad > c->max_rows_pad_int4) c->max_rows_pad_int4 = L->rows_pad;
     }
+    TL_CU_TRY(upload_vectors(c, f));
     const tl_cu_linear* head = &c->lin[c->n_lin - 1];
     const size_t V = cfg->vocab_size, d = cfg->d_model;
     if (cfg->tied_head && head->w8) { /* the head is the embedding: look tokens up in it */
@@ -295,12 +331,20 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     tl_cu_graphs_drop(c);
     for (size_t i = 0; c->lin && i < c->n_lin; i++) free_linear(&c->lin[i]);
     tl_free(c->lin);
+    for (uint32_t b = 0; c->blocks && b < tl_n_blocks(&c->cfg); b++) {
+        cudaFree(c->blocks[b].attn_post_norm);
+        cudaFree(c->blocks[b].ffn_post_norm);
+    }
+    tl_free(c->blocks);
+    cudaFree(c->step_norm);
+    cudaFree(c->coda_norm);
     cudaFree(c->emb_w_own);
     cudaFree(c->emb_s_own);
     cudaFree(c->rope_cos);
     cudaFree(c->rope_sin);
-    tl_cu_buf* bufs[] = {&c->x,      &c->qkv,       &c->o,  &c->gu,     &c->acts,  &c->ascale, &c->raw,
-                         &c->scores, &c->att_split, &c->io, &c->logits, &c->states};
+    tl_cu_buf* bufs[] = {&c->x,      &c->qkv,       &c->o,  &c->gu,     &c->acts,   &c->ascale, &c->raw,
+                         &c->scores, &c->att_split, &c->io, &c->logits, &c->states, &c->e,      &c->sub,
+                         &c->xcopy};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tl_cu_scratch_release(c, bufs[i]);
     if (c->stream_made) cudaStreamSynchronize(c->stream); /* the pool's frees are done */
     cudaFreeHost(c->host_io.p);

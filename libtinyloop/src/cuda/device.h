@@ -31,7 +31,8 @@ typedef struct tl_cuda tl_cuda; /* per-model device state: weights, stream, scra
 tl_status tl_cuda_probe(int* n_devices);
 
 /* Select `device`, create a stream and upload every weight of `file` (embedding, rope tables,
- * each linear, the head). On failure nothing stays allocated. */
+ * each linear with its bias, the adapter, the head, every gain vector). On failure nothing stays
+ * allocated. */
 tl_status tl_cuda_create(const tl_file* file, int device, tl_cuda** out);
 void tl_cuda_free(tl_cuda* c);
 /* Device bytes of the uploaded weights. */
@@ -57,7 +58,7 @@ typedef struct tl_cuda_span {
 typedef struct tl_cuda_row {
     int32_t token;
     uint32_t pos;          /* absolute position                                               */
-    uint32_t n_layers;     /* n_pre_blocks + loops of its sequence                            */
+    uint32_t loops;        /* depth L of its sequence (cache slots tl_n_layers(cfg, L))       */
     uint32_t window;       /* cache_window, 0 = full                                          */
     void* write_data;      /* block data that receives this row's K and V (device address)   */
     uint32_t write_slot;   /* slot of pos in that block                                       */
@@ -65,11 +66,11 @@ typedef struct tl_cuda_row {
     uint32_t n_spans;      /*   cover every key visible to the row (released ones omitted)   */
 } tl_cuda_row;
 
-/* A forward pass of T rows (docs/spec.md §4). Rows are ordered by n_layers, deepest first:
- * layer l runs on the rows with n_layers > l. Rows of one sequence sit at consecutive
- * positions and share a span range; a row attends to keys j <= pos (and j > pos - window)
- * including the keys other rows of this batch write in the same layer, so every KV write of
- * a layer precedes that layer's attention. */
+/* A forward pass of T rows (docs/spec.md §4). Rows are ordered by loops, deepest first; the
+ * order of the steps and the rows each runs on is cuda/pass.h's. Rows of one sequence sit at
+ * consecutive positions and share a span range; a row attends to keys j <= pos (and
+ * j > pos - window) including the keys other rows of this batch write in the same slot, so
+ * every KV write of a block precedes that block's attention. */
 typedef struct tl_cuda_batch {
     size_t T;
     const tl_cuda_row* rows;    /* [T] host memory                                          */
@@ -82,7 +83,10 @@ typedef struct tl_cuda_batch {
     float* hidden;              /* [T][d] each row's final state; required                  */
     float* logits;              /* [T][V] head of each final state; NULL = not wanted       */
     float* logits_last;         /* [V] head of row T-1's final state only; NULL = not wanted */
-    float* loop_states;         /* [loops][d] state of row T-1 after each loop layer; NULL   */
+    float* loop_states;         /* [loops][d] makes the pass a prefix build's (docs/spec.md §5.4):
+                                   every depth 1 .. loops runs its coda, writing its coda slots,
+                                   and loop_states[i] = row T-1's final state (the head's input)
+                                   at depth i + 1; NULL = a plain pass                         */
 } tl_cuda_batch;
 
 /* Run the batch; returns once the outputs are in host memory. Calls on one tl_cuda are

@@ -1,28 +1,33 @@
-/* forward.cu — tl_cuda_forward: one forward pass (docs/spec.md §4) of a batch of rows on the
- * device, in the CPU pass's order (cpu/forward.c). One copy of rows + spans to the device, then
- * only launches on c->stream (no host round trip per layer), the outputs into pinned host memory,
- * one synchronization, and a memcpy of the outputs to the caller's buffers.
+/* forward.cu — tl_cuda_forward: one forward pass (docs/spec.md §1, §4) of a batch of rows on
+ * the device, in the CPU pass's order (cpu/forward.c). One copy of rows + spans to the device,
+ * then only launches on c->stream (no host round trip per layer), the outputs into pinned host
+ * memory, one synchronization, and a memcpy of the outputs to the caller's buffers.
  *
- * Per layer l (pre block l, or the loop block), on the active rows (n_layers > l: a prefix,
- * rows being ordered deepest first):
- *   NQ(x) -> qkv linear -> RoPE + K/V write (every active row, before any attention reads)
- *   -> attention -> Q8(o) -> out linear (x +=) -> NQ(x) -> gate_up linear -> SwiGLU + Q8
- *   -> down linear (x +=); after a loop layer, the last active row's x -> loop_states.
+ * The embedding (times embed_scale), then the steps of cuda/pass.h (the prelude, the iterations
+ * with their step norm, adapter and core blocks, each depth's coda_norm and coda), each on a
+ * range of rows. A block on rows [lo, hi) of a state (x, or a prefix build's copy):
+ *   NQ(x) -> qkv linear (+ bias) -> RoPE + K/V write into its slot (every row of the range,
+ *   before any attention reads) -> attention -> Q8(o) -> out linear -> residual -> NQ(x)
+ *   -> gate_up linear -> SwiGLU + Q8 -> down linear -> residual,
+ * the residual per block_layout: pre x += y; sandwich x += RN(y, g); post x = RN(x + y, g).
  * Then hidden = x, and logits = head(NQ(x)) of every row (or of the last one) when asked for.
  *
  * Scratch (grow-on-demand, owned by tl_cuda, guarded by its lock): x [T][d],
  * qkv [T][(H + 2G) * D], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8, ascale [T],
  * raw [T_pad][max int4 rows_pad] i32, scores [rows per launch][H][key_stride], att_split (split
- * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d];
+ * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d],
+ * and as the model needs them e [T][d] (injection), sub [T][d] (sandwich), xcopy [T][d] (a
+ * prefix build with a coda);
  * pinned host: host_io stages rows + spans, host_out the outputs. Device scratch comes from the
  * model's stream-ordered pool (c->pool): a buffer grows (old one freed, new one allocated, both
  * queued on c->stream) only in reserve_pass, before the pass's first launch, and that never
  * synchronizes the device; nothing allocates or frees between launches.
  *
  * CUDA graphs (decode, T <= TL_CU_GRAPH_MAX_T): each pass shape (tl_cu_pass_shape: row count,
- * each row's depth, the scores' key stride, which outputs) is captured once into an executable
- * graph, kept in a small cache (least recently used out), and replayed with cudaGraphLaunch on
- * every later pass of that shape. Why a replay gives the plain path's bits, by construction:
+ * each row's depth, the scores' key stride, which outputs and so whether it is a prefix build's:
+ * all that cuda/pass.h's schedule reads) is captured once into an executable graph, kept in a
+ * small cache (least recently used out), and replayed with cudaGraphLaunch on every later pass
+ * of that shape. Why a replay gives the plain path's bits, by construction:
  * launch_pass takes its kernel arguments only from the shape and from the scratch addresses, and
  * every value that changes per step (tokens, positions, windows, K/V write slots, the span tables
  * and so the keys each row sees) lives in device memory (io), rewritten by the rows/spans copy
@@ -36,11 +41,12 @@
 #include <string.h>
 
 #include "common.cuh"
+#include "cuda/pass.h"
 
 enum {
-    OUT_LOGITS = 1,      /* logits of every row                     */
-    OUT_LOGITS_LAST = 2, /* logits of the last row                  */
-    OUT_STATES = 4,      /* loop states of the last row (loops > 0) */
+    OUT_LOGITS = 1,      /* logits of every row                                               */
+    OUT_LOGITS_LAST = 2, /* logits of the last row                                            */
+    OUT_STATES = 4,      /* a prefix build: every depth's coda, the last row's state at each  */
     MIN_KEY_STRIDE = 64
 };
 
@@ -74,20 +80,17 @@ static tl_status reserve(tl_cuda* c, tl_cu_buf* b, size_t bytes, bool pinned_hos
     return TL_OK;
 }
 
-static const tl_cu_linear* layer_linear(const tl_cuda* c, uint32_t layer, int part) {
-    return &c->lin[tl_layer_linear_index(&c->cfg, layer, part)];
-}
-
 static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t* max_keys) {
     const tl_config* cfg = &c->cfg;
     uint32_t keys = b->max_keys;
     for (size_t t = 0; t < b->T; t++) {
         const tl_cuda_row* r = &b->rows[t];
         if (r->token < 0 || (uint32_t)r->token >= cfg->vocab_size || r->pos >= cfg->max_seq_len || !r->write_data ||
-            r->write_slot >= b->block_size || (size_t)r->first_span + r->n_spans > b->n_spans ||
-            (t > 0 && r->n_layers > b->rows[t - 1].n_layers))
-            return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad row %zu (token %d, position %u)", t,
-                           (int)r->token, r->pos);
+            r->write_slot >= b->block_size || (size_t)r->first_span + r->n_spans > b->n_spans || r->loops < 1 ||
+            tl_n_layers(cfg, r->loops) > TL_MAX_CACHE_LAYERS || (t > 0 && r->loops > b->rows[t - 1].loops) ||
+            (b->loop_states && r->loops != b->rows[0].loops)) /* a prefix build is one sequence */
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad row %zu (token %d, position %u, loops %u)", t,
+                           (int)r->token, r->pos, r->loops);
         if (r->pos + 1 > keys) keys = r->pos + 1;
     }
     if (b->block_size == 0 || (b->n_spans && !b->spans))
@@ -113,33 +116,32 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
     s.key_stride = key_stride(c, max_keys);
     s.block_size = b->block_size;
     s.head_bytes = b->head_bytes;
-    s.n_layers = b->rows[0].n_layers;
-    const bool loops = s.n_layers > c->cfg.n_pre_blocks;
+    s.loops = b->rows[0].loops;
     s.outputs = (b->logits ? OUT_LOGITS : 0) | (b->logits_last ? OUT_LOGITS_LAST : 0) |
-                (b->loop_states && loops ? OUT_STATES : 0);
-    for (size_t t = 0; b->T <= TL_CU_GRAPH_MAX_T && t < b->T; t++) s.depth[t] = b->rows[t].n_layers;
+                (b->loop_states ? OUT_STATES : 0);
+    for (size_t t = 0; b->T <= TL_CU_GRAPH_MAX_T && t < b->T; t++) s.depth[t] = b->rows[t].loops;
     return s;
 }
 
 static bool same_shape(const tl_cu_pass_shape* a, const tl_cu_pass_shape* b) {
     return a->T == b->T && a->key_stride == b->key_stride && a->block_size == b->block_size &&
-           a->head_bytes == b->head_bytes && a->n_layers == b->n_layers && a->outputs == b->outputs &&
+           a->head_bytes == b->head_bytes && a->loops == b->loops && a->outputs == b->outputs &&
            memcmp(a->depth, b->depth, sizeof a->depth) == 0;
 }
 
 /* Where a pass's outputs sit in host_out (in floats): hidden [T][d], logits [n_logits][V]
- * (every row, or the last one), states [loops][d]. */
+ * (every row, or the last one), states [loops][d] (a prefix build: its rows' common depth). */
 typedef struct out_layout {
     size_t logits, n_logits, states, loops, floats;
 } out_layout;
 
 static out_layout out_layout_of(const tl_cuda* c, const tl_cu_pass_shape* s) {
-    const size_t d = c->cfg.d_model, n_pre = c->cfg.n_pre_blocks;
+    const size_t d = c->cfg.d_model;
     out_layout L;
     L.logits = (size_t)s->T * d;
     L.n_logits = (s->outputs & OUT_LOGITS) ? s->T : (s->outputs & OUT_LOGITS_LAST) ? 1 : 0;
     L.states = L.logits + L.n_logits * c->cfg.vocab_size;
-    L.loops = (s->outputs & OUT_STATES) ? s->n_layers - n_pre : 0;
+    L.loops = (s->outputs & OUT_STATES) ? s->loops : 0;
     L.floats = L.states + L.loops * d;
     return L;
 }
@@ -169,68 +171,160 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     TL_CU_TRY(reserve(c, &c->io, io_bytes, false, "rows and spans"));
     TL_CU_TRY(reserve(c, &c->logits, L.n_logits * V * sizeof(float), false, "logits"));
     TL_CU_TRY(reserve(c, &c->states, L.loops * d * sizeof(float), false, "loop states"));
+    TL_CU_TRY(reserve(c, &c->e, cfg->injection ? T * d * sizeof(float) : 0, false, "injected input"));
+    TL_CU_TRY(reserve(c, &c->sub, cfg->block_layout == TL_LAYOUT_SANDWICH ? T * d * sizeof(float) : 0, false,
+                      "sublayer output"));
+    TL_CU_TRY(reserve(c, &c->xcopy, L.loops && tl_has_coda(cfg) ? T * d * sizeof(float) : 0, false,
+                      "prefix build state"));
     TL_CU_TRY(reserve(c, &c->host_io, io_bytes, true, "rows and spans (host)"));
     return reserve(c, &c->host_out, L.floats * sizeof(float), true, "outputs (host)");
 }
 
-/* Every launch and copy of a pass of shape s on c->stream, in order: embedding, the layers (with
- * the loop-state copies), the head, the outputs into host_out. Its arguments come from s and c's
- * scratch only; of the host rows it reads each row's n_layers, which a graph shape records.
- * Nothing here allocates or synchronizes, so it may run inside a stream capture. */
-static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_row* host_rows) {
+/* What the steps of one pass (cuda/pass.h) launch with: the shape, the device rows and spans, and
+ * the scratch. */
+typedef struct pass {
+    tl_cuda* c;
+    const tl_cu_pass_shape* s;
+    const tl_cuda_row* rows;   /* [T] device */
+    const tl_cuda_span* spans; /* device     */
+    size_t score_rows;
+    float* x;                  /* [T][d] the residual stream          */
+    float* xcopy;              /* [T][d] a prefix build's coda state  */
+    float* states;             /* [loops][d]                          */
+} pass;
+
+static float* state_of(const pass* p, tl_cu_state on) { return on == TL_CU_ON_COPY ? p->xcopy : p->x; }
+
+/* x[0 .. n) = residual(x, linear(L; acts), g) for the model's block_layout (docs/spec.md §4):
+ * pre x + y, sandwich x + RN(y, g), post RN(x + y, g). */
+static tl_status residual(tl_cuda* c, const tl_cu_linear* L, size_t n, float* x, const float* g) {
+    const size_t d = c->cfg.d_model;
+    const int8_t* acts = (const int8_t*)c->acts.p;
+    const float* ascale = (const float*)c->ascale.p;
+    int32_t* raw = (int32_t*)c->raw.p;
+    switch (c->cfg.block_layout) {
+    case TL_LAYOUT_SANDWICH: {
+        float* y = (float*)c->sub.p;
+        TL_CU_TRY(tl_cu_linear_run(c, L, acts, ascale, n, y, d, false, raw));
+        return tl_cu_rms_norm(c, y, g, n, x, true);
+    }
+    case TL_LAYOUT_POST:
+        TL_CU_TRY(tl_cu_linear_run(c, L, acts, ascale, n, x, d, true, raw));
+        return tl_cu_rms_norm(c, x, g, n, x, false);
+    default:
+        return tl_cu_linear_run(c, L, acts, ascale, n, x, d, true, raw);
+    }
+}
+
+/* Block `block` on rows [lo, hi) of state `on`, its K/V into cache slot `slot`. */
+static tl_status step_block(void* ctx, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on) {
+    const pass* p = (const pass*)ctx;
+    tl_cuda* c = p->c;
     const tl_config* cfg = &c->cfg;
-    const size_t T = s->T, d = cfg->d_model, H = cfg->n_heads, G = cfg->n_kv_heads, D = cfg->head_dim;
-    const size_t F = cfg->ffn_dim, V = cfg->vocab_size, n_pre = cfg->n_pre_blocks;
-    const size_t qkv_dim = (H + 2 * G) * D, hd = H * D;
-    const size_t score_rows = tl_cu_attention_rows(c, T, s->key_stride);
-    const out_layout L = out_layout_of(c, s);
-    float* x = (float*)c->x.p;
+    const size_t n = hi - lo, d = cfg->d_model, H = cfg->n_heads, G = cfg->n_kv_heads, D = cfg->head_dim;
+    const size_t qkv_dim = (H + 2 * G) * D, hd = H * D, F = cfg->ffn_dim;
+    const tl_cu_linear* part = &c->lin[tl_block_linear_index(block, 0)]; /* part q at part[q] */
+    const tl_cu_block* gains = &c->blocks[block];
+    const tl_cuda_row* rows = p->rows + lo;
+    float* x = state_of(p, on) + lo * d;
     float* qkv = (float*)c->qkv.p;
     float* o = (float*)c->o.p;
     float* gu = (float*)c->gu.p;
     int8_t* acts = (int8_t*)c->acts.p;
     float* ascale = (float*)c->ascale.p;
     int32_t* raw = (int32_t*)c->raw.p;
-    float* scores = (float*)c->scores.p;
+    if (n == 0) return TL_OK;
+
+    TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_QKV].cols_pad, ascale));
+    TL_CU_TRY(tl_cu_linear_run(c, &part[TL_PART_QKV], acts, ascale, n, qkv, qkv_dim, false, raw));
+    TL_CU_TRY(tl_cu_rope_kv(c, rows, n, qkv, slot, p->s->block_size, p->s->head_bytes));
+    TL_CU_TRY(tl_cu_attention(c, rows, p->spans, n, qkv, o, slot, p->s->block_size, p->s->head_bytes,
+                              p->s->key_stride, (float*)c->scores.p, p->score_rows, c->att_split.p));
+    TL_CU_TRY(tl_cu_quantize(c, o, hd, hd, n, false, acts, part[TL_PART_OUT].cols_pad, ascale));
+    TL_CU_TRY(residual(c, &part[TL_PART_OUT], n, x, gains->attn_post_norm));
+
+    TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_GATE_UP].cols_pad, ascale));
+    TL_CU_TRY(tl_cu_linear_run(c, &part[TL_PART_GATE_UP], acts, ascale, n, gu, 2 * F, false, raw));
+    TL_CU_TRY(tl_cu_swiglu_q8(c, gu, n, acts, part[TL_PART_DOWN].cols_pad, ascale));
+    return residual(c, &part[TL_PART_DOWN], n, x, gains->ffn_post_norm);
+}
+
+/* state = RN(state, g_step or g_coda), rows [lo, hi). */
+static tl_status step_norm(void* ctx, tl_cu_norm which, size_t lo, size_t hi, tl_cu_state on) {
+    const pass* p = (const pass*)ctx;
+    float* x = state_of(p, on) + lo * p->c->cfg.d_model;
+    return tl_cu_rms_norm(p->c, x, which == TL_CU_STEP_NORM ? p->c->step_norm : p->c->coda_norm, hi - lo, x, false);
+}
+
+/* e = x, then x = 0 (docs/spec.md §4.4: the state entering iteration 0), rows [0, hi). */
+static tl_status step_inject(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    const size_t bytes = hi * p->c->cfg.d_model * sizeof(float);
+    TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(p->c->e.p, p->x, bytes, cudaMemcpyDeviceToDevice, p->c->stream),
+                          "cudaMemcpyAsync (injected input)"));
+    return tl_cu_check(cudaMemsetAsync(p->x, 0, bytes, p->c->stream), "cudaMemsetAsync (initial state)");
+}
+
+/* x = linear(adapter_state; Q8(x)) + linear(adapter_inject; Q8(e)) (docs/spec.md §4.4), rows
+ * [0, hi): the first linear's output, then the second one's added in its epilogue. */
+static tl_status step_adapter(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    tl_cuda* c = p->c;
+    const size_t d = c->cfg.d_model;
+    const tl_cu_linear* state = &c->lin[tl_adapter_linear_index(&c->cfg, 0)];
+    const tl_cu_linear* inject = &c->lin[tl_adapter_linear_index(&c->cfg, 1)];
+    int8_t* acts = (int8_t*)c->acts.p;
+    float* ascale = (float*)c->ascale.p;
+    int32_t* raw = (int32_t*)c->raw.p;
+    TL_CU_TRY(tl_cu_quantize(c, p->x, d, d, hi, false, acts, state->cols_pad, ascale));
+    TL_CU_TRY(tl_cu_linear_run(c, state, acts, ascale, hi, p->x, d, false, raw));
+    TL_CU_TRY(tl_cu_quantize(c, (const float*)c->e.p, d, d, hi, false, acts, inject->cols_pad, ascale));
+    return tl_cu_linear_run(c, inject, acts, ascale, hi, p->x, d, true, raw);
+}
+
+/* xcopy = x, rows [0, hi). */
+static tl_status step_copy(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    return tl_cu_check(cudaMemcpyAsync(p->xcopy, p->x, hi * p->c->cfg.d_model * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, p->c->stream),
+                       "cudaMemcpyAsync (prefix build state)");
+}
+
+/* states[depth - 1] = row `row` of state `on`. */
+static tl_status step_state(void* ctx, uint32_t depth, size_t row, tl_cu_state on) {
+    const pass* p = (const pass*)ctx;
+    const size_t d = p->c->cfg.d_model;
+    return tl_cu_check(cudaMemcpyAsync(p->states + (size_t)(depth - 1) * d, state_of(p, on) + row * d,
+                                       d * sizeof(float), cudaMemcpyDeviceToDevice, p->c->stream),
+                       "cudaMemcpyAsync (loop state)");
+}
+
+/* Every launch and copy of a pass of shape s on c->stream, in order: embedding, the steps of
+ * cuda/pass.h, the head, the outputs into host_out. Its arguments come from s and c's scratch
+ * only; of the host rows it reads each row's loops, which a graph shape records. Nothing here
+ * allocates or synchronizes, so it may run inside a stream capture. */
+static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_row* host_rows) {
+    const tl_config* cfg = &c->cfg;
+    const size_t T = s->T, d = cfg->d_model, V = cfg->vocab_size;
+    const out_layout L = out_layout_of(c, s);
+    float* x = (float*)c->x.p;
+    int8_t* acts = (int8_t*)c->acts.p;
+    float* ascale = (float*)c->ascale.p;
     float* logits = (float*)c->logits.p;
-    float* states = (float*)c->states.p;
     float* out = (float*)c->host_out.p;
     const tl_cuda_row* rows = (const tl_cuda_row*)c->io.p;
-    const tl_cuda_span* spans = (const tl_cuda_span*)((char*)c->io.p + rows_bytes(T));
     cudaStream_t st = c->stream;
 
     TL_CU_TRY(tl_cu_embed(c, rows, T, x));
-    size_t active = T;
-    for (uint32_t l = 0; l < s->n_layers; l++) {
-        while (active > 0 && host_rows[active - 1].n_layers <= l) active--;
-        const tl_cu_linear* lq = layer_linear(c, l, TL_PART_QKV);
-        const tl_cu_linear* lo = layer_linear(c, l, TL_PART_OUT);
-        const tl_cu_linear* lg = layer_linear(c, l, TL_PART_GATE_UP);
-        const tl_cu_linear* ld = layer_linear(c, l, TL_PART_DOWN);
-
-        TL_CU_TRY(tl_cu_quantize(c, x, d, d, active, true, acts, lq->cols_pad, ascale));
-        TL_CU_TRY(tl_cu_linear_run(c, lq, acts, ascale, active, qkv, qkv_dim, false, raw));
-        TL_CU_TRY(tl_cu_rope_kv(c, rows, active, qkv, l, s->block_size, s->head_bytes));
-        TL_CU_TRY(tl_cu_attention(c, rows, spans, active, qkv, o, l, s->block_size, s->head_bytes, s->key_stride,
-                                  scores, score_rows, c->att_split.p));
-        TL_CU_TRY(tl_cu_quantize(c, o, hd, hd, active, false, acts, lo->cols_pad, ascale));
-        TL_CU_TRY(tl_cu_linear_run(c, lo, acts, ascale, active, x, d, true, raw));
-
-        TL_CU_TRY(tl_cu_quantize(c, x, d, d, active, true, acts, lg->cols_pad, ascale));
-        TL_CU_TRY(tl_cu_linear_run(c, lg, acts, ascale, active, gu, 2 * F, false, raw));
-        TL_CU_TRY(tl_cu_swiglu_q8(c, gu, active, acts, ld->cols_pad, ascale));
-        TL_CU_TRY(tl_cu_linear_run(c, ld, acts, ascale, active, x, d, true, raw));
-
-        if (L.loops && l >= n_pre)
-            TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(states + (l - n_pre) * d, x + (active - 1) * d, d * sizeof(float),
-                                                  cudaMemcpyDeviceToDevice, st),
-                                  "cudaMemcpyAsync (loop state)"));
-    }
+    pass p = {c, s, rows, (const tl_cuda_span*)((char*)c->io.p + rows_bytes(T)),
+              tl_cu_attention_rows(c, T, s->key_stride), x, (float*)c->xcopy.p, (float*)c->states.p};
+    const tl_cu_pass_steps steps = {&p, step_block, step_norm, step_inject, step_adapter, step_copy, step_state};
+    TL_CU_TRY(tl_cu_pass_walk(cfg, host_rows, T, (s->outputs & OUT_STATES) != 0, &steps));
     if (L.n_logits) {
         const tl_cu_linear* head = &c->lin[c->n_lin - 1];
         const size_t first = T - L.n_logits; /* every row, or the last one */
         TL_CU_TRY(tl_cu_quantize(c, x + first * d, d, d, L.n_logits, true, acts, head->cols_pad, ascale));
-        TL_CU_TRY(tl_cu_linear_run(c, head, acts, ascale, L.n_logits, logits, V, false, raw));
+        TL_CU_TRY(tl_cu_linear_run(c, head, acts, ascale, L.n_logits, logits, V, false, (int32_t*)c->raw.p));
     }
     TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out, x, T * d * sizeof(float), cudaMemcpyDeviceToHost, st),
                           "cudaMemcpyAsync (hidden)"));
@@ -239,7 +333,7 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
                                               cudaMemcpyDeviceToHost, st),
                               "cudaMemcpyAsync (logits)"));
     if (L.loops)
-        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out + L.states, states, L.loops * d * sizeof(float),
+        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out + L.states, p.states, L.loops * d * sizeof(float),
                                               cudaMemcpyDeviceToHost, st),
                               "cudaMemcpyAsync (loop states)"));
     return TL_OK;

@@ -1,6 +1,7 @@
 /* gemm.cu — the exact integer linear of docs/spec.md §3 on the device:
  *
  *   y[t][j] = ((f32) acc[t][j] * a[t]) * ws[j]   (or y += that, one f32 addition)
+ *   y[t][j] = (((f32) acc[t][j] * a[t]) * ws[j]) + b[j]   (a linear with a bias: attn_qkv)
  *
  * acc is an exact integer that fits in i32 (the loader proved the bound for every partial sum),
  * so the tiling and summation order below cannot change it. Kernels:
@@ -31,6 +32,7 @@ enum {
 typedef struct gemm_out {
     const float* a;     /* [T] input scales                */
     const float* ws;    /* [rows_pad] row scales           */
+    const float* bias;  /* [rows_pad], or NULL             */
     float* y;
     size_t ys;
     int32_t* raw;       /* [T_pad][ldr], modes RAW/COMBINE */
@@ -47,7 +49,8 @@ static __device__ __forceinline__ void emit(const gemm_out& o, int t, int j, int
         return;
     }
     if (o.mode == MODE_COMBINE) acc = (int)((unsigned)o.raw[(size_t)t * o.ldr + j] * 128u + (unsigned)acc);
-    const float v = ((float)acc * o.a[t]) * o.ws[j];
+    float v = ((float)acc * o.a[t]) * o.ws[j];
+    if (o.bias) v = v + o.bias[j];
     float* y = o.y + (size_t)t * o.ys + j;
     *y = o.accumulate ? *y + v : v;
 }
@@ -245,6 +248,7 @@ tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, c
     gemm_out o;
     o.a = scale;
     o.ws = L->scale;
+    o.bias = L->bias;
     o.y = y;
     o.ys = ys;
     o.raw = raw;

@@ -1,5 +1,6 @@
 /* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
- * Q8 / NQ of activation rows, RoPE + the Q8 K/V write into the paged cache, SwiGLU + Q8.
+ * Q8 / NQ of activation rows, RoPE + the Q8 K/V write into the paged cache, SwiGLU + Q8, and the
+ * RMSNorm with a gain RN (step norm, coda norm, sandwich and post residuals).
  * One thread block per row (per (row, head) for RoPE/KV); every element-wise f32 step is the
  * host's own numerics.h function, so each value is bit-identical to cpu/quant.c / cpu/forward.c.
  *
@@ -9,14 +10,15 @@
 
 enum { ROW_THREADS = 256, HEAD_THREADS = 128, MAX_HEAD_DIM = 1024 };
 
-/* x[t][i] = (f32) E[token][i] * es[token]. grid T. */
+/* x[t][i] = ((f32) E[token][i] * es[token]) * embed_scale. grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
-embed_kernel(const tl_cuda_row* rows, const int8_t* emb_w, size_t emb_ld, const float* emb_s, int d, float* x) {
+embed_kernel(const tl_cuda_row* rows, const int8_t* emb_w, size_t emb_ld, const float* emb_s, float embed_scale,
+             int d, float* x) {
     const size_t t = blockIdx.x;
     const size_t tok = (size_t)rows[t].token;
     const int8_t* w = emb_w + tok * emb_ld;
     const float s = emb_s[tok];
-    for (int i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = (float)w[i] * s;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = ((float)w[i] * s) * embed_scale;
 }
 
 /* q[t] = Q8 or NQ of x[t] (quant.c tl_quantize_row / tl_rms_quantize_row). grid T. */
@@ -98,11 +100,40 @@ swiglu_kernel(float* gu, int F, int8_t* q, size_t lda, float* scale) {
     if (threadIdx.x == 0) scale[t] = s;
 }
 
+/* dst[t] = RN(src[t], g), or dst[t] + RN(src[t], g) with add (quant.c tl_rms_norm_row): Q16 of
+ * the row (amax from 0 ignoring NaN, the tiny-row rule, r = 32767 / amax), the exact i64 Σ q²,
+ * t = tl_rms_of, then (x_i / t) * g_i. dst may be src: every thread reads and writes only its own
+ * elements (i = threadIdx.x mod blockDim.x), and the reductions share nothing else. grid T. */
+static __global__ void __launch_bounds__(ROW_THREADS)
+rms_norm_kernel(const float* src, const float* g, int n, float eps, int add, float* dst) {
+    __shared__ float sh[32];
+    __shared__ long long sh64[32];
+    const float* x = src + (size_t)blockIdx.x * n;
+    float* y = dst + (size_t)blockIdx.x * n;
+    const float amax = tl_cu_block_amax(x, n, sh); /* the same for every thread */
+    long long ss = 0;
+    float s = 0.0f;                                /* a tiny row: q = 0, s = 0 */
+    if (!(amax < TL_CU_TINY_ROW)) {
+        const float qmax = 32767.0f, r = qmax / amax;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const long long q = tl_cu_quantize_one(x[i], r, qmax);
+            ss += q * q;
+        }
+        s = amax / qmax;
+    }
+    ss = tl_cu_block_sum(ss, sh64);
+    const float t = tl_rms_of(ss, s, (size_t)n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = (x[i] / t) * g[i];
+        y[i] = add ? y[i] + v : v;
+    }
+}
+
 /* ---- launch wrappers ------------------------------------------------------------------------- */
 
 tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x) {
     embed_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(rows, c->emb_w, c->emb_ld, c->emb_s,
-                                                             (int)c->cfg.d_model, x);
+                                                             c->cfg.embed_scale, (int)c->cfg.d_model, x);
     return tl_cu_launched("embedding kernel");
 }
 
@@ -131,4 +162,11 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
 tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale) {
     swiglu_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(gu, (int)c->cfg.ffn_dim, q, lda, scale);
     return tl_cu_launched("SwiGLU kernel");
+}
+
+tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add) {
+    if (T == 0) return TL_OK;
+    rms_norm_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(src, gain, (int)c->cfg.d_model, c->cfg.rms_eps,
+                                                                add ? 1 : 0, dst);
+    return tl_cu_launched("RN kernel");
 }

@@ -1,0 +1,102 @@
+/* pass.h — the schedule of one CUDA forward pass (docs/spec.md §1, §4, §5.4): which rows run which
+ * step, on which state, in which order, and which cache slot each block writes. Pure host logic,
+ * shared by forward.cu (whose steps launch kernels) and tests/test_cuda_describe.c (whose steps
+ * record what ran), so the schedule is checked on the CPU. It is the order of cpu/forward.c's
+ * pass, written over ranges of rows.
+ *
+ * The rows are ordered deepest first (loops non-increasing), so the rows still iterating in
+ * iteration i are a prefix [0, active) and those whose depth is exactly i + 1 the range
+ * [ended, active) at its end. Each step names its rows [lo, hi) and the state it works on: x, the
+ * residual stream, or the copy, on which a prefix build runs the coda of the depths a row goes
+ * beyond:
+ *
+ *   prelude block b          slot b, every row, on x
+ *   injection                e = x, then x = 0 (every row)
+ *   iteration i              rows [0, active), those with loops > i:
+ *     step norm (i >= 1)       x = RN(x, g_step)
+ *     adapter (injection)      x = adapter(x, e)
+ *     core block j             slot n_layers(i) + j
+ *     rows [ended, active)     on x: the coda of depth i + 1 (then their state is final)
+ *     build: rows [0, ended)   copy = x, then on the copy the coda of depth i + 1
+ *     build                    loop_states[i] = row T-1's state at depth i + 1 (x or the copy)
+ *   the coda of depth D      the coda norm, then coda block c at slot n_layers(D) - n_coda + c
+ *
+ * A model without coda blocks or coda norm has an empty coda: nothing is copied, and the state
+ * at depth i + 1 is x after iteration i. */
+#ifndef TL_CUDA_PASS_H
+#define TL_CUDA_PASS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/loader.h"
+#include "cuda/device.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum tl_cu_state { TL_CU_ON_X = 0, TL_CU_ON_COPY = 1 } tl_cu_state;
+typedef enum tl_cu_norm { TL_CU_STEP_NORM = 0, TL_CU_CODA_NORM = 1 } tl_cu_norm;
+
+/* The steps of a pass; each returns TL_OK or the failure that ends the pass. */
+typedef struct tl_cu_pass_steps {
+    void* ctx;
+    /* Block `block` (file order) on rows [lo, hi) of state `on`, its K/V into cache slot `slot`. */
+    tl_status (*block)(void* ctx, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on);
+    /* state = RN(state, gain of `which`), rows [lo, hi). */
+    tl_status (*norm)(void* ctx, tl_cu_norm which, size_t lo, size_t hi, tl_cu_state on);
+    /* e = x, then x = 0, rows [0, hi). */
+    tl_status (*inject)(void* ctx, size_t hi);
+    /* x = adapter(x, e), rows [0, hi). */
+    tl_status (*adapter)(void* ctx, size_t hi);
+    /* copy = x, rows [0, hi). */
+    tl_status (*copy)(void* ctx, size_t hi);
+    /* loop_states[depth - 1] = state `on` of row `row`. */
+    tl_status (*state)(void* ctx, uint32_t depth, size_t row, tl_cu_state on);
+} tl_cu_pass_steps;
+
+/* The coda of depth `depth` on rows [lo, hi) of state `on`. */
+static inline tl_status tl_cu_pass_coda(const tl_config* c, const tl_cu_pass_steps* s, uint32_t depth, size_t lo,
+                                        size_t hi, tl_cu_state on) {
+    tl_status st = c->coda_norm ? s->norm(s->ctx, TL_CU_CODA_NORM, lo, hi, on) : TL_OK;
+    const size_t end = tl_n_layers(c, depth);
+    for (size_t slot = end - c->n_coda_blocks; st == TL_OK && slot < end; slot++)
+        st = s->block(s->ctx, (uint32_t)slot, tl_slot_at(c, slot).block, lo, hi, on);
+    return st;
+}
+
+/* Run the steps of a pass of rows[0 .. T) (T >= 1, deepest first, each loops >= 1); with
+ * `build`, a prefix build's: every depth's coda, and row T-1's state at each of its depths. */
+static inline tl_status tl_cu_pass_walk(const tl_config* c, const tl_cuda_row* rows, size_t T, bool build,
+                                        const tl_cu_pass_steps* s) {
+    tl_status st = TL_OK;
+    for (uint32_t b = 0; st == TL_OK && b < c->n_pre_blocks; b++) st = s->block(s->ctx, b, b, 0, T, TL_CU_ON_X);
+    if (st == TL_OK && c->injection) st = s->inject(s->ctx, T);
+    const bool coda = tl_has_coda(c);
+    size_t active = T;
+    for (uint32_t i = 0; st == TL_OK && i < rows[0].loops; i++) {
+        while (active > 0 && rows[active - 1].loops <= i) active--;
+        if (c->step_norm && i >= 1) st = s->norm(s->ctx, TL_CU_STEP_NORM, 0, active, TL_CU_ON_X);
+        if (st == TL_OK && c->injection) st = s->adapter(s->ctx, active);
+        const size_t first = tl_n_layers(c, i);
+        for (size_t slot = first; st == TL_OK && slot < first + c->n_core_blocks; slot++)
+            st = s->block(s->ctx, (uint32_t)slot, tl_slot_at(c, slot).block, 0, active, TL_CU_ON_X);
+        size_t ended = active;
+        while (ended > 0 && rows[ended - 1].loops == i + 1) ended--;
+        if (st == TL_OK && coda && ended < active) st = tl_cu_pass_coda(c, s, i + 1, ended, active, TL_CU_ON_X);
+        const bool copied = coda && build && ended > 0;
+        if (st == TL_OK && copied) st = s->copy(s->ctx, ended);
+        if (st == TL_OK && copied) st = tl_cu_pass_coda(c, s, i + 1, 0, ended, TL_CU_ON_COPY);
+        if (st == TL_OK && build && i < rows[T - 1].loops)
+            st = s->state(s->ctx, i + 1, T - 1, copied && T - 1 < ended ? TL_CU_ON_COPY : TL_CU_ON_X);
+    }
+    return st;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
