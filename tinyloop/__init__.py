@@ -3,6 +3,8 @@
 Every backend and every execution path returns bit-identical logits and identical tokens
 (docs/spec.md). Start with `tinyloop.Model`.
 """
+from typing import Any
+
 from . import _source_tree
 _source_tree.install_fallback_finder()   # a checkout: tinyloop.fallback is <root>/fallback/
 
@@ -10,17 +12,18 @@ from ._version import __version__
 from .backends import backend_available, backend_info, native_memory_stats
 from .config import ModelConfig
 from .errors import ModelFormatError
+from .hf import convert
 from .model import Model, PrefixCache
 from .modelfile import load_model, save_model
 from .prefix_manager import PrefixCacheManager
 from .random_model import random_model
 
 __all__ = ["Model", "ModelConfig", "ModelFormatError", "PrefixCache", "PrefixCacheManager",
-           "__version__", "backend", "backend_available", "backend_features", "backend_info",
+           "__version__", "backend", "backend_available", "backend_features", "backend_info", "convert",
            "load_model", "native_memory_stats", "random_model", "save_model"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     """`tinyloop.backend` (what backend="auto" opens) and `tinyloop.backend_features`, in the
     style of python-zstandard; computed on first use so importing tinyloop loads nothing."""
     from . import backends as _backends

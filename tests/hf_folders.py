@@ -1,0 +1,155 @@
+"""Tiny Hugging Face model folders with random weights, in each published layout TinyLoop
+converts (config.json, *.safetensors written by the `safetensors` package, tokenizer files).
+
+`checkpoint(arch, **config_overrides)` gives (config dict, {tensor name: float32 array}) laid
+out as the architecture's own code names and shapes them; `write_folder` saves one as a
+single file, as shards with an index, or as bf16. Every weight is a bfloat16 value, so a bf16
+and an fp32 folder of the same checkpoint hold the same numbers.
+"""
+import json
+import math
+import os
+
+import numpy as np
+
+D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS, POSITIONS = 32, 4, 2, 8, 64, 270, 3, 64
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "NanbeigeForCausalLM", "OuroForCausalLM", "RavenForCausalLM")
+TOKENIZER_JSON = json.dumps({
+    "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+    "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+    "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {f"w{i}": i for i in range(VOCAB)}, "unk_token": "w0"}})
+
+
+def bf16(a):
+    """a rounded toward zero to the nearest bfloat16 value, as float32."""
+    return (np.asarray(a, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+class _Draw:
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def matrix(self, rows, cols):
+        return bf16(self.rng.standard_normal((rows, cols)) / math.sqrt(cols))
+
+    def gain(self, n=D_MODEL):
+        return bf16(1 + 0.1 * self.rng.standard_normal(n))
+
+    def vector(self, n):
+        return bf16(0.1 * self.rng.standard_normal(n))
+
+
+def checkpoint(arch, seed=0, **overrides):
+    """(config.json dict, tensors) of a tiny random model of architecture `arch`."""
+    if arch == "RavenForCausalLM":
+        return _raven(_Draw(seed), overrides)
+    draw = _Draw(seed)
+    config = dict(architectures=[arch], hidden_size=D_MODEL, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=FFN,
+                  vocab_size=VOCAB, num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config.update({"MistralForCausalLM": dict(sliding_window=None),
+                   "Qwen2ForCausalLM": dict(use_sliding_window=False, sliding_window=4096),
+                   "NanbeigeForCausalLM": dict(num_loops=2, skip_loop_final_norm=False),
+                   "OuroForCausalLM": dict(total_ut_steps=3, use_sliding_window=False,
+                                           sliding_window=None)}.get(arch, {}))
+    config.update(overrides)
+    d, H, G, D, F = D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN
+    t = {"model.embed_tokens.weight": draw.matrix(VOCAB, d), "model.norm.weight": draw.gain()}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = draw.gain()
+        t[p + "post_attention_layernorm.weight"] = draw.gain()
+        for part, heads in (("q", H), ("k", G), ("v", G)):
+            t[f"{p}self_attn.{part}_proj.weight"] = draw.matrix(heads * D, d)
+            if arch == "Qwen2ForCausalLM":
+                t[f"{p}self_attn.{part}_proj.bias"] = draw.vector(heads * D)
+        t[p + "self_attn.o_proj.weight"] = draw.matrix(d, H * D)
+        t[p + "mlp.gate_proj.weight"] = draw.matrix(F, d)
+        t[p + "mlp.up_proj.weight"] = draw.matrix(F, d)
+        t[p + "mlp.down_proj.weight"] = draw.matrix(d, F)
+        if arch == "OuroForCausalLM":
+            t[p + "input_layernorm_2.weight"] = draw.gain()
+            t[p + "post_attention_layernorm_2.weight"] = draw.gain()
+    if arch == "OuroForCausalLM":
+        t["model.early_exit_gate.weight"] = draw.matrix(1, d)
+        t["model.early_exit_gate.bias"] = draw.vector(1)
+    if not config["tie_word_embeddings"]:
+        t["lm_head.weight"] = draw.matrix(VOCAB, d)
+    return config, t
+
+
+def _raven(draw, overrides):
+    """Huginn's layout (recpre/raven_modeling_minimal.py): prelude 2, core 2, coda 1 here."""
+    config = dict(architectures=["RavenForCausalLM"], n_embd=D_MODEL, n_heads=HEADS,
+                  n_layers_in_prelude=2, n_layers_in_recurrent_block=2, n_layers_in_coda=1,
+                  mean_recurrence=3, intermediate_size=FFN, vocab_size=VOCAB,
+                  padded_vocab_size=VOCAB, norm_eps=1e-6, rope_base=50000.0,
+                  block_size=POSITIONS, tie_embeddings=True, qk_bias=True, bias=False,
+                  injection_type="linear", bos_token_id=3, eos_token_id=4)
+    config.update(overrides)
+    d, H, D, F = D_MODEL, HEADS, D_MODEL // HEADS, FFN
+    t = {"transformer.wte.weight": draw.matrix(VOCAB, d), "transformer.ln_f.weight": draw.gain(),
+         "transformer.adapter.weight": draw.matrix(d, 2 * d),
+         "freqs_cis": np.zeros((1, POSITIONS, 1, D // 2, 2), np.float32)}
+    parts = [("prelude", config["n_layers_in_prelude"]),
+             ("core_block", config["n_layers_in_recurrent_block"]),
+             ("coda", config["n_layers_in_coda"])]
+    for part, n in parts:
+        for i in range(n):
+            p = f"transformer.{part}.{i}."
+            for norm in (1, 2, 3, 4):
+                t[f"{p}norm_{norm}.weight"] = draw.gain()
+            t[p + "attn.Wqkv.weight"] = draw.matrix(3 * H * D, d)
+            t[p + "attn.qk_bias"] = draw.vector(2 * H * D).reshape(2, 1, H, D)
+            t[p + "attn.proj.weight"] = draw.matrix(d, H * D)
+            t[p + "mlp.fc.weight"] = draw.matrix(2 * F, d)
+            t[p + "mlp.proj.weight"] = draw.matrix(d, F)
+    if not config["tie_embeddings"]:
+        t["lm_head.weight"] = draw.matrix(VOCAB, d)
+    return config, t
+
+
+def write_folder(folder, config, tensors, *, shards=1, dtype="float32", tokenizer=True,
+                 tokenizer_config=None, chat_template=None):
+    """Write a Hugging Face model folder; returns its path. shards > 1 splits the tensors
+    over that many files listed in model.safetensors.index.json; dtype "bfloat16" saves
+    through torch (skipped by the caller when torch is missing)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    names = sorted(tensors)
+    groups = [names[i::shards] for i in range(shards)]
+    files = ["model.safetensors"] if shards == 1 else [
+        f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    for file, group in zip(files, groups):
+        _save({n: tensors[n] for n in group}, os.path.join(folder, file), dtype)
+    if shards > 1:
+        weight_map = {n: file for file, group in zip(files, groups) for n in group}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    if tokenizer:
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            f.write(TOKENIZER_JSON)
+    if tokenizer_config is not None:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(tokenizer_config, f)
+    if chat_template is not None:
+        with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+            f.write(chat_template)
+    return str(folder)
+
+
+def _save(tensors, path, dtype):
+    if dtype == "bfloat16":
+        import torch
+        from safetensors.torch import save_file
+        save_file({n: torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
+                   for n, a in tensors.items()}, path)
+    else:
+        from safetensors.numpy import save_file
+        save_file({n: np.ascontiguousarray(a, dtype if a.dtype.kind == "f" else a.dtype)
+                   for n, a in tensors.items()}, path)

@@ -1,0 +1,195 @@
+"""Hugging Face checkpoints -> .tinyloop files: `convert(src, out, ...)` (docs/models.md).
+
+`src` is a model folder: config.json, *.safetensors (one file, several, or shards listed by
+model.safetensors.index.json; bf16, fp16 or fp32), and optionally tokenizer.json,
+tokenizer_config.json and chat_template.jinja. The architecture named in config.json picks a
+mapper (architectures.py), which reads config.json and says how every float weight is made
+from checkpoint tensors; those tensors' presence and shapes are checked before any data is
+read, then tinyloop.quantize quantizes the weights one at a time as it looks them up (the
+checkpoint stays memory-mapped), and the file is written with the tokenizer and the
+architecture name as meta.* texts (docs/spec.md §6.3).
+
+Not here: the numerics (quantize.py), the file layout (modelfile.py), tokenizing at run time.
+"""
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Callable, Dict, Iterator, Optional, Sequence, Set, Tuple, Union
+
+import numpy as np
+
+from ..config import NAME_MAX_BYTES, WEIGHT_FORMATS, ModelConfig
+from ..modelfile import meta_tensor, save_model
+from ..quantize import quantize_model, rope_tables
+from .architectures import MAPPERS, Options, Plan, Source, plan_for
+from .safetensors_reader import Checkpoint, ConvertError, read_json
+
+DEFAULT_INT4_GROUP = 32
+Progress = Callable[[int, int, str], None]     # (done, total, what) per float weight
+Path = Union[str, "os.PathLike[str]"]
+
+__all__ = ["MAPPERS", "ConvertError", "DEFAULT_INT4_GROUP", "convert"]
+
+
+def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optional[int] = None,
+            core: Optional[Sequence[int]] = None, max_seq_len: Optional[int] = None,
+            group_size: Optional[int] = None, progress: Optional[Progress] = None
+            ) -> ModelConfig:
+    """Convert the Hugging Face model folder `src` into the .tinyloop file `out`.
+
+    weight_format: "int8" or "int4" (group_size: int4 weights per multiplier, default 32).
+    loops: the default depth L (default: the checkpoint's, 1 for a plain LLaMA-family model).
+    core: (start, end) for a LLaMA-family model: layers [0, start) become the prelude,
+    [start, end) the looped core, [end, n) the coda (default: all layers are the core).
+    max_seq_len: positions (default: the checkpoint's max_position_embeddings / block_size).
+    progress(done, total, what) is called as each float weight is read.
+    Returns the ModelConfig written. Raises ConvertError (a ValueError) naming the key,
+    tensor or option that cannot be converted, or ModelFormatError for a config that breaks
+    the file rules (§6.1); `out` is then not written.
+    """
+    options = Options(weight_format=weight_format,
+                      group_size=_group_size(weight_format, group_size), loops=loops,
+                      core=None if core is None else _core(core), max_seq_len=max_seq_len)
+    src = os.fspath(src)
+    with Checkpoint(src) as checkpoint:
+        architecture, plan = plan_for(checkpoint.config, options)
+        _check_tensors(checkpoint, plan, architecture)
+        meta = _meta_texts(src, architecture)
+        config: ModelConfig = dataclasses.replace(
+            plan.config, name=_name(src),
+            tokenizer="hf" if "meta.tokenizer_json" in meta else "none",
+            bos_id=_token_id(checkpoint.config, "bos_token_id"),
+            eos_id=_token_id(checkpoint.config, "eos_token_id"))
+        config.validate()
+        weights = LazyWeights(checkpoint, plan.recipe, progress)
+        config, tensors = quantize_model(config, weights)
+        if plan.inv_freq is not None:
+            tensors["rope.cos"], tensors["rope.sin"] = rope_tables(
+                config.max_seq_len, config.head_dim, config.rope_theta, plan.inv_freq)
+    tensors.update({name: meta_tensor(text) for name, text in meta.items()})
+    save_model(out, config, tensors)
+    return config
+
+
+class LazyWeights(Mapping[str, np.ndarray]):
+    """The float weights dict of tinyloop.quantize, each value made from the checkpoint when
+    it is looked up (the last checkpoint tensor read is kept: Huginn's fused Wqkv and fc
+    feed three and two weights in a row)."""
+
+    def __init__(self, checkpoint: Checkpoint, recipe: Dict[str, Source],
+                 progress: Optional[Progress]) -> None:
+        self._checkpoint, self._recipe, self._progress = checkpoint, recipe, progress
+        self._seen: Set[str] = set()
+        self._last: Tuple[str, Optional[np.ndarray]] = ("", None)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        source = self._recipe[name]
+        value = source.make(*(self._read(n) for n in source.names))
+        if name not in self._seen:
+            self._seen.add(name)
+            if self._progress is not None:
+                origin = " + ".join(source.names) or "zeros"
+                self._progress(len(self._seen), len(self._recipe), f"{name} <- {origin}")
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._recipe)
+
+    def __len__(self) -> int:
+        return len(self._recipe)
+
+    def _read(self, name: str) -> np.ndarray:
+        if self._last[0] != name:
+            self._last = ("", None)                  # free the previous one first
+            self._last = (name, self._checkpoint.tensor(name))
+        value = self._last[1]
+        assert value is not None
+        return value
+
+
+def _check_tensors(checkpoint: Checkpoint, plan: Plan, architecture: str) -> None:
+    """Every tensor the recipe names is present, float and of its shape; every other tensor of
+    the checkpoint is one the architecture is known to leave unused."""
+    used = set()
+    for weight, source in plan.recipe.items():
+        for name, shape in zip(source.names, source.shapes):
+            if name not in checkpoint:
+                raise ConvertError(f"missing tensor {name!r} (for {weight}) in {checkpoint.folder}")
+            found = checkpoint.shape(name)
+            if found != shape:
+                raise ConvertError(f"tensor {name!r}: expected shape {list(shape)} from "
+                                   f"config.json, found {list(found)}")
+            checkpoint.check_float(name)
+            used.add(name)
+    ignored = re.compile(plan.ignored)
+    for name in checkpoint:
+        if name not in used and not ignored.fullmatch(name):
+            raise ConvertError(f"unexpected tensor {name!r}: the {architecture} mapping does "
+                               "not use it (a variant of the architecture TinyLoop does not "
+                               "convert)")
+
+
+def _meta_texts(src: str, architecture: str) -> Dict[str, str]:
+    """The meta.* texts (§6.3): the architecture, tokenizer.json and tokenizer_config.json
+    (with chat_template.jinja, when present, as its "chat_template")."""
+    meta = {"meta.architecture": architecture}
+    tokenizer = _text(os.path.join(src, "tokenizer.json"))
+    if tokenizer is not None:
+        meta["meta.tokenizer_json"] = tokenizer
+    config_path = os.path.join(src, "tokenizer_config.json")
+    tokenizer_config = _text(config_path)
+    template = _text(os.path.join(src, "chat_template.jinja"))
+    if template is not None:
+        merged = read_json(config_path) if tokenizer_config is not None else {}
+        merged["chat_template"] = template
+        tokenizer_config = json.dumps(merged, ensure_ascii=False, indent=2)
+    if tokenizer_config is not None:
+        meta["meta.tokenizer_config"] = tokenizer_config
+    return meta
+
+
+def _text(path: str) -> Optional[str]:
+    """The UTF-8 text of `path`, None if there is no such file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError as exc:
+        raise ConvertError(f"{path}: not UTF-8 text ({exc})") from None
+
+
+def _token_id(config: Dict[str, object], key: str) -> int:
+    """A special token id of config.json, -1 if none; of a list (several EOS ids), the first."""
+    value = config.get(key)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConvertError(f"config.json: {key} must be a token id, got {value!r}")
+    return value
+
+
+def _name(src: str) -> str:
+    """The folder's name, cut to the header's 63 UTF-8 bytes (at a character boundary)."""
+    name = os.path.basename(os.path.normpath(os.path.abspath(src)))
+    return name.encode("utf-8")[:NAME_MAX_BYTES].decode("utf-8", errors="ignore")
+
+
+def _group_size(weight_format: str, group_size: Optional[int]) -> int:
+    if weight_format not in WEIGHT_FORMATS:
+        raise ConvertError(f"weight_format must be 'int8' or 'int4', got {weight_format!r}")
+    if weight_format == "int8":
+        if group_size not in (None, 0):
+            raise ConvertError(f"group_size {group_size} applies to int4 only")
+        return 0
+    return DEFAULT_INT4_GROUP if group_size is None else group_size
+
+
+def _core(core: Sequence[int]) -> Tuple[int, int]:
+    if (len(core) != 2 or any(isinstance(i, bool) or not isinstance(i, int) for i in core)):
+        raise ConvertError(f"core must be (start, end), two layer numbers, got {core!r}")
+    return core[0], core[1]
