@@ -9,7 +9,7 @@ import tinyloop
 from tinyloop import quickbench
 from tinyloop.cli import build_parser, main
 
-COMMANDS = ("demo", "generate", "info", "bench")
+COMMANDS = ("demo", "generate", "chat", "info", "bench")
 
 
 def run(*argv):
@@ -256,3 +256,64 @@ def test_bench_refuses_lengths_beyond_the_quick_shape_before_writing_its_model(m
     assert code == 2
     assert text == (f"tinyloop: error: --prefix {limit} plus --decode 1 exceeds the model's "
                     f"max_seq_len {limit}\n")
+
+
+# -- convert (a Hugging Face folder, docs/models.md) and the architecture lines of info -----
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny random Ouro-layout folder (tests/hf_folders.py)."""
+    from hf_folders import checkpoint, write_folder
+    config, tensors = checkpoint("OuroForCausalLM")
+    return write_folder(tmp_path_factory.mktemp("hf") / "ouro-tiny", config, tensors)
+
+
+def test_convert_shows_progress_then_info_shows_the_architecture(hf_folder, tmp_path, capsys):
+    out = str(tmp_path / "ouro.tinyloop")
+    code, text = run("convert", hf_folder, out, "--format", "int4", "--group-size", "16",
+                     "--loops", "2")
+    progress = [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("convert ")]
+    assert code == 0 and text.startswith(f"wrote {out}: ouro-tiny, int4, prelude 0 + core 3 x 2")
+    total = len(progress)
+    assert progress[0].startswith(f"convert 1/{total}: final_norm <- model.norm.weight")
+    assert progress[-1].startswith(f"convert {total}/{total}: head <- lm_head.weight")
+    code, text = run("info", "--model", out, "--backend", "numpy")
+    assert code == 0
+    for line in ("architecture: OuroForCausalLM",
+                 "layers: prelude 0, core 3 x 2 loops, coda 0: 6 cache layers at depth 2",
+                 "blocks: sandwich norms, no bias, 4 heads x 8, 2 kv heads",
+                 "iterations: no injection, step norm, no coda norm, embed scale 1",
+                 "tokenizer: hf"):
+        assert re.search(rf"^ +{re.escape(line)}$", text, re.M), (line, text)
+    code, text = run("generate", "1 2 3", "--ids", "--model", out, "--max-tokens", "3",
+                     "--temperature", "0", "--backend", "numpy")
+    assert code == 0 and len(text.split()) == 3
+
+
+def test_info_of_a_model_made_by_tinyloop():
+    code, text = run("info", "--backend", "numpy")
+    assert code == 0
+    assert re.search(r"^ +architecture: not recorded \(made by TinyLoop\)$", text, re.M), text
+    assert re.search(r"^ +layers: prelude \d+, core 1 x \d+ loops, coda 0: ", text, re.M), text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--core", "3"], "argument --core: '3' is not START:END"),
+    (["--core", "0:2"], "--core applies to plain LLaMA-family models only"),
+    (["--group-size", "16"], "group_size 16 applies to int4 only"),
+    (["--loops", "0"], "argument --loops: must be an integer from 1"),
+])
+def test_convert_errors_exit_2_and_write_nothing(hf_folder, tmp_path, capsys, argv, message):
+    out = tmp_path / "m.tinyloop"
+    code, text = run("convert", hf_folder, str(out), *argv)
+    assert code == 2 and text == "" and message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_convert_help_states_every_default(capsys):
+    code, _ = run("convert", "--help")
+    entries = help_entries(capsys.readouterr().out)
+    assert code == 0 and set(entries) >= {"--format", "--group-size", "--loops", "--core",
+                                          "--max-seq-len"}
+    for option, entry in entries.items():
+        assert option == "-h" or "(default: " in entry, entry

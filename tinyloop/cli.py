@@ -1,4 +1,4 @@
-"""The `tinyloop` command line: `demo` (the main job), `generate`, `info` and `bench`.
+"""The `tinyloop` command line: `demo` (the main job), `generate`, `chat`, `info`, `convert`, `bench`.
 
 Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or input (argparse convention),
 130 interrupted (Ctrl-C, also during a long prefill). Every argument is checked before any
@@ -6,7 +6,9 @@ output: a flag's value by its argparse type (the message names the flag), what d
 model (token ids, lengths) right after the model opens and before the prompt is echoed.
 """
 import argparse
-import codecs
+import functools
+import itertools
+import json
 import math
 import os
 import re
@@ -20,8 +22,13 @@ from . import Model
 from . import params as P
 from ._version import __version__
 from .backends import BACKENDS, DEVICES, backend_features, backend_info
-from .demo import run_demo
+from .chat import Chat
+from .config import ModelConfig
+from .demo import demo_model_path, run_demo
+from .hf import convert
+from .modelfile import read_meta
 from .quickbench import SHAPES, bench_model, describe, shared_prefix, speed
+from .tokenizer import TextStream
 
 PROGRESS_CHUNK = 256       # prompt tokens per chunk when a progress display is on
 PROGRESS_MIN_TOKENS = 1024  # "auto" shows progress for prompts at least this long
@@ -106,19 +113,20 @@ def run_generate(args, out):
     """Stream the continuation as it is sampled, then one stats line on stderr."""
     with _open(args) as model:
         cfg = model.config()
-        is_text = cfg["tokenizer"] == "bytes" and not args.ids
+        is_text = cfg["tokenizer"] != "none" and not args.ids
         text = sys.stdin.read() if args.prompt == "-" else args.prompt
 
-        def read(what, value):
-            tokens = model.encode(value) if is_text else token_ids(what, value)
+        def read(what, value, add_special_tokens):
+            tokens = (model.encode(value, add_special_tokens) if is_text
+                      else token_ids(what, value))
             return P.check_tokens(what, tokens, cfg["vocab_size"])
 
-        prompt = read("the prompt", text)
-        stops = [read(f"--stop {stop!r}", stop) for stop in args.stop]
+        prompt = read("the prompt", text, True)
+        stops = [read(f"--stop {stop!r}", stop, False) for stop in args.stop]
         if len(prompt) + args.max_tokens > cfg["max_seq_len"]:
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus --max-tokens {args.max_tokens} "
                              f"exceeds the model's max_seq_len {cfg['max_seq_len']}")
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stream = TextStream(functools.partial(model.decode, skip_special_tokens=True), prompt)
         first = []
 
         def show(token):
@@ -128,7 +136,7 @@ def run_generate(args, out):
                 first.append(time.perf_counter())
                 if is_text:
                     print(text, end="", file=out)
-            piece = decoder.decode(bytes([token])) if is_text else f"{token} "
+            piece = stream.push(token) if is_text else f"{token} "
             print(piece, end="", file=out, flush=True)
 
         progress = PrefillProgress(args.progress, len(prompt))
@@ -142,8 +150,8 @@ def run_generate(args, out):
                 on_prefill=progress if progress.enabled else None,
                 prefill_chunk=PROGRESS_CHUNK if progress.enabled else None)
         finally:
-            if first:
-                print(file=out, flush=True)  # ends the streamed line, also before an error
+            if first:                        # ends the streamed line, also before an error
+                print(stream.flush() if is_text else "", file=out, flush=True)
         end = time.perf_counter()
         n_new = len(result) - len(prompt)
         prefill = len(prompt) / max(first[0] - start, 1e-9) if first else float("nan")
@@ -154,11 +162,61 @@ def run_generate(args, out):
     return 0
 
 
+def run_chat(args, out):
+    """A user message per stdin line, the reply streamed to `out`, one line per turn on stderr
+    saying how much of the prompt the prefix cache served; /exit or end of input ends it."""
+    with _open(args) as model:
+        chat = Chat(model, system=args.system, max_tokens=args.max_tokens, loops=args.loops,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    repetition_penalty=args.repetition_penalty, cache_window=args.cache_window,
+                    seed=args.seed)
+        interactive = sys.stdin.isatty()
+        for n in itertools.count(1):
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() == "/exit":
+                return 0
+            try:
+                turn = chat.send(line.rstrip("\r\n"),
+                                 on_text=lambda piece: print(piece, end="", file=out, flush=True))
+            finally:
+                print(file=out, flush=True)  # ends the streamed reply, also before an error
+            print(f"[turn {n}: prompt {turn.prompt_tokens} tokens, {turn.cached_tokens} from the "
+                  f"cache, {turn.prefilled_tokens} prefilled; {turn.new_tokens} new tokens]",
+                  file=sys.stderr, flush=True)
+
+
+def architecture_lines(cfg, meta):
+    """(label, text) lines saying what a model is (docs/spec.md §1), from Model.config() and
+    the file's meta.* texts."""
+    config = ModelConfig(**cfg)
+    L = config.default_loops
+    yield "architecture", meta.get("meta.architecture", "not recorded (made by TinyLoop)")
+    yield "layers", (f"prelude {config.n_pre_blocks}, core {config.n_core_blocks} x {L} loops, "
+                     f"coda {config.n_coda_blocks}: {config.n_layers(L)} cache layers at depth {L}")
+    yield "blocks", (f"{config.block_layout} norms, {'q/k/v bias' if config.qkv_bias else 'no bias'}"
+                     f", {config.n_heads} heads x {config.head_dim}, {config.n_kv_heads} kv heads")
+    yield "iterations", ", ".join([
+        "injection adapter" if config.injection else "no injection",
+        "step norm" if config.step_norm else "no step norm",
+        "coda norm" if config.coda_norm else "no coda norm",
+        f"embed scale {config.embed_scale:g}"])
+    try:
+        template = "chat_template" in json.loads(meta.get("meta.tokenizer_config", "{}"))
+    except ValueError:
+        template = False
+    yield "tokenizer", config.tokenizer + (", chat template" if template else "")
+
+
 def run_info(args, out):
     info = backend_info(args.backend, args.device)
     with _open(args) as model:
         for key, value in model.config().items():
             print(f"{key:>16}: {value}", file=out)
+        meta = read_meta(args.model or demo_model_path())
+        for label, text in architecture_lines(model.config(), meta):
+            print(f"{label:>16}: {text}", file=out)
         runtime = model.runtime()
         threads = f"{runtime['threads']} thread{'s' if runtime['threads'] != 1 else ''}"
         print(f"{'runtime':>16}: {runtime['isa']} kernels, {threads}, "
@@ -170,6 +228,36 @@ def run_info(args, out):
     print(f"{'cuda':>16}: " + ("available" if info["cuda_available"] else info["cuda_reason"]), file=out)
     print(f"{'features':>16}: {', '.join(sorted(backend_features()))}", file=out)
     return 0
+
+
+def run_convert(args, out):
+    """Convert a Hugging Face folder, a progress line per weight on stderr (rewritten in place
+    on a terminal), then one line naming what was written."""
+    tty = sys.stderr.isatty()
+
+    def progress(done, total, what):
+        line = f"convert {done}/{total}: {what}"
+        if tty:
+            print(f"\r\033[K{line}", end="\r\033[K" if done == total else "", file=sys.stderr,
+                  flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    config = convert(args.src, args.out, args.format, loops=args.loops, core=args.core,
+                     max_seq_len=args.max_seq_len, group_size=args.group_size, progress=progress)
+    print(f"wrote {args.out}: {config.name}, {config.weight_format}, prelude "
+          f"{config.n_pre_blocks} + core {config.n_core_blocks} x {config.default_loops} + coda "
+          f"{config.n_coda_blocks}, vocab {config.vocab_size}, tokenizer {config.tokenizer}",
+          file=out)
+    return 0
+
+
+def layer_span(text):
+    """An argparse type: START:END, two layer numbers."""
+    start, sep, end = text.partition(":")
+    if not sep or not INTEGER.fullmatch(start.strip()) or not INTEGER.fullmatch(end.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (two layer numbers)")
+    return int(start), int(end)
 
 
 def run_bench(args, out):
@@ -247,37 +335,67 @@ def build_parser():
     demo.add_argument("--seed", type=integer(0, (1 << 64) - 1), default=1,
                       help="the sampling seed of every request (default: %(default)s)")
 
+    def sampling(p, max_tokens):
+        p.add_argument("--max-tokens", type=integer(1), default=max_tokens,
+                       help="tokens to emit at most (default: %(default)s)")
+        p.add_argument("--loops", type=integer(1, P.MAX_LOOPS), default=None,
+                       help="loop-block depth (default: the model's default_loops)")
+        p.add_argument("--temperature", type=real(0.0), default=0.7,
+                       help="sampling temperature, 0 = greedy (default: %(default)s)")
+        p.add_argument("--top-k", type=integer(0), default=50,
+                       help="sample among the k most likely tokens, 0 = off (default: %(default)s)")
+        p.add_argument("--top-p", type=real(0.0, False, 1.0), default=1.0,
+                       help="nucleus sampling mass in (0, 1], 1 = off (default: %(default)s)")
+        p.add_argument("--repetition-penalty", type=real(0.0, False), default=1.0,
+                       help="> 0; penalizes tokens already in the sequence, 1 = off "
+                            "(default: %(default)s)")
+        p.add_argument("--cache-window", type=integer(0), default=0,
+                       help="sliding attention window in tokens, 0 = the whole context "
+                            "(default: %(default)s)")
+        p.add_argument("--seed", type=integer(0, (1 << 64) - 1), default=None,
+                       help="the sampling seed (default: a fresh random one)")
+
     gen = command("generate", run_generate, "generate text (or token ids) from a prompt")
     gen.add_argument("prompt", help="text, token ids with --ids, or - to read it from stdin")
     gen.add_argument("--ids", action="store_true",
                      help="the prompt and --stop are token ids: integers separated by commas or "
-                          "spaces (default: text, for a model with the byte tokenizer)")
-    gen.add_argument("--max-tokens", type=integer(1), default=64,
-                     help="tokens to emit at most (default: %(default)s)")
-    gen.add_argument("--loops", type=integer(1, P.MAX_LOOPS), default=None,
-                     help="loop-block depth (default: the model's default_loops)")
-    gen.add_argument("--temperature", type=real(0.0), default=0.7,
-                     help="sampling temperature, 0 = greedy (default: %(default)s)")
-    gen.add_argument("--top-k", type=integer(0), default=50,
-                     help="sample among the k most likely tokens, 0 = off (default: %(default)s)")
-    gen.add_argument("--top-p", type=real(0.0, False, 1.0), default=1.0,
-                     help="nucleus sampling mass in (0, 1], 1 = off (default: %(default)s)")
-    gen.add_argument("--repetition-penalty", type=real(0.0, False), default=1.0,
-                     help="> 0; penalizes tokens already in the sequence, 1 = off "
-                          "(default: %(default)s)")
-    gen.add_argument("--cache-window", type=integer(0), default=0,
-                     help="sliding attention window in tokens, 0 = the whole context "
-                          "(default: %(default)s)")
+                          "spaces (default: text, for a model with a tokenizer)")
+    sampling(gen, max_tokens=64)
     gen.add_argument("--stop", action="append", default=[],
                      help="stop once the output ends with this text (token ids with --ids); "
                           "repeatable (default: none)")
-    gen.add_argument("--seed", type=integer(0, (1 << 64) - 1), default=None,
-                     help="the sampling seed (default: a fresh random one)")
     gen.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                      help=f"prefill progress on stderr; auto: on a terminal, for prompts of "
                           f"{PROGRESS_MIN_TOKENS}+ tokens (default: %(default)s)")
 
-    command("info", run_info, "model configuration and the backend chosen")
+    chat = command("chat", run_chat, "a conversation with a chat model: a message per line "
+                   "on stdin, /exit or end of input ends it")
+    chat.add_argument("--system", default=None,
+                      help="the system message that starts the conversation (default: none)")
+    sampling(chat, max_tokens=256)
+
+    command("info", run_info, "model configuration, architecture and the backend chosen")
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face model folder to a .tinyloop "
+                          "file (docs/models.md)",
+                          description="convert a Hugging Face model folder (config.json, "
+                          "*.safetensors, tokenizer files) to a .tinyloop file")
+    conv.add_argument("src", help="the Hugging Face model folder")
+    conv.add_argument("out", help="the .tinyloop file to write")
+    conv.add_argument("--format", default="int8", choices=["int8", "int4"],
+                      help="weight format (default: %(default)s)")
+    conv.add_argument("--group-size", type=integer(2), default=None,
+                      help="int4 weights per multiplier, even, dividing every input width "
+                           "(default: 32 for int4)")
+    conv.add_argument("--loops", type=integer(1, P.MAX_LOOPS), default=None,
+                      help="the default depth L (default: the checkpoint's; 1 for a plain "
+                           "LLaMA-family model)")
+    conv.add_argument("--core", type=layer_span, default=None, metavar="START:END",
+                      help="LLaMA family: loop layers START..END-1, the layers before are the "
+                           "prelude, those after the coda (default: all layers are the core)")
+    conv.add_argument("--max-seq-len", type=integer(1), default=None,
+                      help="positions (default: the checkpoint's max_position_embeddings)")
+    conv.set_defaults(run=run_convert)
 
     bench = command("bench", run_bench, "a quick speed run (bench/ has the full suite)",
                     model_default="a random model of the quick shape")

@@ -5,19 +5,26 @@ it) and names no backend itself. Every public call checks its arguments here, on
 error types the API documents, then hands the engine only valid values. The seed contract's
 error phrases ("model was closed", "loops mismatch", "max_tokens < 1", ...) are kept verbatim.
 """
+from __future__ import annotations
+
 import contextlib
 import os
 import threading
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
 from . import params as P
 from .backends import open_engine
-from .engine import NO_CALLBACKS, Callbacks, Engine
+from .engine import NO_CALLBACKS, Callbacks, Engine, EnginePrefix
+from .modelfile import read_meta
+from .tokenizer import Tokenizer, open_tokenizer
 
 KV_MODE_VARIABLES = ("TINYLOOP_KV_H_MODE", "TINYLOOP_KV_INT4")
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
+# Token ids as the API takes them: a sequence of ints or a 1-D integer array.
+TokenIds = Union[Sequence[int], np.ndarray]
 # The keyword arguments of a generation request (generate_batch's `params` and `per_request`).
 REQUEST_ARGUMENTS = ("max_tokens", "loops", "temperature", "top_k", "top_p", "cache_window",
                      "repetition_penalty", "stop_sequences", "seed", "prefill_chunk", "cache_salt")
@@ -59,32 +66,32 @@ class PrefixCache:
 
     __slots__ = ("_model", "_state", "__weakref__")
 
-    def __init__(self, model, state):
+    def __init__(self, model: Model, state: EnginePrefix) -> None:
         self._model = model
         self._state = state
 
     @property
-    def prompt(self):
+    def prompt(self) -> np.ndarray:
         view = self._state.tokens.view()
         view.flags.writeable = False
         return view
 
     @property
-    def loops(self):
+    def loops(self) -> int:
         return self._state.loops
 
     @property
-    def cache_window(self):
+    def cache_window(self) -> int:
         return self._state.cache_window
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return self._state.nbytes
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._state.tokens)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"PrefixCache(tokens={len(self)}, loops={self.loops}, "
                 f"cache_window={self.cache_window}, nbytes={self.nbytes})")
 
@@ -104,9 +111,11 @@ class Model:
     the CPU). `backend` and `device` say what it runs on, `runtime()` how.
     """
 
-    def __init__(self, path=None, *, backend="auto", threads=None, kv_mode=None,
-                 block_size=16, prefill_chunk=DEFAULT_PREFILL_CHUNK,
-                 prefix_cache_bytes=DEFAULT_PREFIX_CACHE_BYTES, device="auto"):
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: str = "auto",
+                 threads: int | None = None, kv_mode: str | None = None, block_size: int = 16,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 device: str = "auto") -> None:
         self.kv_mode = _check_kv_mode(kv_mode)
         self._block_size = P.check_int("block_size", block_size, 1, P.MAX_BLOCK_SIZE)
         self._prefill_chunk = P.check_int("prefill_chunk", prefill_chunk, 1)
@@ -115,16 +124,17 @@ class Model:
             P.check_int("threads", threads, 1, P.MAX_THREADS)
         path = _default_model_path() if path is None else os.fspath(path)
         self.path = path
-        self._engine: Engine = open_engine(backend, path, block_size=self._block_size,
-                                           threads=threads, prefix_cache_bytes=cache_bytes,
-                                           device=device)
+        self._engine: Engine | None = open_engine(backend, path, block_size=self._block_size,
+                                                  threads=threads, prefix_cache_bytes=cache_bytes,
+                                                  device=device)
         runtime = self._engine.runtime()
         self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
         self._lock = threading.Lock()
+        self._tokenizer: Tokenizer | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
-    def close(self):
+    def close(self) -> None:
         """Release the model. Idempotent; later calls raise RuntimeError('model was closed')."""
         with self._lock:
             engine, self._engine = self._engine, None
@@ -132,13 +142,13 @@ class Model:
             engine.close()
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._engine is None
 
-    def __enter__(self):
+    def __enter__(self) -> Model:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _live_engine(self) -> Engine:
@@ -148,35 +158,56 @@ class Model:
         return engine
 
     # -- introspection ----------------------------------------------------------------------
-    def config(self):
+    def config(self) -> dict[str, Any]:
         """The model's configuration as a dict (includes `default_loops`)."""
         self._live_engine()
         return self._config.to_dict()
 
-    def runtime(self):
+    def runtime(self) -> dict[str, Any]:
         """How the model runs here (docs/api.md): backend, device, device_name, isa (the
         kernel path), threads, kv_block_size, weight_bytes, device_weight_bytes."""
         return self._live_engine().runtime()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self.closed else self.backend
         return f"Model({self.path!r}, {state}, {self._config.name or 'unnamed'})"
 
-    # -- text (models whose tokenizer is "bytes") ------------------------------------------
-    def encode(self, text):
-        """UTF-8 bytes of `text` as token ids (models with the bytes tokenizer)."""
-        self._require_bytes_tokenizer()
-        return list(text.encode("utf-8"))
+    # -- text (models with a tokenizer: "bytes" or "hf") ------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's Tokenizer (tinyloop/tokenizer.py), opened on first use; ValueError for a
+        model without one (tokenizer "none"), ImportError when an "hf" tokenizer's optional
+        packages are missing."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = open_tokenizer(self._config, lambda: read_meta(self.path))
+            return self._tokenizer
 
-    def decode(self, tokens):
-        """Text of byte token ids; never raises on partial or invalid UTF-8 (uses U+FFFD)."""
-        self._require_bytes_tokenizer()
-        return bytes(P.check_tokens("tokens", tokens, 256).tolist()).decode("utf-8", "replace")
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Byte tokenizer: its UTF-8 bytes. "hf": tokenizer.json's
+        pipeline, BOS/EOS as its config says (docs/api.md); add_special_tokens=False adds none."""
+        return self.tokenizer.encode(text, add_special_tokens)
 
-    def _require_bytes_tokenizer(self):
-        if self._config.tokenizer != "bytes":
-            raise ValueError(f"model {self._config.name or self.path!r} has no byte tokenizer "
-                             f"(tokenizer={self._config.tokenizer!r}); pass token ids")
+    def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids; never raises on partial or invalid UTF-8 (uses U+FFFD)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, tokenize: bool = False,
+                            **variables: Any) -> str | list[int]:
+        """`messages` ([{"role": ..., "content": ...}, ...]) rendered with the model's chat
+        template, as transformers renders it; with add_generation_prompt the text ends where
+        the assistant's reply starts. tokenize=True returns its token ids instead (encoded
+        without added special tokens: the template writes them). `variables` reach the template."""
+        template = self.tokenizer.chat_template
+        if template is None:
+            kind = self._config.tokenizer
+            where = ("its meta.tokenizer_config has no chat_template" if kind == "hf"
+                     else f"tokenizer={kind!r}")
+            raise ValueError(f"model {self._config.name or self.path!r} has no chat template "
+                             f"({where})")
+        text = template.render(messages, add_generation_prompt, **variables)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     # -- generation -------------------------------------------------------------------------
     def _params(self, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
@@ -219,10 +250,13 @@ class Model:
         P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
         return tokens, rest, params
 
-    def generate(self, prompt, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
-                 cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
-                 prefill_chunk=None, return_logits=False, on_token=None, cache_salt=None,
-                 on_prefill=None):
+    def generate(self, prompt: TokenIds, max_tokens: int = 32, loops: int | None = None,
+                 temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
+                 cache_window: int = 0, repetition_penalty: float = 1.0,
+                 stop_sequences: Sequence[TokenIds] | None = (), seed: int | None = None,
+                 prefill_chunk: int | None = None, return_logits: bool = False,
+                 on_token: Callable[[int], None] | None = None, cache_salt: str | None = None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> Any:
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
 
         on_token(id), if given, is called with each emitted id as soon as it is sampled
@@ -246,17 +280,24 @@ class Model:
                                               Callbacks(on_token, on_prefill))
         return self._result(tokens, emitted, logits, return_logits)
 
-    def build_prefix_cache(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
+    def build_prefix_cache(self, prompt: TokenIds, loops: int | None = None, cache_window: int = 0,
+                           prefill_chunk: int | None = None) -> PrefixCache:
         """Prefill `prompt` once at depth `loops`; the result serves any depth <= loops."""
         engine = self._live_engine()
         args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)
         with _out_of_memory_as_runtime_error():
             return PrefixCache(self, engine.build_prefix(*args))
 
-    def generate_from_prefix_cache(self, prefix, max_tokens=32, loops=None, temperature=0.0,
-                                   top_k=50, top_p=1.0, cache_window=None, repetition_penalty=1.0,
-                                   stop_sequences=(), seed=None, suffix=None, prefill_chunk=None,
-                                   return_logits=False, on_token=None, on_prefill=None):
+    def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = 32,
+                                   loops: int | None = None, temperature: float = 0.0,
+                                   top_k: int = 50, top_p: float = 1.0,
+                                   cache_window: int | None = None,
+                                   repetition_penalty: float = 1.0,
+                                   stop_sequences: Sequence[TokenIds] | None = (),
+                                   seed: int | None = None, suffix: TokenIds | None = None,
+                                   prefill_chunk: int | None = None, return_logits: bool = False,
+                                   on_token: Callable[[int], None] | None = None,
+                                   on_prefill: Callable[[int, int], None] | None = None) -> Any:
         """Decode from a PrefixCache. `loops=None` and `cache_window=None` mean the prefix's.
 
         `suffix` (optional token ids) is fed after the prefix before decoding: the usual shared
@@ -273,8 +314,9 @@ class Model:
                                                            Callbacks(on_token, on_prefill))
         return self._result(tokens, emitted, logits, return_logits)
 
-    def generate_batch(self, prompts, *, prefix=None, per_request=None, return_logits=False,
-                       **params):
+    def generate_batch(self, prompts: Sequence[TokenIds], *, prefix: PrefixCache | None = None,
+                       per_request: Sequence[Mapping[str, Any]] | None = None,
+                       return_logits: bool = False, **params: Any) -> list[Any]:
         """Generate for many requests at once; returns one result per prompt, each exactly
         what generate (or, with `prefix`, generate_from_prefix_cache with that suffix) returns.
 
@@ -308,16 +350,17 @@ class Model:
                 for (tokens, _, _), (emitted, logits) in zip(checked, results)]
 
     # -- the automatic prefix cache ---------------------------------------------------------
-    def cache_stats(self):
+    def cache_stats(self) -> dict[str, int]:
         """Counters of the automatic prefix cache (docs/api.md): lookups, hit_tokens,
         prefilled_tokens, inserted_blocks, evicted_blocks, blocks, bytes_in_use, budget_bytes."""
         return self._live_engine().cache_stats()
 
-    def clear_prefix_cache(self):
+    def clear_prefix_cache(self) -> None:
         """Drop every cached block (blocks in use by running requests live on in them)."""
         self._live_engine().clear_prefix_cache()
 
-    def logits(self, prompt, loops=None, cache_window=0, prefill_chunk=None):
+    def logits(self, prompt: TokenIds, loops: int | None = None, cache_window: int = 0,
+               prefill_chunk: int | None = None) -> np.ndarray:
         """Logits at every position of `prompt`: float32 array (len(prompt), vocab_size)."""
         engine = self._live_engine()
         args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)

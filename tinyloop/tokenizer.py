@@ -1,0 +1,262 @@
+"""Text to token ids and back, for the tokenizer a model's header names (docs/spec.md §6.1).
+
+`open_tokenizer(config, meta)` returns the model's `Tokenizer`: `ByteTokenizer` for "bytes"
+(ids 0..255 are the UTF-8 bytes), `HfTokenizer` for "hf" (the Hugging Face `tokenizer.json` in
+meta.tokenizer_json, with meta.tokenizer_config's special tokens, add_bos_token/add_eos_token and
+chat_template). "hf" needs the optional packages `tokenizers` and `jinja2`
+(pip install 'tinyloop[hf]'), imported only when such a tokenizer opens: every other model works
+without them. `TextStream` turns ids, one at a time, into the text they add (streaming). Text
+never reaches libtinyloop, which is token-in/token-out.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from types import ModuleType
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+
+from . import params as P
+from .chat_template import ChatTemplate
+from .config import ModelConfig
+from .errors import ModelFormatError
+
+# The keys of tokenizer_config.json that name special tokens: transformers' special-token
+# attributes, handed to a chat template as variables (bos_token, eos_token, ...).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token")
+STREAM_CONTEXT = 5   # prompt tokens a TextStream decodes before the first new one
+
+
+class Tokenizer(Protocol):
+    """What a model's tokenizer does; `bos_id`/`eos_id` are None when it has no such token."""
+
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    chat_template: Optional[ChatTemplate]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+def open_tokenizer(config: ModelConfig, meta: Callable[[], Mapping[str, str]]) -> Tokenizer:
+    """The tokenizer of a model with this config; `meta()` reads the file's meta.* texts (only
+    called for "hf"). ValueError for a model that has none (tokenizer "none")."""
+    if config.tokenizer == "bytes":
+        return ByteTokenizer(config)
+    if config.tokenizer == "hf":
+        texts = meta()
+        return HfTokenizer(texts["meta.tokenizer_json"], texts.get("meta.tokenizer_config"),
+                           config)
+    raise ValueError(f"model {config.name or 'unnamed'!r} has no tokenizer "
+                     f"(tokenizer={config.tokenizer!r}); pass token ids")
+
+
+def _optional_package(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ImportError(f"this model's Hugging Face tokenizer needs the {name!r} package: "
+                          "pip install 'tinyloop[hf]'") from None
+
+
+def _content(value: Any, key: str) -> Optional[str]:
+    """A special token as tokenizer_config writes it: a string or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is None or isinstance(value, str):
+        return value
+    raise ModelFormatError(f"meta.tokenizer_config {key} must be a string or an object with a "
+                           f"'content' string, got {value!r}")
+
+
+def _text(text: Any) -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    return text
+
+
+def _header_id(value: int) -> Optional[int]:
+    return value if value >= 0 else None
+
+
+class ByteTokenizer:
+    """ids 0..255 are the UTF-8 bytes of the text; the header's bos/eos ids are its special
+    tokens. encode adds none of them (the byte models never had them added)."""
+
+    def __init__(self, config: ModelConfig):
+        self.chat_template: Optional[ChatTemplate] = None
+        self.bos_id = _header_id(config.bos_id)
+        self.eos_id = _header_id(config.eos_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(_text(text).encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Never raises on partial or invalid UTF-8 (U+FFFD); ids >= 256 are refused unless
+        they are the bos/eos ids and skip_special_tokens drops them."""
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in (self.bos_id, self.eos_id)]
+            if not ids:
+                return ""
+        return bytes(P.check_tokens("tokens", ids, 256).tolist()).decode("utf-8", "replace")
+
+
+class HfTokenizer:
+    """A Hugging Face fast tokenizer: `tokenizer.json` run by the `tokenizers` package.
+
+    encode(text) is tokenizer.json's pipeline. Its post-processor adds the special tokens
+    (as a transformers fast tokenizer does) unless tokenizer_config sets add_bos_token or
+    add_eos_token: then, as transformers' LLaMA-family tokenizers do, exactly those flags decide
+    (BOS first when add_bos_token is true, EOS last when add_eos_token is true, an absent flag
+    being false). add_special_tokens=False adds none (chat templates write their own).
+    The bos/eos tokens are tokenizer_config's bos_token/eos_token, else the header's bos_id/eos_id;
+    tokenizer_config's special tokens are special added tokens, as transformers makes them.
+    decode is the tokenizers package's decode (transformers' clean_up_tokenization_spaces is not
+    applied).
+    """
+
+    def __init__(self, tokenizer_json: str, tokenizer_config: Optional[str], config: ModelConfig):
+        tokenizers = _optional_package("tokenizers")
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # the Rust parser raises a bare Exception
+            raise ModelFormatError(f"meta.tokenizer_json is not a tokenizer.json: {exc}") from None
+        settings = self._settings(tokenizer_config)
+        # What a chat template sees as variables: transformers' special_tokens_map.
+        self.special_tokens = self._named_special_tokens(settings)
+        # As in transformers, a special token that tokenizer.json does not list among its added
+        # tokens becomes one: matched whole in any text, kept out of decode when skipped; it
+        # keeps its id if tokenizer.json has it, else it takes the next one.
+        listed = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
+        named = [text for value in self.special_tokens.values()
+                 for text in (value if isinstance(value, list) else [value])]
+        self._tokenizer.add_special_tokens([text for text in dict.fromkeys(named)
+                                            if text not in listed])
+        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        if size > config.vocab_size:
+            raise ModelFormatError(f"meta.tokenizer_json has {size} tokens (with the special "
+                                   "tokens of meta.tokenizer_config), more than the model's "
+                                   f"vocab_size {config.vocab_size}")
+        self._vocab_size = config.vocab_size
+        for key, header_id in (("bos_token", config.bos_id), ("eos_token", config.eos_id)):
+            token = self._tokenizer.id_to_token(header_id) if header_id >= 0 else None
+            if key not in self.special_tokens and token is not None:
+                self.special_tokens[key] = token
+        self.bos_id = self._token_id("bos_token")
+        self.eos_id = self._token_id("eos_token")
+        self._added = self._special_flags(settings)
+        template = settings.get("chat_template")
+        self.chat_template = (None if template is None else
+                              ChatTemplate(self._template_source(template), self.special_tokens))
+
+    @staticmethod
+    def _settings(text: Optional[str]) -> dict[str, Any]:
+        if text is None:
+            return {}
+        try:
+            settings = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ModelFormatError(f"meta.tokenizer_config is not JSON: {exc}") from None
+        if not isinstance(settings, dict):
+            raise ModelFormatError("meta.tokenizer_config must be a JSON object, got "
+                                   f"{type(settings).__name__}")
+        return settings
+
+    @staticmethod
+    def _named_special_tokens(settings: Mapping[str, Any]) -> dict[str, Any]:
+        """{key: token text} of the special tokens tokenizer_config names (a list of texts for
+        additional_special_tokens)."""
+        named: dict[str, Any] = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            text = _content(settings.get(key), key)
+            if text is not None:
+                named[key] = text
+        extra = settings.get("additional_special_tokens")
+        if extra:
+            if not isinstance(extra, list):
+                raise ModelFormatError("meta.tokenizer_config additional_special_tokens must be "
+                                       f"a list, got {extra!r}")
+            texts = [_content(value, "additional_special_tokens") for value in extra]
+            named["additional_special_tokens"] = [text for text in texts if text is not None]
+        return named
+
+    def _token_id(self, key: str) -> Optional[int]:
+        text = self.special_tokens.get(key)
+        token_id = None if text is None else self._tokenizer.token_to_id(text)
+        return None if token_id is None else int(token_id)
+
+    def _special_flags(self, settings: Mapping[str, Any]) -> Optional[tuple[list[int], list[int]]]:
+        """(ids put first, ids put last) when add_bos_token/add_eos_token decide, else None."""
+        flags = {key: settings.get(key) for key in ("add_bos_token", "add_eos_token")}
+        if all(flag is None for flag in flags.values()):
+            return None
+        sides = []
+        for key, token_id, name in (("add_bos_token", self.bos_id, "bos_token"),
+                                    ("add_eos_token", self.eos_id, "eos_token")):
+            if flags[key] not in (None, True, False):
+                raise ModelFormatError(f"meta.tokenizer_config {key} must be true or false, "
+                                       f"got {flags[key]!r}")
+            if flags[key] and token_id is None:
+                raise ModelFormatError(f"meta.tokenizer_config sets {key} but has no {name}")
+            sides.append([token_id] if flags[key] and token_id is not None else [])
+        return sides[0], sides[1]
+
+    @staticmethod
+    def _template_source(template: Any) -> str:
+        """tokenizer_config's chat_template: a string, or transformers' list of named
+        templates, of which "default" is the chat template."""
+        if isinstance(template, list):
+            named = {entry.get("name"): entry.get("template") for entry in template
+                     if isinstance(entry, dict)}
+            template = named.get("default")
+        if not isinstance(template, str):
+            raise ModelFormatError("meta.tokenizer_config chat_template must be a string or a "
+                                   "list of {name, template} with a 'default' one")
+        return template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._added is None or not add_special_tokens:
+            encoding = self._tokenizer.encode(_text(text), add_special_tokens=add_special_tokens)
+            return list(encoding.ids)
+        first, last = self._added
+        encoding = self._tokenizer.encode(_text(text), add_special_tokens=False)
+        return first + list(encoding.ids) + last
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """ids the model has but tokenizer.json lacks (a padded vocabulary) decode to nothing."""
+        checked = P.check_tokens("tokens", ids, self._vocab_size)
+        return str(self._tokenizer.decode(checked.tolist(), skip_special_tokens))
+
+
+class TextStream:
+    """The text each new token adds to a decoded sequence, for printing as it is generated.
+
+    Incremental detokenization as text-generation-inference does it: decode a short window of
+    ids ending at the last one, with and without the new ids, and emit the difference once it
+    no longer ends in an incomplete character (U+FFFD); a few ids of `context` (the prompt) come
+    first so that a decoder that treats the sequence start specially (SentencePiece's leading
+    space) sees the new text in place. flush() emits what is still held back.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int] = ()):
+        self._decode = decode
+        self._ids = list(context)[-STREAM_CONTEXT:]   # the window; earlier ids are done
+        self._shown = len(self._ids)                  # the window's ids whose text was emitted
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        shown = self._ids[:self._shown]
+        before = self._decode(shown) if shown else ""
+        after = self._decode(self._ids) if self._ids else ""
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._ids = self._ids[self._shown:]      # the next window starts at the ids just shown
+        self._shown = len(self._ids)
+        return after[len(before):]
