@@ -5,7 +5,9 @@ TINYLOOP_CUDA=OFF to skip it, ON to require it). CMake and a working C compiler 
 first; when either is missing (or the build fails) the install still succeeds, without the
 native library, after one notice naming what was missing; `import tinyloop` then runs on the
 pure-Python fallback. TINYLOOP_REQUIRE_NATIVE=1 turns that notice into an error. Whatever
-happens, the package never ships a library left over from an earlier build.
+happens, the package never ships a library left over from an earlier build. The wheel is
+tagged py3-none-<platform>: Python reaches the library through cffi's ABI mode only, so one
+wheel serves every Python 3 (tools/build_wheel.sh makes the release wheel of it).
 """
 import os
 import shutil
@@ -15,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from setuptools import Distribution, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -127,4 +130,14 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildPyWithLibrary}, distclass=BinaryDistribution)
+class BdistWheelAnyPython(bdist_wheel):
+    """bdist_wheel tagged py3-none-<platform>: the library is bound to the platform, not to
+    an interpreter (cffi's ABI mode loads it with dlopen; no extension module is compiled)."""
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
+setup(cmdclass={"build_py": BuildPyWithLibrary, "bdist_wheel": BdistWheelAnyPython},
+      distclass=BinaryDistribution)

@@ -8,11 +8,19 @@ checkout's CMake build (`build/`) and then the installed tinyloop package the ch
 Right after dlopen the ABI version is checked; a library that fails to load or has another ABI
 version is passed over for the next one (a stale editable install must not hide a new `build/`).
 """
+from __future__ import annotations
+
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ._source_tree import checkout_root, shadowed_package_dir
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from cffi import FFI
 
 ABI_VERSION = 2
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "_lib"
@@ -24,7 +32,7 @@ class LibraryUnavailable(ImportError):
     """libtinyloop could not be found, loaded, or has the wrong ABI."""
 
 
-def cdef_from_header(text):
+def cdef_from_header(text: str) -> str:
     """The declarations of tinyloop.h as cffi accepts them."""
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
@@ -36,7 +44,7 @@ def cdef_from_header(text):
     return text
 
 
-def header_path(library_path):
+def header_path(library_path: Path) -> Path:
     """The header shipped beside the library, else an install prefix's, else the checkout's."""
     library_dir = Path(library_path).parent
     candidates = [library_dir / "tinyloop.h", library_dir.parent / "include" / "tinyloop.h"]
@@ -49,7 +57,7 @@ def header_path(library_path):
     raise LibraryUnavailable(f"no tinyloop.h found beside {library_path}")
 
 
-def library_candidates():
+def library_candidates() -> list[tuple[Path, str]]:
     """(path, origin) pairs in search order."""
     override = os.environ.get("TINYLOOP_LIBRARY")
     if override:
@@ -64,7 +72,7 @@ def library_candidates():
     return [(folder / name, origin) for folder, origin in folders for name in LIBRARY_NAMES]
 
 
-def rebuild_advice():
+def rebuild_advice() -> str:
     """What replaces a library this package cannot use."""
     if os.environ.get("TINYLOOP_LIBRARY"):
         return "rebuild it from this tinyloop's sources, or unset TINYLOOP_LIBRARY"
@@ -74,7 +82,7 @@ def rebuild_advice():
     return f"rebuild it: run `{BUILD_COMMAND}` in {root}"
 
 
-def not_found_message():
+def not_found_message() -> str:
     """Why no library was found, and the command that provides one."""
     override = os.environ.get("TINYLOOP_LIBRARY")
     if override:
@@ -89,7 +97,7 @@ def not_found_message():
             f"run `{BUILD_COMMAND}` there (needs a C compiler and CMake; see docs/install.md)")
 
 
-def open_library(cffi, path):
+def open_library(cffi: ModuleType, path: Path) -> tuple[FFI, Any]:
     """(ffi, lib) of the library at `path`; raises LibraryUnavailable if it does not load or
     has another ABI version."""
     ffi = cffi.FFI()
@@ -105,7 +113,7 @@ def open_library(cffi, path):
     return ffi, lib
 
 
-def load_library():
+def load_library() -> tuple[FFI, Any, Path, str]:
     """Returns (ffi, lib, path, origin) or raises LibraryUnavailable saying why. A library
     that cannot be used is passed over for the next candidate (a stale one left by an old
     editable install must not hide a new build)."""

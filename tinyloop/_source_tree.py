@@ -8,17 +8,21 @@ checkout's root (a script saved there, `python -m pytest`, PYTHONPATH=.) imports
 installed package has its own `tinyloop/fallback/` and registers nothing. `_library` asks
 `checkout_root()` and `shadowed_package_dir()` where a checkout's native library may be.
 """
+from __future__ import annotations
+
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 FALLBACK = "tinyloop.fallback"
 
 
-def checkout_root():
+def checkout_root() -> Path | None:
     """The root of the source checkout this tinyloop was imported from, or None if installed."""
     root = PACKAGE_DIR.parent
     if (PACKAGE_DIR / "fallback").is_dir():
@@ -28,7 +32,7 @@ def checkout_root():
     return None
 
 
-def shadowed_package_dir(root):
+def shadowed_package_dir(root: Path) -> Path | None:
     """The tinyloop package `import tinyloop` would find if the checkout at `root` were not on
     sys.path (typically the one `pip install .` put in site-packages), or None."""
     others = [entry for entry in sys.path
@@ -42,10 +46,11 @@ def shadowed_package_dir(root):
 class FallbackFinder(importlib.abc.MetaPathFinder):
     """A meta path finder that knows one module: `tinyloop.fallback`, found in `folder`."""
 
-    def __init__(self, folder):
+    def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != FALLBACK:
             return None
         return importlib.util.spec_from_file_location(
@@ -53,7 +58,7 @@ class FallbackFinder(importlib.abc.MetaPathFinder):
             submodule_search_locations=[str(self.folder)])
 
 
-def install_fallback_finder():
+def install_fallback_finder() -> None:
     """In a checkout, make `tinyloop.fallback` the checkout's `fallback/` (once per process)."""
     root = checkout_root()
     if root is None or any(isinstance(f, FallbackFinder) for f in sys.meta_path):

@@ -11,19 +11,27 @@ without either.
 `open_engine` is the one place that names a backend's engine: it returns an object of the
 engine interface (tinyloop/engine.py), and the caller needs to know nothing else.
 """
+from __future__ import annotations
+
 import os
 import threading
 import warnings
+from typing import TYPE_CHECKING, Any
 
 from .engine import Engine
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from cffi import FFI
 
 BACKENDS = ("auto", "native", "numpy", "numba", "numba-cuda")
 AUTO_ORDER = ("native", "numba", "numpy")   # what "auto" tries, in order; numpy always opens
 DEVICES = ("auto", "cpu", "cuda")
 
-_native = {}                  # memo of the one library load: {"loaded": ...} or {"error": ...}
+_native: dict[str, Any] = {}  # memo of the one library load: {"loaded": ...} or {"error": ...}
 _native_lock = threading.Lock()
-_warned_fallback = []
+_warned_fallback: list[bool] = []
 
 
 class FallbackWarning(RuntimeWarning):
@@ -31,7 +39,7 @@ class FallbackWarning(RuntimeWarning):
     unavailable; issued once per process."""
 
 
-def requested_backend(backend):
+def requested_backend(backend: str) -> str:
     """The backend asked for: the argument, or TINYLOOP_BACKEND when the argument is 'auto'."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
@@ -42,7 +50,7 @@ def requested_backend(backend):
     return backend
 
 
-def native_library():
+def native_library() -> tuple[FFI, Any, Path, str]:
     """(ffi, lib, path, origin) of libtinyloop, loaded once; raises LibraryUnavailable."""
     from ._library import load_library
     with _native_lock:
@@ -53,10 +61,11 @@ def native_library():
                 _native["error"] = exc
     if "error" in _native:
         raise _native["error"]
-    return _native["loaded"]
+    loaded: tuple[FFI, Any, Path, str] = _native["loaded"]
+    return loaded
 
 
-def backend_available(name):
+def backend_available(name: str) -> tuple[bool, str]:
     """(True, "") if backend `name` can be opened here, else (False, the reason why not)."""
     name = resolve_backend_name(name)
     if name == "numpy":
@@ -80,7 +89,7 @@ def backend_available(name):
                    "(NUMBA_ENABLE_CUDASIM=1 runs its simulator instead)")
 
 
-def resolve_backend_name(backend):
+def resolve_backend_name(backend: str) -> str:
     """The concrete backend `backend` means here ('auto': the first of AUTO_ORDER that opens)."""
     backend = requested_backend(backend)
     if backend != "auto":
@@ -88,7 +97,7 @@ def resolve_backend_name(backend):
     return next(name for name in AUTO_ORDER if backend_available(name)[0])
 
 
-def _auto_reason(chosen):
+def _auto_reason(chosen: str) -> str:
     """Why backend "auto" chose `chosen`, in one sentence fragment."""
     if chosen == "native":
         return "the native library loaded"
@@ -99,14 +108,14 @@ def _auto_reason(chosen):
     return f"{reason} and {backend_available('numba')[1]}; using numpy"
 
 
-def check_device(device):
+def check_device(device: str) -> str:
     """`device` if it is one of DEVICES, else ValueError."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
     return device
 
 
-def requested_device(device):
+def requested_device(device: str) -> tuple[str, bool]:
     """(device, from_env): the argument, or TINYLOOP_DEVICE when the argument is 'auto'."""
     check_device(device)
     if device != "auto":
@@ -117,7 +126,7 @@ def requested_device(device):
     return device, device != "auto"
 
 
-def cuda_device_status():
+def cuda_device_status() -> tuple[bool, str]:
     """(True, "") if libtinyloop can run models on a CUDA device here, else (False, why not)."""
     try:
         ffi, lib, _, _ = native_library()
@@ -128,7 +137,7 @@ def cuda_device_status():
     return True, ""
 
 
-def placement(backend, device):
+def placement(backend: str, device: str) -> tuple[str, str]:
     """(backend, device) as `backend` and `device` together mean them: device "cuda" runs on
     the native backend, so it turns "auto" into "native"; TINYLOOP_DEVICE steers native models
     only. Raises ValueError for device="cuda" with a Python backend."""
@@ -142,7 +151,7 @@ def placement(backend, device):
     return ("native" if device == "cuda" else requested), device
 
 
-def backend_info(backend="auto", device="auto"):
+def backend_info(backend: str = "auto", device: str = "auto") -> dict[str, Any]:
     """What `backend` and `device` resolve to here, and why: a dict for humans and tests.
     The device is where the chosen backend runs its forward pass: "cuda" for numba-cuda, and
     for native with device "cuda"; "auto" is the CPU until libtinyloop's CUDA backend has been
@@ -165,7 +174,7 @@ def backend_info(backend="auto", device="auto"):
     return info
 
 
-def backend_features():
+def backend_features() -> frozenset[str]:
     """The set of features this install has, e.g. {'numpy', 'native', 'native-avx2', 'numba'}."""
     features = {"numpy"}
     if backend_available("native")[0]:
@@ -182,13 +191,13 @@ def backend_features():
     return frozenset(features)
 
 
-def _warn_fallback_once(chosen):
+def _warn_fallback_once(chosen: str) -> None:
     if not _warned_fallback:
         _warned_fallback.append(True)
         warnings.warn(f"tinyloop: {_auto_reason(chosen)}", FallbackWarning, stacklevel=4)
 
 
-def native_memory_stats(reset_peak=False):
+def native_memory_stats(reset_peak: bool = False) -> dict[str, int]:
     """The native library's own allocation counters (docs/c-api.md, tl_memory_stats):
     {'bytes_in_use', 'peak_bytes', 'n_allocs'}, over every model in this process. With
     reset_peak=True the peak restarts from the current use after the snapshot. Raises
@@ -207,8 +216,9 @@ def native_memory_stats(reset_peak=False):
             "n_allocs": int(stats.n_allocs)}
 
 
-def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0,
-                device="auto") -> Engine:
+def open_engine(backend: str, path: str | os.PathLike[str], *, block_size: int,
+                threads: int | None, prefix_cache_bytes: int = 0,
+                device: str = "auto") -> Engine[Any]:
     """Open the model file at `path` with `backend` on `device`; its `runtime()` says which
     backend and device it runs on. device="cuda" needs the native backend (backend "auto" or
     "native") and a usable GPU."""
@@ -235,4 +245,5 @@ def open_engine(backend, path, *, block_size, threads, prefix_cache_bytes=0,
     else:
         from .fallback.forward import NumpyKernels
         kernels = NumpyKernels
-    return PythonEngine(config, tensors, block_size, kernels, prefix_cache_bytes)
+    engine: Engine[Any] = PythonEngine(config, tensors, block_size, kernels, prefix_cache_bytes)
+    return engine

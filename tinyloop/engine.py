@@ -20,7 +20,8 @@ numpy and tinyloop.config; the engines import it, and nothing here imports an en
 tinyloop.model, tinyloop.backends or the CLI.
 """
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import (Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar,
+                    runtime_checkable)
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class GenerationParams:
     top_k: int                 # 0 = off
     top_p: float               # in (0, 1]; 1 = off
     repetition_penalty: float  # 1 = off
-    stop_sequences: tuple      # tuple of non-empty tuples of token ids
+    stop_sequences: Tuple[Tuple[int, ...], ...]   # non-empty tuples of token ids
     seed: int                  # u64 key of the counter-based generator
     prefill_chunk: int         # prompt tokens per forward chunk (>= 1)
     cache_salt: str = ""       # tenant key of the automatic prefix cache ("" = none)
@@ -61,7 +62,7 @@ class Callbacks:
 NO_CALLBACKS = Callbacks()
 
 
-def stop_reached(emitted, params, eos_id):
+def stop_reached(emitted: Sequence[int], params: GenerationParams, eos_id: int) -> bool:
     """spec §5.3: eos, then stop sequences on the emitted tokens, then max_tokens."""
     if eos_id >= 0 and emitted[-1] == eos_id:
         return True
@@ -87,15 +88,18 @@ class EnginePrefix(Protocol):
         """Release its memory; idempotent. Generations already started from it are unaffected."""
 
 
+# An engine's own prefix type: an engine is handed back only the prefixes it built (Model
+# checks that a PrefixCache belongs to it), so Engine is generic in it.
+PrefixT = TypeVar("PrefixT", bound=EnginePrefix)
 # What a generation returns: the emitted ids and, when asked for, the (vocab_size,) float32
 # logits each was sampled from (an engine may return them even when not asked).
-Generated = Tuple[list, Optional[list]]
+Generated = Tuple[List[int], Optional[List[np.ndarray]]]
 # One request of generate_batch: (prefix or None, prompt or suffix ids, params, callbacks).
-Request = Tuple[Optional[EnginePrefix], np.ndarray, GenerationParams, Callbacks]
+Request = Tuple[Optional[PrefixT], np.ndarray, GenerationParams, Callbacks]
 
 
 @runtime_checkable
-class Engine(Protocol):
+class Engine(Protocol[PrefixT]):
     """The interface every backend implements. Arguments arrive checked: token arrays are 1-D
     int32 with ids in [0, vocab_size) and lengths within max_seq_len, params.loops <= the
     prefix's loops, and the window equals the prefix's. Results are bit-identical across
@@ -103,7 +107,7 @@ class Engine(Protocol):
     (docs/api.md), MemoryError for an allocation that failed."""
     config: ModelConfig        # the opened file's configuration
 
-    def runtime(self) -> dict:
+    def runtime(self) -> Dict[str, Any]:
         """How this model runs here: a dict with exactly RUNTIME_KEYS: `backend` (its name in
         tinyloop.backends.BACKENDS), `device` ("cpu" or "cuda"), `device_name` (e.g.
         "cpu (avx2)"), `isa` (the kernel path), `threads`, `kv_block_size`, `weight_bytes`
@@ -115,24 +119,24 @@ class Engine(Protocol):
         chunks), then sample until stop_reached."""
 
     def build_prefix(self, prompt: np.ndarray, loops: int, window: int,
-                     chunk: int) -> EnginePrefix:
+                     chunk: int) -> PrefixT:
         """Prefill `prompt` at depth `loops` with attention window `window` (0 = none)."""
 
-    def generate_from_prefix(self, prefix: EnginePrefix, suffix: np.ndarray,
+    def generate_from_prefix(self, prefix: PrefixT, suffix: np.ndarray,
                              params: GenerationParams, want_logits: bool = False,
                              callbacks: Callbacks = NO_CALLBACKS) -> Generated:
         """Feed `suffix` (possibly empty) after `prefix`, which stays unchanged, then sample:
         exactly what generate(prefix.tokens + suffix) gives."""
 
-    def generate_batch(self, requests: Sequence[Request],
-                       want_logits: bool = False) -> list:
+    def generate_batch(self, requests: Sequence[Request[PrefixT]],
+                       want_logits: bool = False) -> List[Generated]:
         """Run every request; returns one Generated per request, in order, each exactly what
         the request alone would give."""
 
     def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int) -> np.ndarray:
         """The (len(tokens), vocab_size) float32 logits at every position."""
 
-    def cache_stats(self) -> dict:
+    def cache_stats(self) -> Dict[str, int]:
         """The automatic prefix cache's counters: {name: int for name in CACHE_STAT_NAMES}
         (all 0 when the model has none)."""
 

@@ -3,16 +3,23 @@
 Each check raises the error type the API documents (docs/api.md) with a message naming the
 argument and the rule it broke, before any backend does work. Backends receive only values
 that passed: a `GenerationParams` and an int32 prompt array (both defined by the engine seam,
-tinyloop/engine.py, which this module builds on and nothing else in tinyloop).
+tinyloop/engine.py, which this module builds on and nothing else in tinyloop but the
+ModelConfig type of its hints).
 """
+from __future__ import annotations
+
 import math
 import numbers
 import secrets
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 # The request types and the stop rule belong to the engine seam; re-exported for callers.
 from .engine import CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, GenerationParams, stop_reached
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 __all__ = ["CACHE_STAT_NAMES", "NO_CALLBACKS", "Callbacks", "GenerationParams", "MAX_BLOCK_SIZE",
            "MAX_LOOPS", "MAX_THREADS",
@@ -25,11 +32,11 @@ MAX_BLOCK_SIZE = 65536      # KV positions per block (libtinyloop: TL_MAX_KV_BLO
 MAX_THREADS = 1024          # threads per model (libtinyloop: TL_POOL_MAX_THREADS)
 
 
-def _is_int(value):
+def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def check_int(name, value, minimum, maximum=None):
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if not _is_int(value):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
     if value < minimum:
@@ -39,28 +46,29 @@ def check_int(name, value, minimum, maximum=None):
     return int(value)
 
 
-def check_real(name, value, lower, lower_inclusive, upper=math.inf):
+def check_real(name: str, value: Any, lower: float, lower_inclusive: bool,
+               upper: float = math.inf) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    below = value < lower if lower_inclusive else value <= lower
-    if not math.isfinite(value) or below or value > upper:
+    number = float(value)
+    below = number < lower if lower_inclusive else number <= lower
+    if not math.isfinite(number) or below or number > upper:
         bound = f"{'>=' if lower_inclusive else '>'} {lower:g}"
         upper_text = f" and <= {upper:g}" if math.isfinite(upper) else ""
-        raise ValueError(f"{name} must be finite and {bound}{upper_text}, got {value!r}")
-    return value
+        raise ValueError(f"{name} must be finite and {bound}{upper_text}, got {number!r}")
+    return number
 
 
-def check_loops(loops, default):
+def check_loops(loops: Any, default: int) -> int:
     if loops is None:
         return default
-    loops = check_int("loops", loops, 1)
-    if loops > MAX_LOOPS:
+    checked = check_int("loops", loops, 1)
+    if checked > MAX_LOOPS:
         raise ValueError(f"loops > {MAX_LOOPS}")
-    return loops
+    return checked
 
 
-def check_tokens(name, tokens, vocab_size):
+def check_tokens(name: str, tokens: Any, vocab_size: int) -> np.ndarray:
     """A 1-D sequence of token ids in [0, vocab_size) -> int32 array (a fresh copy)."""
     if isinstance(tokens, (str, bytes, bytearray)):
         raise ValueError(f"{name} must be a 1-D sequence of integer token ids, got {type(tokens).__name__}")
@@ -86,7 +94,7 @@ def check_tokens(name, tokens, vocab_size):
     return np.array(arr, dtype=np.int32)
 
 
-def check_stop_sequences(stop_sequences, vocab_size):
+def check_stop_sequences(stop_sequences: Any, vocab_size: int) -> tuple[tuple[int, ...], ...]:
     if stop_sequences is None:
         return ()
     if isinstance(stop_sequences, (str, bytes)) or not hasattr(stop_sequences, "__iter__"):
@@ -99,7 +107,7 @@ def check_stop_sequences(stop_sequences, vocab_size):
     return tuple(result)
 
 
-def check_seed(seed):
+def check_seed(seed: Any) -> int:
     if seed is None:
         return secrets.randbits(64)
     if not _is_int(seed) or not 0 <= seed < 1 << 64:
@@ -107,7 +115,7 @@ def check_seed(seed):
     return int(seed)
 
 
-def check_cache_salt(salt):
+def check_cache_salt(salt: Any) -> str:
     """None or a str without NUL characters (it travels to C as a C string)."""
     if salt is None:
         return ""
@@ -118,13 +126,14 @@ def check_cache_salt(salt):
     return salt
 
 
-def check_prefill_chunk(chunk, default):
+def check_prefill_chunk(chunk: Any, default: int) -> int:
     return default if chunk is None else check_int("prefill_chunk", chunk, 1)
 
 
-def generation_params(config, *, max_tokens, loops, temperature, top_k, top_p, cache_window,
-                      repetition_penalty, stop_sequences, seed, prefill_chunk, default_chunk,
-                      cache_salt=None):
+def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, temperature: Any,
+                      top_k: Any, top_p: Any, cache_window: Any, repetition_penalty: Any,
+                      stop_sequences: Any, seed: Any, prefill_chunk: Any, default_chunk: int,
+                      cache_salt: Any = None) -> GenerationParams:
     """Check every generation argument; `config` is the model's ModelConfig."""
     return GenerationParams(
         max_tokens=check_int("max_tokens", max_tokens, 1),
@@ -141,7 +150,7 @@ def generation_params(config, *, max_tokens, loops, temperature, top_k, top_p, c
     )
 
 
-def check_length(n_tokens, max_seq_len):
+def check_length(n_tokens: int, max_seq_len: int) -> None:
     """The seed's RuntimeError for a sequence that cannot fit the model's context."""
     if n_tokens > max_seq_len:
         raise RuntimeError(f"sequence length {n_tokens} exceeds max_seq_len {max_seq_len}")

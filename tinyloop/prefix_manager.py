@@ -185,9 +185,9 @@ class PrefixCacheManager:
         # Find (or plan) the terminal node without mutating the trie yet.
         node: _TrieNode | None = self._root
         for tok in key:
-            node = node.children.get(tok)
             if node is None:
                 break
+            node = node.children.get(tok)
         if node is not None and node.index is not None:
             return False  # duplicate
 
@@ -244,9 +244,13 @@ class PrefixCacheManager:
         toks = _as_tokens(prompt, "prompt")
         hit, index = self._longest_match(toks)
         if index is None:
-            return self._model.generate(list(toks), prefill_chunk=self._block_size, **kwargs)
-        return self._model.generate_from_prefix_cache(
-            self._entries[index], suffix=list(toks[hit:]), prefill_chunk=self._block_size, **kwargs)
+            tokens: list[int] = self._model.generate(list(toks), prefill_chunk=self._block_size,
+                                                     **kwargs)
+        else:
+            tokens = self._model.generate_from_prefix_cache(
+                self._entries[index], suffix=list(toks[hit:]), prefill_chunk=self._block_size,
+                **kwargs)
+        return tokens
 
     # --------------------------------------------------------------- queries
 
@@ -260,9 +264,10 @@ class PrefixCacheManager:
         node = self._root
         hit_len, hit_index = 0, None
         for depth, tok in enumerate(prompt, 1):
-            node = node.children.get(tok)
-            if node is None:
+            child = node.children.get(tok)
+            if child is None:
                 break
+            node = child
             if node.index is not None:
                 hit_len, hit_index = depth, node.index
         return hit_len, hit_index
