@@ -10,6 +10,7 @@ import pytest
 import tinyloop
 from tinyloop.cli import main
 from tinyloop.tokenizer import TextStream
+from conftest import require_backend
 from tiny_hf import SPECIAL_TOKENS, VOCAB, hf_model, tiny_tokenizer, tokenizer_config
 
 TEXTS = ["hello world", "the quick brown fox, naïve café", "système wörld: ünïcödé ✓ 漢字",
@@ -40,6 +41,23 @@ def test_encode_and_decode_are_the_tokenizers_package(hf):
         assert model.decode(ids, skip_special_tokens=True) == tok.decode(ids)
     assert model.decode(model.encode(TEXTS[2], add_special_tokens=False)) == TEXTS[2]
     assert model.encode("hi")[0] == model.config()["bos_id"] == tok.token_to_id("<s>")
+
+
+def test_the_tokenizer_is_the_one_in_the_file_when_it_was_opened(tmp_path):
+    """The meta texts are read at open, like the weights: replacing the file afterwards changes
+    neither, and a closed model refuses text calls as it refuses the rest."""
+    original, other = tiny_tokenizer(), tiny_tokenizer(decoder="metaspace")
+    path = tmp_path / "m.tinyloop"
+    for backend in ("numpy", "native"):
+        require_backend(backend)
+        hf_model(path, original)
+        model = tinyloop.Model(path, backend=backend)
+        hf_model(path, other)                   # another tokenizer at that path, before any text
+        want = original.encode(TEXTS[1]).ids
+        assert model.encode(TEXTS[1]) == want != other.encode(TEXTS[1]).ids
+        model.close()
+        with pytest.raises(RuntimeError, match="model was closed"):
+            model.encode("hi")
 
 
 def test_ids_of_a_padded_vocabulary_decode_to_nothing(hf):

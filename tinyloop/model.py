@@ -131,6 +131,9 @@ class Model:
         self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
         self._lock = threading.Lock()
+        # the file's meta.* texts (tokenizer, chat template), read now, next to the engine's
+        # one read of the file, so a file replaced later cannot change the model's tokenizer
+        self._meta = read_meta(path)
         self._tokenizer: Tokenizer | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -177,10 +180,11 @@ class Model:
     def tokenizer(self) -> Tokenizer:
         """The model's Tokenizer (tinyloop/tokenizer.py), opened on first use; ValueError for a
         model without one (tokenizer "none"), ImportError when an "hf" tokenizer's optional
-        packages are missing."""
+        packages are missing; RuntimeError once the model is closed."""
+        self._live_engine()
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = open_tokenizer(self._config, lambda: read_meta(self.path))
+                self._tokenizer = open_tokenizer(self._config, self._meta)
             return self._tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -39,14 +39,13 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
-def open_tokenizer(config: ModelConfig, meta: Callable[[], Mapping[str, str]]) -> Tokenizer:
-    """The tokenizer of a model with this config; `meta()` reads the file's meta.* texts (only
-    called for "hf"). ValueError for a model that has none (tokenizer "none")."""
+def open_tokenizer(config: ModelConfig, meta: Mapping[str, str]) -> Tokenizer:
+    """The tokenizer of a model with this config and the file's meta.* texts `meta` (read by
+    "hf" only). ValueError for a model that has none (tokenizer "none")."""
     if config.tokenizer == "bytes":
         return ByteTokenizer(config)
     if config.tokenizer == "hf":
-        texts = meta()
-        return HfTokenizer(texts["meta.tokenizer_json"], texts.get("meta.tokenizer_config"),
+        return HfTokenizer(meta["meta.tokenizer_json"], meta.get("meta.tokenizer_config"),
                            config)
     raise ValueError(f"model {config.name or 'unnamed'!r} has no tokenizer "
                      f"(tokenizer={config.tokenizer!r}); pass token ids")
