@@ -104,10 +104,11 @@ def _linear_tensors(name, w, config, gain=None):
     return {f"{name}.w": packed, f"{name}.m": m, f"{name}.s": s}
 
 
-def quantize_model(config, weights, progress=None):
+def quantize_model(config, weights, progress=None, inv_freq=None):
     """Returns (config, tensors) in the required order of §6.3; `progress(name)` (if given) is
     called as each output tensor is made. A tied config is untied if the final norm gain is
-    not 1 (§6.4)."""
+    not 1 (§6.4). `inv_freq` (D/2 float64, e.g. a scaled RoPE's) replaces the rope_theta
+    frequencies of the RoPE tables (rope_tables)."""
     final_norm = np.asarray(weights["final_norm"], np.float64)
     head_key = "tok_emb" if config.tied_head else "head"       # an untied tied head: tok_emb
     if config.tied_head and not np.all(final_norm == 1):
@@ -128,7 +129,7 @@ def quantize_model(config, weights, progress=None):
 
     emb_q, emb_s = quantize_int8(weights["tok_emb"])
     put({"tok_emb.w": emb_q, "tok_emb.s": emb_s})
-    cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+    cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta, inv_freq)
     put({"rope.cos": cos, "rope.sin": sin})
     post = config.block_layout != "pre"
     for b in config.block_prefixes():

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import NAME_MAX_BYTES, WEIGHT_FORMATS, ModelConfig
 from ..modelfile import meta_tensor, save_model
-from ..quantize import quantize_model, rope_tables
+from ..quantize import quantize_model
 from .architectures import MAPPERS, Options, Plan, Source, plan_for
 from .safetensors_reader import Checkpoint, ConvertError, read_json
 
@@ -64,10 +64,7 @@ def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optiona
             eos_id=_token_id(checkpoint.config, "eos_token_id"))
         config.validate()
         weights = LazyWeights(checkpoint, plan.recipe, progress)
-        config, tensors = quantize_model(config, weights)
-        if plan.inv_freq is not None:
-            tensors["rope.cos"], tensors["rope.sin"] = rope_tables(
-                config.max_seq_len, config.head_dim, config.rope_theta, plan.inv_freq)
+        config, tensors = quantize_model(config, weights, inv_freq=plan.inv_freq)
     tensors.update({name: meta_tensor(text) for name, text in meta.items()})
     save_model(out, config, tensors)
     return config
