@@ -87,7 +87,8 @@ typedef enum tl_isa {
     TL_ISA_AUTO = 0,        /* the fastest path this CPU supports                            */
     TL_ISA_SCALAR = 1,      /* portable C                                                     */
     TL_ISA_AVX2 = 2,        /* AVX2                                                           */
-    TL_ISA_AVX512_VNNI = 3  /* AVX-512 F/BW/VL + VNNI                                         */
+    TL_ISA_AVX512_VNNI = 3, /* AVX-512 F/BW/VL + VNNI                                         */
+    TL_ISA_AMX = 4          /* AMX-TILE + AMX-INT8 tiles for 16+ rows, AVX-512 VNNI for fewer    */
 } tl_isa;
 
 /* Whether this CPU (and build) can run `isa`. TL_ISA_AUTO and TL_ISA_SCALAR: always true. */
@@ -135,8 +136,12 @@ typedef struct tl_model_params {
                                this model's calls, from the process-wide crew, which grows to
                                the largest n_threads asked for; 0 = all online cores; <= 1024 */
     uint32_t kv_block_size; /* positions per KV cache block; 0 = 16                          */
-    tl_isa isa;             /* kernel path; TL_ISA_AUTO = best available. Forcing one the CPU
-                               lacks is TL_ERR_UNSUPPORTED.                                  */
+    tl_isa isa;             /* kernel path; TL_ISA_AUTO = the one the environment variable
+                               TINYLOOP_ISA names when it is set and not empty ("auto",
+                               "scalar", "avx2", "avx512" or "avx512-vnni", "amx"; any other
+                               value is TL_ERR_INVALID_ARGUMENT), else the best available. An
+                               explicit isa ignores TINYLOOP_ISA. Forcing one the CPU or build
+                               lacks, either way, is TL_ERR_UNSUPPORTED.                     */
     size_t prefix_cache_bytes; /* budget of the automatic prefix cache (docs/spec.md §4.3);
                                0 = no automatic prefix cache                                 */
     tl_device device;       /* where the forward pass runs; TL_DEVICE_AUTO = the CPU (for now).

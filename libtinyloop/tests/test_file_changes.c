@@ -103,7 +103,7 @@ static void check_shrinking_file(void) {
 
 int main(void) {
     check_shrinking_file();
-    const tl_isa isas[] = {TL_ISA_SCALAR, TL_ISA_AVX2, TL_ISA_AVX512_VNNI};
+    const tl_isa isas[] = {TL_ISA_SCALAR, TL_ISA_AVX2, TL_ISA_AVX512_VNNI, TL_ISA_AMX};
     for (size_t i = 0; i < sizeof isas / sizeof isas[0]; i++) {
         if (!tl_cpu_supports(isas[i])) {
             printf("test_file_changes: isa %d not supported here, skipped\n", (int)isas[i]);

@@ -143,12 +143,12 @@ int main(int argc, char** argv) {
         fprintf(stderr, "cannot open %s\n", path);
         return 2;
     }
-    config configs[3] = {{TL_ISA_SCALAR, 1, 16}};
+    config configs[4] = {{TL_ISA_SCALAR, 1, 16}};
     int n_configs = 1;
-    for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AVX512_VNNI; isa++)
+    for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AMX; isa++)
         if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4};
     char line[4096], model_name[256] = "";
-    tl_model* models[3] = {NULL};
+    tl_model* models[4] = {NULL};
     int n_cases = 0;
     while (fgets(line, sizeof line, manifest)) {
         char kind[32];

@@ -3,7 +3,8 @@
  * the step and coda norms): invariance of logits and tokens under thread count, kernel path,
  * chunking, block size, forking, prefixes, depth nesting and windows; a version-1 file equals
  * the version-2 file of the same weights; block sharing (forks and prefix continuations copy no block);
- * argument validation with its messages; closed models; concurrent use of one model. */
+ * argument validation with its messages; the TINYLOOP_ISA override; closed models; concurrent use of
+ * one model. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +46,7 @@ static void test_invariance(int which) {
     const uint32_t threads[] = {1, 2, 3, 7};
     const size_t chunks[] = {0, 1, 4, 16};
     const uint32_t blocks[] = {1, 3, 16};
-    for (tl_isa isa = TL_ISA_SCALAR; isa <= TL_ISA_AVX512_VNNI; isa++) {
+    for (tl_isa isa = TL_ISA_SCALAR; isa <= TL_ISA_AMX; isa++) {
         if (!tl_cpu_supports(isa)) continue;
         for (int i = 0; i < 4; i++) {
             tl_model* m = tu_open(paths[which], threads[i], isa, blocks[i % 3]);
@@ -389,6 +390,68 @@ static void test_device_selection(void) {
     CHECK(m == NULL, "output handle set on failure");
 }
 
+/* The ISA a model opened with `isa` runs, as tl_model_runtime reports it; TL_ISA_AUTO if the
+ * open fails (its status in *status). */
+static tl_isa opened_isa(tl_isa isa, tl_status* status) {
+    tl_model_params mp = tl_model_params_default();
+    mp.n_threads = 1;
+    mp.isa = isa;
+    tl_model* m = NULL;
+    *status = tl_model_open(paths[0], &mp, &m);
+    if (*status != TL_OK) return TL_ISA_AUTO;
+    tl_model_runtime rt = {.size = sizeof rt};
+    CHECK_OK(tl_model_runtime_get(m, &rt));
+    tl_model_free(m);
+    return rt.isa;
+}
+
+/* TINYLOOP_ISA forces the path of a model opened with TL_ISA_AUTO, by name; an explicit isa
+ * ignores it. The caller's own TINYLOOP_ISA (a forced ctest run) is restored afterwards. */
+static void test_isa_from_environment(void) {
+    const char* outer = getenv("TINYLOOP_ISA");
+    char* saved = outer ? strdup(outer) : NULL;
+    unsetenv("TINYLOOP_ISA");
+    tl_status st;
+    const tl_isa best = opened_isa(TL_ISA_AUTO, &st);
+    CHECK(st == TL_OK && best != TL_ISA_AUTO, "no TINYLOOP_ISA: %s", tl_last_error());
+    static const char* const canonical[] = {"auto", "scalar", "avx2", "avx512-vnni", "amx"};
+    const struct {
+        const char* name;
+        tl_isa isa;
+    } names[] = {{"", best},
+                 {"auto", best},
+                 {"scalar", TL_ISA_SCALAR},
+                 {"avx2", TL_ISA_AVX2},
+                 {"avx512", TL_ISA_AVX512_VNNI},
+                 {"avx512-vnni", TL_ISA_AVX512_VNNI},
+                 {"amx", TL_ISA_AMX}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        setenv("TINYLOOP_ISA", names[i].name, 1);
+        const tl_isa got = opened_isa(TL_ISA_AUTO, &st);
+        if (tl_cpu_supports(names[i].isa)) {
+            CHECK(st == TL_OK && got == names[i].isa, "TINYLOOP_ISA=%s: isa %d, want %d (%s)", names[i].name,
+                  (int)got, (int)names[i].isa, tl_last_error());
+            continue;
+        }
+        char want[128];
+        snprintf(want, sizeof want, "isa %s is not supported by this CPU or build (from TINYLOOP_ISA)",
+                 canonical[names[i].isa]);
+        CHECK(st == TL_ERR_UNSUPPORTED && strcmp(tl_last_error(), want) == 0, "TINYLOOP_ISA=%s: %d %s",
+              names[i].name, (int)st, tl_last_error());
+    }
+    setenv("TINYLOOP_ISA", "bogus", 1);
+    opened_isa(TL_ISA_AUTO, &st);
+    CHECK(st == TL_ERR_INVALID_ARGUMENT && strcmp(tl_last_error(), "TINYLOOP_ISA must be auto, scalar, avx2, "
+                                                                   "avx512, avx512-vnni or amx, got 'bogus'") == 0,
+          "TINYLOOP_ISA=bogus: %d %s", (int)st, tl_last_error());
+    CHECK(opened_isa(TL_ISA_SCALAR, &st) == TL_ISA_SCALAR && st == TL_OK, "explicit scalar, TINYLOOP_ISA=bogus");
+    setenv("TINYLOOP_ISA", "scalar", 1);
+    CHECK(opened_isa(best, &st) == best && st == TL_OK, "explicit isa %d, TINYLOOP_ISA=scalar", (int)best);
+    if (saved) setenv("TINYLOOP_ISA", saved, 1);
+    else unsetenv("TINYLOOP_ISA");
+    free(saved);
+}
+
 static void test_validation(void) {
     tl_model* m = tu_open(paths[0], 1, TL_ISA_AUTO, 0);
     tl_seq* s = NULL;
@@ -469,7 +532,8 @@ static void test_validation(void) {
     mp.isa = (tl_isa)9;
     tl_model* m2 = NULL;
     CHECK_STATUS(tl_model_open(paths[0], &mp, &m2), TL_ERR_INVALID_ARGUMENT);
-    for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AVX512_VNNI; isa++) {
+    CHECK(strcmp(tl_last_error(), "isa must be 0 .. 4, got 9") == 0, "%s", tl_last_error());
+    for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AMX; isa++) {
         if (tl_cpu_supports(isa)) continue;
         mp.isa = isa;
         CHECK_STATUS(tl_model_open(paths[0], &mp, &m2), TL_ERR_UNSUPPORTED);
@@ -483,6 +547,7 @@ static void test_validation(void) {
     CHECK_OK(tl_model_runtime_get(m, &old_rt));
     CHECK(old_rt.size == offsetof(tl_model_runtime, device) && old_rt.device == 0, "versioned runtime");
     test_device_selection();
+    test_isa_from_environment();
     CHECK(tl_abi_version() == TL_ABI_VERSION && strlen(tl_version_string()) > 0, "versions");
     CHECK(strcmp(tl_status_string(TL_ERR_CLOSED), "model was closed") == 0 &&
               strcmp(tl_status_string(TL_ERR_OUT_OF_MEMORY), "out of memory") == 0, "status strings");

@@ -191,16 +191,20 @@ static int nibble_value(const uint8_t* w4, size_t k) {
 }
 
 static void run_case(const mm_case* c, uint64_t* rng) {
-    const size_t R = c->R, K = c->K, T = c->T, stride = (K + 7) / 8 * 8;
+    const size_t R = c->R, K = c->K, T = c->T, stride = tl_acts_stride(K);
     int8_t* w8 = malloc(R * K);
     uint8_t* w4 = malloc(R * K / 2 + 1);
     uint8_t* mult = malloc(c->gs ? R * (K / c->gs) : 1);
     float* ws = malloc(R * sizeof(float));
-    tl_acts A = {T, stride, calloc(T, stride), calloc(T, stride), calloc(T, sizeof(int32_t)), malloc(T * sizeof(float))};
+    enum { THREADS = 3 };
+    const size_t scratch_bytes = tl_linear_scratch_bytes(TL_ISA_AMX, T, K);
+    tl_acts A = {T, stride, calloc(tl_acts_rows(T), stride), calloc(T, stride), malloc(T * sizeof(float)),
+                 calloc(THREADS, scratch_bytes + 1), scratch_bytes};
     for (size_t i = 0; i < R * K; i++) w8[i] = c->extreme ? -128 : (int8_t)tu_uniform(rng, -128, 127);
     for (size_t i = 0; i < R * K / 2; i++) w4[i] = c->extreme ? 0x88 : (uint8_t)tu_next(rng);
     for (size_t i = 0; c->gs && i < R * (K / c->gs); i++) mult[i] = c->extreme ? 255 : (uint8_t)tu_uniform(rng, 0, 255);
     for (size_t j = 0; j < R; j++) ws[j] = (float)tu_uniform(rng, 1, 1000) / 4096.0f;
+    memset(A.q + T * stride, 0x5a, (tl_acts_rows(T) - T) * stride); /* rows past T: dropped, whatever they hold */
     for (size_t t = 0; t < T; t++) {
         for (size_t k = 0; k < K; k++) A.q[t * stride + k] = c->extreme ? -127 : (int8_t)tu_uniform(rng, -127, 127);
         A.scale[t] = (float)tu_uniform(rng, 1, 1000) / 1024.0f;
@@ -223,8 +227,8 @@ static void run_case(const mm_case* c, uint64_t* rng) {
         }
     float* got = malloc(T * R * sizeof(float));
     tl_pool* pool;
-    tl_pool_create(3, &pool);
-    for (tl_isa isa = TL_ISA_SCALAR; isa <= TL_ISA_AVX512_VNNI; isa++) {
+    tl_pool_create(THREADS, &pool);
+    for (tl_isa isa = TL_ISA_SCALAR; isa <= TL_ISA_AMX; isa++) {
         if (!tl_isa_available(isa)) continue;
         tl_linear lin;
         CHECK_OK(tl_linear_prepare(&lin, &src, isa));
@@ -236,14 +240,14 @@ static void run_case(const mm_case* c, uint64_t* rng) {
         tl_linear_release(&lin);
     }
     tl_pool_destroy(pool);
-    free(w8), free(w4), free(mult), free(ws), free(A.q), free(A.qx), free(A.qsum), free(A.scale), free(want), free(got);
+    free(w8), free(w4), free(mult), free(ws), free(A.q), free(A.qx), free(A.scale), free(A.scratch), free(want), free(got);
 }
 
 static void test_matmul(void) {
     uint64_t rng = 5;
     const uint32_t Rs[] = {1, 7, 8, 16, 17, 40, 100};
     const uint32_t Ks[] = {8, 16, 24, 40, 64, 96, 120};
-    const size_t Ts[] = {1, 2, 3, 4, 5, 8, 9, 17};
+    const size_t Ts[] = {1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 48}; /* 16+: AMX tiles */
     for (size_t r = 0; r < sizeof Rs / sizeof *Rs; r++)
         for (size_t k = 0; k < sizeof Ks / sizeof *Ks; k++)
             for (size_t t = 0; t < sizeof Ts / sizeof *Ts; t += 1 + (r + k) % 3) {
@@ -262,10 +266,9 @@ static void test_matmul(void) {
         run_case(&c, &rng);
     }
     /* accumulator extremes: int8 K = 2^16 (127 * 128 * K < 2^31), int4 K = 8192 with m = 255 */
-    const mm_case big8 = {3, 65536, 0, 2, 1}, big4 = {17, 8192, 32, 3, 1}, big4b = {9, 8192, 8192, 2, 1};
-    run_case(&big8, &rng);
-    run_case(&big4, &rng);
-    run_case(&big4b, &rng);
+    const mm_case big[] = {{3, 65536, 0, 2, 1},  {17, 8192, 32, 3, 1},  {9, 8192, 8192, 2, 1},
+                           {33, 65536, 0, 17, 1}, {17, 8192, 32, 33, 1}, {9, 8192, 8192, 16, 1}};
+    for (size_t i = 0; i < sizeof big / sizeof *big; i++) run_case(&big[i], &rng);
 }
 
 /* ---- attention kernels ---------------------------------------------------------------- */

@@ -4,6 +4,7 @@
  * while sequences and prefixes use them. */
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -94,6 +95,27 @@ TL_API tl_model_params tl_model_params_default(void) {
     return p;
 }
 
+/* The kernel path for the params' `isa`: an explicit one as given; for TL_ISA_AUTO the one the
+ * environment variable TINYLOOP_ISA names when it is set and not empty (tests and benches force
+ * a path with it), else the best this CPU runs. A path the CPU or build lacks is
+ * TL_ERR_UNSUPPORTED. */
+static tl_status resolve_isa(tl_isa* isa) {
+    if ((int)*isa < TL_ISA_AUTO || (int)*isa > TL_ISA_AMX)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "isa must be 0 .. %d, got %d", (int)TL_ISA_AMX, (int)*isa);
+    const char* from = "";
+    const char* forced = *isa == TL_ISA_AUTO ? getenv("TINYLOOP_ISA") : NULL;
+    if (forced && *forced) {
+        if (!tl_isa_from_name(forced, isa))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "TINYLOOP_ISA must be auto, scalar, avx2, avx512, "
+                           "avx512-vnni or amx, got '%s'", forced);
+        from = " (from TINYLOOP_ISA)";
+    }
+    if (!tl_isa_available(*isa))
+        return tl_fail(TL_ERR_UNSUPPORTED, "isa %s is not supported by this CPU or build%s", tl_isa_name(*isa), from);
+    if (*isa == TL_ISA_AUTO) *isa = tl_isa_best();
+    return TL_OK;
+}
+
 static tl_status resolve_params(const tl_model_params* given, tl_model_params* p) {
     *p = tl_model_params_default();
     if (given) {
@@ -112,12 +134,9 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
     if (p->kv_block_size > TL_MAX_KV_BLOCK_SIZE)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_block_size must be <= %d, got %u", TL_MAX_KV_BLOCK_SIZE,
                        p->kv_block_size);
-    if ((int)p->isa < TL_ISA_AUTO || (int)p->isa > TL_ISA_AVX512_VNNI)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "isa must be 0 .. 3, got %d", (int)p->isa);
-    if (!tl_isa_available(p->isa))
-        return tl_fail(TL_ERR_UNSUPPORTED, "isa %s is not supported by this CPU or build", tl_isa_name(p->isa));
-    if (p->isa == TL_ISA_AUTO) p->isa = tl_isa_best();
-    tl_status st = tl_device_check(p->device);
+    tl_status st = resolve_isa(&p->isa);
+    if (st != TL_OK) return st;
+    st = tl_device_check(p->device);
     if (st != TL_OK) return st;
     if (p->device == TL_DEVICE_AUTO) p->device = TL_DEVICE_CPU; /* CUDA joins auto once verified */
     if (p->device == TL_DEVICE_CUDA) {

@@ -42,7 +42,7 @@ typedef struct fwd {
     int32_t* tokens;         /* [T]                                                    */
     size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
     uint32_t layer;          /* cache slot of the current layer                        */
-    bool simd;               /* SIMD kernels: acts need qx/qsum; AVX2 row operations    */
+    bool simd;               /* SIMD kernels: acts need qx; AVX2 row operations         */
     float* x;                /* [T][d] the state the blocks run on                     */
     float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e))       */
     float* side;             /* [T][d] a prefix build: the state a shallower depth ends on */
@@ -80,8 +80,6 @@ static void* take(carve* c, size_t bytes) {
     return p;
 }
 
-static size_t round8(size_t k) { return (k + 7) / 8 * 8; }
-
 /* Whether a depth ends with more than the last iteration's state: coda_norm or coda blocks. */
 
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
@@ -91,7 +89,7 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
     if (cfg->ffn_dim > kmax) kmax = cfg->ffn_dim;
-    kmax = round8(kmax);
+    kmax = tl_acts_stride(kmax);
     f->seqs = take(c, T * sizeof(tl_seq*));
     f->pos = take(c, T * sizeof(size_t));
     f->tokens = take(c, T * sizeof(int32_t));
@@ -102,10 +100,11 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     f->qkv = take(c, T * f->qkv_dim * sizeof(float));
     f->o = take(c, T * f->hd * sizeof(float));
     f->gu = take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
-    f->acts.q = take(c, T * kmax);
+    f->acts.q = take(c, tl_acts_rows(T) * kmax);
     f->acts.qx = take(c, T * kmax);
-    f->acts.qsum = take(c, T * sizeof(int32_t));
     f->acts.scale = take(c, T * sizeof(float));
+    f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, T, kmax);
+    f->acts.scratch = take(c, workers * f->acts.scratch_bytes);
     f->attn = take(c, workers * sizeof(tl_attn_scratch));
     for (unsigned w = 0; w < workers; w++) {
         tl_attn_scratch s = {take(c, max_keys * sizeof(float)), take(c, max_keys * sizeof(int32_t)),
@@ -141,7 +140,7 @@ static void quantize_rows(fwd* f, const float* src, size_t src_stride, size_t co
     f->q_cols = cols;
     f->q_rms = rms;
     f->acts.n = f->T;
-    f->acts.stride = round8(cols);
+    f->acts.stride = tl_acts_stride(cols);
     tl_pool_run(f->e->pool, f->T, task_quantize, f);
 }
 
@@ -246,7 +245,7 @@ static void run_block(fwd* f, uint32_t block, size_t slot) {
 
     quantize_rows(f, f->x, d, d, true);
     tl_linear_run(&part[TL_PART_GATE_UP], &f->acts, f->gu, 2 * F, false, pool);
-    f->acts.stride = round8(F);
+    f->acts.stride = tl_acts_stride(F);
     tl_pool_run(pool, f->T, task_swiglu, f);
     residual(f, &part[TL_PART_DOWN], vec->ffn_post_norm);
 }
@@ -431,14 +430,13 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
 }
 
 tl_status tl_cpu_head_logits(const tl_linear* head, const tl_engine* e, const float* x, float* logits) {
-    const size_t d = tl_engine_config(e)->d_model, stride = round8(d);
-    uint8_t* buf = tl_alloc(2 * stride + 2 * sizeof(float) + sizeof(int32_t));
+    const size_t d = tl_engine_config(e)->d_model, stride = tl_acts_stride(d), rows = tl_acts_rows(1);
+    const size_t scratch_bytes = tl_linear_scratch_bytes(e->isa, 1, d);
+    uint8_t* buf = tl_alloc((rows + 1) * stride + tl_pool_threads(e->pool) * scratch_bytes);
     if (!buf) return tl_fail_oom("head scratch");
-    tl_acts acts = {1, stride, (int8_t*)buf, buf + stride, NULL, NULL};
-    float* scale = (float*)(buf + 2 * stride);
-    acts.scale = scale;
-    acts.qsum = (int32_t*)(scale + 2);
-    scale[0] = tl_rms_quantize_row(x, d, tl_engine_config(e)->rms_eps, acts.q);
+    float scale;
+    tl_acts acts = {1, stride, (int8_t*)buf, buf + rows * stride, &scale, buf + (rows + 1) * stride, scratch_bytes};
+    scale = tl_rms_quantize_row(x, d, tl_engine_config(e)->rms_eps, acts.q);
     memset(acts.q + d, 0, stride - d);
     if (e->isa != TL_ISA_SCALAR) tl_acts_finish_row(&acts, 0);
     tl_linear_run(head, &acts, logits, 0, false, e->pool);

@@ -1,6 +1,7 @@
 /* matmul.c — run a prepared linear over the thread pool: rows are cut into blocks of whole
- * tiles and each block runs every token through its path's kernel. Blocks write disjoint
- * outputs and compute exact integers, so the split never changes a result. */
+ * tiles and each block runs every token through its path's kernel (on AMX, the tile kernel
+ * for TL_AMX_MIN_TOKENS tokens or more, else AVX-512). Blocks write disjoint outputs and
+ * compute exact integers, so the split never changes a result. */
 #include "cpu/matmul.h"
 
 enum {
@@ -11,7 +12,7 @@ enum {
 typedef struct linear_job {
     const tl_linear* lin;
     const tl_acts* acts;
-    tl_gemm_fn kernel;
+    tl_gemm_fn kernel; /* NULL: the AMX tile kernel */
     uint32_t rows_per_item;
     float* y;
     size_t y_stride;
@@ -19,24 +20,27 @@ typedef struct linear_job {
 } linear_job;
 
 static void run_rows(void* ctx, size_t item, unsigned worker) {
-    (void)worker;
     const linear_job* job = ctx;
+    const tl_acts* A = job->acts;
     const uint32_t R = job->lin->src.rows;
     const uint32_t row0 = (uint32_t)item * job->rows_per_item;
     const uint32_t row1 = row0 + job->rows_per_item < R ? row0 + job->rows_per_item : R;
-    job->kernel(job->lin, job->acts, row0, row1, job->y, job->y_stride, job->accumulate);
+    if (job->kernel) job->kernel(job->lin, A, row0, row1, job->y, job->y_stride, job->accumulate);
+    else tl_gemm_amx(job->lin, A, row0, row1, job->y, job->y_stride, job->accumulate,
+                     A->scratch ? A->scratch + worker * A->scratch_bytes : NULL);
+}
+
+static bool on_tiles(tl_isa isa, size_t n) { return isa == TL_ISA_AMX && n >= TL_AMX_MIN_TOKENS; }
+
+size_t tl_linear_scratch_bytes(tl_isa isa, size_t n, size_t cols) {
+    return on_tiles(isa, n) ? tl_amx_scratch_bytes(cols) : 0;
 }
 
 void tl_acts_finish_row(tl_acts* A, size_t t) {
     const size_t K = A->stride; /* a local: the u8 stores below could alias *A, which kept GCC from vectorizing */
     const int8_t* q = A->q + t * K;
     uint8_t* qx = A->qx + t * K;
-    int32_t sum = 0;
-    for (size_t k = 0; k < K; k++) {
-        sum += q[k];
-        qx[k] = (uint8_t)q[k] ^ 0x80;
-    }
-    A->qsum[t] = sum;
+    for (size_t k = 0; k < K; k++) qx[k] = (uint8_t)q[k] ^ 0x80;
 }
 
 void tl_linear_run(const tl_linear* lin, const tl_acts* acts, float* y, size_t y_stride,
@@ -44,7 +48,8 @@ void tl_linear_run(const tl_linear* lin, const tl_acts* acts, float* y, size_t y
     linear_job job = {lin, acts, tl_gemm_scalar, 0, y, y_stride, accumulate};
     uint32_t tile = 16;
     if (lin->isa == TL_ISA_AVX2) job.kernel = tl_gemm_avx2;
-    if (lin->isa == TL_ISA_AVX512_VNNI) job.kernel = tl_gemm_avx512;
+    if (lin->isa == TL_ISA_AVX512_VNNI || lin->isa == TL_ISA_AMX) job.kernel = tl_gemm_avx512;
+    if (on_tiles(lin->isa, acts->n)) job.kernel = NULL;
     if (lin->isa != TL_ISA_SCALAR) tile = lin->tile_rows;
     const uint32_t R = lin->src.rows;
     const uint32_t tiles = (R + tile - 1) / tile;

@@ -4,10 +4,11 @@
  *                                                 acc[t][j] = Σ_g m[j][g] Σ_{k∈g} q w  (int4)
  *
  * acc is an exact integer (the loader proved it fits in i32), so every kernel path — scalar,
- * AVX2, AVX-512 VNNI — returns identical bits; SIMD paths may compute it modulo 2^32 with
- * offset tricks because the true value is known to fit. Weights are repacked once at load into
- * the layout of the chosen path (pack.c); each kernel processes several tokens per pass over a
- * tile of weights, so prefill is a GEMM. */
+ * AVX2, AVX-512 VNNI, AMX tiles — returns identical bits; SIMD paths may compute it modulo 2^32
+ * with offset tricks because the true value is known to fit. Weights are repacked once at load
+ * into the layout of the chosen path (pack.c); each kernel processes several tokens per pass
+ * over a tile of weights, so prefill is a GEMM. The AMX path runs calls of TL_AMX_MIN_TOKENS
+ * tokens or more on tiles and fewer on the AVX-512 kernel, which shares its packed weights. */
 #ifndef TL_MATMUL_H
 #define TL_MATMUL_H
 
@@ -18,26 +19,41 @@
 #include "core/loader.h"
 #include "cpu/threadpool.h"
 
-/* Quantized input rows of a linear, one per token. */
+#if defined(TL_AMX_EMULATION)
+enum { TL_AMX_MIN_TOKENS = 1 };  /* the test build runs every call on the emulated tiles  */
+#else
+enum { TL_AMX_MIN_TOKENS = 16 }; /* fewer tokens than a tile has rows: AVX-512 is as fast  */
+#endif
+
+/* Quantized input rows of a linear, one per token. The AMX kernel loads whole 16-row tiles:
+ * q must have tl_acts_rows(n) rows of memory (rows past n may hold anything: their results
+ * are dropped). */
 typedef struct tl_acts {
-    size_t n;       /* tokens                                                     */
-    size_t stride;  /* bytes per row: K rounded up to a multiple of 8             */
-    int8_t* q;      /* [n][stride], zero beyond K                                 */
-    uint8_t* qx;    /* [n][stride] = q + 128 as u8 (SIMD paths), see tl_acts_finish_row */
-    int32_t* qsum;  /* [n] Σ_k q (SIMD paths)                                      */
-    float* scale;   /* [n] a (from NQ) or s (from Q8)                              */
+    size_t n;         /* tokens                                                     */
+    size_t stride;    /* bytes per row: tl_acts_stride(K)                           */
+    int8_t* q;        /* [tl_acts_rows(n)][stride], zero from K to stride in rows < n */
+    uint8_t* qx;      /* [n][stride] = q + 128 as u8 (SIMD paths), see tl_acts_finish_row */
+    float* scale;     /* [n] a (from NQ) or s (from Q8)                              */
+    uint8_t* scratch; /* [pool threads][scratch_bytes] for the kernels, see below    */
+    size_t scratch_bytes;
 } tl_acts;
+
+static inline size_t tl_acts_stride(size_t cols) { return (cols + 63) / 64 * 64; }
+static inline size_t tl_acts_rows(size_t n) { return (n + 15) / 16 * 16; }
+/* Scratch bytes per pool thread that a call of n tokens on a linear of at most `cols` columns
+ * needs on `isa`: the AMX int4 path unpacks a row tile there; 0 for every other call. */
+size_t tl_linear_scratch_bytes(tl_isa isa, size_t n, size_t cols);
 
 /* A linear prepared for one kernel path. */
 typedef struct tl_linear {
     tl_linear_src src;     /* the file's shape; its weights only where tl_linear_reads_src */
     tl_isa isa;            /* path that runs this linear                                 */
-    uint32_t tile_rows;    /* rows per packed tile: 8 (AVX2) or 16 (AVX-512)             */
+    uint32_t tile_rows;    /* rows per packed tile: 8 (AVX2) or 16 (AVX-512, AMX)        */
     uint32_t rows_padded;  /* R rounded up to tile_rows                                  */
-    uint32_t cols_padded;  /* K rounded up to 8                                          */
+    uint32_t cols_padded;  /* K rounded up to 8 (64 on AMX: whole tile k-blocks)         */
     uint8_t* packed;       /* SIMD weights, see pack.c for the layout                    */
     int32_t* mult;         /* int4: [tiles][K/gs][tile_rows] group multipliers           */
-    int32_t* corr;         /* int4: [rows_padded] Σ_g m*128*Σ_{k∈g} w  (mod 2^32)         */
+    int32_t* corr;         /* 16-row tiles: [rows_padded] the u8-activation offset       */
     float* scale;          /* [rows_padded] row scales, zero-padded                      */
 } tl_linear;
 
@@ -50,7 +66,7 @@ static inline bool tl_linear_reads_src(const tl_linear* lin) { return lin->isa =
 void tl_linear_release(tl_linear* lin);
 size_t tl_linear_bytes(const tl_linear* lin);
 
-/* Fill qx[t] and qsum[t] from q[t] (needed before a SIMD linear reads row t). */
+/* Fill qx[t] from q[t] (needed before a SIMD linear reads row t). */
 void tl_acts_finish_row(tl_acts* acts, size_t t);
 
 /* y[t][j] for t < acts->n, j < R into y + t * y_stride; with `accumulate`, y += instead
@@ -64,6 +80,10 @@ typedef void (*tl_gemm_fn)(const tl_linear* lin, const tl_acts* acts, uint32_t r
 void tl_gemm_scalar(const tl_linear*, const tl_acts*, uint32_t, uint32_t, float*, size_t, bool);
 void tl_gemm_avx2(const tl_linear*, const tl_acts*, uint32_t, uint32_t, float*, size_t, bool);
 void tl_gemm_avx512(const tl_linear*, const tl_acts*, uint32_t, uint32_t, float*, size_t, bool);
+/* The AMX kernel also takes the calling worker's scratch (tl_linear_scratch_bytes). */
+void tl_gemm_amx(const tl_linear* lin, const tl_acts* acts, uint32_t row0, uint32_t row1, float* y,
+                 size_t y_stride, bool accumulate, uint8_t* scratch);
+size_t tl_amx_scratch_bytes(size_t cols); /* per worker, for an int4 linear of `cols` columns */
 
 /* The epilogue shared by every path: y = ((f32)acc * a) * ws, stored or added. */
 static inline void tl_emit(float* y, int32_t acc, float a, float ws, bool accumulate) {

@@ -1,9 +1,9 @@
 /* matmul_avx512.c — AVX-512 VNNI linear kernel (16-row tiles, up to 8 tokens per pass).
  *
  * int8: vpdpbusd multiplies u8 by s8 and sums 4 products into i32 without saturation. The
- *       weights are stored as w + 128 (u8) and the activations stay s8, so each lane gets
- *       Σ q*w + 128 * Σ q; the per-token 128 * Σ q is subtracted at the end (mod 2^32, exact
- *       because the true sum fits in i32).
+ *       activations go in as u8 (q + 128) and the weights stay s8 (the layout the AMX path
+ *       shares), so each lane gets Σ q*w + 128 * Σ w; corr, the per-row 128 * Σ w, is
+ *       subtracted at the end (mod 2^32, exact because the true sum fits in i32).
  * int4: activations as u8 (q + 128) times the unpacked w (-8 .. 7) per group, then times the
  *       group multiplier (vpmulld) into the row total; corr removes Σ_g m * 128 * Σ w.
  * Compiled with a function-level target, so the library needs no -march flag. */
@@ -35,13 +35,11 @@ INLINE_AVX512 void int8_tile(const tl_linear* L, size_t tile, const tl_acts* A, 
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             if (t >= nt) break;
-            acc[t] = _mm512_dpbusd_epi32(acc[t], w, broadcast4(A->q + (t0 + t) * A->stride + 4 * s));
+            acc[t] = _mm512_dpbusd_epi32(acc[t], broadcast4(A->qx + (t0 + t) * A->stride + 4 * s), w);
         }
     }
-    for (int t = 0; t < nt; t++) {
-        const __m512i offset = _mm512_set1_epi32(128 * A->qsum[t0 + t]);
-        _mm512_storeu_si512((void*)acc_out[t], _mm512_sub_epi32(acc[t], offset));
-    }
+    const __m512i corr = _mm512_loadu_si512((const void*)(L->corr + tile * TR));
+    for (int t = 0; t < nt; t++) _mm512_storeu_si512((void*)acc_out[t], _mm512_sub_epi32(acc[t], corr));
 }
 
 INLINE_AVX512 void int4_tile(const tl_linear* L, size_t tile, const tl_acts* A, size_t t0, int nt,

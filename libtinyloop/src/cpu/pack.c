@@ -1,10 +1,12 @@
 /* pack.c — repack a linear's weights at load time for its SIMD kernel (matmul.h).
  *
- * Rows are grouped in tiles of TR rows (8 for AVX2, 16 for AVX-512); padded rows and columns
- * hold weight 0.
- *  int8: packed[tile][K/4][TR][4] bytes: 4 consecutive k of each row side by side, so one
- *        vector holds TR rows x 4 k and a broadcast 4-byte activation word multiplies it.
- *        AVX-512 stores w ^ 0x80 (= w + 128 as u8) for vpdpbusd; AVX2 stores w as is.
+ * Rows are grouped in tiles of TR rows (8 for AVX2, 16 for AVX-512 and AMX); padded rows and
+ * columns hold weight 0.
+ *  int8: packed[tile][Kp/4][TR][4] bytes (Kp = cols_padded): 4 consecutive k of each row side
+ *        by side, so one vector holds TR rows x 4 k and a broadcast 4-byte activation word
+ *        multiplies it; on AMX, 16 consecutive k/4 steps of a tile are a TDPBSSD B operand.
+ *        16-row tiles keep corr[row] = 128 * Σ_k w (mod 2^32), the offset that vpdpbusd's u8
+ *        (q + 128) activations add.
  *  int4: packed[tile][K/8][TR][4] bytes: byte b of a row holds k = 8s+b in its low nibble and
  *        k = 8s+4+b in its high nibble, each as w + 8 (0 .. 15); the kernels unpack with a mask
  *        and subtract 8. mult[tile][g][TR] = m as i32, corr[row] = Σ_g m * 128 * Σ_{k∈g} w,
@@ -24,16 +26,19 @@ static int int4_at(const tl_linear_src* s, size_t row, size_t k) {
 static void pack_int8(tl_linear* L) {
     const tl_linear_src* s = &L->src;
     const uint32_t TR = L->tile_rows, steps = L->cols_padded / 4;
-    const uint8_t flip = L->isa == TL_ISA_AVX512_VNNI ? 0x80 : 0;
     uint8_t* out = L->packed;
     for (uint32_t tile = 0; tile < L->rows_padded / TR; tile++)
         for (uint32_t st = 0; st < steps; st++)
             for (uint32_t r = 0; r < TR; r++)
                 for (uint32_t b = 0; b < 4; b++) {
                     const size_t row = (size_t)tile * TR + r, k = 4 * (size_t)st + b;
-                    const int8_t w = (row < s->rows && k < s->cols) ? s->w8[row * s->cols + k] : 0;
-                    *out++ = (uint8_t)w ^ flip;
+                    *out++ = (uint8_t)((row < s->rows && k < s->cols) ? s->w8[row * s->cols + k] : 0);
                 }
+    for (uint32_t row = 0; L->corr && row < s->rows; row++) {
+        uint32_t wsum = 0; /* modulo 2^32, as the kernels compute */
+        for (uint32_t k = 0; k < s->cols; k++) wsum += (uint32_t)(int32_t)s->w8[(size_t)row * s->cols + k];
+        L->corr[row] = (int32_t)(128u * wsum);
+    }
 }
 
 static void pack_int4(tl_linear* L) {
@@ -72,19 +77,21 @@ tl_status tl_linear_prepare(tl_linear* L, const tl_linear_src* src, tl_isa isa) 
         return TL_OK;
     }
     L->tile_rows = isa == TL_ISA_AVX2 ? 8 : 16;
+    const uint32_t col_unit = isa == TL_ISA_AMX ? 64 : 8;
     L->rows_padded = (src->rows + L->tile_rows - 1) / L->tile_rows * L->tile_rows;
-    L->cols_padded = (src->cols + 7) / 8 * 8;
+    L->cols_padded = (src->cols + col_unit - 1) / col_unit * col_unit;
     const size_t cells = (size_t)L->rows_padded * L->cols_padded;
     L->scale = tl_alloc_zeroed(L->rows_padded, sizeof(float));
     if (src->group_size) {
         const size_t groups = src->cols / src->group_size;
-        L->packed = tl_alloc(cells / 2);
+        L->packed = tl_alloc((size_t)L->rows_padded * src->cols / 2);
         L->mult = tl_alloc(groups * L->rows_padded * sizeof(int32_t));
         L->corr = tl_alloc(L->rows_padded * sizeof(int32_t));
     } else {
         L->packed = tl_alloc(cells);
+        if (L->tile_rows == 16) L->corr = tl_alloc_zeroed(L->rows_padded, sizeof(int32_t));
     }
-    if (!L->scale || !L->packed || (src->group_size && (!L->mult || !L->corr))) {
+    if (!L->scale || !L->packed || (src->group_size && !L->mult) || (L->tile_rows == 16 && !L->corr)) {
         tl_linear_release(L);
         return tl_fail_oom("repacked weights");
     }
