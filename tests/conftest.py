@@ -41,8 +41,9 @@ def env_names(variable, default=""):
 BACKENDS = ("numpy", "native", "numba", "numba-cuda", "native-cuda")
 TEST_BACKENDS = env_names("TINYLOOP_TEST_BACKENDS", ",".join(BACKENDS))
 # The CPU kernel paths libtinyloop picks from at run time (feature "native-<isa>"); the scalar
-# path runs everywhere.
-ISA_PATHS = ("avx2", "avx512-vnni")
+# path runs everywhere. TINYLOOP_ISA (read by the library when a model opens) forces one of them
+# on every native model of a run: docs/testing.md.
+ISA_PATHS = ("avx2", "avx512-vnni", "amx")
 
 
 @functools.cache
@@ -76,9 +77,12 @@ def pytest_report_header(config):
         isa_line = f"all ({unavailable_reason('native')})"
     else:
         isa_line = ", ".join(isa for isa in ISA_PATHS if f"native-{isa}" not in features) or "none"
+    forced = os.environ.get("TINYLOOP_ISA")
+    path = f"TINYLOOP_ISA={forced}" if forced else "the fastest ISA path (TINYLOOP_ISA unset)"
     return [f"tinyloop: backends here: {', '.join(b for b in BACKENDS if b in features)}; "
             f"features: {', '.join(sorted(features))}",
-            f"tinyloop: ISA paths not run on this CPU: {isa_line}"]
+            f"tinyloop: ISA paths not run on this CPU: {isa_line}",
+            f"tinyloop: native models run {path}"]
 
 
 @pytest.fixture(scope="module", params=TEST_BACKENDS)

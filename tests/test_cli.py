@@ -64,6 +64,28 @@ def test_info_names_model_and_backend():
     assert code == 0 and "tinyloop-demo" in text and "backend: numpy" in text
 
 
+def test_info_lists_the_cpu_isas_and_the_one_the_model_runs(monkeypatch):
+    """Each ISA path the library runs here, scalar first, as TINYLOOP_ISA names them; the
+    runtime line names the one in use, which TINYLOOP_ISA forces."""
+    if "native" not in tinyloop.backend_features:
+        pytest.skip("no native library: info lists no ISA")
+    monkeypatch.delenv("TINYLOOP_ISA", raising=False)
+    code, text = run("info", "--backend", "native")
+    assert code == 0
+    isas = re.search(r"^ +cpu isas: (.+)$", text, re.M).group(1).split(", ")
+    assert isas[0] == "scalar" and len(set(isas)) == len(isas)
+    features = {f for f in tinyloop.backend_features if f.startswith("native-")} - {"native-cuda"}
+    assert {f"native-{isa}" for isa in isas[1:]} == features
+    in_use = re.search(r"^ +runtime: ([\w-]+) kernels, ", text, re.M).group(1)
+    assert in_use in isas
+    monkeypatch.setenv("TINYLOOP_ISA", "scalar")
+    code, text = run("info", "--backend", "native")
+    assert code == 0 and re.search(r"^ +runtime: scalar kernels, ", text, re.M), text
+    listed = re.escape(", ".join(isas))
+    assert re.search(rf"^ +cpu isas: {listed} \(TINYLOOP_ISA=scalar forces the native path\)$",
+                     text, re.M), text
+
+
 # (arguments, the message): "SMALL" stands for --model of the `small` model, and the message's
 # {fields} are that model's config; without SMALL the command runs the bundled demo model.
 BAD_INPUTS = [

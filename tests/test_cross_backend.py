@@ -6,6 +6,8 @@ paging never changes a value); and at the edges of the kernels' exact integer su
 Backends under test: TINYLOOP_TEST_BACKENDS but numpy (see conftest.py); one that cannot run
 here is skipped with the reason, or fails when TINYLOOP_REQUIRE_BACKENDS names it.
 """
+import os
+
 import numpy as np
 import pytest
 from hypothesis import strategies as st
@@ -18,8 +20,7 @@ from tinyloop.quantize import quantize_model
 from tinyloop.quickbench import backend_kwargs
 from tinyloop.random_model import random_config, random_float_weights
 
-from conftest import (TEST_BACKENDS, assert_same_bits, backend_features, backend_given,
-                      require_backend)
+from conftest import TEST_BACKENDS, assert_same_bits, backend_given, require_backend
 from strategies import drawn_model, long_prompts, prompts, sampling
 
 # A longer context than MODEL_SHAPES: 64-wide heads, many cache blocks, long windows.
@@ -41,6 +42,18 @@ def reference(model):
 def test_backend_is_the_one_asked_for(backend, model_files):
     with tinyloop.Model(model_files["int8-gqa"], **backend_kwargs(backend)) as model:
         assert model.backend == backend_kwargs(backend)["backend"]
+
+
+def test_native_models_run_the_isa_path_tinyloop_isa_names(backend, model_files):
+    """`TINYLOOP_ISA=amx pytest tests/test_cross_backend.py` runs this suite's every native
+    model on that path (docs/testing.md)."""
+    forced = os.environ.get("TINYLOOP_ISA", "")
+    if not backend.startswith("native"):
+        pytest.skip(f"TINYLOOP_ISA is libtinyloop's: {backend} ignores it")
+    if forced in ("", "auto"):
+        pytest.skip("TINYLOOP_ISA forces no kernel path in this run")
+    with tinyloop.Model(model_files["int8-gqa"], **backend_kwargs(backend)) as model:
+        assert model.runtime()["isa"] == {"avx512": "avx512-vnni"}.get(forced, forced)
 
 
 @backend_given(data=st.data())
@@ -154,10 +167,11 @@ def test_flush_model_drives_a_lane_to_the_bound(flush_model):
 def test_avx2_attention_flush_boundary_matches_numpy(flush_model, block_size):
     """Native only: the AVX2 kernel is libtinyloop's (the numba kernels sum in i64 directly)."""
     require_backend("native")
-    if "native-avx2" not in backend_features():
-        pytest.skip("this CPU has no AVX2: libtinyloop runs its scalar attention only")
     path, want_logits, (want_tokens, want_run_logits) = flush_model
     with tinyloop.Model(path, backend="native", block_size=block_size) as got:
+        if got.runtime()["isa"] == "scalar":
+            pytest.skip("libtinyloop runs its scalar attention only here (no AVX2, or "
+                        "TINYLOOP_ISA=scalar)")
         assert_same_bits(got.logits(FLUSH_PROMPT), want_logits)
         tokens, logits = got.generate(FLUSH_PROMPT, max_tokens=3, return_logits=True)
     assert tokens == want_tokens

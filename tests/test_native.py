@@ -3,6 +3,7 @@
 Skips when the native backend is not available (declared feature "native"); with
 TINYLOOP_REQUIRE_NATIVE=1 (as in .ci/run) a missing library fails instead.
 """
+import os
 import re
 import subprocess
 import sys
@@ -96,6 +97,44 @@ def test_interpreter_shutdown_with_live_objects_is_silent(model_files, tmp_path)
                           timeout=120, cwd=tmp_path)  # not the source tree: it shadows the package
     assert done.returncode == 0 and done.stdout.strip() == "7"
     assert done.stderr == ""
+
+
+def open_with_isa(path, value, cwd):
+    """The finished `python -c` that opens `path` natively with TINYLOOP_ISA=value (None:
+    unset) and prints its runtime ISA."""
+    script = ("import tinyloop; "
+              f"print(tinyloop.Model({str(path)!r}, backend='native').runtime()['isa'])")
+    env = {name: text for name, text in os.environ.items() if name != "TINYLOOP_ISA"}
+    if value is not None:
+        env["TINYLOOP_ISA"] = value
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize("value, isa", [("scalar", "scalar"), ("avx2", "avx2"),
+                                        ("avx512", "avx512-vnni"),
+                                        ("avx512-vnni", "avx512-vnni"), ("amx", "amx")])
+def test_tinyloop_isa_forces_the_kernel_path(model_files, tmp_path, value, isa):
+    done = open_with_isa(model_files["int8-gqa"], value, tmp_path)
+    if isa in tinyloop.backends.native_isas():
+        assert done.returncode == 0 and done.stdout == f"{isa}\n", done.stderr
+    else:
+        assert done.returncode != 0 and done.stderr.splitlines()[-1] == (
+            f"RuntimeError: isa {isa} is not supported by this CPU or build (from TINYLOOP_ISA)")
+
+
+def test_an_unknown_tinyloop_isa_fails_the_open_naming_it(model_files, tmp_path):
+    done = open_with_isa(model_files["int8-gqa"], "bogus", tmp_path)
+    assert done.returncode != 0 and done.stderr.splitlines()[-1] == (
+        "ValueError: TINYLOOP_ISA must be auto, scalar, avx2, avx512, avx512-vnni or amx, "
+        "got 'bogus'")
+
+
+def test_an_empty_or_auto_tinyloop_isa_is_the_default_path(model_files, tmp_path):
+    done = [open_with_isa(model_files["int8-gqa"], value, tmp_path) for value in (None, "", "auto")]
+    assert [d.returncode for d in done] == [0, 0, 0], [d.stderr for d in done]
+    assert done[0].stdout == done[1].stdout == done[2].stdout
+    assert done[0].stdout.strip() in tinyloop.backends.native_isas()
 
 
 def test_threads_sharing_one_prefix_get_what_sequential_calls_get(models_by_backend):

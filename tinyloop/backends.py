@@ -170,19 +170,29 @@ def backend_info(backend: str = "auto", device: str = "auto") -> dict[str, Any]:
         info["reason"] = _auto_reason(chosen)
     cuda_ok, cuda_why = cuda_device_status() if native_ok else (False, native_why)
     on_cuda = chosen == "numba-cuda" or device == "cuda"
-    info.update(device="cuda" if on_cuda else "cpu", cuda_available=cuda_ok, cuda_reason=cuda_why)
+    info.update(device="cuda" if on_cuda else "cpu", cuda_available=cuda_ok, cuda_reason=cuda_why,
+                isas=native_isas())
     return info
 
 
+def native_isas() -> tuple[str, ...]:
+    """The CPU kernel paths libtinyloop can run on this machine, slowest first, as TINYLOOP_ISA
+    names them (e.g. ('scalar', 'avx2', 'avx512-vnni', 'amx')); () without the library. A
+    native model runs the fastest, or the one TINYLOOP_ISA names."""
+    if not backend_available("native")[0]:
+        return ()
+    from .native import ISAS
+    lib = native_library()[1]
+    return tuple(name for isa, name in ISAS.items() if lib.tl_cpu_supports(isa))
+
+
 def backend_features() -> frozenset[str]:
-    """The set of features this install has, e.g. {'numpy', 'native', 'native-avx2', 'numba'}."""
+    """The set of features this install has, e.g. {'numpy', 'native', 'native-avx2', 'numba'}:
+    'native-<isa>' for each of native_isas() but scalar."""
     features = {"numpy"}
     if backend_available("native")[0]:
-        ffi, lib, _, _ = native_library()
         features.add("native")
-        for isa, label in ((lib.TL_ISA_AVX2, "avx2"), (lib.TL_ISA_AVX512_VNNI, "avx512-vnni")):
-            if lib.tl_cpu_supports(isa):
-                features.add(f"native-{label}")
+        features.update(f"native-{isa}" for isa in native_isas() if isa != "scalar")
         if cuda_device_status()[0]:
             features.add("native-cuda")
     for name in ("numba", "numba-cuda"):

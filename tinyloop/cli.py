@@ -225,6 +225,9 @@ def run_info(args, out):
     print(f"{'backend':>16}: {info['chosen']} ({info['reason'] or 'requested'})", file=out)
     library = f"{info['library']} {info['library_version']}" if info["library"] else "none"
     print(f"{'library':>16}: {library}", file=out)
+    forced = os.environ.get("TINYLOOP_ISA")
+    print(f"{'cpu isas':>16}: {', '.join(info['isas']) or 'none'}"
+          + (f" (TINYLOOP_ISA={forced} forces the native path)" if forced else ""), file=out)
     print(f"{'cuda':>16}: " + ("available" if info["cuda_available"] else info["cuda_reason"]), file=out)
     print(f"{'features':>16}: {', '.join(sorted(backend_features()))}", file=out)
     return 0

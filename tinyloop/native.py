@@ -23,6 +23,9 @@ from .engine import (CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, Generated, Gener
 TOKENIZERS = {0: "none", 1: "bytes", 2: "hf"}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}
 BLOCK_LAYOUTS = {0: "pre", 1: "sandwich", 2: "post"}
+# The CPU kernel paths (tl_isa), named as TINYLOOP_ISA names them. A TINYLOOP_AMX_EMULATION
+# build (tests only) runs "amx" on tiles emulated in C, and its device_name says "amx-emulated".
+ISAS = {1: "scalar", 2: "avx2", 3: "avx512-vnni", 4: "amx"}
 
 
 def _error_types(lib: Any) -> dict[int, type[Exception]]:
@@ -112,7 +115,7 @@ class NativeEngine:
         r = self.ffi.new("tl_model_runtime*")
         r.size = self.ffi.sizeof("tl_model_runtime")
         self._check(self.lib.tl_model_runtime_get(self.model, r))
-        isa = {1: "scalar", 2: "avx2", 3: "avx512-vnni"}.get(r.isa, str(r.isa))
+        isa = ISAS.get(r.isa, str(r.isa))
         device = "cuda" if r.device == self.lib.TL_DEVICE_CUDA else "cpu"
         return {"backend": "native", "device": device,
                 "device_name": self.ffi.string(r.device_name).decode("utf-8", "replace"),
