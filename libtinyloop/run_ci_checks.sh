@@ -4,7 +4,9 @@
 #      the tinyloop Python package is installed — golden tests vs the numpy backend). The CUDA
 #      backend is compiled when nvcc is found (TINYLOOP_CUDA=ON/OFF forces it); without a GPU
 #      its code is compiled and linked, and the tests check the clean "no CUDA device" refusal.
-#   2. ASan + UBSan build (-fno-sanitize-recover=all) + the same ctest suite, CPU only
+#   2. ASan + UBSan build (-fno-sanitize-recover=all) + the same ctest suite, CPU only; then
+#      the same sanitizers on the AMX emulation build (TINYLOOP_AMX_EMULATION: the tiles in plain
+#      C, so every tile load and store is a checked memory access) with the tile kernel tests
 #   3. ThreadSanitizer build (-O2 -g) + the multi-threaded tests: the worker crew (test_pool),
 #      models sharing it (test_threads), many threads on one model (test_model), racing
 #      requests on the prefix cache (test_prefix_cache); about a minute
@@ -36,6 +38,10 @@ cmake -S "$here" -B "$work/sanitize" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZ
     "${golden[@]}" >/dev/null
 cmake --build "$work/sanitize" -j "$jobs"
 ctest --test-dir "$work/sanitize" --output-on-failure -j "$jobs"
+cmake -S "$here" -B "$work/sanitize-amx" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZE=ON -DTINYLOOP_CUDA=OFF \
+    -DTINYLOOP_AMX_EMULATION=ON >/dev/null
+cmake --build "$work/sanitize-amx" -j "$jobs" --target test_primitives
+ctest --test-dir "$work/sanitize-amx" --output-on-failure -j "$jobs" -R '^test_primitives$'
 
 echo "== 3/4 ThreadSanitizer build + multi-threaded tests"
 cmake -S "$here" -B "$work/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTINYLOOP_SANITIZE_THREAD=ON -DTINYLOOP_CUDA=OFF \

@@ -30,16 +30,13 @@ typedef struct amx_out {
     bool accumulate;
 } amx_out;
 
-TL_TILES static void configure(void) {
-    tl_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < TL_TILE_COUNT; i++) {
-        cfg.rows[i] = TR;
-        cfg.colsb[i] = KB;
-    }
-    tl_tiles_configure(&cfg);
-}
+/* Every tile 16 rows x 64 bytes. A static constant: GCC 12's LDTILECFG builtin tells the
+ * compiler it reads fewer bytes than it does, so stores into a local config could be dropped. */
+static const tl_tile_config full_tiles = {
+    .palette = 1,
+    .colsb = {KB, KB, KB, KB, KB, KB, KB, KB},
+    .rows = {TR, TR, TR, TR, TR, TR, TR, TR},
+};
 
 /* y for the 16-token x 16-row accumulator block acc (row-major, stride ld int32) at token t0,
  * row r0: only tokens < n and rows < row1. */
@@ -196,7 +193,7 @@ size_t tl_amx_scratch_bytes(size_t cols) { return 2 * (size_t)TR * ((cols + KB -
 TL_TILES void tl_gemm_amx(const tl_linear* L, const tl_acts* A, uint32_t row0, uint32_t row1, float* y,
                           size_t y_stride, bool accumulate, uint8_t* scratch) {
     const amx_out out = {row1, A->n, y, y_stride, accumulate};
-    configure();
+    tl_tiles_configure(&full_tiles);
     if (L->src.group_size) int4_rows(L, A, row0, scratch, &out);
     else int8_rows(L, A, row0, &out);
     tl_tiles_release();
