@@ -40,8 +40,8 @@ cmake --build "$work/sanitize" -j "$jobs"
 ctest --test-dir "$work/sanitize" --output-on-failure -j "$jobs"
 cmake -S "$here" -B "$work/sanitize-amx" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZE=ON -DTINYLOOP_CUDA=OFF \
     -DTINYLOOP_AMX_EMULATION=ON >/dev/null
-cmake --build "$work/sanitize-amx" -j "$jobs" --target test_primitives
-ctest --test-dir "$work/sanitize-amx" --output-on-failure -j "$jobs" -R '^test_primitives$'
+cmake --build "$work/sanitize-amx" -j "$jobs" --target test_primitives test_attention_tiles
+ctest --test-dir "$work/sanitize-amx" --output-on-failure -j "$jobs" -R '^(test_primitives|test_attention_tiles)$'
 
 echo "== 3/4 ThreadSanitizer build + multi-threaded tests"
 cmake -S "$here" -B "$work/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTINYLOOP_SANITIZE_THREAD=ON -DTINYLOOP_CUDA=OFF \

@@ -29,6 +29,17 @@ typedef struct tl_tile_config {
     uint8_t rows[16];   /* rows of tile i                                   */
 } tl_tile_config;
 
+/* What every tile kernel here uses: all eight tiles 16 rows x 64 bytes. A static constant:
+ * GCC 12's LDTILECFG builtin tells the compiler it reads fewer bytes than it does, so stores
+ * into a local config could be dropped. */
+static const tl_tile_config tl_tiles_full = {
+    .palette = 1,
+    .colsb = {TL_TILE_BYTES, TL_TILE_BYTES, TL_TILE_BYTES, TL_TILE_BYTES, TL_TILE_BYTES, TL_TILE_BYTES,
+              TL_TILE_BYTES, TL_TILE_BYTES},
+    .rows = {TL_TILE_ROWS, TL_TILE_ROWS, TL_TILE_ROWS, TL_TILE_ROWS, TL_TILE_ROWS, TL_TILE_ROWS, TL_TILE_ROWS,
+             TL_TILE_ROWS},
+};
+
 #if !defined(TL_AMX_EMULATION)
 
 #include <immintrin.h>

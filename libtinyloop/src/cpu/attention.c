@@ -66,13 +66,7 @@ const tl_attn_kernels tl_attn_scalar = {.quantize = tl_quantize_row,
 
 enum { BATCH = 64 }; /* segments per accumulate_segments call */
 
-/* The visible segments: for span index si, slots [from, to) of its block. */
-typedef struct segment {
-    tl_kv_block* block;
-    size_t from, to;
-} segment;
-
-static size_t next_segment(const tl_kv_table* kv, size_t* si, size_t lo, size_t hi, segment* seg) {
+size_t tl_attn_next_segment(const tl_kv_table* kv, size_t* si, size_t lo, size_t hi, tl_attn_segment* seg) {
     while (*si < kv->n_spans) {
         const tl_kv_span* sp = &kv->spans[(*si)++];
         if (sp->start > hi) return 0;
@@ -87,14 +81,14 @@ static size_t next_segment(const tl_kv_table* kv, size_t* si, size_t lo, size_t 
 void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
                uint32_t kv_head, size_t t, uint32_t window, const float* qh, float* o, tl_attn_scratch* s) {
     const size_t D = g->head_dim;
-    const size_t lo = (window && t + 1 > window) ? t + 1 - window : 0;
+    const size_t lo = tl_attn_first_key(t, window);
     const float sq = kern->quantize(qh, D, 127, s->qq);
     for (size_t d = 0; d < D; d++) s->qq16[d] = s->qq[d];
     const float c = sq / sqrtf((float)D);
     float svmax = -INFINITY;
-    segment seg;
+    tl_attn_segment seg;
     size_t si = tl_kv_find(kv, lo), index = 0, n;
-    while ((n = next_segment(kv, &si, lo, t, &seg))) {
+    while ((n = tl_attn_next_segment(kv, &si, lo, t, &seg))) {
         kern->scores(s, tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * D,
                      tl_kv_key_scales(g, seg.block, layer, kv_head) + seg.from, n, D, c, s->scores + index);
         svmax = kern->max(tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, n, svmax);
@@ -113,7 +107,7 @@ void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_tab
     index = 0;
     tl_attn_rows batch[BATCH];
     size_t n_batch = 0, batch_start = 0;
-    while ((n = next_segment(kv, &si, lo, t, &seg))) {
+    while ((n = tl_attn_next_segment(kv, &si, lo, t, &seg))) {
         den += kern->weights(s->scores + index, tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, n, M,
                              kappa, s->u + index, &nan_weight);
         batch[n_batch++] = (tl_attn_rows){tl_kv_values(g, seg.block, layer, kv_head) + seg.from * D, n};

@@ -13,13 +13,14 @@
 
 #include "core/kvcache.h"
 
-/* Scratch for one query. */
+/* Scratch for one query (and one tile of queries: tl_attend_tile). */
 typedef struct tl_attn_scratch {
     float* scores;   /* [max_keys]                     */
     int32_t* u;      /* [max_keys] U_j                 */
     int64_t* num;    /* [D]                            */
     int8_t* qq;      /* [D]                            */
     int16_t* qq16;   /* [D] qq widened (SIMD kernels)  */
+    void* tile;      /* tl_attn_tile_bytes(max_keys, D) bytes, 64-byte aligned (tl_attend_tile only) */
 } tl_attn_scratch;
 
 /* The value rows of one segment: n rows of D bytes, consecutive. */
@@ -55,10 +56,42 @@ typedef struct tl_attn_kernels {
 extern const tl_attn_kernels tl_attn_scalar;
 extern const tl_attn_kernels tl_attn_avx2;
 
+/* The first key visible from position t: t + 1 - window with a window, else 0. */
+static inline size_t tl_attn_first_key(size_t t, uint32_t window) {
+    return (window && t + 1 > window) ? t + 1 - window : 0;
+}
+
+/* A run of visible keys: slots [from, to) of one block. */
+typedef struct tl_attn_segment {
+    tl_kv_block* block;
+    size_t from, to;
+} tl_attn_segment;
+
+/* The next segment of positions [lo, hi] from span *si on (start with *si = tl_kv_find(kv, lo)):
+ * its length, 0 when none is left. */
+size_t tl_attn_next_segment(const tl_kv_table* kv, size_t* si, size_t lo, size_t hi, tl_attn_segment* seg);
+
 /* o[D] = attention of one query head qh[D] (already rotated) at position t over kv head
  * `kv_head` of cache layer `layer`; visible keys j <= t and, with window > 0, j > t - window.
  * Every visible key must be in the table. */
 void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
                uint32_t kv_head, size_t t, uint32_t window, const float* qh, float* o, tl_attn_scratch* scratch);
+
+/* ---- tiles of queries (attention_amx.c) ------------------------------------------------------ */
+
+enum { TL_ATTN_TILE = 16 }; /* queries per tl_attend_tile call, at most */
+
+/* Bytes of scratch->tile that tl_attend_tile needs when a tile's queries see at most max_keys
+ * keys together (max_keys >= the last query's position + 1 always suffices). */
+size_t tl_attn_tile_bytes(size_t max_keys, size_t D);
+
+/* For i < m (1 .. TL_ATTN_TILE): o + i * o_stride = tl_attend(kern, g, kv, layer, kv_head, p0 + i,
+ * window, q + i * q_stride), bit for bit: the m queries of one head at consecutive positions, as
+ * in a prefill chunk, with the scores and the value sums computed on AMX tiles (real or
+ * emulated, amx_tiles.h) and every other step by kern's per-query kernels. Uses scratch->u,
+ * scratch->qq and scratch->tile. */
+void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
+                    uint32_t kv_head, size_t p0, size_t m, uint32_t window, const float* q, size_t q_stride,
+                    float* o, size_t o_stride, tl_attn_scratch* scratch);
 
 #endif

@@ -12,7 +12,8 @@
  * each iteration, writing that depth's coda slots and keeping the last row's final state.
  *
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
- * over the pool by rows) or a per-token / per-(token, head) task split over the pool. Each
+ * over the pool by rows) or a per-token / per-(token, head) task split over the pool (on AMX,
+ * a chunk's attention per (16-token tile, head): tl_attend_tile). Each
  * output element is computed by exactly one task from inputs that no concurrent task writes,
  * so the thread count never changes a bit. All scratch lives in one arena owned by the sequence
  * (a batch borrows its first sequence's), grown only when a bigger chunk, or a history longer by
@@ -43,6 +44,7 @@ typedef struct fwd {
     size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
     uint32_t layer;          /* cache slot of the current layer                        */
     bool simd;               /* SIMD kernels: acts need qx; AVX2 row operations         */
+    bool chunk;              /* the rows are positions pos[0] .. pos[0]+T-1 of one sequence */
     float* x;                /* [T][d] the state the blocks run on                     */
     float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e))       */
     float* side;             /* [T][d] a prefix build: the state a shallower depth ends on */
@@ -106,9 +108,11 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, T, kmax);
     f->acts.scratch = take(c, workers * f->acts.scratch_bytes);
     f->attn = take(c, workers * sizeof(tl_attn_scratch));
+    const size_t tile_bytes = f->e->isa == TL_ISA_AMX && !batch ? tl_attn_tile_bytes(max_keys, D) : 0;
     for (unsigned w = 0; w < workers; w++) {
         tl_attn_scratch s = {take(c, max_keys * sizeof(float)), take(c, max_keys * sizeof(int32_t)),
-                             take(c, D * sizeof(int64_t)), take(c, D), take(c, D * sizeof(int16_t))};
+                             take(c, D * sizeof(int64_t)), take(c, D), take(c, D * sizeof(int16_t)),
+                             take(c, tile_bytes)};
         if (f->attn) f->attn[w] = s;
     }
     f->order = take(c, batch ? T * sizeof(size_t) : 0);
@@ -199,6 +203,19 @@ static void task_attention(void* ctx, size_t item, unsigned worker) {
               f->o + t * f->hd + h * D, &f->attn[worker]);
 }
 
+/* item = tile * H + h, on AMX for a chunk: o[t][h] for query head h of the rows t of tile
+ * `tile` (16 rows, fewer in the last), all at once (tl_attend_tile). */
+static void task_attention_tile(void* ctx, size_t item, unsigned worker) {
+    fwd* f = ctx;
+    const tl_config* c = f->c;
+    const size_t H = c->n_heads, D = c->head_dim, t0 = item / H * TL_ATTN_TILE, h = item % H;
+    const size_t m = f->T - t0 < TL_ATTN_TILE ? f->T - t0 : TL_ATTN_TILE;
+    const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
+    const tl_seq* s = f->seqs[t0];
+    tl_attend_tile(&tl_attn_avx2, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[t0], m, s->window,
+                   f->qkv + t0 * f->qkv_dim + h * D, f->qkv_dim, f->o + t0 * f->hd + h * D, f->hd, &f->attn[worker]);
+}
+
 /* gate := silu(gate) * up, then acts row t = Q8 of it. */
 static void task_swiglu(void* ctx, size_t t, unsigned worker) {
     (void)worker;
@@ -239,7 +256,10 @@ static void run_block(fwd* f, uint32_t block, size_t slot) {
         for (size_t t = 0; t < f->T; t++) memcpy(f->qkv + t * f->qkv_dim, vec->qkv_bias, f->qkv_dim * sizeof(float));
     tl_linear_run(&part[TL_PART_QKV], &f->acts, f->qkv, f->qkv_dim, vec->qkv_bias != NULL, pool);
     tl_pool_run(pool, f->T, task_kv_write, f);
-    tl_pool_run(pool, f->T * c->n_heads, task_attention, f);
+    if (f->chunk && f->e->isa == TL_ISA_AMX && f->T >= TL_AMX_MIN_TOKENS)
+        tl_pool_run(pool, (f->T + TL_ATTN_TILE - 1) / TL_ATTN_TILE * c->n_heads, task_attention_tile, f);
+    else
+        tl_pool_run(pool, f->T * c->n_heads, task_attention, f);
     quantize_rows(f, f->o, f->hd, f->hd, false);
     residual(f, &part[TL_PART_OUT], vec->attn_post_norm);
 
@@ -324,6 +344,7 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     f->qkv_dim = ((size_t)f->c->n_heads + 2 * (size_t)f->c->n_kv_heads) * f->c->head_dim;
     f->hd = (size_t)f->c->n_heads * f->c->head_dim;
     f->simd = e->isa != TL_ISA_SCALAR;
+    f->chunk = !batch;
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
     carve arena = {0, NULL};

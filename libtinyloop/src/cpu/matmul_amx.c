@@ -30,14 +30,6 @@ typedef struct amx_out {
     bool accumulate;
 } amx_out;
 
-/* Every tile 16 rows x 64 bytes. A static constant: GCC 12's LDTILECFG builtin tells the
- * compiler it reads fewer bytes than it does, so stores into a local config could be dropped. */
-static const tl_tile_config full_tiles = {
-    .palette = 1,
-    .colsb = {KB, KB, KB, KB, KB, KB, KB, KB},
-    .rows = {TR, TR, TR, TR, TR, TR, TR, TR},
-};
-
 /* y for the 16-token x 16-row accumulator block acc (row-major, stride ld int32) at token t0,
  * row r0: only tokens < n and rows < row1. */
 static inline void emit_block(const tl_linear* L, const tl_acts* A, const int32_t* acc, size_t ld, size_t t0,
@@ -193,7 +185,7 @@ size_t tl_amx_scratch_bytes(size_t cols) { return 2 * (size_t)TR * ((cols + KB -
 TL_TILES void tl_gemm_amx(const tl_linear* L, const tl_acts* A, uint32_t row0, uint32_t row1, float* y,
                           size_t y_stride, bool accumulate, uint8_t* scratch) {
     const amx_out out = {row1, A->n, y, y_stride, accumulate};
-    tl_tiles_configure(&full_tiles);
+    tl_tiles_configure(&tl_tiles_full);
     if (L->src.group_size) int4_rows(L, A, row0, scratch, &out);
     else int8_rows(L, A, row0, &out);
     tl_tiles_release();

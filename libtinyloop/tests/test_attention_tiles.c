@@ -1,0 +1,201 @@
+/* test_attention_tiles.c — cpu/attention_amx.c's tile of queries against cpu/attention.c's
+ * tl_attend with the scalar kernels, bit for bit, for every query of the tile: head sizes with
+ * and without a multiple of 64 (and of 4), tiles of 1 .. 16 queries, 1 .. 1100 keys, paged
+ * tables of several block sizes with short spans (a block shared with another table ends a
+ * span early), windows (with the blocks behind them released), other layers and kv heads of
+ * the block in the way, extreme keys and values, the top of U's limbs, every branch of
+ * docs/spec.md §4.1 (zero value rows, infinite value scales, infinite and NaN scores), non-finite
+ * and zero queries, and a union of 140000 keys that would overflow an int32 accumulator without
+ * its flush. Runs the tile with the scalar and (where the CPU has it) the AVX2 per-row kernels;
+ * in a TINYLOOP_AMX_EMULATION build on the emulated tiles, else on the real ones (skipped
+ * without AMX). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/kvcache.h"
+#include "cpu/attention.h"
+#include "cpu/isa.h"
+#include "test_util.h"
+
+enum { LAYERS = 2, KV_HEADS = 2 };
+
+typedef enum {
+    FILL_PLAIN,
+    FILL_EXTREME,       /* keys -127, values 127, one scale: equal scores, U = 2^24 for every key */
+    FILL_FULL_LIMBS,    /* zero keys, values 127, U = 2^21 - 1 (three limbs of 127) but one 2^24 */
+    FILL_ZERO_VALUES,   /* the value scales of the first half are 0: the early queries see only zero rows */
+    FILL_INF_VALUE,     /* one infinite value scale: the queries that see it give NaN */
+    FILL_INF_SCORE,     /* one infinite key scale: scores of +inf, -inf or NaN */
+    FILL_NAN_SCORES,    /* NaN key scales at every third position */
+    FILL_ODD_QUERIES,   /* a NaN query, an infinite one, a zero one, a tiny one */
+    FILL_CASES
+} fill_case;
+
+static const char* case_name(fill_case fc) {
+    static const char* names[] = {"plain", "extreme", "full limbs", "zero values", "inf value scale", "inf score",
+                                  "nan scores", "odd queries"};
+    return names[fc];
+}
+
+/* A table of n positions in pieces of random length, each piece's last block held once more so
+ * that the next piece opens a fresh block (a short span, as after a shared prefix). The extra
+ * references go into held[] (*n_held of them). */
+static void build_table(const tl_kv_geom* g, size_t n, uint64_t* rng, tl_kv_table* kv, tl_kv_block** held,
+                        size_t* n_held) {
+    memset(kv, 0, sizeof *kv);
+    *n_held = 0;
+    for (size_t at = 0; at < n;) {
+        size_t piece = (size_t)tu_uniform(rng, 1, 3 * (int32_t)g->block_size + 40);
+        if (piece > n - at) piece = n - at;
+        CHECK_OK(tl_kv_reserve(kv, g, LAYERS, at, piece));
+        at += piece;
+        if (tu_uniform(rng, 0, 2) == 0) {
+            tl_kv_block* b = kv->spans[kv->n_spans - 1].block;
+            tl_kv_block_retain(b);
+            held[(*n_held)++] = b;
+        }
+    }
+}
+
+/* Every slot of every (layer, kv head) random, then the case's values in (layer, kv_head) for
+ * the keys of the tile at p0 .. p0+m-1. */
+static void fill(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t p0, size_t m,
+                 fill_case fc, uint64_t* rng) {
+    const size_t D = g->head_dim, n = p0 + m;
+    const size_t special = fc == FILL_FULL_LIMBS ? 0 : (size_t)tu_uniform(rng, 0, (int32_t)n - 1);
+    for (size_t i = 0; i < kv->n_spans; i++)
+        for (uint32_t l = 0; l < LAYERS; l++)
+            for (uint32_t h = 0; h < KV_HEADS; h++) {
+                tl_kv_block* b = kv->spans[i].block;
+                int8_t* k = tl_kv_keys(g, b, l, h);
+                int8_t* v = tl_kv_values(g, b, l, h);
+                float* sk = tl_kv_key_scales(g, b, l, h);
+                float* sv = tl_kv_value_scales(g, b, l, h);
+                for (size_t s = 0; s < kv->spans[i].count; s++) {
+                    for (size_t d = 0; d < D; d++) {
+                        k[s * D + d] = (int8_t)tu_uniform(rng, -127, 127);
+                        v[s * D + d] = (int8_t)tu_uniform(rng, -127, 127);
+                    }
+                    sk[s] = (float)tu_uniform(rng, 1, 4000) * 1e-5f;
+                    sv[s] = (float)tu_uniform(rng, 1, 1000) * 1e-4f;
+                    const size_t j = kv->spans[i].start + s;
+                    if (l != layer || h != kv_head) continue;
+                    if (fc == FILL_EXTREME || fc == FILL_FULL_LIMBS)
+                        for (size_t d = 0; d < D; d++) {
+                            k[s * D + d] = fc == FILL_EXTREME ? -127 : 0;
+                            v[s * D + d] = 127;
+                        }
+                    if (fc == FILL_EXTREME) sk[s] = 0.01f, sv[s] = 0.5f;
+                    if (fc == FILL_FULL_LIMBS) sv[s] = j == special ? 16777216.0f : 2097151.0f;
+                    if (fc == FILL_ZERO_VALUES && j < p0 + m / 2) sv[s] = 0.0f;
+                    if (fc == FILL_INF_VALUE && j == special) sv[s] = INFINITY;
+                    if (fc == FILL_INF_SCORE && j == special) sk[s] = INFINITY;
+                    if (fc == FILL_NAN_SCORES && j % 3 == 0) sk[s] = NAN;
+                }
+            }
+}
+
+typedef struct tally {
+    size_t compared, finite_nonzero, zero, nan;
+} tally;
+
+/* The tile at p0 .. p0+m-1 against tl_attend per query, with each kernel set. */
+static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t p0,
+                       size_t m, uint32_t window, const float* q, const char* what, tally* t) {
+    const size_t D = g->head_dim, n = p0 + m;
+    float* ref = malloc(m * D * sizeof(float));
+    float* got = malloc(m * D * sizeof(float));
+    tl_attn_scratch rs = {malloc(n * sizeof(float)), malloc(n * sizeof(int32_t)), malloc(D * sizeof(int64_t)),
+                          malloc(D), malloc(D * sizeof(int16_t)), NULL};
+    for (size_t i = 0; i < m; i++)
+        tl_attend(&tl_attn_scalar, g, kv, layer, kv_head, p0 + i, window, q + i * D, ref + i * D, &rs);
+    for (size_t i = 0; i < m * D; i++) {
+        t->nan += ref[i] != ref[i];
+        t->zero += ref[i] == 0.0f;
+        t->finite_nonzero += isfinite(ref[i]) && ref[i] != 0.0f;
+    }
+    const tl_attn_kernels* kernels[] = {&tl_attn_scalar, &tl_attn_avx2};
+    const char* names[] = {"scalar", "avx2"};
+    const size_t n_kernels = tl_isa_available(TL_ISA_AVX2) ? 2 : 1;
+    tl_attn_scratch ts = {NULL, malloc(n * sizeof(int32_t)), NULL, malloc(D), NULL,
+                          aligned_alloc(64, tl_attn_tile_bytes(n, D))};
+    for (size_t ki = 0; ki < n_kernels; ki++) {
+        memset(got, 0x55, m * D * sizeof(float));
+        tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, m, window, q, D, got, D, &ts);
+        for (size_t i = 0; i < m; i++)
+            CHECK(tu_same_bits(ref + i * D, got + i * D, D),
+                  "%s, %s kernels: query %zu of %zu at %zu (D %zu, block %u, window %u)", what, names[ki], i, m,
+                  p0 + i, D, g->block_size, window);
+        t->compared++;
+    }
+    free(rs.scores), free(rs.u), free(rs.num), free(rs.qq), free(rs.qq16);
+    free(ts.u), free(ts.qq), free(ts.tile);
+    free(ref), free(got);
+}
+
+static void random_queries(float* q, size_t m, size_t D, fill_case fc, uint64_t* rng) {
+    for (size_t i = 0; i < m * D; i++) q[i] = (float)tu_uniform(rng, -3000, 3000) * 1e-3f;
+    if (fc == FILL_EXTREME || fc == FILL_FULL_LIMBS)
+        for (size_t i = 0; i < m * D; i++) q[i] = 1.0f;
+    if (fc == FILL_ODD_QUERIES) {
+        q[0] = NAN;
+        if (m > 1) q[D + D / 2] = INFINITY;
+        if (m > 2) memset(q + 2 * D, 0, D * sizeof(float));
+        if (m > 3)
+            for (size_t d = 0; d < D; d++) q[3 * D + d] = 1e-30f;
+    }
+}
+
+/* One case: a table of p0 + m keys in blocks of bs, the tile's keys filled for the case. */
+static void run_case(size_t D, uint32_t bs, size_t p0, size_t m, uint32_t window, fill_case fc, uint64_t* rng,
+                     tally* t) {
+    const tl_kv_geom g = tl_kv_geom_make(bs, KV_HEADS, (uint32_t)D);
+    const size_t n = p0 + m;
+    tl_kv_table kv;
+    tl_kv_block** held = malloc(n * sizeof(tl_kv_block*));
+    size_t n_held;
+    build_table(&g, n, rng, &kv, held, &n_held);
+    const uint32_t layer = (uint32_t)tu_uniform(rng, 0, LAYERS - 1);
+    const uint32_t kv_head = (uint32_t)tu_uniform(rng, 0, KV_HEADS - 1);
+    fill(&g, &kv, layer, kv_head, p0, m, fc, rng);
+    tl_kv_release_outside(&kv, p0, window); /* what a prefill releases before the next chunk */
+    float* q = malloc(m * D * sizeof(float));
+    random_queries(q, m, D, fc, rng);
+    char what[96];
+    snprintf(what, sizeof what, "%s, %zu keys", case_name(fc), n);
+    check_tile(&g, &kv, layer, kv_head, p0, m, window, q, what, t);
+    free(q);
+    tl_kv_clear(&kv);
+    for (size_t i = 0; i < n_held; i++) tl_kv_block_release(held[i]);
+    free(held);
+}
+
+int main(void) {
+    if (!tl_isa_available(TL_ISA_AMX)) {
+        printf("test_attention_tiles: skipped (no AMX on this CPU; the emulated build runs it anywhere)\n");
+        return tu_finish("test_attention_tiles");
+    }
+    uint64_t rng = 17;
+    static const size_t dims[] = {8, 12, 40, 64, 72, 96, 128, 6};
+    static const uint32_t blocks[] = {16, 1, 5, 64};
+    const size_t n_dims = sizeof dims / sizeof dims[0], n_blocks = sizeof blocks / sizeof blocks[0];
+    tally t = {0};
+    for (size_t i = 0; i < n_blocks * n_dims * FILL_CASES; i++) { /* every (D, case) pair once a block size */
+        const size_t D = dims[i % n_dims];
+        const fill_case fc = (fill_case)(i % FILL_CASES);
+        const uint32_t bs = blocks[i / (n_dims * FILL_CASES)];
+        const size_t m = i % 5 == 0 ? TL_ATTN_TILE : i % 5 == 1 ? 1 : (size_t)tu_uniform(&rng, 2, TL_ATTN_TILE);
+        const size_t p0 = i % 4 == 0 ? (size_t)tu_uniform(&rng, 0, 20) : (size_t)tu_uniform(&rng, 0, 1100 - (int32_t)m);
+        const int w = tu_uniform(&rng, 0, 3);
+        const uint32_t window = w < 2 ? 0 : w == 2 ? (uint32_t)tu_uniform(&rng, 1, 40)
+                                                   : (uint32_t)tu_uniform(&rng, 1, (int32_t)(p0 + m));
+        run_case(D, bs, p0, m, window, fc, &rng, &t);
+    }
+    /* 140000 keys of three full limbs: 127 * 127 * 140000 > 2^31 without the flush */
+    run_case(8, 64, 140000 - TL_ATTN_TILE, TL_ATTN_TILE, 0, FILL_FULL_LIMBS, &rng, &t);
+    CHECK(t.compared > 400 && t.finite_nonzero > 50000 && t.zero > 1000 && t.nan > 1000,
+          "%zu tiles compared; outputs finite and nonzero %zu, zero %zu, NaN %zu", t.compared, t.finite_nonzero, t.zero,
+          t.nan);
+    return tu_finish("test_attention_tiles");
+}
