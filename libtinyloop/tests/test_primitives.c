@@ -148,6 +148,8 @@ static void test_rows_avx2(void) {
         const int qmax = round % 3 ? 127 : 7;
         const float s1 = tl_quantize_row(x, n, qmax, q1), s2 = tl_quantize_row_avx2(x, n, qmax, q2);
         CHECK(tl_f32_to_bits(s1) == tl_f32_to_bits(s2) && memcmp(q1, q2, n) == 0, "Q row n=%zu round %d", n, round);
+        const float a1 = tl_rms_quantize_row(x, n, 1e-6f, q1), a2 = tl_rms_quantize_row_avx2(x, n, 1e-6f, q2);
+        CHECK(tl_f32_to_bits(a1) == tl_f32_to_bits(a2) && memcmp(q1, q2, n) == 0, "NQ row n=%zu round %d", n, round);
         memcpy(g1, x, n * sizeof(float));
         memcpy(g2, x, n * sizeof(float));
         tl_swiglu_row(g1, up, n);

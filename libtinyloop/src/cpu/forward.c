@@ -131,9 +131,11 @@ static void task_quantize(void* ctx, size_t t, unsigned worker) {
     fwd* f = ctx;
     int8_t* q = f->acts.q + t * f->acts.stride;
     const float* x = f->q_src + t * f->q_src_stride;
-    f->acts.scale[t] = f->q_rms ? tl_rms_quantize_row(x, f->q_cols, f->c->rms_eps, q)
-                                : f->simd ? tl_quantize_row_avx2(x, f->q_cols, 127, q)
-                                          : tl_quantize_row(x, f->q_cols, 127, q);
+    if (f->q_rms)
+        f->acts.scale[t] = f->simd ? tl_rms_quantize_row_avx2(x, f->q_cols, f->c->rms_eps, q)
+                                   : tl_rms_quantize_row(x, f->q_cols, f->c->rms_eps, q);
+    else
+        f->acts.scale[t] = f->simd ? tl_quantize_row_avx2(x, f->q_cols, 127, q) : tl_quantize_row(x, f->q_cols, 127, q);
     memset(q + f->q_cols, 0, f->acts.stride - f->q_cols);
     finish_row(f, t);
 }

@@ -39,11 +39,14 @@ float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q) {
     return amax / fq;
 }
 
-float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q) {
-    const float s = tl_quantize_row(x, n, 127, q);
+float tl_nq_from_q8(const int8_t* q, size_t n, float s, float eps) {
     int64_t ss = 0;
     for (size_t i = 0; i < n; i++) ss += (int32_t)q[i] * q[i];
     return tl_nq_scale(ss, s, n, eps);
+}
+
+float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q) {
+    return tl_nq_from_q8(q, n, tl_quantize_row(x, n, 127, q), eps);
 }
 
 void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, float* y) {

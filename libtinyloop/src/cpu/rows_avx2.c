@@ -1,4 +1,4 @@
-/* rows_avx2.c — AVX2 forms of the per-token row operations of quant.h (Q8 / Q4 and SwiGLU),
+/* rows_avx2.c — AVX2 forms of the per-token row operations of quant.h (Q8 / Q4, NQ, SwiGLU),
  * bit-identical to the scalar ones: the NaN-ignoring max uses vmaxps with the running
  * maximum as the second operand (a NaN input is ignored), rint is vroundps. */
 #include <immintrin.h>
@@ -31,6 +31,10 @@ __attribute__((target("avx2"))) float tl_quantize_row_avx2(const float* x, size_
     }
     for (; i < n; i++) q[i] = (int8_t)(int)tl_rint_small(tl_clamp(x[i] * r, -fq, fq));
     return amax / fq;
+}
+
+float tl_rms_quantize_row_avx2(const float* x, size_t n, float eps, int8_t* q) {
+    return tl_nq_from_q8(q, n, tl_quantize_row_avx2(x, n, 127, q), eps);
 }
 
 __attribute__((target("avx2"))) void tl_swiglu_row_avx2(float* gate, const float* up, size_t n) {
