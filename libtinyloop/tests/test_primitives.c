@@ -270,6 +270,9 @@ static void test_matmul(void) {
     /* accumulator extremes: int8 K = 2^16 (127 * 128 * K < 2^31), int4 K = 8192 with m = 255 */
     const mm_case big[] = {{3, 65536, 0, 2, 1},  {17, 8192, 32, 3, 1},  {9, 8192, 8192, 2, 1},
                            {33, 65536, 0, 17, 1}, {17, 8192, 32, 33, 1}, {9, 8192, 8192, 16, 1}};
+    /* AMX token spans (token_span: 32 or 64 tokens at these K): several spans and a ragged tail */
+    const mm_case spans[] = {{33, 8192, 0, 100, 0}, {5, 32768, 0, 70, 0}, {40, 8192, 0, 64, 0}};
+    for (size_t i = 0; i < sizeof spans / sizeof *spans; i++) run_case(&spans[i], &rng);
     for (size_t i = 0; i < sizeof big / sizeof *big; i++) run_case(&big[i], &rng);
 }
 
