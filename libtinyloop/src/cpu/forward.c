@@ -183,13 +183,14 @@ static void task_kv_write(void* ctx, size_t t, unsigned worker) {
     const tl_kv_table* kv = &f->seqs[t]->kv;
     const tl_kv_span* span = &kv->spans[tl_kv_find(kv, pos)];
     const size_t slot = pos - span->start;
+    float (*const quantize)(const float*, size_t, int, int8_t*) = f->simd ? tl_quantize_row_avx2 : tl_quantize_row;
     for (uint32_t h = 0; h < c->n_kv_heads; h++) {
         const float* k = z + ((size_t)c->n_heads + h) * D;
         const float* v = z + ((size_t)c->n_heads + c->n_kv_heads + h) * D;
         tl_kv_key_scales(g, span->block, f->layer, h)[slot] =
-            tl_quantize_row(k, D, 127, tl_kv_keys(g, span->block, f->layer, h) + slot * D);
+            quantize(k, D, 127, tl_kv_keys(g, span->block, f->layer, h) + slot * D);
         tl_kv_value_scales(g, span->block, f->layer, h)[slot] =
-            tl_quantize_row(v, D, 127, tl_kv_values(g, span->block, f->layer, h) + slot * D);
+            quantize(v, D, 127, tl_kv_values(g, span->block, f->layer, h) + slot * D);
     }
 }
 
