@@ -200,13 +200,14 @@ static void run_case(const mm_case* c, uint64_t* rng) {
     float* ws = malloc(R * sizeof(float));
     enum { THREADS = 3 };
     const size_t scratch_bytes = tl_linear_scratch_bytes(TL_ISA_AMX, T, K);
-    tl_acts A = {T, stride, calloc(tl_acts_rows(T), stride), calloc(T, stride), malloc(T * sizeof(float)),
-                 calloc(THREADS, scratch_bytes + 1), scratch_bytes};
+    const size_t tiled_bytes = tl_acts_tiled_bytes(TL_ISA_AMX, T, K);
+    tl_acts A = {T, stride, calloc(T, stride), calloc(T, stride), malloc(T * sizeof(float)),
+                 calloc(THREADS, scratch_bytes + 1), scratch_bytes, malloc(tiled_bytes + 1)};
+    memset(A.tiled, 0x5a, tiled_bytes); /* tl_linear_run rewrites all of it, padding rows included */
     for (size_t i = 0; i < R * K; i++) w8[i] = c->extreme ? -128 : (int8_t)tu_uniform(rng, -128, 127);
     for (size_t i = 0; i < R * K / 2; i++) w4[i] = c->extreme ? 0x88 : (uint8_t)tu_next(rng);
     for (size_t i = 0; c->gs && i < R * (K / c->gs); i++) mult[i] = c->extreme ? 255 : (uint8_t)tu_uniform(rng, 0, 255);
     for (size_t j = 0; j < R; j++) ws[j] = (float)tu_uniform(rng, 1, 1000) / 4096.0f;
-    memset(A.q + T * stride, 0x5a, (tl_acts_rows(T) - T) * stride); /* rows past T: dropped, whatever they hold */
     for (size_t t = 0; t < T; t++) {
         for (size_t k = 0; k < K; k++) A.q[t * stride + k] = c->extreme ? -127 : (int8_t)tu_uniform(rng, -127, 127);
         A.scale[t] = (float)tu_uniform(rng, 1, 1000) / 1024.0f;
@@ -242,7 +243,7 @@ static void run_case(const mm_case* c, uint64_t* rng) {
         tl_linear_release(&lin);
     }
     tl_pool_destroy(pool);
-    free(w8), free(w4), free(mult), free(ws), free(A.q), free(A.qx), free(A.scale), free(A.scratch), free(want), free(got);
+    free(w8), free(w4), free(mult), free(ws), free(A.q), free(A.qx), free(A.scale), free(A.scratch), free(A.tiled), free(want), free(got);
 }
 
 static void test_matmul(void) {

@@ -102,13 +102,16 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     f->qkv = take(c, T * f->qkv_dim * sizeof(float));
     f->o = take(c, T * f->hd * sizeof(float));
     f->gu = take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
-    f->acts.q = take(c, tl_acts_rows(T) * kmax);
+    f->acts.q = take(c, T * kmax);
+    f->acts.tiled = take(c, tl_acts_tiled_bytes(f->e->isa, T, kmax));
     f->acts.qx = take(c, T * kmax);
     f->acts.scale = take(c, T * sizeof(float));
     f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, T, kmax);
     f->acts.scratch = take(c, workers * f->acts.scratch_bytes);
     f->attn = take(c, workers * sizeof(tl_attn_scratch));
-    const size_t tile_bytes = f->e->isa == TL_ISA_AMX && !batch ? tl_attn_tile_bytes(max_keys, D) : 0;
+    /* only where run_block runs attention on tiles: the tile scratch grows with the whole history */
+    const bool tiles = f->e->isa == TL_ISA_AMX && !batch && T >= TL_AMX_MIN_TOKENS;
+    const size_t tile_bytes = tiles ? tl_attn_tile_bytes(max_keys, D) : 0;
     for (unsigned w = 0; w < workers; w++) {
         tl_attn_scratch s = {take(c, max_keys * sizeof(float)), take(c, max_keys * sizeof(int32_t)),
                              take(c, D * sizeof(int64_t)), take(c, D), take(c, D * sizeof(int16_t)),
@@ -454,12 +457,15 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
 }
 
 tl_status tl_cpu_head_logits(const tl_linear* head, const tl_engine* e, const float* x, float* logits) {
-    const size_t d = tl_engine_config(e)->d_model, stride = tl_acts_stride(d), rows = tl_acts_rows(1);
-    const size_t scratch_bytes = tl_linear_scratch_bytes(e->isa, 1, d);
-    uint8_t* buf = tl_alloc((rows + 1) * stride + tl_pool_threads(e->pool) * scratch_bytes);
+    const size_t d = tl_engine_config(e)->d_model, stride = tl_acts_stride(d);
+    const size_t scratch_bytes = tl_linear_scratch_bytes(e->isa, 1, d), tiled_bytes = tl_acts_tiled_bytes(e->isa, 1, d);
+    uint8_t* buf = tl_alloc(2 * stride + tl_pool_threads(e->pool) * scratch_bytes + tiled_bytes);
     if (!buf) return tl_fail_oom("head scratch");
     float scale;
-    tl_acts acts = {1, stride, (int8_t*)buf, buf + rows * stride, &scale, buf + (rows + 1) * stride, scratch_bytes};
+    uint8_t* scratch = buf + 2 * stride;
+    tl_acts acts = {.n = 1, .stride = stride, .q = (int8_t*)buf, .qx = buf + stride, .scale = &scale,
+                    .scratch = scratch, .scratch_bytes = scratch_bytes,
+                    .tiled = (int8_t*)(scratch + tl_pool_threads(e->pool) * scratch_bytes)};
     scale = tl_rms_quantize_row(x, d, tl_engine_config(e)->rms_eps, acts.q);
     memset(acts.q + d, 0, stride - d);
     if (e->isa != TL_ISA_SCALAR) tl_acts_finish_row(&acts, 0);

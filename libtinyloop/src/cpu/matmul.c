@@ -4,6 +4,8 @@
  * compute exact integers, so the split never changes a result. */
 #include "cpu/matmul.h"
 
+#include <string.h>
+
 enum {
     ITEMS_PER_THREAD = 8, /* blocks per pool thread: small enough to even out a slow thread */
     BLOCK_TILES = 4       /* blocks hold whole kernel panels (the widest is 4 tiles)        */
@@ -36,6 +38,27 @@ size_t tl_linear_scratch_bytes(tl_isa isa, size_t n, size_t cols) {
     return on_tiles(isa, n) ? tl_amx_scratch_bytes(cols) : 0;
 }
 
+static size_t tile_rows_of(size_t n) { return (n + 15) / 16 * 16; }
+
+size_t tl_acts_tiled_bytes(tl_isa isa, size_t n, size_t cols) {
+    return on_tiles(isa, n) ? tile_rows_of(n) * tl_acts_stride(cols) : 0;
+}
+
+/* item = a token tile: its 16 rows of q (zeros past n) into acts->tiled, one 16 x 64 block per
+ * 64 columns. */
+static void tile_rows(void* ctx, size_t item, unsigned worker) {
+    (void)worker;
+    const tl_acts* A = ctx;
+    const size_t blocks = A->stride / 64;
+    int8_t* out = A->tiled + item * blocks * 1024;
+    for (size_t kb = 0; kb < blocks; kb++)
+        for (size_t r = 0; r < 16; r++, out += 64) {
+            const size_t t = 16 * item + r;
+            if (t < A->n) memcpy(out, A->q + t * A->stride + 64 * kb, 64);
+            else memset(out, 0, 64);
+        }
+}
+
 void tl_acts_finish_row(tl_acts* A, size_t t) {
     const size_t K = A->stride; /* a local: the u8 stores below could alias *A, which kept GCC from vectorizing */
     const int8_t* q = A->q + t * K;
@@ -49,7 +72,10 @@ void tl_linear_run(const tl_linear* lin, const tl_acts* acts, float* y, size_t y
     uint32_t tile = 16;
     if (lin->isa == TL_ISA_AVX2) job.kernel = tl_gemm_avx2;
     if (lin->isa == TL_ISA_AVX512_VNNI || lin->isa == TL_ISA_AMX) job.kernel = tl_gemm_avx512;
-    if (on_tiles(lin->isa, acts->n)) job.kernel = NULL;
+    if (on_tiles(lin->isa, acts->n)) {
+        job.kernel = NULL;
+        tl_pool_run(pool, tile_rows_of(acts->n) / 16, tile_rows, (void*)acts);
+    }
     if (lin->isa != TL_ISA_SCALAR) tile = lin->tile_rows;
     const uint32_t R = lin->src.rows;
     const uint32_t tiles = (R + tile - 1) / tile;

@@ -25,24 +25,26 @@ enum { TL_AMX_MIN_TOKENS = 1 };  /* the test build runs every call on the emulat
 enum { TL_AMX_MIN_TOKENS = 16 }; /* fewer tokens than a tile has rows: AVX-512 is as fast  */
 #endif
 
-/* Quantized input rows of a linear, one per token. The AMX kernel loads whole 16-row tiles:
- * q must have tl_acts_rows(n) rows of memory (rows past n may hold anything: their results
- * are dropped). */
+/* Quantized input rows of a linear, one per token. */
 typedef struct tl_acts {
     size_t n;         /* tokens                                                     */
     size_t stride;    /* bytes per row: tl_acts_stride(K)                           */
-    int8_t* q;        /* [tl_acts_rows(n)][stride], zero from K to stride in rows < n */
+    int8_t* q;        /* [n][stride], zero from K to stride                         */
     uint8_t* qx;      /* [n][stride] = q + 128 as u8 (SIMD paths), see tl_acts_finish_row */
     float* scale;     /* [n] a (from NQ) or s (from Q8)                              */
     uint8_t* scratch; /* [pool threads][scratch_bytes] for the kernels, see below    */
     size_t scratch_bytes;
+    int8_t* tiled;    /* [tl_acts_tiled_bytes] AMX: q in tile order (tl_linear_run fills it) */
 } tl_acts;
 
 static inline size_t tl_acts_stride(size_t cols) { return (cols + 63) / 64 * 64; }
-static inline size_t tl_acts_rows(size_t n) { return (n + 15) / 16 * 16; }
 /* Scratch bytes per pool thread that a call of n tokens on a linear of at most `cols` columns
  * needs on `isa`: the AMX int4 path unpacks a row tile there; 0 for every other call. */
 size_t tl_linear_scratch_bytes(tl_isa isa, size_t n, size_t cols);
+/* Bytes of acts->tiled a call of n tokens of at most `cols` columns needs on `isa`: the AMX
+ * kernel loads its activation tiles from a copy of q laid out [n/16][K/64][16][64], each tile
+ * contiguous; 0 (tiled may be NULL) for every other call. */
+size_t tl_acts_tiled_bytes(tl_isa isa, size_t n, size_t cols);
 
 /* A linear prepared for one kernel path. */
 typedef struct tl_linear {

@@ -2,9 +2,10 @@
  *
  * The weights are the AVX-512 layout (pack.c) with K padded to 64: a 16-row tile's k-block kb
  * (packed + tile * 16 * Kp + 1024 * kb, 16 rows of 64 bytes) is already a TDPBSSD B operand.
- * The A operand is 16 token rows of the quantized activations (64 bytes at 64 * kb, stride
- * acts->stride, a multiple of 64; rows past n are read but their results are dropped, see
- * tl_acts). Tiles: 0..3 accumulators, 4..5 activations, 6..7 weights.
+ * The A operand is 16 token rows of the quantized activations at 64 * kb, from acts->tiled,
+ * where tl_linear_run has copied them tile by tile (each tile's 1 KiB contiguous; rows past n
+ * are zeros, and their results are dropped). Tiles: 0..3 accumulators, 4..5 activations,
+ * 6..7 weights.
  *
  * int8: a block of 2 row tiles x 2 token tiles, c[i][j] += A_j B_i over every kb, is the exact
  *       sum Σ q w (signed x signed, no offset to remove); tokens go in spans that keep their
@@ -56,17 +57,17 @@ static inline void emit_block(const tl_linear* L, const tl_acts* A, const int32_
 TL_TILES static inline __attribute__((always_inline)) void int8_block(const tl_linear* L, const tl_acts* A,
                                                                       size_t tile, int rt, size_t t0, int nt,
                                                                       const amx_out* o) {
-    const size_t Kp = L->cols_padded, blocks = Kp / KB, s = A->stride;
+    const size_t Kp = L->cols_padded, blocks = Kp / KB;
     const uint8_t* B0 = L->packed + tile * TR * Kp;
     const uint8_t* B1 = B0 + TR * Kp;
-    const int8_t* A0 = A->q + t0 * s;
-    const int8_t* A1 = A0 + TR * s;
+    const int8_t* A0 = A->tiled + t0 / TR * blocks * TILE_BYTES;
+    const int8_t* A1 = A0 + blocks * TILE_BYTES;
     tl_tile_zero(0);
     if (rt > 1) tl_tile_zero(1);
     if (nt > 1) tl_tile_zero(2);
     if (rt > 1 && nt > 1) tl_tile_zero(3);
     for (size_t kb = 0; kb < blocks; kb++) {
-        tl_tile_load(4, A0 + KB * kb, s);
+        tl_tile_load(4, A0 + TILE_BYTES * kb, KB);
         tl_tile_load(6, B0 + TILE_BYTES * kb, KB);
         tl_tile_dpbssd(0, 4, 6);
         if (rt > 1) {
@@ -74,7 +75,7 @@ TL_TILES static inline __attribute__((always_inline)) void int8_block(const tl_l
             tl_tile_dpbssd(1, 4, 7);
         }
         if (nt > 1) {
-            tl_tile_load(5, A1 + KB * kb, s);
+            tl_tile_load(5, A1 + TILE_BYTES * kb, KB);
             tl_tile_dpbssd(2, 5, 6);
             if (rt > 1) tl_tile_dpbssd(3, 5, 7);
         }
@@ -146,9 +147,9 @@ TL_TILES static inline __attribute__((always_inline)) void int4_block(const tl_l
                                                                       const int8_t* hi, const int8_t* lo,
                                                                       size_t tile, size_t t0, int nt,
                                                                       const amx_out* o) {
-    const size_t blocks = L->cols_padded / KB, s = A->stride;
-    const int8_t* A0 = A->q + t0 * s;
-    const int8_t* A1 = A0 + TR * s;
+    const size_t blocks = L->cols_padded / KB;
+    const int8_t* A0 = A->tiled + t0 / TR * blocks * TILE_BYTES;
+    const int8_t* A1 = A0 + blocks * TILE_BYTES;
     tl_tile_zero(0);
     tl_tile_zero(1);
     if (nt > 1) {
@@ -156,13 +157,13 @@ TL_TILES static inline __attribute__((always_inline)) void int4_block(const tl_l
         tl_tile_zero(3);
     }
     for (size_t kb = 0; kb < blocks; kb++) {
-        tl_tile_load(4, A0 + KB * kb, s);
+        tl_tile_load(4, A0 + TILE_BYTES * kb, KB);
         tl_tile_load(6, hi + TILE_BYTES * kb, KB);
         tl_tile_load(7, lo + TILE_BYTES * kb, KB);
         tl_tile_dpbssd(0, 4, 6);
         tl_tile_dpbssd(1, 4, 7);
         if (nt > 1) {
-            tl_tile_load(5, A1 + KB * kb, s);
+            tl_tile_load(5, A1 + TILE_BYTES * kb, KB);
             tl_tile_dpbssd(2, 5, 6);
             tl_tile_dpbssd(3, 5, 7);
         }
