@@ -8,7 +8,8 @@
  * and zero queries, and a union of 140000 keys that would overflow an int32 accumulator without
  * its flush. Runs the tile with the scalar and (where the CPU has it) the AVX2 per-row kernels;
  * in a TINYLOOP_AMX_EMULATION build on the emulated tiles, else on the real ones (skipped
- * without AMX). */
+ * without AMX). On real tiles, also: a sequence whose chunks never reach the tiles holds no
+ * tile scratch (exactly the bytes it holds on AVX-512). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,7 @@
 #include "core/kvcache.h"
 #include "cpu/attention.h"
 #include "cpu/isa.h"
+#include "cpu/matmul.h"
 #include "test_util.h"
 
 enum { LAYERS = 2, KV_HEADS = 2 };
@@ -171,9 +173,47 @@ static void run_case(size_t D, uint32_t bs, size_t p0, size_t m, uint32_t window
     free(held);
 }
 
+/* The tile scratch grows with the whole history, once per pool thread: a sequence whose chunks
+ * are all too short for tiles (decode, chunks of 15) must not carry it, i.e. it holds exactly
+ * the bytes it holds on AVX-512. Real tiles only: the emulated build runs every chunk on them
+ * (asked of the library: this file does not see its TL_AMX_EMULATION). */
+enum { SHORT_CHUNK = TL_ATTN_TILE - 1 };
+
+static size_t bytes_in_use(void) {
+    tl_memory_stats st = {.size = sizeof st};
+    CHECK_OK(tl_memory_stats_get(&st));
+    return st.bytes_in_use;
+}
+
+static size_t seq_bytes(const char* path, tl_isa isa) {
+    tl_model* m = tu_open(path, 4, isa, 16);
+    if (!m) return 0;
+    const size_t before = bytes_in_use();
+    tl_seq* s;
+    CHECK_OK(tl_seq_create(m, 2, 0, &s));
+    int32_t tokens[300];
+    for (size_t i = 0; i < 300; i++) tokens[i] = (int32_t)(i * 7 % 256);
+    CHECK_OK(tl_seq_prefill(s, tokens, 300, SHORT_CHUNK, NULL));
+    for (int i = 0; i < 3; i++) CHECK_OK(tl_seq_decode(s, tokens[i], NULL));
+    const size_t grown = bytes_in_use() - before;
+    tl_seq_free(s);
+    tl_model_free(m);
+    return grown;
+}
+
+static void test_no_tile_scratch_without_tiles(void) {
+    if (tl_linear_scratch_bytes(TL_ISA_AMX, SHORT_CHUNK, 64) != 0 || !tl_isa_available(TL_ISA_AVX512_VNNI)) return;
+    tu_spec spec = tu_spec_default();
+    spec.max_seq = 320;
+    const char* path = tu_write_model("no-tiles.tinyloop", &spec);
+    const size_t amx = seq_bytes(path, TL_ISA_AMX), avx512 = seq_bytes(path, TL_ISA_AVX512_VNNI);
+    CHECK(amx == avx512 && amx > 0, "a sequence without tile chunks holds %zu bytes on AMX, %zu on AVX-512", amx,
+          avx512);
+}
+
 int main(void) {
     if (!tl_isa_available(TL_ISA_AMX)) {
-        printf("test_attention_tiles: skipped (no AMX on this CPU; the emulated build runs it anywhere)\n");
+        printf("test_attention_tiles: skipped (no AMX on this CPU; the emulated build runs it on any CPU with AVX2)\n");
         return tu_finish("test_attention_tiles");
     }
     uint64_t rng = 17;
@@ -197,5 +237,6 @@ int main(void) {
     CHECK(t.compared > 400 && t.finite_nonzero > 50000 && t.zero > 1000 && t.nan > 1000,
           "%zu tiles compared; outputs finite and nonzero %zu, zero %zu, NaN %zu", t.compared, t.finite_nonzero, t.zero,
           t.nan);
+    test_no_tile_scratch_without_tiles();
     return tu_finish("test_attention_tiles");
 }

@@ -1,10 +1,11 @@
-/* amx_tiles.h — the handful of AMX tile primitives the tile kernels (matmul_amx.c) are written
- * against, so that one kernel source builds two ways:
+/* amx_tiles.h — the handful of AMX tile primitives the tile kernels (matmul_amx.c, attention_amx.c) are
+ * written against, so that one kernel source builds two ways:
  *
  *   real      (default): the AMX-TILE / AMX-INT8 instructions through their intrinsics;
  *   emulated  (TL_AMX_EMULATION, a test-only CMake build): plain C with the instructions'
  *             semantics on a per-thread file of 8 tiles, so the packing, blocking and edge
- *             handling run bit for bit on any CPU. It also checks what the hardware would fault
+ *             handling run bit for bit on any CPU
+ *             (the rest of the AMX path needs AVX2). It also checks what the hardware would fault
  *             on (an unconfigured tile, shapes that do not match) and traps there.
  *
  * A tile is up to 16 rows of up to 64 bytes. tl_tile_dpbssd(c, a, b) is TDPBSSD: for each row m

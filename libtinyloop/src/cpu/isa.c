@@ -5,9 +5,10 @@
  * VNNI (the AMX path runs fewer than 16 rows on it), and Linux's permission for the 8 KiB tile
  * data state, requested once per process with arch_prctl(ARCH_REQ_XCOMP_PERM): the permission
  * is process-wide, so every pool thread may then run tiles. In a TINYLOOP_AMX_EMULATION build
- * (tests only) the tiles are plain C and AMX is available on every CPU, but never chosen by
- * TL_ISA_AUTO. The SIMD kernels are compiled with function-level target attributes, so the
- * library itself needs no -march flag. */
+ * (tests only) the tiles are plain C and AMX is available on every CPU with AVX2 (the rest of
+ * the AMX path runs the AVX2 row and attention kernels), but never chosen by TL_ISA_AUTO. The
+ * SIMD kernels are compiled with function-level target attributes, so the library itself needs
+ * no -march flag. */
 #include "cpu/isa.h"
 
 #include <pthread.h>
@@ -54,7 +55,7 @@ static bool amx_available(void) {
     return amx_detected;
 }
 #elif defined(TL_AMX_EMULATION)
-static bool amx_available(void) { return true; }
+static bool amx_available(void) { return tl_isa_available(TL_ISA_AVX2); }
 #else
 static bool amx_available(void) { return false; }
 #endif
