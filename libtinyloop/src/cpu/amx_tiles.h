@@ -1,5 +1,5 @@
-/* amx_tiles.h — the handful of AMX tile primitives the tile kernels (matmul_amx.c, attention_amx.c) are
- * written against, so that one kernel source builds two ways:
+/* amx_tiles.h — the handful of AMX tile primitives the tile kernels (matmul_amx.c,
+ * attention_amx.c) are written against, so that one kernel source builds two ways:
  *
  *   real      (default): the AMX-TILE / AMX-INT8 instructions through their intrinsics;
  *   emulated  (TL_AMX_EMULATION, a test-only CMake build): plain C with the instructions'
