@@ -128,6 +128,11 @@ static void finish_row(fwd* f, size_t t) {
     if (f->simd) tl_acts_finish_row(&f->acts, t);
 }
 
+/* (q, s) = Q8(x[n]) on the pass's path (the AVX2 form on every SIMD path: identical bits). */
+static float q8_row(const fwd* f, const float* x, size_t n, int8_t* q) {
+    return f->simd ? tl_quantize_row_avx2(x, n, 127, q) : tl_quantize_row(x, n, 127, q);
+}
+
 /* acts row t = NQ or Q8 of q_src row t. */
 static void task_quantize(void* ctx, size_t t, unsigned worker) {
     (void)worker;
@@ -138,7 +143,7 @@ static void task_quantize(void* ctx, size_t t, unsigned worker) {
         f->acts.scale[t] = f->simd ? tl_rms_quantize_row_avx2(x, f->q_cols, f->c->rms_eps, q)
                                    : tl_rms_quantize_row(x, f->q_cols, f->c->rms_eps, q);
     else
-        f->acts.scale[t] = f->simd ? tl_quantize_row_avx2(x, f->q_cols, 127, q) : tl_quantize_row(x, f->q_cols, 127, q);
+        f->acts.scale[t] = q8_row(f, x, f->q_cols, q);
     memset(q + f->q_cols, 0, f->acts.stride - f->q_cols);
     finish_row(f, t);
 }
@@ -186,14 +191,13 @@ static void task_kv_write(void* ctx, size_t t, unsigned worker) {
     const tl_kv_table* kv = &f->seqs[t]->kv;
     const tl_kv_span* span = &kv->spans[tl_kv_find(kv, pos)];
     const size_t slot = pos - span->start;
-    float (*const quantize)(const float*, size_t, int, int8_t*) = f->simd ? tl_quantize_row_avx2 : tl_quantize_row;
     for (uint32_t h = 0; h < c->n_kv_heads; h++) {
         const float* k = z + ((size_t)c->n_heads + h) * D;
         const float* v = z + ((size_t)c->n_heads + c->n_kv_heads + h) * D;
         tl_kv_key_scales(g, span->block, f->layer, h)[slot] =
-            quantize(k, D, 127, tl_kv_keys(g, span->block, f->layer, h) + slot * D);
+            q8_row(f, k, D, tl_kv_keys(g, span->block, f->layer, h) + slot * D);
         tl_kv_value_scales(g, span->block, f->layer, h)[slot] =
-            quantize(v, D, 127, tl_kv_values(g, span->block, f->layer, h) + slot * D);
+            q8_row(f, v, D, tl_kv_values(g, span->block, f->layer, h) + slot * D);
     }
 }
 
@@ -232,7 +236,7 @@ static void task_swiglu(void* ctx, size_t t, unsigned worker) {
     if (f->simd) tl_swiglu_row_avx2(gate, up, F);
     else tl_swiglu_row(gate, up, F);
     int8_t* q = f->acts.q + t * f->acts.stride;
-    f->acts.scale[t] = f->simd ? tl_quantize_row_avx2(gate, F, 127, q) : tl_quantize_row(gate, F, 127, q);
+    f->acts.scale[t] = q8_row(f, gate, F, q);
     memset(q + F, 0, f->acts.stride - F);
     finish_row(f, t);
 }
