@@ -15,6 +15,7 @@ from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, stop_reached
 from .forward import NumpyKernels, forward_chunk, head_logits
 from .kvcache import KVCache
 from .prefix_cache import PrefixCache
+from .scheduler import Scheduler
 from .weights import Weights
 
 
@@ -135,6 +136,9 @@ class Engine:
         return [self.generate_from_prefix(prefix, tokens, params, callbacks=callbacks) if prefix is not None
                 else self.generate(tokens, params, callbacks=callbacks)
                 for prefix, tokens, params, callbacks in requests]
+
+    def new_scheduler(self, max_batch, step_tokens, kv_budget_bytes):
+        return Scheduler(self, max_batch, step_tokens, kv_budget_bytes)
 
     def cache_stats(self):
         return self.prefix_cache.stats() if self.prefix_cache is not None else dict.fromkeys(CACHE_STAT_NAMES, 0)

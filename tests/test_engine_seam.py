@@ -1,4 +1,5 @@
-"""The engine seam (tinyloop/engine.py): both engines implement the one declared interface,
+"""The engine seam (tinyloop/engine.py): both engines implement the one declared interface
+(and their schedulers the scheduler's),
 `Model` names no backend, every backend reports its runtime, the reference implementation does
 not import its consumer, and backend="auto" falls back to numba before numpy."""
 import ast
@@ -12,9 +13,10 @@ import pytest
 
 import tinyloop
 from tinyloop import backends
-from tinyloop.engine import RUNTIME_KEYS, Engine, EnginePrefix
+from tinyloop.engine import RUNTIME_KEYS, Engine, EnginePrefix, EngineScheduler
 from tinyloop.fallback import Engine as PythonEngine
-from tinyloop.native import NativeEngine
+from tinyloop.fallback.scheduler import Scheduler as PythonScheduler
+from tinyloop.native import NativeEngine, NativeScheduler
 from tinyloop.quickbench import backend_kwargs
 
 from conftest import require_backend
@@ -34,16 +36,28 @@ def shape(signature):
 def test_the_protocol_declares_the_whole_interface():
     assert PROTOCOL_METHODS == sorted([
         "build_prefix", "cache_stats", "clear_prefix_cache", "close", "generate",
-        "generate_batch", "generate_from_prefix", "logits", "runtime"])
+        "generate_batch", "generate_from_prefix", "logits", "new_scheduler", "runtime"])
     assert PROTOCOL_ATTRIBUTES == ["config"]
 
 
-@pytest.mark.parametrize("engine_class", [NativeEngine, PythonEngine], ids=["native", "python"])
-@pytest.mark.parametrize("method", PROTOCOL_METHODS)
-def test_engine_signatures_match_the_protocol(engine_class, method):
-    declared = inspect.signature(getattr(Engine, method))
-    implemented = inspect.signature(getattr(engine_class, method))
-    assert shape(implemented) == shape(declared), f"{engine_class.__name__}.{method}"
+SCHEDULER_METHODS = sorted(name for name, member in vars(EngineScheduler).items()
+                           if callable(member) and not name.startswith("_"))
+IMPLEMENTATIONS = [(Engine, NativeEngine, PROTOCOL_METHODS), (Engine, PythonEngine, PROTOCOL_METHODS),
+                   (EngineScheduler, NativeScheduler, SCHEDULER_METHODS),
+                   (EngineScheduler, PythonScheduler, SCHEDULER_METHODS)]
+
+
+def test_the_scheduler_protocol_declares_its_whole_interface():
+    assert SCHEDULER_METHODS == ["add", "cancel", "free", "stats", "step"]
+
+
+@pytest.mark.parametrize("protocol, implementation, method", [
+    (protocol, implementation, method) for protocol, implementation, methods in IMPLEMENTATIONS
+    for method in methods], ids=lambda value: getattr(value, "__qualname__", value))
+def test_signatures_match_the_protocol(protocol, implementation, method):
+    declared = inspect.signature(getattr(protocol, method))
+    implemented = inspect.signature(getattr(implementation, method))
+    assert shape(implemented) == shape(declared), f"{implementation.__name__}.{method}"
 
 
 def test_an_object_missing_a_method_is_not_an_engine():

@@ -17,9 +17,10 @@ from .model import Model, PrefixCache
 from .modelfile import load_model, save_model
 from .prefix_manager import PrefixCacheManager
 from .random_model import random_model
+from .scheduler import Scheduler, SchedulerEvent
 
 __all__ = ["Model", "ModelConfig", "ModelFormatError", "PrefixCache", "PrefixCacheManager",
-           "__version__", "backend", "backend_available", "backend_features", "backend_info", "convert",
+           "Scheduler", "SchedulerEvent", "__version__", "backend", "backend_available", "backend_features", "backend_info", "convert",
            "load_model", "native_memory_stats", "random_model", "save_model"]
 
 

@@ -27,6 +27,12 @@ import numpy as np
 
 from .config import ModelConfig
 
+# Why a scheduled request ended, by tl_finish value (docs/api.md, "Continuous batching").
+FINISH_REASONS = (None, "stop", "length", "error")
+# Counters of a scheduler, in the order of tl_sched_stats (docs/api.md).
+SCHED_STAT_NAMES = ("running", "waiting", "steps", "prompt_tokens", "cached_tokens",
+                    "generated_tokens", "preemptions", "finished", "cancelled", "kv_blocks",
+                    "kv_bytes", "kv_budget_bytes")
 # Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
 CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
                     "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes")
@@ -62,14 +68,20 @@ class Callbacks:
 NO_CALLBACKS = Callbacks()
 
 
-def stop_reached(emitted: Sequence[int], params: GenerationParams, eos_id: int) -> bool:
-    """spec §5.3: eos, then stop sequences on the emitted tokens, then max_tokens."""
+def finish_reason(emitted: Sequence[int], params: GenerationParams, eos_id: int) -> Optional[str]:
+    """spec §5.3: "stop" for eos, then stop sequences on the emitted tokens, then "length"
+    for max_tokens; None while generation goes on."""
     if eos_id >= 0 and emitted[-1] == eos_id:
-        return True
+        return "stop"
     for seq in params.stop_sequences:
         if len(emitted) >= len(seq) and tuple(emitted[-len(seq):]) == seq:
-            return True
-    return len(emitted) >= params.max_tokens
+            return "stop"
+    return "length" if len(emitted) >= params.max_tokens else None
+
+
+def stop_reached(emitted: Sequence[int], params: GenerationParams, eos_id: int) -> bool:
+    """Whether a stop rule fires (finish_reason)."""
+    return finish_reason(emitted, params, eos_id) is not None
 
 
 @runtime_checkable
@@ -96,6 +108,32 @@ PrefixT = TypeVar("PrefixT", bound=EnginePrefix)
 Generated = Tuple[List[int], Optional[List[np.ndarray]]]
 # One request of generate_batch: (prefix or None, prompt or suffix ids, params, callbacks).
 Request = Tuple[Optional[PrefixT], np.ndarray, GenerationParams, Callbacks]
+
+
+# One event of a scheduler step: (request id, emitted token, finish reason or None).
+SchedulerEvent = Tuple[int, int, Optional[str]]
+
+
+@runtime_checkable
+class EngineScheduler(Protocol):
+    """Continuous batching over one engine (Engine.new_scheduler), used by one thread at a
+    time. Each request's tokens equal Engine.generate's for it, whatever else runs."""
+
+    def add(self, prompt: np.ndarray, params: GenerationParams) -> int:
+        """Queue a checked request; returns its id (>= 1). ValueError when it alone could
+        need more KV than the budget."""
+
+    def cancel(self, request_id: int) -> bool:
+        """Remove a waiting or running request; False if there is none with that id."""
+
+    def step(self) -> List[SchedulerEvent]:
+        """Run one iteration; at most one event per request (finish: FINISH_REASONS)."""
+
+    def stats(self) -> Dict[str, int]:
+        """{name: int for name in SCHED_STAT_NAMES}."""
+
+    def free(self) -> None:
+        """Drop every request; idempotent."""
 
 
 @runtime_checkable
@@ -135,6 +173,12 @@ class Engine(Protocol[PrefixT]):
 
     def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int) -> np.ndarray:
         """The (len(tokens), vocab_size) float32 logits at every position."""
+
+    def new_scheduler(self, max_batch: int, step_tokens: int,
+                      kv_budget_bytes: int) -> EngineScheduler:
+        """An empty scheduler: at most max_batch requests running, step_tokens positions a
+        step (>= max_batch), kv_budget_bytes of KV the running requests hold alone (0: no
+        limit); the policy of docs/api.md, "Continuous batching"."""
 
     def cache_stats(self) -> Dict[str, int]:
         """The automatic prefix cache's counters: {name: int for name in CACHE_STAT_NAMES}

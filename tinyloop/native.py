@@ -17,8 +17,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFormatError
-from .engine import (CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, Generated, GenerationParams,
-                     Request)
+from .engine import (CACHE_STAT_NAMES, FINISH_REASONS, NO_CALLBACKS, SCHED_STAT_NAMES, Callbacks,
+                     Generated, GenerationParams, Request, SchedulerEvent)
 
 TOKENIZERS = {0: "none", 1: "bytes", 2: "hf"}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}
@@ -53,6 +53,60 @@ class NativePrefix:
         self._engine.lib.tl_prefix_info(self.handle, self._engine.ffi.NULL, self._engine.ffi.NULL,
                                         self._engine.ffi.NULL, nbytes)
         return int(nbytes[0])
+
+    def free(self) -> None:
+        if self.handle is not None:
+            self._engine.ffi.release(self.handle)
+            self.handle = None
+
+
+class NativeScheduler:
+    """A tl_sched handle (an EngineScheduler). Its event arrays are allocated once; a step
+    releases the GIL for the whole iteration."""
+
+    def __init__(self, engine: NativeEngine, max_batch: int, step_tokens: int,
+                 kv_budget_bytes: int) -> None:
+        self._engine = engine
+        ffi, lib = engine.ffi, engine.lib
+        params = ffi.new("tl_sched_params*", lib.tl_sched_params_default())
+        params.max_batch, params.step_tokens = max_batch, step_tokens
+        params.kv_budget_bytes = kv_budget_bytes
+        out = ffi.new("tl_sched**")
+        engine._check(lib.tl_sched_create(engine.model, params, out))
+        self.handle = engine._owned(out, "tl_sched_free")
+        self._capacity = max_batch
+        self._ids = ffi.new("uint64_t[]", max_batch)
+        self._tokens = ffi.new("int32_t[]", max_batch)
+        self._finish = ffi.new("uint8_t[]", max_batch)
+        self._n_events = ffi.new("size_t*")
+
+    def add(self, prompt: np.ndarray, params: GenerationParams) -> int:
+        engine = self._engine
+        keep: list[Any] = []
+        prompt, buf = engine._tokens(prompt)
+        p = engine._gen_params(params, keep)
+        request_id = engine.ffi.new("uint64_t*")
+        engine._check(engine.lib.tl_sched_add(self.handle, buf, len(prompt), p, request_id))
+        return int(request_id[0])
+
+    def cancel(self, request_id: int) -> bool:
+        return bool(self._engine.lib.tl_sched_cancel(self.handle, request_id) == self._engine.lib.TL_OK)
+
+    def step(self) -> list[SchedulerEvent]:
+        status = self._engine.lib.tl_sched_step(self.handle, self._ids, self._tokens, self._finish,
+                                                self._capacity, self._n_events)
+        n = int(self._n_events[0])
+        events = [(int(self._ids[i]), int(self._tokens[i]), FINISH_REASONS[self._finish[i]])
+                  for i in range(n)]
+        if status != self._engine.lib.TL_OK and not events:
+            self._engine._check(status)
+        return events
+
+    def stats(self) -> dict[str, int]:
+        s = self._engine.ffi.new("tl_sched_stats*")
+        s.size = self._engine.ffi.sizeof("tl_sched_stats")
+        self._engine._check(self._engine.lib.tl_sched_stats_get(self.handle, s))
+        return {name: int(getattr(s, name)) for name in SCHED_STAT_NAMES}
 
     def free(self) -> None:
         if self.handle is not None:
@@ -259,6 +313,10 @@ class NativeEngine:
         self._finish(self.lib.tl_generate_batch(self.model, pointers, len(requests)), raised)
         return [(list(self.ffi.unpack(out, r.n_out)), list(logits[:r.n_out]) if logits is not None else None)
                 for r, (out, logits) in zip(reqs, outputs)]
+
+    def new_scheduler(self, max_batch: int, step_tokens: int,
+                      kv_budget_bytes: int) -> NativeScheduler:
+        return NativeScheduler(self, max_batch, step_tokens, kv_budget_bytes)
 
     def cache_stats(self) -> dict[str, int]:
         s = self.ffi.new("tl_prefix_cache_stats*")

@@ -402,6 +402,89 @@ typedef struct tl_request {
  * far its request got. Thread-safe like tl_generate. */
 TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests, size_t n_requests);
 
+/* ===== Continuous batching ================================================================= */
+
+/* A scheduler: many requests of one model, run by iteration. Each tl_sched_step runs one
+ * iteration: waiting requests join the running batch (in arrival order, while slots and the
+ * KV budget allow), every decoding request computes one token (one batched pass), and the
+ * prompts being prefilled get chunks from what is left of the step's token budget, so a long
+ * prompt never stalls the running streams. Every prompt goes through the automatic prefix cache
+ * (when the model has one), under its request's cache_salt. When a step would take the running
+ * requests' KV past the budget, the newest running request is preempted: its KV is dropped and
+ * it waits at the head of the queue to be recomputed (its prompt and the tokens it emitted),
+ * so it loses nothing. Every request's tokens are bit-identical to tl_generate of it alone,
+ * whatever else runs (docs/c-api.md, "Continuous batching"). Use a scheduler from one thread at
+ * a time; it holds a reference to the model's weights. */
+typedef struct tl_sched tl_sched;
+
+typedef struct tl_sched_params {
+    size_t size;            /* sizeof(tl_sched_params)                                        */
+    size_t max_batch;       /* requests running at once (prefilling or decoding); 0 = 32      */
+    size_t step_tokens;     /* positions one step computes at most: one per decoding request,
+                               the rest in prompt chunks; 0 = 512; must be >= max_batch        */
+    size_t kv_budget_bytes; /* KV bytes the running requests may hold alone (blocks shared with
+                               the prefix cache count against its budget); 0 = no limit. A
+                               request that could not run within it alone is refused.        */
+} tl_sched_params;
+
+/* max_batch 32, step_tokens 512, no KV budget. */
+TL_API tl_sched_params tl_sched_params_default(void);
+
+/* A new, empty scheduler for `model`; params may be NULL (defaults). *out owned by the caller
+ * (tl_sched_free). Thread-safe with respect to the model. */
+TL_API tl_status tl_sched_create(tl_model* model, const tl_sched_params* params, tl_sched** out);
+/* Cancel every request and free the scheduler. NULL is a no-op. */
+TL_API void tl_sched_free(tl_sched* sched);
+
+/* Queue a request: prompt[0..n) (n >= 1) and params (NULL = tl_gen_params_default()), checked
+ * as tl_generate checks them; both are copied (stop sequences and cache_salt included).
+ * params->prefill_chunk is not used (the scheduler chunks prompts by its token budget, which
+ * changes no result) and on_token / on_prefill must be NULL. *id (required) receives the
+ * request's id, unique in this scheduler, >= 1. TL_ERR_INVALID_ARGUMENT also when the request
+ * alone could need more KV than kv_budget_bytes. */
+TL_API tl_status tl_sched_add(tl_sched* sched, const int32_t* prompt, size_t n, const tl_gen_params* params,
+                              uint64_t* id);
+/* Remove request `id`, waiting or running; it emits nothing more and its KV is released.
+ * TL_ERR_INVALID_ARGUMENT if no such request is queued (never added, finished or cancelled). */
+TL_API tl_status tl_sched_cancel(tl_sched* sched, uint64_t id);
+
+/* Why a request ended, reported with its last event. */
+typedef enum tl_finish {
+    TL_FINISH_NONE = 0,   /* still running                                                     */
+    TL_FINISH_STOP = 1,   /* its token is eos or ends a stop sequence                          */
+    TL_FINISH_LENGTH = 2, /* max_tokens reached                                                */
+    TL_FINISH_ERROR = 3   /* its logits were not finite: no token (-1), the request is dropped */
+} tl_finish;
+
+/* Run one iteration and report what it emitted: event i is request ids[i] emitting tokens[i],
+ * with finish[i] (a tl_finish) nonzero when that ended the request, which is then gone. Each
+ * request gets at most one event per step, and a request's events come in the order of its
+ * tokens. The arrays have room for `capacity` events, which must be >= max_batch; *n_events
+ * receives the count (0 when there is nothing to run). On TL_ERR_OUT_OF_MEMORY the step ran
+ * what it could: its *n_events events are valid, the rest is unchanged and the next step tries
+ * again. TL_ERR_CLOSED once the model is closed. */
+TL_API tl_status tl_sched_step(tl_sched* sched, uint64_t* ids, int32_t* tokens, uint8_t* finish,
+                               size_t capacity, size_t* n_events);
+
+typedef struct tl_sched_stats {
+    size_t size;               /* in: sizeof(tl_sched_stats)                                   */
+    size_t running;            /* requests admitted (prefilling or decoding)                   */
+    size_t waiting;            /* requests queued, the preempted included                      */
+    uint64_t steps;            /* tl_sched_step calls that ran something                       */
+    uint64_t prompt_tokens;    /* prompt positions prefilled (recomputation included)          */
+    uint64_t cached_tokens;    /* prompt positions taken from the automatic prefix cache       */
+    uint64_t generated_tokens; /* tokens emitted                                               */
+    uint64_t preemptions;      /* requests preempted to stay within the KV budget              */
+    uint64_t finished;         /* requests that ended by a stop rule (or TL_FINISH_ERROR)       */
+    uint64_t cancelled;        /* requests removed by tl_sched_cancel                          */
+    size_t kv_blocks;          /* KV blocks the running requests hold alone                    */
+    size_t kv_bytes;           /* their bytes: what kv_budget_bytes bounds                     */
+    size_t kv_budget_bytes;    /* tl_sched_params.kv_budget_bytes                              */
+} tl_sched_stats;
+
+/* Snapshot of the scheduler's counters, filled up to out->size. */
+TL_API tl_status tl_sched_stats_get(const tl_sched* sched, tl_sched_stats* out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -133,6 +133,39 @@ static tl_status op_cached(tl_model* unused) {
     return st;
 }
 
+/* A scheduler running three requests; a step that fails is retried, as tl_sched_step allows,
+ * and the first request (greedy()'s) must still get the reference tokens. */
+static tl_status op_sched(tl_model* m) {
+    tl_sched_params sp = tl_sched_params_default();
+    sp.max_batch = 4;
+    sp.step_tokens = 8;
+    tl_sched* s = NULL;
+    tl_status first = tl_sched_create(m, &sp, &s);
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 8;
+    uint64_t id0 = 0, id;
+    for (size_t i = 0; i < 3 && first == TL_OK; i++)
+        first = tl_sched_add(s, prompt, 21 - 4 * i, &gp, i ? &id : &id0);
+    int32_t got[8];
+    size_t n_got = 0;
+    for (int step = 0; first == TL_OK && step < 100; step++) {
+        uint64_t ids[4];
+        int32_t tokens[4];
+        uint8_t finish[4];
+        size_t n = 0;
+        const tl_status st = tl_sched_step(s, ids, tokens, finish, 4, &n);  /* a failure: retried */
+        CHECK(st == TL_OK || st == TL_ERR_OUT_OF_MEMORY, "scheduler step: status %d: %s", st, tl_last_error());
+        for (size_t e = 0; e < n; e++)
+            if (ids[e] == id0 && n_got < 8) got[n_got++] = tokens[e];
+        tl_sched_stats stats = {.size = sizeof stats};
+        CHECK_OK(tl_sched_stats_get(s, &stats));
+        if (stats.running + stats.waiting == 0) break;
+    }
+    if (first == TL_OK) CHECK(n_got == 8 && memcmp(got, reference, sizeof got) == 0, "scheduled tokens differ");
+    tl_sched_free(s);
+    return first;
+}
+
 static void sweep(const char* name, op_fn op, tl_model* m) {
     const size_t baseline = in_use(), before = memory().total_allocs;
     CHECK_OK(op(m));
@@ -172,6 +205,7 @@ int main(void) {
     sweep("generate", op_generate, m);
     sweep("batch", op_batch, m);
     sweep("prefix cache", op_cached, NULL);
+    sweep("scheduler", op_sched, m);
     tl_model_free(m);
     return tu_finish("test_alloc_fail");
 }

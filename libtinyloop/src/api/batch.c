@@ -158,27 +158,33 @@ static tl_status check_room(const tl_engine* e, const batch* b, size_t n_live) {
     return TL_OK;
 }
 
-/* One batched decode step over the live sequences (all-or-nothing on failure). */
-static tl_status step(tl_engine* e, batch* b, size_t n_live) {
-    tl_status st = tl_engine_check_open(e);
-    if (st == TL_OK) st = check_room(e, b, n_live);
+tl_status tl_gen_decode_rows(tl_engine* e, tl_seq* const* seqs, const int32_t* tokens, size_t n,
+                             float* const* logits, tl_kv_mark* marks) {
+    tl_status st = TL_OK;
     size_t tried = 0;  /* tables given a reservation attempt (a failed one changes nothing) */
-    for (; st == TL_OK && tried < n_live; tried++) {
-        tl_seq* s = b->live[tried];
-        b->marks[tried] = tl_kv_mark_now(&s->kv);
+    for (; st == TL_OK && tried < n; tried++) {
+        tl_seq* s = seqs[tried];
+        marks[tried] = tl_kv_mark_now(&s->kv);
         st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, 1);
     }
-    if (st == TL_OK) st = tl_forward_batch(b->live, b->tokens, n_live, b->logits);
+    if (st == TL_OK) st = tl_forward_batch(seqs, tokens, n, logits);
     if (st != TL_OK) {
-        for (size_t j = 0; j < tried; j++) tl_kv_rollback(&b->live[j]->kv, b->marks[j]);
+        for (size_t j = 0; j < tried; j++) tl_kv_rollback(&seqs[j]->kv, marks[j]);
         return st;
     }
-    for (size_t j = 0; j < n_live; j++) {
-        tl_seq* s = b->live[j];
+    for (size_t j = 0; j < n; j++) {
+        tl_seq* s = seqs[j];
         s->n++;
         tl_kv_release_outside(&s->kv, s->n, s->window);
     }
     return TL_OK;
+}
+
+/* One batched decode step over the live sequences (all-or-nothing on failure). */
+static tl_status step(tl_engine* e, batch* b, size_t n_live) {
+    tl_status st = tl_engine_check_open(e);
+    if (st == TL_OK) st = check_room(e, b, n_live);
+    return st == TL_OK ? tl_gen_decode_rows(e, b->live, b->tokens, n_live, b->logits, b->marks) : st;
 }
 
 TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests, size_t n_requests) {

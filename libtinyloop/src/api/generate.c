@@ -10,7 +10,6 @@
 #include "base/alloc.h"
 #include "base/errors.h"
 #include "core/generate.h"
-#include "core/prefix_cache.h"
 
 TL_API tl_gen_params tl_gen_params_default(void) {
     tl_gen_params p;
@@ -94,13 +93,17 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
     return check_length(tl_engine_config(e), prefix->n + n, p->max_tokens);
 }
 
+tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen_params* p) {
+    /* with a coda a block's coda slots hold its own depth only: one tree per depth (§4.3) */
+    const uint32_t tree_depth = tl_engine_config(e)->n_coda_blocks ? s->loops : 0;
+    return (tl_pcache_key){p->cache_salt, p->cache_window, s->n_layers, tree_depth};
+}
+
 /* Run the prompt into the empty sequence s, reusing the longest cached prefix of it. */
 static tl_status run_prompt(tl_engine* e, tl_seq* s, const int32_t* prompt, size_t n, const tl_gen_params* p,
                             tl_run_opts* opts) {
     if (!e->pcache) return tl_seq_run(s, prompt, n, p->prefill_chunk, opts);
-    /* with a coda a block's coda slots hold its own depth only: one tree per depth (§4.3) */
-    const uint32_t tree_depth = tl_engine_config(e)->n_coda_blocks ? s->loops : 0;
-    const tl_pcache_key key = {p->cache_salt, p->cache_window, s->n_layers, tree_depth};
+    const tl_pcache_key key = tl_gen_cache_key(e, s, p);
     size_t hit;
     tl_pcache_lookup(e->pcache, &key, prompt, n, &s->kv, &hit);
     s->n = hit;
@@ -130,6 +133,7 @@ tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* pro
     }
     stream->seq = s;
     stream->done = progress.stopped;
+    if (progress.stopped) stream->finish = TL_FINISH_STOP;
     return st;
 }
 

@@ -50,9 +50,10 @@ tl_status tl_stream_sample(tl_stream* s, int32_t* token) {
     s->seen[*token] = 1;
     *s->n_out = s->n_emitted = i + 1;
     const tl_gen_params* p = s->p;
-    s->done = (p->on_token && p->on_token(p->user_data, *token) != 0) ||
-              (c->eos_id >= 0 && *token == c->eos_id) || ends_with_stop(p, s->out_tokens, s->n_emitted) ||
-              s->n_emitted >= p->max_tokens;
+    const bool stop = (p->on_token && p->on_token(p->user_data, *token) != 0) ||
+                      (c->eos_id >= 0 && *token == c->eos_id) || ends_with_stop(p, s->out_tokens, s->n_emitted);
+    s->finish = stop ? TL_FINISH_STOP : s->n_emitted >= p->max_tokens ? TL_FINISH_LENGTH : TL_FINISH_NONE;
+    s->done = s->finish != TL_FINISH_NONE;
     return TL_OK;
 }
 

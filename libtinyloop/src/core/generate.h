@@ -6,6 +6,7 @@
 
 #include <stdbool.h>
 
+#include "core/prefix_cache.h"
 #include "core/sampling.h"
 #include "core/seq.h"
 
@@ -14,6 +15,16 @@
  * window against the prefix (without one, the depth's cache slots), and the total length. */
 tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                        const tl_gen_params* given, tl_gen_params* p);
+
+/* The automatic prefix cache's place (docs/spec.md §4.3) of a request p run in sequence s. */
+tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen_params* p);
+
+/* One new token for each of n sequences (seqs[j] gets tokens[j]), in one batched pass: each
+ * sequence's KV reserved, run, advanced and released outside its window; logits[j] ([V])
+ * receives its logits. marks: [n] scratch. All-or-nothing: on failure every table is rolled
+ * back. The caller checks that each sequence has room for one more position. */
+tl_status tl_gen_decode_rows(tl_engine* e, tl_seq* const* seqs, const int32_t* tokens, size_t n,
+                             float* const* logits, tl_kv_mark* marks);
 
 /* One request's sampling state (docs/spec.md §5): the ids of its history for the repetition
  * penalty, the logits to sample the next token from, its outputs and stop rules. */
@@ -29,6 +40,8 @@ typedef struct tl_stream {
     size_t n_emitted;         /* tokens emitted: the next out_tokens index   */
     size_t* n_out;            /* out: n_emitted, written, never read back    */
     bool done;                /* a stop rule fired                           */
+    tl_finish finish;         /* which kind, once done (TL_FINISH_STOP for a stop by on_token
+                                 or on_prefill too)                          */
 } tl_stream;
 
 /* Start a checked request on a fresh stream: stream->seq holds the prompt (reusing the

@@ -15,8 +15,12 @@ tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t he
     return g;
 }
 
+size_t tl_kv_block_bytes(const tl_kv_geom* g, uint32_t n_layers) {
+    return 64 + (size_t)n_layers * g->n_kv_heads * g->head_bytes;
+}
+
 static tl_kv_block* block_new(const tl_kv_geom* g, uint32_t n_layers, uint32_t start) {
-    const size_t data_bytes = (size_t)n_layers * g->n_kv_heads * g->head_bytes;
+    const size_t data_bytes = tl_kv_block_bytes(g, n_layers) - 64;
     tl_kv_block* b = tl_alloc(g->device ? 64 : 64 + data_bytes);
     if (!b) return NULL;
     b->data = g->device ? g->device->alloc(g->device->ctx, data_bytes) : (char*)b + 64;
@@ -56,17 +60,42 @@ tl_kv_mark tl_kv_mark_now(const tl_kv_table* t) {
     return mark;
 }
 
+/* Positions the table's last span can still take at position n: its block is live, deep
+ * enough, held alone and ends at n (else tl_kv_reserve opens a new block). */
+static size_t last_span_room(const tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n) {
+    const tl_kv_span* last = t->n_spans ? &t->spans[t->n_spans - 1] : NULL;
+    if (!last || !last->block || last->count >= g->block_size || last->block->n_layers < n_layers ||
+        last->start + last->count != n || atomic_load(&last->block->refs) != 1)
+        return 0;
+    return g->block_size - last->count;
+}
+
+size_t tl_kv_new_blocks(const tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n, size_t T) {
+    const size_t room = last_span_room(t, g, n_layers, n);
+    return T <= room ? 0 : (T - room + g->block_size - 1) / g->block_size;
+}
+
+size_t tl_kv_alone_bytes(const tl_kv_table* t, size_t* n_blocks) {
+    size_t bytes = 0, blocks = 0;
+    for (size_t i = t->first_live; i < t->n_spans; i++) {
+        const tl_kv_block* b = t->spans[i].block;
+        if (atomic_load(&b->refs) != 1) continue;
+        bytes += b->bytes;
+        blocks++;
+    }
+    if (n_blocks) *n_blocks = blocks;
+    return bytes;
+}
+
 tl_status tl_kv_reserve(tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n, size_t T) {
     const tl_kv_mark mark = tl_kv_mark_now(t);
     size_t pos = n;
     const size_t end = n + T;
     while (pos < end) {
-        tl_kv_span* last = t->n_spans ? &t->spans[t->n_spans - 1] : NULL;
-        if (last && last->block && last->count < g->block_size && last->block->n_layers >= n_layers &&
-            last->start + last->count == pos && atomic_load(&last->block->refs) == 1) {
-            size_t take = g->block_size - last->count;
+        size_t take = last_span_room(t, g, n_layers, pos);
+        if (take) {
             if (take > end - pos) take = end - pos;
-            last->count += (uint32_t)take;
+            t->spans[t->n_spans - 1].count += (uint32_t)take;
             pos += take;
             continue;
         }
@@ -75,7 +104,7 @@ tl_status tl_kv_reserve(tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, 
             tl_kv_rollback(t, mark);
             return tl_fail_oom("KV cache block");
         }
-        size_t take = g->block_size < end - pos ? g->block_size : end - pos;
+        take = g->block_size < end - pos ? g->block_size : end - pos;
         t->spans[t->n_spans++] = (tl_kv_span){b, (uint32_t)pos, (uint32_t)take};
         pos += take;
     }

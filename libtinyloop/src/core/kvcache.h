@@ -76,6 +76,12 @@ tl_status tl_kv_share(tl_kv_table* dst, const tl_kv_table* src);
 void tl_kv_clear(tl_kv_table* t);
 /* Bytes of the live blocks the table references. */
 size_t tl_kv_bytes(const tl_kv_table* t);
+/* Bytes of one block of n_layers layers (header and data, as tl_kv_block.bytes). */
+size_t tl_kv_block_bytes(const tl_kv_geom* g, uint32_t n_layers);
+/* The live blocks the table holds alone (refs == 1): their count, and their bytes. */
+size_t tl_kv_alone_bytes(const tl_kv_table* t, size_t* n_blocks);
+/* Blocks tl_kv_reserve(t, g, n_layers, n, T) would allocate. */
+size_t tl_kv_new_blocks(const tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n, size_t T);
 /* Index of the span holding position pos (which must be covered). */
 size_t tl_kv_find(const tl_kv_table* t, size_t pos);
 

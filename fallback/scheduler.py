@@ -1,0 +1,211 @@
+"""Continuous batching for the Python engine: libtinyloop's scheduler policy (api/sched.c)
+over fallback.Engine's caches, an implementation of tinyloop.engine.EngineScheduler.
+
+A request's `input` is its prompt followed by the tokens it emitted; its cache holds
+input[:cache.length]. Admission (arrival order, while a slot is free and the prefill's new
+blocks fit the KV budget) looks the input up in the prefix cache; a running request is in its
+prefill phase until cache.length reaches `prefill_end` (it gets prompt chunks from what the
+step's token budget leaves after one position per decoding request), then decodes one token a
+step. A step whose new blocks would pass the budget preempts the newest running request: its
+cache is dropped and it waits at the head of the queue to prefill its input again. The
+reference runs each row on its own (batching changes no result, only speed), so every request
+gets exactly Engine.generate's tokens.
+
+KV bytes here are the Python pool's (blocks of one layer each, BlockPool.block_nbytes), so a
+budget admits other schedules than the native one; the tokens are the same.
+"""
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tinyloop.engine import SCHED_STAT_NAMES, finish_reason
+
+from .forward import forward_chunk, head_logits
+from .sampling import NumericError
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    params: object               # tinyloop.engine.GenerationParams
+    input: list                  # prompt ids, then the emitted ones
+    n_prompt: int
+    cache: object = None         # KVCache while running
+    prefill_end: int = 0
+    logits: np.ndarray = field(default=None, repr=False)
+
+    @property
+    def emitted(self):
+        return self.input[self.n_prompt:]
+
+
+class Scheduler:
+    def __init__(self, engine, max_batch, step_tokens, kv_budget_bytes):
+        self.engine = engine
+        self.max_batch, self.step_tokens, self.budget = max_batch, step_tokens, kv_budget_bytes
+        self.waiting, self.running = deque(), []
+        self._ids = itertools.count(1)
+        self.counters = dict.fromkeys(SCHED_STAT_NAMES, 0)
+
+    # -- KV accounting --------------------------------------------------------------------
+    def _block_bytes(self, loops):
+        return self.engine.config.n_layers(loops) * self.engine.pool.block_nbytes
+
+    def _alone(self):
+        """(blocks, bytes) the running requests hold alone (refs == 1), every layer."""
+        blocks = sum(b is not None and b.refs == 1 for r in self.running
+                     for layer in r.cache.layers for b in layer)
+        return blocks, blocks * self.engine.pool.block_nbytes
+
+    def _new_bytes(self, r, T):
+        """Bytes of the blocks writing T positions at the end of r's cache would allocate or
+        copy (a shared partial block is copied before its first write)."""
+        cache, bs = r.cache, self.engine.pool.block_size
+        n, fresh = cache.length, 0
+        for b in range(n // bs, (n + T - 1) // bs + 1):
+            layer0 = cache.layers[0]
+            fresh += b >= len(layer0) or layer0[b] is None or layer0[b].refs > 1
+        return fresh * self._block_bytes(r.params.loops)
+
+    # -- the EngineScheduler interface ----------------------------------------------------
+    def add(self, prompt, params):
+        if self.budget:
+            positions = len(prompt) + params.max_tokens
+            bs = self.engine.pool.block_size
+            need = -(-positions // bs) * self._block_bytes(params.loops)
+            if need > self.budget:
+                raise ValueError(f"the request could need {need} bytes of KV ({positions} positions "
+                                 f"at loops={params.loops}), more than kv_budget_bytes {self.budget}")
+        r = _Request(next(self._ids), params, prompt.tolist(), len(prompt))
+        self.waiting.append(r)
+        return r.id
+
+    def cancel(self, request_id):
+        for queue in (self.running, self.waiting):
+            for r in queue:
+                if r.id == request_id:
+                    queue.remove(r)
+                    self._drop(r)
+                    self.counters["cancelled"] += 1
+                    return True
+        return False
+
+    def step(self):
+        self._admit()
+        if not self.running:
+            return []
+        self._fit_budget()
+        ready = [r for r in self.running if r.cache.length >= r.prefill_end]
+        for r in ready:
+            self._decode(r)
+        budget = self.step_tokens - len(ready)
+        for r in [r for r in self.running if r.cache.length < r.prefill_end]:
+            if budget == 0:
+                break
+            T = min(budget, r.prefill_end - r.cache.length)
+            budget -= T
+            if self._prefill_chunk(r, T):
+                ready.append(r)
+        self.counters["steps"] += 1
+        return [self._sample(r) for r in ready]
+
+    def stats(self):
+        counters = dict(self.counters, running=len(self.running), waiting=len(self.waiting),
+                        kv_budget_bytes=self.budget)
+        counters["kv_blocks"], counters["kv_bytes"] = self._alone()
+        return counters
+
+    def free(self):
+        for r in itertools.chain(self.running, self.waiting):
+            self._drop(r)
+        self.running, self.waiting = [], deque()
+
+    # -- the step's parts -----------------------------------------------------------------
+    def _tree(self, r):
+        return self.engine._tree(r.params)
+
+    def _admit(self):
+        used = self._alone()[1] if self.budget else 0
+        pcache = self.engine.prefix_cache
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            r.cache = self.engine.new_cache(r.params.loops, r.params.cache_window)
+            tokens = np.array(r.input, np.int32)
+            hit = pcache.lookup(self._tree(r), r.cache, tokens) if pcache is not None else 0
+            need = self._new_bytes(r, len(r.input) - hit)
+            if self.budget and self.running and used + need > self.budget:
+                self._drop(r)
+                break
+            used += need
+            r.prefill_end = len(r.input)
+            self.counters["cached_tokens"] += hit
+            self.running.append(self.waiting.popleft())
+
+    def _step_need(self):
+        need, budget = 0, self.step_tokens
+        for r in self.running:
+            if r.cache.length >= r.prefill_end:
+                need += self._new_bytes(r, 1)
+                budget -= 1
+        for r in self.running:
+            if r.cache.length < r.prefill_end and budget:
+                T = min(budget, r.prefill_end - r.cache.length)
+                need += self._new_bytes(r, T)
+                budget -= T
+        return need
+
+    def _fit_budget(self):
+        while self.budget and len(self.running) > 1 and self._alone()[1] + self._step_need() > self.budget:
+            victim = self.running.pop()
+            self._drop(victim)
+            self.waiting.appendleft(victim)
+            self.counters["preemptions"] += 1
+
+    def _decode(self, r):
+        e = self.engine
+        x = forward_chunk(e.kernels, e.weights, r.cache, np.array(r.input[-1:], np.int32))
+        r.cache.release_outside_window()
+        r.logits = head_logits(e.kernels, e.weights, x)[0]
+
+    def _prefill_chunk(self, r, T):
+        """Run T more input positions; True when that ends r's prefill phase."""
+        e, start = self.engine, r.cache.length
+        pcache = e.prefix_cache
+        logits = e.prefill(r.cache, np.array(r.input[start:start + T], np.int32), T,
+                           release=pcache is None)
+        self.counters["prompt_tokens"] += T
+        if r.cache.length < r.prefill_end:
+            return False
+        if pcache is not None:
+            pcache.insert(self._tree(r), r.cache, np.array(r.input[:r.prefill_end], np.int32))
+            r.cache.release_outside_window()
+        r.logits = logits
+        return True
+
+    def _sample(self, r):
+        """r's next token as an event; a finished request leaves."""
+        history = r.input
+        try:
+            token = self.engine.kernels.sample(r.logits, history, r.params, len(history))
+        except NumericError:
+            self._finish(r)
+            return (r.id, -1, "error")
+        r.input.append(token)
+        self.counters["generated_tokens"] += 1
+        why = finish_reason(r.emitted, r.params, self.engine.config.eos_id)
+        if why is not None:
+            self._finish(r)
+        return (r.id, token, why)
+
+    def _finish(self, r):
+        self.running.remove(r)
+        self._drop(r)
+        self.counters["finished"] += 1
+
+    @staticmethod
+    def _drop(r):
+        if r.cache is not None:
+            r.cache.free()
+            r.cache = None

@@ -1,0 +1,467 @@
+/* sched.c — the continuous-batching scheduler (tinyloop.h, "Continuous batching").
+ *
+ * A request's `input` is its prompt followed by the tokens it has emitted; its sequence holds
+ * the KV of input[0 .. seq->n). A running request is in one of two phases:
+ *  - prefill: seq->n < prefill_end (the input's length when it was admitted); it gets prompt
+ *    chunks from the step's token budget, run with tl_seq_run, and when the chunk that reaches
+ *    prefill_end is done its blocks are offered to the prefix cache and its first token is
+ *    sampled from that chunk's logits;
+ *  - decode: seq->n == input length - 1 (the last emitted token is not run yet); all decoding
+ *    requests run their token in one tl_gen_decode_rows pass and sample the next.
+ * Admission (arrival order) looks the input up in the prefix cache and takes the request while
+ * a batch slot is free and the blocks its prefill will write fit the KV budget. A step whose
+ * blocks would not fit preempts the newest running request: its sequence is freed and it
+ * waits at the head of the queue with its input (prompt + emitted), which a later admission
+ * prefills again; its sampling state (tl_stream) is kept, so its next token is the one it
+ * would have sampled. Every computation is one the contract makes bit-identical to running the
+ * request alone (any chunking, any batch), so each request's tokens equal tl_generate's.
+ *
+ * Requests live in two doubly linked lists, waiting (FIFO, preempted at the head) and running
+ * (admission order). A request's fields are written only by the thread using the scheduler. */
+#include <stdio.h>
+#include <string.h>
+
+#include "base/alloc.h"
+#include "base/errors.h"
+#include "core/generate.h"
+
+typedef struct sched_req {
+    uint64_t id;
+    int32_t* input;           /* [n_prompt + max_tokens]: prompt, then the emitted tokens     */
+    size_t n_prompt;
+    size_t n_out;             /* tokens emitted (the stream's count)                           */
+    size_t prefill_end;       /* input positions of the prefill phase                          */
+    tl_gen_params p;          /* resolved; its pointers aim at the copies below                */
+    int32_t* stop_tokens;     /* owned copies (NULL when none)                                 */
+    size_t* stop_lengths;
+    char* salt;
+    tl_stream stream;         /* stream.seq is NULL while waiting                              */
+    struct sched_req *prev, *next;
+} sched_req;
+
+typedef struct req_list {
+    sched_req *head, *tail;
+    size_t n;
+} req_list;
+
+struct tl_sched {
+    tl_engine* engine;        /* holds a reference                                              */
+    tl_sched_params params;
+    req_list waiting, running;
+    uint64_t next_id;
+    tl_sched_stats stats;     /* counters; running, waiting and kv_* filled on request         */
+    /* per-step scratch, [max_batch] each */
+    tl_seq** rows;
+    sched_req** row_reqs;
+    int32_t* row_tokens;
+    float** row_logits;
+    tl_kv_mark* marks;
+    sched_req** ready;        /* requests whose logits this step filled, to sample             */
+};
+
+/* ---- lists ---------------------------------------------------------------------------------- */
+
+static void list_remove(req_list* l, sched_req* r) {
+    if (r->prev) r->prev->next = r->next;
+    else l->head = r->next;
+    if (r->next) r->next->prev = r->prev;
+    else l->tail = r->prev;
+    r->prev = r->next = NULL;
+    l->n--;
+}
+
+static void list_push_back(req_list* l, sched_req* r) {
+    r->prev = l->tail;
+    r->next = NULL;
+    if (l->tail) l->tail->next = r;
+    else l->head = r;
+    l->tail = r;
+    l->n++;
+}
+
+static void list_push_front(req_list* l, sched_req* r) {
+    r->next = l->head;
+    r->prev = NULL;
+    if (l->head) l->head->prev = r;
+    else l->tail = r;
+    l->head = r;
+    l->n++;
+}
+
+static void req_free(sched_req* r) {
+    if (!r) return;
+    tl_stream_free(&r->stream);
+    tl_free(r->input);
+    tl_free(r->stop_tokens);
+    tl_free(r->stop_lengths);
+    tl_free(r->salt);
+    tl_free(r);
+}
+
+static void list_free(req_list* l) {
+    for (sched_req* r = l->head; r;) {
+        sched_req* next = r->next;
+        req_free(r);
+        r = next;
+    }
+    memset(l, 0, sizeof *l);
+}
+
+/* ---- create, free --------------------------------------------------------------------------- */
+
+TL_API tl_sched_params tl_sched_params_default(void) {
+    tl_sched_params p = {sizeof p, 32, 512, 0};
+    return p;
+}
+
+static tl_status resolve_sched_params(const tl_sched_params* given, tl_sched_params* p) {
+    *p = tl_sched_params_default();
+    if (given) {
+        if (given->size < sizeof(size_t))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_sched_params.size must be set (sizeof(tl_sched_params))");
+        memcpy(p, given, given->size < sizeof *p ? given->size : sizeof *p);
+        p->size = sizeof *p;
+    }
+    if (p->max_batch == 0) p->max_batch = 32;
+    if (p->step_tokens == 0) p->step_tokens = 512;
+    if (p->max_batch > (1u << 20)) return tl_fail(TL_ERR_INVALID_ARGUMENT, "max_batch %zu > %u", p->max_batch, 1u << 20);
+    if (p->step_tokens < p->max_batch)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "step_tokens %zu < max_batch %zu (every running request may decode a token in a step)",
+                       p->step_tokens, p->max_batch);
+    return TL_OK;
+}
+
+TL_API void tl_sched_free(tl_sched* s) {
+    if (!s) return;
+    list_free(&s->waiting);
+    list_free(&s->running);
+    tl_free(s->rows);
+    tl_free(s->row_reqs);
+    tl_free(s->row_tokens);
+    tl_free(s->row_logits);
+    tl_free(s->marks);
+    tl_free(s->ready);
+    if (s->engine) tl_engine_unref(s->engine);
+    tl_free(s);
+}
+
+TL_API tl_status tl_sched_create(tl_model* model, const tl_sched_params* params, tl_sched** out) {
+    if (!out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    tl_sched_params p;
+    tl_status st = resolve_sched_params(params, &p);
+    if (st != TL_OK) return st;
+    tl_engine* e;
+    st = tl_model_acquire(model, &e);
+    if (st != TL_OK) return st;
+    tl_sched* s = tl_alloc_zeroed(1, sizeof *s);
+    if (!s) {
+        tl_engine_unref(e);
+        return tl_fail_oom("scheduler");
+    }
+    s->engine = e;
+    s->params = p;
+    s->next_id = 1;
+    const size_t B = p.max_batch;
+    s->rows = tl_alloc_zeroed(B, sizeof *s->rows);
+    s->row_reqs = tl_alloc_zeroed(B, sizeof *s->row_reqs);
+    s->row_tokens = tl_alloc_zeroed(B, sizeof *s->row_tokens);
+    s->row_logits = tl_alloc_zeroed(B, sizeof *s->row_logits);
+    s->marks = tl_alloc_zeroed(B, sizeof *s->marks);
+    s->ready = tl_alloc_zeroed(B, sizeof *s->ready);
+    if (!s->rows || !s->row_reqs || !s->row_tokens || !s->row_logits || !s->marks || !s->ready) {
+        tl_sched_free(s);
+        return tl_fail_oom("scheduler");
+    }
+    *out = s;
+    return TL_OK;
+}
+
+/* ---- add, cancel ---------------------------------------------------------------------------- */
+
+/* The request's own copies of what params point to (stop sequences, salt). */
+static tl_status copy_params(sched_req* r) {
+    tl_gen_params* p = &r->p;
+    size_t n_stop_tokens = 0;
+    for (size_t i = 0; i < p->n_stop; i++) n_stop_tokens += p->stop_lengths[i];
+    if (p->n_stop) {
+        r->stop_tokens = tl_alloc(n_stop_tokens * sizeof *r->stop_tokens);
+        r->stop_lengths = tl_alloc(p->n_stop * sizeof *r->stop_lengths);
+        if (!r->stop_tokens || !r->stop_lengths) return tl_fail_oom("scheduler request");
+        memcpy(r->stop_tokens, p->stop_tokens, n_stop_tokens * sizeof *r->stop_tokens);
+        memcpy(r->stop_lengths, p->stop_lengths, p->n_stop * sizeof *r->stop_lengths);
+    }
+    p->stop_tokens = r->stop_tokens;
+    p->stop_lengths = r->stop_lengths;
+    if (p->cache_salt && p->cache_salt[0]) {
+        const size_t len = strlen(p->cache_salt) + 1;
+        r->salt = tl_alloc(len);
+        if (!r->salt) return tl_fail_oom("scheduler request");
+        memcpy(r->salt, p->cache_salt, len);
+    }
+    p->cache_salt = r->salt;
+    return TL_OK;
+}
+
+/* The request's KV at most: every position of the prompt and its tokens, held alone. */
+static tl_status check_budget(const tl_sched* s, const sched_req* r) {
+    const size_t budget = s->params.kv_budget_bytes;
+    if (budget == 0) return TL_OK;
+    const tl_engine* e = s->engine;
+    const size_t positions = r->n_prompt + r->p.max_tokens;
+    const size_t blocks = (positions + e->kv_geom.block_size - 1) / e->kv_geom.block_size;
+    const uint32_t n_layers = (uint32_t)tl_n_layers(tl_engine_config(e), r->p.loops);
+    const size_t need = blocks * tl_kv_block_bytes(&e->kv_geom, n_layers);
+    if (need <= budget) return TL_OK;
+    return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                   "the request could need %zu bytes of KV (%zu positions at loops=%u), more than "
+                   "kv_budget_bytes %zu", need, positions, r->p.loops, budget);
+}
+
+TL_API tl_status tl_sched_add(tl_sched* s, const int32_t* prompt, size_t n, const tl_gen_params* params,
+                              uint64_t* id) {
+    if (!s || !id) return tl_fail(TL_ERR_INVALID_ARGUMENT, "sched or id is NULL");
+    *id = 0;
+    tl_engine* e = s->engine;
+    sched_req* r = tl_alloc_zeroed(1, sizeof *r);
+    if (!r) return tl_fail_oom("scheduler request");
+    tl_status st = tl_gen_check(e, NULL, prompt, n, params, &r->p);
+    if (st == TL_OK && (r->p.on_token || r->p.on_prefill))
+        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "a scheduled request takes no callbacks (on_token and on_prefill "
+                     "must be NULL): tl_sched_step reports its tokens");
+    r->n_prompt = n;
+    if (st == TL_OK) st = check_budget(s, r);
+    if (st == TL_OK) st = copy_params(r);
+    if (st == TL_OK) {
+        r->input = tl_alloc((n + r->p.max_tokens) * sizeof *r->input);
+        st = r->input ? tl_stream_init(&r->stream, e, &r->p, r->input + n, NULL, &r->n_out)
+                      : tl_fail_oom("scheduler request");
+    }
+    if (st != TL_OK) {
+        req_free(r);
+        return st;
+    }
+    memcpy(r->input, prompt, n * sizeof *prompt);
+    tl_stream_see(&r->stream, prompt, n);
+    r->id = s->next_id++;
+    list_push_back(&s->waiting, r);
+    *id = r->id;
+    return TL_OK;
+}
+
+static sched_req* find(const req_list* l, uint64_t id) {
+    for (sched_req* r = l->head; r; r = r->next)
+        if (r->id == id) return r;
+    return NULL;
+}
+
+TL_API tl_status tl_sched_cancel(tl_sched* s, uint64_t id) {
+    if (!s) return tl_fail(TL_ERR_INVALID_ARGUMENT, "sched is NULL");
+    req_list* l = &s->running;
+    sched_req* r = find(l, id);
+    if (!r) r = find(l = &s->waiting, id);
+    if (!r)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "no request %llu in the scheduler (never added, finished or "
+                       "cancelled)", (unsigned long long)id);
+    list_remove(l, r);
+    req_free(r);
+    s->stats.cancelled++;
+    return TL_OK;
+}
+
+/* ---- the step ------------------------------------------------------------------------------- */
+
+static size_t input_length(const sched_req* r) { return r->n_prompt + r->n_out; }
+
+static size_t kv_alone(const tl_sched* s, size_t* n_blocks) {
+    size_t bytes = 0, blocks = 0;
+    for (const sched_req* r = s->running.head; r; r = r->next) {
+        size_t b;
+        bytes += tl_kv_alone_bytes(&r->stream.seq->kv, &b);
+        blocks += b;
+    }
+    if (n_blocks) *n_blocks = blocks;
+    return bytes;
+}
+
+/* Bytes of the blocks running `T` positions at the end of r's sequence would allocate. */
+static size_t new_bytes(const tl_sched* s, const sched_req* r, size_t T) {
+    const tl_seq* q = r->stream.seq;
+    const tl_kv_geom* g = &s->engine->kv_geom;
+    return tl_kv_new_blocks(&q->kv, g, q->n_layers, q->n, T) * tl_kv_block_bytes(g, q->n_layers);
+}
+
+/* Admit waiting requests in order while a slot is free and their prefill's new blocks fit the
+ * budget (the first one always, when nothing runs: it fits alone, tl_sched_add checked). */
+static tl_status admit(tl_sched* s) {
+    tl_engine* e = s->engine;
+    size_t used = s->params.kv_budget_bytes ? kv_alone(s, NULL) : 0;
+    while (s->waiting.head && s->running.n < s->params.max_batch) {
+        sched_req* r = s->waiting.head;
+        tl_seq* q;
+        tl_status st = tl_seq_new(e, r->p.loops, r->p.cache_window, &q);
+        if (st != TL_OK) return st;
+        size_t hit = 0;
+        const size_t n = input_length(r);
+        if (e->pcache) {
+            const tl_pcache_key key = tl_gen_cache_key(e, q, &r->p);
+            tl_pcache_lookup(e->pcache, &key, r->input, n, &q->kv, &hit);
+            q->n = hit;
+        }
+        r->stream.seq = q;
+        const size_t need = new_bytes(s, r, n - hit);
+        if (s->params.kv_budget_bytes && s->running.n && used + need > s->params.kv_budget_bytes) {
+            tl_seq_free(q);
+            r->stream.seq = NULL;
+            break;
+        }
+        used += need;
+        r->prefill_end = n;
+        s->stats.cached_tokens += hit;
+        list_remove(&s->waiting, r);
+        list_push_back(&s->running, r);
+    }
+    return TL_OK;
+}
+
+/* The prefill chunk r gets from `budget` positions left in the step. */
+static size_t chunk_of(const sched_req* r, size_t budget) {
+    const size_t left = r->prefill_end - r->stream.seq->n;
+    return left < budget ? left : budget;
+}
+
+/* The bytes of new blocks this step would allocate, planned as step() runs it. */
+static size_t step_need(const tl_sched* s) {
+    size_t need = 0, budget = s->params.step_tokens;
+    for (const sched_req* r = s->running.head; r; r = r->next)
+        if (r->stream.seq->n >= r->prefill_end) {
+            need += new_bytes(s, r, 1);
+            budget--;
+        }
+    for (const sched_req* r = s->running.head; r && budget; r = r->next)
+        if (r->stream.seq->n < r->prefill_end) {
+            const size_t T = chunk_of(r, budget);
+            need += new_bytes(s, r, T);
+            budget -= T;
+        }
+    return need;
+}
+
+/* Preempt the newest running requests until the step fits the budget (never the last one). */
+static void fit_budget(tl_sched* s) {
+    const size_t budget = s->params.kv_budget_bytes;
+    if (budget == 0) return;
+    while (s->running.n > 1 && kv_alone(s, NULL) + step_need(s) > budget) {
+        sched_req* victim = s->running.tail;
+        tl_seq_free(victim->stream.seq);
+        victim->stream.seq = NULL;
+        list_remove(&s->running, victim);
+        list_push_front(&s->waiting, victim);
+        s->stats.preemptions++;
+    }
+}
+
+/* Every decoding request's pending token, in one batched pass. */
+static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
+    size_t n = 0;
+    for (sched_req* r = s->running.head; r; r = r->next) {
+        if (r->stream.seq->n < r->prefill_end) continue;
+        s->rows[n] = r->stream.seq;
+        s->row_reqs[n] = r;
+        s->row_tokens[n] = r->input[r->stream.seq->n];
+        s->row_logits[n++] = r->stream.logits;
+    }
+    if (n == 0) return TL_OK;
+    tl_status st = tl_gen_decode_rows(s->engine, s->rows, s->row_tokens, n, s->row_logits, s->marks);
+    if (st != TL_OK) return st;
+    memcpy(s->ready + *n_ready, s->row_reqs, n * sizeof *s->ready);
+    *n_ready += n;
+    return TL_OK;
+}
+
+/* One prompt chunk of T positions for a request in its prefill phase; the chunk that ends the
+ * phase offers the prefix cache its blocks and leaves the logits to sample from. */
+static tl_status run_chunk(tl_sched* s, sched_req* r, size_t T, size_t* n_ready) {
+    tl_engine* e = s->engine;
+    tl_seq* q = r->stream.seq;
+    const bool last = q->n + T == r->prefill_end;
+    const tl_run_opts opts = {.logits_last = last ? r->stream.logits : NULL, .keep_window = e->pcache != NULL};
+    tl_status st = tl_seq_run(q, r->input + q->n, T, T, &opts);
+    if (st != TL_OK) return st;
+    s->stats.prompt_tokens += T;
+    if (!last) return TL_OK;
+    if (e->pcache) {
+        const tl_pcache_key key = tl_gen_cache_key(e, q, &r->p);
+        tl_pcache_insert(e->pcache, &key, r->input, r->prefill_end, &q->kv);
+        tl_kv_release_outside(&q->kv, q->n, q->window);
+    }
+    s->ready[(*n_ready)++] = r;
+    return TL_OK;
+}
+
+static tl_status run_prefills(tl_sched* s, size_t budget, size_t* n_ready) {
+    for (sched_req* r = s->running.head; r && budget; r = r->next) {
+        if (r->stream.seq->n >= r->prefill_end) continue;
+        const size_t T = chunk_of(r, budget);
+        tl_status st = run_chunk(s, r, T, n_ready);
+        if (st != TL_OK) return st;
+        budget -= T;
+    }
+    return TL_OK;
+}
+
+/* Sample each ready request's next token into the events; finished requests leave. */
+static void sample_ready(tl_sched* s, size_t n_ready, uint64_t* ids, int32_t* tokens, uint8_t* finish) {
+    for (size_t i = 0; i < n_ready; i++) {
+        sched_req* r = s->ready[i];
+        int32_t token = -1;
+        tl_finish why = tl_stream_sample(&r->stream, &token) == TL_OK ? r->stream.finish : TL_FINISH_ERROR;
+        ids[i] = r->id;
+        tokens[i] = why == TL_FINISH_ERROR ? -1 : token;
+        finish[i] = (uint8_t)why;
+        if (why != TL_FINISH_ERROR) s->stats.generated_tokens++;
+        if (why != TL_FINISH_NONE) {
+            s->stats.finished++;
+            list_remove(&s->running, r);
+            req_free(r);
+        }
+    }
+}
+
+TL_API tl_status tl_sched_step(tl_sched* s, uint64_t* ids, int32_t* tokens, uint8_t* finish, size_t capacity,
+                               size_t* n_events) {
+    if (n_events) *n_events = 0;
+    if (!s || !ids || !tokens || !finish || !n_events)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "sched, ids, tokens, finish or n_events is NULL");
+    if (capacity < s->params.max_batch)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "capacity %zu < max_batch %zu", capacity, s->params.max_batch);
+    tl_status st = tl_engine_check_open(s->engine);
+    if (st == TL_OK) st = admit(s);
+    if (st != TL_OK || s->running.n == 0) return st;
+    fit_budget(s);
+    size_t n_ready = 0;
+    st = run_decodes(s, &n_ready);
+    const size_t n_decoded = n_ready;
+    if (st == TL_OK) st = run_prefills(s, s->params.step_tokens - n_decoded, &n_ready);
+    sample_ready(s, n_ready, ids, tokens, finish);
+    *n_events = n_ready;
+    s->stats.steps++;
+    return st;
+}
+
+TL_API tl_status tl_sched_stats_get(const tl_sched* s, tl_sched_stats* out) {
+    if (!s || !out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "sched or out is NULL");
+    if (out->size < offsetof(tl_sched_stats, steps))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_sched_stats.size must be set (sizeof(tl_sched_stats))");
+    tl_sched_stats v = s->stats;
+    v.size = sizeof v;
+    v.running = s->running.n;
+    v.waiting = s->waiting.n;
+    v.kv_bytes = kv_alone(s, &v.kv_blocks);
+    v.kv_budget_bytes = s->params.kv_budget_bytes;
+    const size_t size = out->size < sizeof v ? out->size : sizeof v;
+    memcpy(out, &v, size);
+    out->size = size;
+    return TL_OK;
+}
