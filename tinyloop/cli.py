@@ -1,4 +1,4 @@
-"""The `tinyloop` command line: `demo` (the main job), `generate`, `chat`, `info`, `convert`, `bench`.
+"""The `tinyloop` command line: `demo` (the main job), `generate`, `chat`, `serve`, `info`, `convert`, `bench`.
 
 Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or input (argparse convention),
 130 interrupted (Ctrl-C, also during a long prefill). Every argument is checked before any
@@ -26,6 +26,7 @@ from .chat import Chat
 from .config import ModelConfig
 from .demo import demo_model_path, run_demo
 from .hf import convert
+from .model import DEFAULT_PREFIX_CACHE_BYTES
 from .modelfile import read_meta
 from .quickbench import SHAPES, bench_model, describe, shared_prefix, speed
 from .tokenizer import TextStream
@@ -187,6 +188,26 @@ def run_chat(args, out):
                   file=sys.stderr, flush=True)
 
 
+def run_serve(args, out):
+    """The OpenAI-compatible server (docs/serving.md) until Ctrl-C; uvicorn logs on stderr."""
+    if args.step_tokens < args.max_batch:        # the Scheduler's rule, checked before serving
+        raise ValueError(f"--step-tokens {args.step_tokens} is less than --max-batch "
+                         f"{args.max_batch}: every running request decodes a token per step")
+    try:
+        import uvicorn
+
+        from .serve import create_app
+    except ImportError as exc:
+        raise RuntimeError(f"tinyloop serve needs the serve extra ({exc.name} is missing): "
+                           "pip install 'tinyloop[serve]'") from None
+    app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch,
+                     step_tokens=args.step_tokens, kv_budget_bytes=args.kv_budget,
+                     prefix_cache_bytes=args.prefix_cache_bytes, backend=args.backend,
+                     threads=args.threads, device=args.device)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def architecture_lines(cfg, meta):
     """(label, text) lines saying what a model is (docs/spec.md §1), from Model.config() and
     the file's meta.* texts."""
@@ -311,10 +332,13 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"tinyloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
 
-    def command(name, run, help, model_default="the bundled demo model"):
+    def command(name, run, help, model_default="the bundled demo model", positional=False):
         p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("--model", type=model_file, default=None,
-                       help=f"a .tinyloop file (default: {model_default})")
+        model_help = f"a .tinyloop file (default: {model_default})"
+        if positional:        # `tinyloop serve MODEL`: the model is what the command is about
+            p.add_argument("model", nargs="?", type=model_file, default=None, help=model_help)
+        else:
+            p.add_argument("--model", type=model_file, default=None, help=model_help)
         p.add_argument("--backend", default="auto", choices=BACKENDS,
                        help="the engine that runs the model; auto: TINYLOOP_BACKEND when set, "
                             "else the native library when it loads, else numba, else numpy "
@@ -376,6 +400,28 @@ def build_parser():
     chat.add_argument("--system", default=None,
                       help="the system message that starts the conversation (default: none)")
     sampling(chat, max_tokens=256)
+
+    serve = command("serve", run_serve, "an OpenAI-compatible HTTP server with continuous "
+                    "batching (docs/serving.md)", positional=True)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on; 0.0.0.0 for every interface "
+                            "(default: %(default)s)")
+    serve.add_argument("--port", type=integer(1, 65535), default=8000,
+                       help="the TCP port (default: %(default)s)")
+    serve.add_argument("--model-name", default=None,
+                       help="the model id requests name (default: the model's name, else its "
+                            "file name)")
+    serve.add_argument("--max-batch", type=integer(1), default=32,
+                       help="requests running at once (default: %(default)s)")
+    serve.add_argument("--step-tokens", type=integer(1), default=512,
+                       help="positions one scheduler step computes at most, >= --max-batch "
+                            "(default: %(default)s)")
+    serve.add_argument("--kv-budget", type=integer(0), default=0,
+                       help="KV bytes the running requests may hold; beyond it the newest is "
+                            "preempted and recomputed later, 0 = no limit (default: %(default)s)")
+    serve.add_argument("--prefix-cache-bytes", type=integer(0), default=DEFAULT_PREFIX_CACHE_BYTES,
+                       help="budget of the automatic prefix cache, 0 = off "
+                            "(default: %(default)s)")
 
     command("info", run_info, "model configuration, architecture and the backend chosen")
 

@@ -1,0 +1,597 @@
+"""`tinyloop serve` (tinyloop.serve) over HTTP with the official `openai` client and raw httpx.
+
+Servers run in this process on 127.0.0.1, each on a free port of its own, on a uvicorn thread
+that stops at the end of the module. The replies are checked against offline `Model.generate`
+with the same prompt ids and seed on a model opened separately: a request's tokens are the same
+whatever else the server runs (32 concurrent streams; a burst beyond the KV budget, which
+preempts). The bundled demo model (bytes tokenizer: one token per byte, so equal text is equal
+tokens) serves the completions; a tiny random model with a Hugging Face tokenizer and a chat
+template (tests/tiny_hf.py) serves the chats.
+"""
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+parser = pytest.importorskip("prometheus_client.parser")
+
+import tinyloop                                               # noqa: E402
+from tinyloop.cli import main                                 # noqa: E402
+from tinyloop.serve import EngineLoop, create_app             # noqa: E402
+from tinyloop.serve.handler import StopText                   # noqa: E402
+from tiny_hf import hf_model                                  # noqa: E402
+
+DEMO = "tinyloop-demo"
+START_TIMEOUT = 60          # seconds for a server to load its model and answer /health
+ENGINE_TIMEOUT = 60         # seconds an EngineLoop test may run (a dead engine thread hangs)
+SLOW_LOOPS = 64             # a depth that makes a long reply take seconds: time to cancel it
+PROMPTS = ["And God said", "In the beginning", "Blessed are they", "And Jesus answered",
+           "Thus saith the LORD", "And it came to pass", "Let there be", "The LORD is"]
+
+
+@contextlib.contextmanager
+def running(app):
+    """`app` served by uvicorn on a thread, on a free loopback port: yields its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@contextlib.contextmanager
+def serving(model=None, **options):
+    """A server of `model` (create_app's arguments), once its model has loaded."""
+    with running(create_app(model, **options)) as url:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not _healthy(url):
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.05)
+        yield url
+
+
+def _healthy(url):
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The demo model, opened apart from the servers, for offline generate."""
+    with tinyloop.Model(prefix_cache_bytes=0) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def demo():
+    with serving(max_batch=32, step_tokens=256) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(demo):
+    return openai.OpenAI(base_url=demo + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def offline(model, prompt, max_tokens, seed, temperature=1.0, **kwargs):
+    """The text and token count of Model.generate's reply with the server's defaults (OpenAI's:
+    temperature 1, top_p 1, no top-k)."""
+    ids = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    out = model.generate(ids, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                         top_k=kwargs.pop("top_k", 0), **kwargs)[len(ids):]
+    text = model.decode(out, skip_special_tokens=True)
+    if model.config()["tokenizer"] == "bytes":   # the text is the ids: equal text, equal tokens
+        assert model.encode(text) == out, "the reply is not valid UTF-8; pick another seed"
+    return text, len(out)
+
+
+def metrics(url):
+    """{sample name with labels: value} of GET /metrics, parsed by prometheus_client."""
+    text = httpx.get(url + "/metrics").text
+    return {name + (json.dumps(labels, sort_keys=True) if labels else ""): value
+            for family in parser.text_string_to_metric_families(text)
+            for name, labels, value, *_ in family.samples}
+
+
+def finished(reason):
+    return f'tinyloop_requests_total{{"finish_reason": "{reason}"}}'
+
+
+def idle(values):
+    """The engine runs nothing and has nothing waiting."""
+    return values["tinyloop_requests_running"] == values["tinyloop_requests_waiting"] == 0
+
+
+def wait_for(url, condition, timeout=20):
+    """The metrics once condition(metrics) holds (the engine thread updates them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(url)
+        if condition(values):
+            return values
+        assert time.monotonic() < deadline, f"metrics never satisfied the condition: {values}"
+        time.sleep(0.05)
+
+
+# -- completions -----------------------------------------------------------------------------
+def test_models_and_health(demo, client):
+    assert [m.id for m in client.models.list().data] == [DEMO]
+    assert httpx.get(demo + "/health").json() == {"status": "ok"}
+
+
+SAMPLINGS = [dict(temperature=1.0), dict(temperature=0.0),
+             dict(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.3, loops=3)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_completion_equals_offline_generate(client, reference, sampling):
+    check_completion(client, reference, sampling)
+
+
+def check_completion(client, reference, sampling):
+    """A completion with `sampling` (TinyLoop's fields go in extra_body) is generate's."""
+    openai_fields = {k: v for k, v in sampling.items() if k in ("temperature", "top_p")}
+    extra = {k: v for k, v in sampling.items() if k not in openai_fields}
+    reply = client.completions.create(model=DEMO, prompt=PROMPTS[0], max_tokens=24, seed=11,
+                                      **openai_fields, extra_body=extra)
+    text, n = offline(reference, PROMPTS[0], 24, 11, **sampling)
+    assert reply.choices[0].text == text and n == 24
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.object == "text_completion" and reply.model == DEMO
+    prompt_tokens = len(reference.encode(PROMPTS[0]))
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens,
+            reply.usage.total_tokens) == (prompt_tokens, 24, prompt_tokens + 24)
+
+
+def test_token_id_prompt_and_default_max_tokens(client, reference):
+    ids = reference.encode(PROMPTS[1])
+    reply = client.completions.create(model=DEMO, prompt=ids, seed=5)
+    assert reply.choices[0].text == offline(reference, ids, 16, 5)[0]   # OpenAI's default 16
+    assert reply.usage.completion_tokens == 16
+
+
+def test_streamed_completion_equals_plain(client, reference):
+    chunks = list(client.completions.create(model=DEMO, prompt=PROMPTS[2], max_tokens=30, seed=3,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline(reference, PROMPTS[2], 30, 3)[0]
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1   # really streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+
+
+def test_stream_ends_with_done(demo):
+    body = dict(model=DEMO, prompt=PROMPTS[3], max_tokens=5, seed=1, stream=True)
+    with httpx.stream("POST", demo + "/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_stop_cuts_the_reply(client, reference, stream):
+    full, _ = offline(reference, PROMPTS[4], 60, 9, 0.0)
+    stop = full[20:22]                  # a piece of the reply: it stops at the first occurrence
+    reply = client.completions.create(model=DEMO, prompt=PROMPTS[4], max_tokens=60, seed=9,
+                                      temperature=0, stop=[stop, "no such text"], stream=stream)
+    chunks = list(reply) if stream else [reply]
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == full[:full.index(stop)] and stop not in text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("pieces, stops, shown, stopped", [
+    (["ab", "c\n", "\nd"], ("\n\n",), ["ab", "c", ""], True),      # spans two pieces
+    (["ab", "c\n", "d"], ("\n\n",), ["ab", "c", "\nd"], False),     # held back, then shown
+    (["x<e", "nd>y"], ("<end>", "nd"), ["x", ""], True),            # the earliest one wins
+    (["x<e", "n"], ("<end>",), ["x", "<en"], False),                # the last piece shows all
+    (["abc"], (), ["abc"], False),
+])
+def test_stop_text_holds_back_what_may_start_a_stop(pieces, stops, shown, stopped):
+    matcher, got, hit = StopText(stops), [], False
+    for i, piece in enumerate(pieces):
+        text, hit = matcher.feed(piece, final=i == len(pieces) - 1)
+        got.append(text)
+        if hit:
+            break
+    assert (got, hit) == (shown, stopped)
+
+
+def test_concurrent_streams_equal_offline_generate(demo, reference):
+    """32 streams at once, each with its own prompt and seed: every one gets generate's text."""
+    calls = [(PROMPTS[i % len(PROMPTS)], 100 + i) for i in range(32)]
+
+    async def one(client, prompt, seed):
+        stream = await client.completions.create(model=DEMO, prompt=prompt, max_tokens=12,
+                                                 seed=seed, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=demo + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, p, s) for p, s in calls))
+
+    texts = asyncio.run(run())
+    assert texts == [offline(reference, p, 12, s)[0] for p, s in calls]
+    assert len(set(texts)) > 16                 # the seeds mattered
+
+
+# -- cancellation ------------------------------------------------------------------------------
+def test_closing_a_stream_cancels_its_request(demo, client, reference):
+    before = metrics(demo)
+    stream = client.completions.create(model=DEMO, prompt=PROMPTS[5], max_tokens=900, seed=2,
+                                       stream=True, extra_body=dict(loops=SLOW_LOOPS))
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()
+    after = wait_for(demo, lambda m: m[finished("cancelled")] == before[finished("cancelled")] + 1
+                     and idle(m))
+    generated = (after["tinyloop_generation_tokens_total"]
+                 - before["tinyloop_generation_tokens_total"])
+    assert 3 <= generated < 900                 # it stopped early
+    check_completion(client, reference, SAMPLINGS[0])
+
+
+def test_a_client_that_gives_up_cancels_its_request(demo):
+    before = metrics(demo)
+    body = dict(model=DEMO, prompt=PROMPTS[6], max_tokens=1000, seed=4, loops=SLOW_LOOPS)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(demo + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    after = wait_for(demo, lambda m: m[finished("cancelled")] == before[finished("cancelled")] + 1
+                     and idle(m))
+    generated = (after["tinyloop_generation_tokens_total"]
+                 - before["tinyloop_generation_tokens_total"])
+    assert generated < 1000                     # it stopped early
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def test_metrics_count_requests_tokens_and_cache_hits(demo, client):
+    prompt = " ".join(PROMPTS) * 3                          # long enough for whole KV blocks
+    before = metrics(demo)
+    for seed in (1, 2):                                     # the second finds the first's prefix
+        client.completions.create(model=DEMO, prompt=prompt, max_tokens=4, seed=seed)
+    after = wait_for(demo, idle)
+
+    def delta(name):
+        return after[name] - before.get(name, 0)
+
+    n_prompt = len(prompt.encode())
+    assert delta("tinyloop_prompt_tokens_total") == 2 * n_prompt
+    assert delta("tinyloop_generation_tokens_total") == 8
+    assert delta(finished("length")) == 2
+    assert delta("tinyloop_prefix_cache_queries_total") >= 2
+    assert delta("tinyloop_prefix_cache_hit_tokens_total") >= n_prompt - 2 * 16
+    assert delta("tinyloop_time_to_first_token_seconds_count") == 2
+    assert delta("tinyloop_inter_token_latency_seconds_count") == 6
+    assert after["tinyloop_kv_blocks"] == after["tinyloop_kv_bytes"] == 0
+
+
+# -- the KV budget -----------------------------------------------------------------------------
+def kv_block_bytes(model):
+    """The KV bytes of one block of positions of `model`, as its Scheduler counts them: what a
+    one-token request holds after its first step."""
+    with tinyloop.Scheduler(model) as scheduler:
+        scheduler.add([1], max_tokens=2)
+        scheduler.step()
+        return scheduler.stats()["kv_bytes"]
+
+
+def test_burst_beyond_the_kv_budget_loses_nothing(reference):
+    """Room for the KV of two or three requests, twelve at once: the scheduler preempts and
+    recomputes, and every reply is still generate's."""
+    with serving(max_batch=12, step_tokens=64, kv_budget_bytes=8 * kv_block_bytes(reference),
+                 prefix_cache_bytes=0) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        calls = [(f"{PROMPTS[i % len(PROMPTS)]} {i}:", 200 + i) for i in range(12)]
+        texts = [None] * len(calls)
+
+        def one(i):
+            prompt, seed = calls[i]
+            texts[i] = client.completions.create(model=DEMO, prompt=prompt, max_tokens=20,
+                                                 seed=seed).choices[0].text
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert texts == [offline(reference, p, 20, s)[0] for p, s in calls]
+        assert metrics(url)["tinyloop_preemptions_total"] > 0
+        # a request that could not fit alone is refused, naming the prompt
+        response = httpx.post(url + "/v1/completions",
+                              json=dict(model=DEMO, prompt=PROMPTS[0] * 20, max_tokens=200))
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "prompt"
+        assert "kv_budget_bytes" in response.json()["error"]["message"]
+
+
+# -- chat --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return hf_model(tmp_path_factory.mktemp("serve") / "chat.tinyloop")
+
+
+@pytest.fixture(scope="module")
+def chat_url(chat_model):
+    with serving(chat_model, model_name="tiny-chat") as url:
+        yield url
+
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello wörld"},
+            {"role": "assistant", "content": "the quick brown fox"},
+            {"role": "user", "content": [{"type": "text", "text": "naïve "},
+                                         {"type": "text", "text": "café?"}]}]
+
+
+def offline_chat(path, messages, max_tokens, seed):
+    """The reply Model.generate gives for the rendered conversation, stopping at the end of
+    turn as tinyloop.Chat does."""
+    with tinyloop.Model(path, prefix_cache_bytes=0) as model:
+        rendered = [dict(m, content=m["content"] if isinstance(m["content"], str)
+                         else "".join(part["text"] for part in m["content"])) for m in messages]
+        ids = model.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
+        eos = model.tokenizer.eos_id
+        stops = [[eos]] if eos is not None and eos != model.config()["eos_id"] else []
+        return offline(model, ids, max_tokens, seed, stop_sequences=stops)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_offline_generate(chat_url, chat_model, stream):
+    client = openai.OpenAI(base_url=chat_url + "/v1", api_key="unused", max_retries=0)
+    want, n = offline_chat(chat_model, MESSAGES, 20, 8)
+    reply = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, seed=8,
+                                           max_completion_tokens=20, stream=stream)
+    if stream:
+        chunks = list(reply)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    else:
+        assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+        text = reply.choices[0].message.content
+        assert reply.usage.completion_tokens == n
+        assert reply.choices[0].finish_reason == ("length" if n == 20 else "stop")
+    assert text == want
+
+
+# -- the engine loop -----------------------------------------------------------------------------
+def test_engine_loop_survives_a_failed_step_and_a_refused_add(reference):
+    """A step that raises fails the requests it ran, a refused add fails its own request, and
+    the next request is served exactly as if nothing had happened."""
+    engine = EngineLoop(reference, max_batch=4, step_tokens=16,
+                        kv_budget_bytes=8 * kv_block_bytes(reference))
+    step, failures = engine._scheduler.step, []
+
+    def failing_step():
+        if not failures:
+            failures.append("raised")
+            raise RuntimeError("injected failure")
+        return step()
+
+    engine._scheduler.step = failing_step
+    prompt = reference.encode(PROMPTS[0])
+
+    async def tokens(**kwargs):
+        return [event.token async for event in engine.generate(prompt, **kwargs)]
+
+    async def run():
+        with pytest.raises(RuntimeError, match="the engine failed: injected failure"):
+            await tokens(max_tokens=8, seed=1)
+        with pytest.raises(ValueError, match="kv_budget_bytes"):
+            await tokens(max_tokens=900, seed=1)
+        return await asyncio.gather(*(tokens(max_tokens=8, seed=s, temperature=1.0)
+                                      for s in range(6)))
+
+    engine.start()
+    try:
+        got = asyncio.run(asyncio.wait_for(run(), ENGINE_TIMEOUT))
+    finally:
+        engine.stop()
+    assert failures == ["raised"]
+    assert got == [reference.generate(prompt, max_tokens=8, seed=s, temperature=1.0)[len(prompt):]
+                   for s in range(6)]
+    assert engine.stats["running"] == engine.stats["waiting"] == 0
+
+
+def test_engine_loop_cancels_an_abandoned_request(reference):
+    engine = EngineLoop(reference, max_batch=2, step_tokens=16)
+
+    async def run():
+        events = engine.generate(reference.encode(PROMPTS[1]), max_tokens=900, seed=3,
+                                 loops=SLOW_LOOPS)
+        first = await events.__anext__()
+        await events.aclose()
+        return first
+
+    engine.start()
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), ENGINE_TIMEOUT)).finish is None
+        deadline = time.monotonic() + 10
+        while engine.stats["cancelled"] != 1:
+            assert time.monotonic() < deadline, engine.stats
+            time.sleep(0.01)
+        assert engine.stats["running"] == 0 and engine.stats["generated_tokens"] < 900
+    finally:
+        engine.stop()
+
+
+# -- bad requests ------------------------------------------------------------------------------
+GOOD = dict(model=DEMO, prompt="And", max_tokens=2)
+BAD_COMPLETIONS = [
+    (dict(GOOD, model="gpt-4"), 404, "model"),
+    ({k: v for k, v in GOOD.items() if k != "model"}, 400, "model"),
+    (dict(GOOD, model=3), 400, "model"),
+    ({k: v for k, v in GOOD.items() if k != "prompt"}, 400, "prompt"),
+    (dict(GOOD, prompt=7), 400, "prompt"),
+    (dict(GOOD, prompt=""), 400, "prompt"),
+    (dict(GOOD, prompt=[1, 999]), 400, "prompt"),
+    (dict(GOOD, prompt=["a", "b"]), 400, "prompt"),
+    (dict(GOOD, prompt="x" * 1100), 400, "prompt"),
+    (dict(GOOD, max_tokens=1022), 400, "max_tokens"),
+    (dict(GOOD, max_tokens=0), 400, "max_tokens"),
+    (dict(GOOD, max_tokens=1.5), 400, "max_tokens"),
+    (dict(GOOD, max_tokens="2"), 400, "max_tokens"),
+    (dict(GOOD, temperature=-1), 400, "temperature"),
+    (dict(GOOD, temperature="hot"), 400, "temperature"),
+    (dict(GOOD, top_p=0), 400, "top_p"),
+    (dict(GOOD, top_p=1.5), 400, "top_p"),
+    (dict(GOOD, top_k=-1), 400, "top_k"),
+    (dict(GOOD, repetition_penalty=0), 400, "repetition_penalty"),
+    (dict(GOOD, loops=0), 400, "loops"),
+    (dict(GOOD, loops=True), 400, "loops"),
+    (dict(GOOD, seed=-1), 400, "seed"),
+    (dict(GOOD, seed=1 << 64), 400, "seed"),
+    (dict(GOOD, n=2), 400, "n"),
+    (dict(GOOD, stop=5), 400, "stop"),
+    (dict(GOOD, stop=[""]), 400, "stop"),
+    (dict(GOOD, stream="yes"), 400, "stream"),
+    (dict(GOOD, stream_options={"include_usage": True}), 400, "stream_options"),
+    (dict(GOOD, cache_salt=5), 400, "cache_salt"),
+    (dict(GOOD, cache_salt="a\0b"), 400, "cache_salt"),
+    (dict(GOOD, logprobs=3), 400, "logprobs"),
+    (dict(GOOD, frobnicate=1), 400, "frobnicate"),
+]
+CHAT = dict(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+BAD_CHATS = [
+    (dict(CHAT, model=DEMO), 404, "model"),
+    (dict(CHAT, messages=[]), 400, "messages"),
+    (dict(CHAT, messages="hi"), 400, "messages"),
+    (dict(CHAT, messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    (dict(CHAT, messages=[{"role": "user"}]), 400, "messages[0].content"),
+    (dict(CHAT, messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
+    (dict(CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
+     "messages[0].content"),
+    (dict(CHAT, messages=[{"role": "user", "content": "hello " * 200}]), 400, "messages"),
+    (dict(CHAT, max_completion_tokens=0), 400, "max_completion_tokens"),
+    (dict(CHAT, max_tokens=100000), 400, "max_tokens"),       # past max_seq_len
+    (dict(CHAT, prompt="hi"), 400, "prompt"),                 # a completion's field
+]
+
+
+def error_of(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def check_error(url, path, body, status, param):
+    error = error_of(httpx.post(url + path, json=body), status)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("body, status, param", BAD_COMPLETIONS)
+def test_bad_completion_names_the_field(demo, body, status, param):
+    check_error(demo, "/v1/completions", body, status, param)
+
+
+@pytest.mark.parametrize("body, status, param", BAD_CHATS)
+def test_bad_chat_names_the_field(chat_url, body, status, param):
+    check_error(chat_url, "/v1/chat/completions", body, status, param)
+
+
+def test_chat_needs_a_chat_template(demo):
+    error = error_of(httpx.post(demo + "/v1/chat/completions", json=dict(CHAT, model=DEMO)), 400)
+    assert error["param"] == "messages" and "no chat template" in error["message"]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_body_that_is_not_a_json_object(demo, content):
+    error_of(httpx.post(demo + "/v1/completions", content=content), 400)
+
+
+def test_unknown_paths_and_methods(demo):
+    assert error_of(httpx.get(demo + "/v2/nothing"), 404)["code"] == "unknown_url"
+    error_of(httpx.get(demo + "/v1/completions"), 405)
+
+
+def test_the_server_survives_a_barrage_of_bad_requests(demo, client, reference):
+    with httpx.Client(base_url=demo) as http:
+        for _ in range(3):
+            for body, status, _ in BAD_COMPLETIONS:
+                assert http.post("/v1/completions", json=body).status_code == status
+            for content in (b"{", b"null", b'{"model": "tinyloop-demo", "prompt": NaN}'):
+                assert http.post("/v1/completions", content=content).status_code == 400
+    assert _healthy(demo)
+    check_completion(client, reference, SAMPLINGS[2])
+
+
+def test_health_is_503_until_the_model_has_loaded(tmp_path):
+    """A model that cannot load leaves /health at 503 with the reason; nothing crashes."""
+    broken = tmp_path / "broken.tinyloop"
+    broken.write_bytes(b"not a model")
+    with running(create_app(broken)) as url:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                error = httpx.get(url + "/health").json()["error"]
+                if "failed to load" in error["message"]:
+                    break
+            assert time.monotonic() < deadline, "the load failure was never reported"
+            time.sleep(0.05)
+        assert httpx.get(url + "/health").status_code == 503
+        assert error_of(httpx.get(url + "/v1/models"), 503)["type"] == "service_unavailable"
+
+
+def test_cli_checks_the_scheduler_flags_before_serving(capsys):
+    assert main(["serve", "--max-batch", "8", "--step-tokens", "4"]) == 2
+    assert "--step-tokens 4 is less than --max-batch 8" in capsys.readouterr().err
+
+
+def test_cli_serves_until_interrupted(tmp_path):
+    """`tinyloop serve` in a process of its own: it serves, and Ctrl-C stops it with code 0."""
+    with socket.socket() as probe:            # a free port (released for the server to take)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "serve.log", "w+") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tinyloop", "serve", "--port", str(port), "--model-name", "kjv",
+             "--max-batch", "4", "--step-tokens", "64"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            while not _healthy(url):
+                assert process.poll() is None and time.monotonic() < deadline, log_text(log)
+                time.sleep(0.1)
+            reply = httpx.post(url + "/v1/completions",
+                               json=dict(model="kjv", prompt=PROMPTS[0], max_tokens=3)).json()
+            assert reply["usage"]["completion_tokens"] == 3
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                code = process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
+        assert code == 0, log_text(log)
+        assert "Uvicorn running on" in log_text(log)
+
+
+def log_text(log):
+    log.seek(0)
+    return log.read()

@@ -1,0 +1,86 @@
+"""The server's Prometheus metrics, in a CollectorRegistry of its own (one per app).
+
+Two kinds: what the request handlers observe (latency histograms, admitted prompt tokens,
+requests by finish reason) and what the engine counts, read from `EngineLoop.stats` at scrape
+time (requests running and waiting, tokens computed and generated, prefix-cache queries and
+hits, KV blocks). docs/serving.md lists every name.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0)
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+# (name, help, engine stats key): engine gauges, then engine counters ("cache." = the model's
+# prefix-cache counters, Model.cache_stats()).
+ENGINE_GAUGES = (
+    ("tinyloop_requests_running", "Requests the scheduler is running (prefilling or decoding)",
+     "running"),
+    ("tinyloop_requests_waiting", "Requests waiting to be scheduled", "waiting"),
+    ("tinyloop_kv_blocks", "KV blocks the running requests hold", "kv_blocks"),
+    ("tinyloop_kv_bytes", "KV bytes the running requests hold privately", "kv_bytes"),
+)
+ENGINE_COUNTERS = (
+    ("tinyloop_prefill_tokens", "Prompt positions computed by prefill (recomputation after a "
+     "preemption included)", "prompt_tokens"),
+    ("tinyloop_cached_prompt_tokens", "Prompt positions taken from the prefix cache",
+     "cached_tokens"),
+    ("tinyloop_generation_tokens", "Tokens generated", "generated_tokens"),
+    ("tinyloop_preemptions", "Requests preempted to stay within the KV budget", "preemptions"),
+    ("tinyloop_scheduler_steps", "Scheduler steps run", "steps"),
+    ("tinyloop_prefix_cache_queries", "Prefix-cache lookups", "cache.lookups"),
+    ("tinyloop_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
+     "cache.hit_tokens"),
+)
+
+
+class _EngineCollector:
+    """Reads the engine's stats snapshot when Prometheus scrapes (nothing before it runs)."""
+
+    def __init__(self, stats: Callable[[], Optional[dict[str, Any]]]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+
+        def value(key: str) -> float:
+            group, _, name = key.rpartition(".")
+            return float((stats[group] if group else stats)[name])
+
+        for name, text, key in ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, text, value=value(key))
+        for name, text, key in ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, text, value=value(key))
+
+
+class ServerMetrics:
+    """The metrics of one app; `stats()` returns the engine's stats snapshot, or None while
+    the model loads."""
+
+    def __init__(self, stats: Callable[[], Optional[dict[str, Any]]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.time_to_first_token = Histogram(
+            "tinyloop_time_to_first_token_seconds", "From a request's arrival to its first token",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "tinyloop_inter_token_latency_seconds", "Between two tokens of a request",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("tinyloop_prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=self.registry)
+        self.requests = Counter("tinyloop_requests", "Requests ended, by finish reason "
+                                "(cancelled: the client went away; error: the engine failed)",
+                                ["finish_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:            # every series exists from the start
+            self.requests.labels(reason)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
