@@ -2,14 +2,17 @@
 over fallback.Engine's caches, an implementation of tinyloop.engine.EngineScheduler.
 
 A request's `input` is its prompt followed by the tokens it emitted; its cache holds
-input[:cache.length]. Admission (arrival order, while a slot is free and the prefill's new
-blocks fit the KV budget) looks the input up in the prefix cache; a running request is in its
-prefill phase until cache.length reaches `prefill_end` (it gets prompt chunks from what the
-step's token budget leaves after one position per decoding request), then decodes one token a
-step. A step whose new blocks would pass the budget preempts the newest running request: its
-cache is dropped and it waits at the head of the queue to prefill its input again. The
-reference runs each row on its own (batching changes no result, only speed), so every request
-gets exactly Engine.generate's tokens.
+input[:cache.length]. Admission (arrival order, while a slot is free and the blocks its prefill,
+the other prefills and the decodes meanwhile will open fit the KV budget) looks the input up in
+the prefix cache; a refused head is tried again once a request leaves or the held KV drops. A
+running request is in its prefill phase until cache.length reaches `prefill_end` (it gets
+prompt chunks from what the step's token budget leaves after one position per decoding
+request; each chunk offers its full blocks to the prefix cache), then decodes one token a step.
+A step whose new blocks would pass the budget preempts the newest running request: its cache is
+dropped and it waits at the head of the queue to prefill its input again; a step that fails
+preempts every running request, so a retried step recomputes them exactly. The reference runs
+each row on its own (batching changes no result, only speed), so every request gets exactly
+Engine.generate's tokens.
 
 KV bytes here are the Python pool's (blocks of one layer each, BlockPool.block_nbytes), so a
 budget admits other schedules than the native one; the tokens are the same.
@@ -48,6 +51,7 @@ class Scheduler:
         self.waiting, self.running = deque(), []
         self._ids = itertools.count(1)
         self.counters = dict.fromkeys(SCHED_STAT_NAMES, 0)
+        self._refused_at = None      # the held KV when the waiting head was refused
 
     # -- KV accounting --------------------------------------------------------------------
     def _block_bytes(self, loops):
@@ -64,6 +68,8 @@ class Scheduler:
         copy (a shared partial block is copied before its first write)."""
         cache, bs = r.cache, self.engine.pool.block_size
         n, fresh = cache.length, 0
+        if T == 0:
+            return 0
         for b in range(n // bs, (n + T - 1) // bs + 1):
             layer0 = cache.layers[0]
             fresh += b >= len(layer0) or layer0[b] is None or layer0[b].refs > 1
@@ -89,6 +95,7 @@ class Scheduler:
                     queue.remove(r)
                     self._drop(r)
                     self.counters["cancelled"] += 1
+                    self._refused_at = None
                     return True
         return False
 
@@ -97,19 +104,30 @@ class Scheduler:
         if not self.running:
             return []
         self._fit_budget()
-        ready = [r for r in self.running if r.cache.length >= r.prefill_end]
+        try:
+            ready = self._run()
+        except BaseException:
+            while self.running:
+                self._preempt_newest()
+            raise
+        finally:
+            self.counters["steps"] += 1
+        return [self._sample(r) for r in ready]
+
+    def _run(self):
+        """The decodes, then the prefill chunks; returns the requests with logits to sample."""
+        ready = [r for r in self.running if self._decoding(r)]
         for r in ready:
             self._decode(r)
         budget = self.step_tokens - len(ready)
-        for r in [r for r in self.running if r.cache.length < r.prefill_end]:
+        for r in [r for r in self.running if not self._decoding(r)]:
             if budget == 0:
                 break
             T = min(budget, r.prefill_end - r.cache.length)
             budget -= T
             if self._prefill_chunk(r, T):
                 ready.append(r)
-        self.counters["steps"] += 1
-        return [self._sample(r) for r in ready]
+        return ready
 
     def stats(self):
         counters = dict(self.counters, running=len(self.running), waiting=len(self.waiting),
@@ -126,19 +144,39 @@ class Scheduler:
     def _tree(self, r):
         return self.engine._tree(r.params)
 
+    @staticmethod
+    def _decoding(r):
+        return r.cache.length >= r.prefill_end
+
+    def _fits(self, r, used):
+        """Whether r (looked up) fits beside `used`: its prefill's new blocks, the rest of the
+        other prefills', and the decodes' until r's prefill is done."""
+        if not self.budget or not self.running:
+            return True
+        prefilling = [q for q in self.running if not self._decoding(q)]
+        decoding = [q for q in self.running if self._decoding(q)]
+        positions = len(r.input) - r.cache.length + sum(q.prefill_end - q.cache.length for q in prefilling)
+        steps = -(-positions // (self.step_tokens - len(decoding)))
+        need = (self._new_bytes(r, len(r.input) - r.cache.length)
+                + sum(self._new_bytes(q, q.prefill_end - q.cache.length) for q in prefilling)
+                + sum(self._new_bytes(q, min(steps, q.params.max_tokens - len(q.emitted))) for q in decoding))
+        return used + need <= self.budget
+
     def _admit(self):
         used = self._alone()[1] if self.budget else 0
+        if self._refused_at is not None and self.running and used >= self._refused_at:
+            return
+        self._refused_at = None
         pcache = self.engine.prefix_cache
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
             r.cache = self.engine.new_cache(r.params.loops, r.params.cache_window)
             tokens = np.array(r.input, np.int32)
             hit = pcache.lookup(self._tree(r), r.cache, tokens) if pcache is not None else 0
-            need = self._new_bytes(r, len(r.input) - hit)
-            if self.budget and self.running and used + need > self.budget:
+            if not self._fits(r, self._alone()[1] if self.budget else 0):
                 self._drop(r)
+                self._refused_at = used
                 break
-            used += need
             r.prefill_end = len(r.input)
             self.counters["cached_tokens"] += hit
             self.running.append(self.waiting.popleft())
@@ -146,22 +184,26 @@ class Scheduler:
     def _step_need(self):
         need, budget = 0, self.step_tokens
         for r in self.running:
-            if r.cache.length >= r.prefill_end:
+            if self._decoding(r):
                 need += self._new_bytes(r, 1)
                 budget -= 1
         for r in self.running:
-            if r.cache.length < r.prefill_end and budget:
+            if not self._decoding(r) and budget:
                 T = min(budget, r.prefill_end - r.cache.length)
                 need += self._new_bytes(r, T)
                 budget -= T
         return need
 
+    def _preempt_newest(self):
+        victim = self.running.pop()
+        self._drop(victim)
+        self.waiting.appendleft(victim)
+        self.counters["preemptions"] += 1
+        self._refused_at = None
+
     def _fit_budget(self):
         while self.budget and len(self.running) > 1 and self._alone()[1] + self._step_need() > self.budget:
-            victim = self.running.pop()
-            self._drop(victim)
-            self.waiting.appendleft(victim)
-            self.counters["preemptions"] += 1
+            self._preempt_newest()
 
     def _decode(self, r):
         e = self.engine
@@ -176,10 +218,11 @@ class Scheduler:
         logits = e.prefill(r.cache, np.array(r.input[start:start + T], np.int32), T,
                            release=pcache is None)
         self.counters["prompt_tokens"] += T
+        if pcache is not None:
+            pcache.insert(self._tree(r), r.cache, np.array(r.input[:r.cache.length], np.int32))
         if r.cache.length < r.prefill_end:
             return False
         if pcache is not None:
-            pcache.insert(self._tree(r), r.cache, np.array(r.input[:r.prefill_end], np.int32))
             r.cache.release_outside_window()
         r.logits = logits
         return True
@@ -203,6 +246,7 @@ class Scheduler:
         self.running.remove(r)
         self._drop(r)
         self.counters["finished"] += 1
+        self._refused_at = None
 
     @staticmethod
     def _drop(r):

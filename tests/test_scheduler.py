@@ -192,3 +192,35 @@ def test_a_closed_model_stops_its_scheduler(numpy_or_native, model_files):
     with pytest.raises(RuntimeError, match="model was closed"):
         s.step()
     s.close()
+
+
+def test_a_failed_step_is_retried_exactly(monkeypatch, models_by_backend):
+    """A step of the Python policy that fails half way (here the second decode of step 3)
+    preempts its requests: the retried steps recompute them and no token changes."""
+    from tinyloop.fallback import scheduler as policy
+    model = models_by_backend("numpy")["int8-gqa"]
+    prompts_ = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    want = [model.generate(p, max_tokens=6, temperature=0.9, seed=i)[len(p):]
+            for i, p in enumerate(prompts_)]
+    calls, real = [], policy.forward_chunk
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "forward_chunk", failing_once)
+    with tinyloop.Scheduler(model, max_batch=3, step_tokens=3) as s:
+        ids = [s.add(p, max_tokens=6, temperature=0.9, seed=i) for i, p in enumerate(prompts_)]
+        got, raised = {i: [] for i in ids}, 0
+        while s.has_work:
+            try:
+                events = s.step()
+            except MemoryError:
+                raised += 1
+                continue
+            for e in events:
+                got[e.id].append(e.token)
+        assert raised == 1 and s.stats()["preemptions"] > 0
+    assert [got[i] for i in ids] == want

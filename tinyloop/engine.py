@@ -127,7 +127,8 @@ class EngineScheduler(Protocol):
         """Remove a waiting or running request; False if there is none with that id."""
 
     def step(self) -> List[SchedulerEvent]:
-        """Run one iteration; at most one event per request (finish: FINISH_REASONS)."""
+        """Run one iteration; at most one event per request (finish: FINISH_REASONS). A step
+        that raises may be retried: no request's tokens change."""
 
     def stats(self) -> Dict[str, int]:
         """{name: int for name in SCHED_STAT_NAMES}."""

@@ -81,7 +81,8 @@ class Scheduler:
         return self._live().cancel(P.check_int("request_id", request_id, 0, (1 << 64) - 1))
 
     def step(self) -> list[SchedulerEvent]:
-        """Run one iteration; [] when there is nothing to run."""
+        """Run one iteration; [] when there is nothing to run. A step that raises (e.g.
+        MemoryError) may simply be retried: no request loses or changes a token."""
         return [SchedulerEvent(*event) for event in self._live().step()]
 
     @property

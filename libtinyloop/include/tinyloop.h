@@ -409,10 +409,10 @@ TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests,
  * KV budget allow), every decoding request computes one token (one batched pass), and the
  * prompts being prefilled get chunks from what is left of the step's token budget, so a long
  * prompt never stalls the running streams. Every prompt goes through the automatic prefix cache
- * (when the model has one), under its request's cache_salt. When a step would take the running
- * requests' KV past the budget, the newest running request is preempted: its KV is dropped and
- * it waits at the head of the queue to be recomputed (its prompt and the tokens it emitted),
- * so it loses nothing. Every request's tokens are bit-identical to tl_generate of it alone,
+ * (when the model has one), under its request's cache_salt; each chunk offers it its full
+ * blocks. When a step would take the running requests' KV past the budget, the newest running
+ * request is preempted: its KV is dropped and it waits at the head of the queue to be
+ * recomputed (its prompt and the tokens it emitted), so it loses nothing. Every request's tokens are bit-identical to tl_generate of it alone,
  * whatever else runs (docs/c-api.md, "Continuous batching"). Use a scheduler from one thread at
  * a time; it holds a reference to the model's weights. */
 typedef struct tl_sched tl_sched;
@@ -424,7 +424,10 @@ typedef struct tl_sched_params {
                                the rest in prompt chunks; 0 = 512; must be >= max_batch        */
     size_t kv_budget_bytes; /* KV bytes the running requests may hold alone (blocks shared with
                                the prefix cache count against its budget); 0 = no limit. A
-                               request that could not run within it alone is refused.        */
+                               request that could not run within it alone is refused. Without
+                               a prefix cache it is a hard bound after every step; with one,
+                               a block the cache drops while a request shares it becomes that
+                               request's alone, outside the step's plan.                     */
 } tl_sched_params;
 
 /* max_batch 32, step_tokens 512, no KV budget. */
@@ -461,8 +464,11 @@ typedef enum tl_finish {
  * request gets at most one event per step, and a request's events come in the order of its
  * tokens. The arrays have room for `capacity` events, which must be >= max_batch; *n_events
  * receives the count (0 when there is nothing to run). On TL_ERR_OUT_OF_MEMORY the step ran
- * what it could: its *n_events events are valid, the rest is unchanged and the next step tries
- * again. TL_ERR_CLOSED once the model is closed. */
+ * what it could (a failed admission does not stop the running requests; a decode pass out of
+ * memory preempts the newest request and runs once more): its *n_events events are valid, the
+ * rest is unchanged and the next step tries again. A TL_FINISH_ERROR event leaves the
+ * sampler's message in tl_last_error() though the step returns TL_OK. TL_ERR_CLOSED once the
+ * model is closed. */
 TL_API tl_status tl_sched_step(tl_sched* sched, uint64_t* ids, int32_t* tokens, uint8_t* finish,
                                size_t capacity, size_t* n_events);
 
@@ -470,7 +476,7 @@ typedef struct tl_sched_stats {
     size_t size;               /* in: sizeof(tl_sched_stats)                                   */
     size_t running;            /* requests admitted (prefilling or decoding)                   */
     size_t waiting;            /* requests queued, the preempted included                      */
-    uint64_t steps;            /* tl_sched_step calls that ran something                       */
+    uint64_t steps;            /* tl_sched_step calls that found requests running              */
     uint64_t prompt_tokens;    /* prompt positions prefilled (recomputation included)          */
     uint64_t cached_tokens;    /* prompt positions taken from the automatic prefix cache       */
     uint64_t generated_tokens; /* tokens emitted                                               */

@@ -133,21 +133,36 @@ static tl_status op_cached(tl_model* unused) {
     return st;
 }
 
+/* The three requests op_sched runs: prompt[0 .. 21 - 4i), 8 greedy tokens; their tokens alone. */
+static int32_t sched_reference[3][8];
+
+static tl_gen_params sched_params(void) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 8;
+    return gp;
+}
+
+static void sched_references(tl_model* m) {
+    const tl_gen_params gp = sched_params();
+    for (size_t i = 0; i < 3; i++) {
+        size_t n;
+        CHECK_OK(tl_generate(m, prompt, 21 - 4 * i, &gp, sched_reference[i], &n, NULL));
+    }
+}
+
 /* A scheduler running three requests; a step that fails is retried, as tl_sched_step allows,
- * and the first request (greedy()'s) must still get the reference tokens. */
+ * and every request must still get its tokens alone. */
 static tl_status op_sched(tl_model* m) {
     tl_sched_params sp = tl_sched_params_default();
     sp.max_batch = 4;
     sp.step_tokens = 8;
     tl_sched* s = NULL;
     tl_status first = tl_sched_create(m, &sp, &s);
-    tl_gen_params gp = tl_gen_params_default();
-    gp.max_tokens = 8;
-    uint64_t id0 = 0, id;
-    for (size_t i = 0; i < 3 && first == TL_OK; i++)
-        first = tl_sched_add(s, prompt, 21 - 4 * i, &gp, i ? &id : &id0);
-    int32_t got[8];
-    size_t n_got = 0;
+    const tl_gen_params gp = sched_params();
+    uint64_t ids_added[3] = {0};
+    for (size_t i = 0; i < 3 && first == TL_OK; i++) first = tl_sched_add(s, prompt, 21 - 4 * i, &gp, &ids_added[i]);
+    int32_t got[3][8];
+    size_t n_got[3] = {0};
     for (int step = 0; first == TL_OK && step < 100; step++) {
         uint64_t ids[4];
         int32_t tokens[4];
@@ -156,12 +171,15 @@ static tl_status op_sched(tl_model* m) {
         const tl_status st = tl_sched_step(s, ids, tokens, finish, 4, &n);  /* a failure: retried */
         CHECK(st == TL_OK || st == TL_ERR_OUT_OF_MEMORY, "scheduler step: status %d: %s", st, tl_last_error());
         for (size_t e = 0; e < n; e++)
-            if (ids[e] == id0 && n_got < 8) got[n_got++] = tokens[e];
+            for (size_t i = 0; i < 3; i++)
+                if (ids[e] == ids_added[i] && n_got[i] < 8) got[i][n_got[i]++] = tokens[e];
         tl_sched_stats stats = {.size = sizeof stats};
         CHECK_OK(tl_sched_stats_get(s, &stats));
         if (stats.running + stats.waiting == 0) break;
     }
-    if (first == TL_OK) CHECK(n_got == 8 && memcmp(got, reference, sizeof got) == 0, "scheduled tokens differ");
+    for (size_t i = 0; i < 3 && first == TL_OK; i++)
+        CHECK(n_got[i] == 8 && memcmp(got[i], sched_reference[i], sizeof got[i]) == 0,
+              "scheduled request %zu: tokens differ", i);
     tl_sched_free(s);
     return first;
 }
@@ -198,6 +216,7 @@ int main(void) {
     for (int i = 0; i < 21; i++) prompt[i] = (i * 37 + 11) % 256;
     tl_model* m = tu_open(path, 2, TL_ISA_AUTO, 4);
     CHECK_OK(greedy(m, reference));
+    sched_references(m);
     sweep("open", op_open, NULL);
     sweep("prefill+decode", op_prefill_decode, m);
     sweep("fork", op_fork, m);

@@ -24,7 +24,9 @@ typedef struct expected {
     size_t n[N];
 } expected;
 
-static void make_requests(uint64_t seed) {
+/* Requests of seed; `decode_heavy`: prompts of 2 tokens decoding MAX_NEW tokens each, so the
+ * decodes outgrow what admission foresaw and a tight budget must preempt. */
+static void make_requests(uint64_t seed, int decode_heavy) {
     uint64_t rng = seed;
     int32_t shared[SHARED];
     for (int j = 0; j < SHARED; j++) shared[j] = tu_uniform(&rng, 0, (int32_t)V - 1);
@@ -32,10 +34,10 @@ static void make_requests(uint64_t seed) {
         const size_t own = (size_t)tu_uniform(&rng, 1, PROMPT_MAX - SHARED);
         memcpy(prompts[i], shared, sizeof shared);
         for (size_t j = 0; j < own; j++) prompts[i][SHARED + j] = tu_uniform(&rng, 0, (int32_t)V - 1);
-        prompt_lengths[i] = SHARED + own;
+        prompt_lengths[i] = decode_heavy ? 2 : SHARED + own;
         tl_gen_params* p = &params[i];
         *p = tl_gen_params_default();
-        p->max_tokens = (size_t)tu_uniform(&rng, 1, MAX_NEW);
+        p->max_tokens = decode_heavy ? MAX_NEW : (size_t)tu_uniform(&rng, 1, MAX_NEW);
         p->loops = (uint32_t)tu_uniform(&rng, 1, 3);
         p->temperature = i % 2 ? 0.9f : 0.0f;
         p->seed = tu_next(&rng);
@@ -206,11 +208,13 @@ static void test_bad_arguments(tl_model* m) {
     CHECK_STATUS(tl_sched_step(s, NULL, tokens, finish, 32, &n), TL_ERR_INVALID_ARGUMENT);
     CHECK_OK(tl_sched_step(s, ids, tokens, finish, 32, &n));
     CHECK(n == 0, "an empty scheduler emitted %zu", n);
-    tl_sched_stats st = {.size = 8};
+    tl_sched_stats st = {.size = 0};
     CHECK_STATUS(tl_sched_stats_get(s, &st), TL_ERR_INVALID_ARGUMENT);
     st.size = offsetof(tl_sched_stats, steps);  /* an older, shorter struct */
+    st.steps = 12345;
     CHECK_OK(tl_sched_stats_get(s, &st));
-    CHECK(st.running == 0 && st.waiting == 0, "short stats");
+    CHECK(st.size == offsetof(tl_sched_stats, steps) && st.running == 0 && st.waiting == 0 && st.steps == 12345,
+          "a short struct is filled up to its size only");
     CHECK_OK(tl_sched_add(s, prompts[0], prompt_lengths[0], NULL, &id));
     tl_model_close(m);
     CHECK_STATUS(tl_sched_step(s, ids, tokens, finish, 32, &n), TL_ERR_CLOSED);
@@ -242,8 +246,8 @@ int main(void) {
         tl_model* m = open_model(path, cache_bytes);
         if (!m) return tu_finish("test_sched");
         uint64_t* preempted = cache_bytes ? &preemptions_cached : &preemptions;
-        for (uint64_t seed = 1; seed <= 4; seed++) {
-            make_requests(seed);
+        for (uint64_t seed = 1; seed <= 8; seed++) {
+            make_requests(seed, seed > 4);
             expected want;
             generate_alone(m, &want);
             const size_t fits = fitting_budget(m);

@@ -10,6 +10,7 @@
 
 #include "base/alloc.h"
 #include "base/errors.h"
+#include "base/versioned.h"
 #include "core/backend.h"
 #include "core/engine.h"
 #include "core/prefix_cache.h"
@@ -207,11 +208,6 @@ static tl_status begin_get(const tl_model* model, const void* out, tl_engine** e
 
 /* Copy `full` (whose first field is its size) into the caller's struct, up to the caller's
  * size, so an older caller with a shorter struct gets the fields it knows. */
-static void copy_versioned(void* out, void* full, size_t full_size) {
-    const size_t size = *(size_t*)out < full_size ? *(size_t*)out : full_size;
-    *(size_t*)full = size;
-    memcpy(out, full, size);
-}
 
 TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out) {
     tl_engine* e;
@@ -225,7 +221,7 @@ TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out
         c->version, c->n_core_blocks, c->n_coda_blocks, c->block_layout, c->qkv_bias, c->injection,
         c->step_norm, c->embed_scale, c->coda_norm};
     memcpy(full.name, c->name, sizeof full.name);
-    copy_versioned(out, &full, sizeof full);
+    tl_copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);
     return TL_OK;
 }
@@ -241,7 +237,7 @@ TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* o
     tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
                              host_weight_bytes, info.device, info.device_weight_bytes, {0}};
     snprintf(full.device_name, sizeof full.device_name, "%s", info.name);
-    copy_versioned(out, &full, sizeof full);
+    tl_copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);
     return TL_OK;
 }
@@ -254,7 +250,7 @@ TL_API tl_status tl_model_prefix_cache_stats(tl_model* model, tl_prefix_cache_st
     memset(&full, 0, sizeof full);
     full.size = sizeof full;
     if (e->pcache) full = tl_pcache_stats(e->pcache);
-    copy_versioned(out, &full, sizeof full);
+    tl_copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);
     return TL_OK;
 }

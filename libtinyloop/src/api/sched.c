@@ -9,11 +9,14 @@
  *  - decode: seq->n == input length - 1 (the last emitted token is not run yet); all decoding
  *    requests run their token in one tl_gen_decode_rows pass and sample the next.
  * Admission (arrival order) looks the input up in the prefix cache and takes the request while
- * a batch slot is free and the blocks its prefill will write fit the KV budget. A step whose
- * blocks would not fit preempts the newest running request: its sequence is freed and it
- * waits at the head of the queue with its input (prompt + emitted), which a later admission
- * prefills again; its sampling state (tl_stream) is kept, so its next token is the one it
- * would have sampled. Every computation is one the contract makes bit-identical to running the
+ * a batch slot is free and the blocks its prefill will write, plus those the decoding requests
+ * will open meanwhile, fit the KV budget; a refused head is tried again once the held KV
+ * drops or a request leaves. Every chunk offers its full blocks to the prefix cache, so a
+ * preempted prefill resumes from it. A step whose blocks would not fit preempts the newest
+ * running request: its sequence is freed and it waits at the head of the queue with its input
+ * (prompt + emitted), which a later admission prefills again; its sampling state (tl_stream)
+ * is kept, so its next token is the one it would have sampled. A decode pass that runs out of
+ * memory preempts the newest request and tries once more, so the oldest keeps going. Every computation is one the contract makes bit-identical to running the
  * request alone (any chunking, any batch), so each request's tokens equal tl_generate's.
  *
  * Requests live in two doubly linked lists, waiting (FIFO, preempted at the head) and running
@@ -23,6 +26,7 @@
 
 #include "base/alloc.h"
 #include "base/errors.h"
+#include "base/versioned.h"
 #include "core/generate.h"
 
 typedef struct sched_req {
@@ -49,6 +53,9 @@ struct tl_sched {
     tl_sched_params params;
     req_list waiting, running;
     uint64_t next_id;
+    bool head_refused;        /* the waiting head did not fit: retried once a request leaves
+                                 or the held KV drops below refused_at                          */
+    size_t refused_at;
     tl_sched_stats stats;     /* counters; running, waiting and kv_* filled on request         */
     /* per-step scratch, [max_batch] each */
     tl_seq** rows;
@@ -267,6 +274,7 @@ TL_API tl_status tl_sched_cancel(tl_sched* s, uint64_t id) {
     list_remove(l, r);
     req_free(r);
     s->stats.cancelled++;
+    s->head_refused = false;
     return TL_OK;
 }
 
@@ -292,11 +300,59 @@ static size_t new_bytes(const tl_sched* s, const sched_req* r, size_t T) {
     return tl_kv_new_blocks(&q->kv, g, q->n_layers, q->n, T) * tl_kv_block_bytes(g, q->n_layers);
 }
 
-/* Admit waiting requests in order while a slot is free and their prefill's new blocks fit the
- * budget (the first one always, when nothing runs: it fits alone, tl_sched_add checked). */
+static bool decoding(const sched_req* r) { return r->stream.seq->n >= r->prefill_end; }
+
+/* Bytes of the blocks the decoding requests open over the next `steps` steps. */
+static size_t decode_growth(const tl_sched* s, size_t steps) {
+    size_t bytes = 0;
+    for (const sched_req* r = s->running.head; r; r = r->next)
+        if (decoding(r)) {
+            const size_t left = r->p.max_tokens - r->n_out;
+            bytes += new_bytes(s, r, steps < left ? steps : left);
+        }
+    return bytes;
+}
+
+static size_t count_decoding(const tl_sched* s) {
+    size_t n = 0;
+    for (const sched_req* r = s->running.head; r; r = r->next) n += decoding(r);
+    return n;
+}
+
+/* Bytes of the blocks the requests in their prefill phase open until it ends. */
+static size_t prefill_growth(const tl_sched* s) {
+    size_t bytes = 0;
+    for (const sched_req* r = s->running.head; r; r = r->next)
+        if (!decoding(r)) bytes += new_bytes(s, r, r->prefill_end - r->stream.seq->n);
+    return bytes;
+}
+
+/* Whether r, looked up (its sequence holds the hit), fits the budget beside `used`: its
+ * prefill's new blocks, the rest of the other prefills', and what the decoding requests open
+ * until r's prefill is done (the prompts ahead of it included). */
+static bool fits(const tl_sched* s, const sched_req* r, size_t used) {
+    const size_t budget = s->params.kv_budget_bytes;
+    if (budget == 0 || s->running.n == 0) return true;
+    size_t positions = input_length(r) - r->stream.seq->n;
+    for (const sched_req* q = s->running.head; q; q = q->next)
+        if (!decoding(q)) positions += q->prefill_end - q->stream.seq->n;
+    const size_t per_step = s->params.step_tokens - count_decoding(s);
+    const size_t steps = (positions + per_step - 1) / per_step;
+    const size_t need = new_bytes(s, r, input_length(r) - r->stream.seq->n) + prefill_growth(s) +
+                        decode_growth(s, steps);
+    return used + need <= budget;
+}
+
+/* Admit waiting requests in order while a slot is free and they fit the budget (the first one
+ * always, when nothing runs: it fits alone, tl_sched_add checked). A refused head waits until
+ * a request leaves or the held KV drops, so it is not looked up in the prefix cache again
+ * every step. */
 static tl_status admit(tl_sched* s) {
     tl_engine* e = s->engine;
-    size_t used = s->params.kv_budget_bytes ? kv_alone(s, NULL) : 0;
+    const bool budgeted = s->params.kv_budget_bytes != 0;
+    const size_t used = budgeted ? kv_alone(s, NULL) : 0;
+    if (s->head_refused && s->running.n && used >= s->refused_at) return TL_OK;
+    s->head_refused = false;
     while (s->waiting.head && s->running.n < s->params.max_batch) {
         sched_req* r = s->waiting.head;
         tl_seq* q;
@@ -310,13 +366,13 @@ static tl_status admit(tl_sched* s) {
             q->n = hit;
         }
         r->stream.seq = q;
-        const size_t need = new_bytes(s, r, n - hit);
-        if (s->params.kv_budget_bytes && s->running.n && used + need > s->params.kv_budget_bytes) {
+        if (!fits(s, r, budgeted ? kv_alone(s, NULL) : 0)) {
             tl_seq_free(q);
             r->stream.seq = NULL;
+            s->head_refused = true;
+            s->refused_at = used;
             break;
         }
-        used += need;
         r->prefill_end = n;
         s->stats.cached_tokens += hit;
         list_remove(&s->waiting, r);
@@ -335,12 +391,12 @@ static size_t chunk_of(const sched_req* r, size_t budget) {
 static size_t step_need(const tl_sched* s) {
     size_t need = 0, budget = s->params.step_tokens;
     for (const sched_req* r = s->running.head; r; r = r->next)
-        if (r->stream.seq->n >= r->prefill_end) {
+        if (decoding(r)) {
             need += new_bytes(s, r, 1);
             budget--;
         }
     for (const sched_req* r = s->running.head; r && budget; r = r->next)
-        if (r->stream.seq->n < r->prefill_end) {
+        if (!decoding(r)) {
             const size_t T = chunk_of(r, budget);
             need += new_bytes(s, r, T);
             budget -= T;
@@ -348,25 +404,29 @@ static size_t step_need(const tl_sched* s) {
     return need;
 }
 
+/* Free the newest running request's sequence and queue it first, to be prefilled again. */
+static void preempt_newest(tl_sched* s) {
+    sched_req* victim = s->running.tail;
+    tl_seq_free(victim->stream.seq);
+    victim->stream.seq = NULL;
+    list_remove(&s->running, victim);
+    list_push_front(&s->waiting, victim);
+    s->stats.preemptions++;
+    s->head_refused = false;
+}
+
 /* Preempt the newest running requests until the step fits the budget (never the last one). */
 static void fit_budget(tl_sched* s) {
     const size_t budget = s->params.kv_budget_bytes;
     if (budget == 0) return;
-    while (s->running.n > 1 && kv_alone(s, NULL) + step_need(s) > budget) {
-        sched_req* victim = s->running.tail;
-        tl_seq_free(victim->stream.seq);
-        victim->stream.seq = NULL;
-        list_remove(&s->running, victim);
-        list_push_front(&s->waiting, victim);
-        s->stats.preemptions++;
-    }
+    while (s->running.n > 1 && kv_alone(s, NULL) + step_need(s) > budget) preempt_newest(s);
 }
 
 /* Every decoding request's pending token, in one batched pass. */
 static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
     size_t n = 0;
     for (sched_req* r = s->running.head; r; r = r->next) {
-        if (r->stream.seq->n < r->prefill_end) continue;
+        if (!decoding(r)) continue;
         s->rows[n] = r->stream.seq;
         s->row_reqs[n] = r;
         s->row_tokens[n] = r->input[r->stream.seq->n];
@@ -380,8 +440,9 @@ static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
     return TL_OK;
 }
 
-/* One prompt chunk of T positions for a request in its prefill phase; the chunk that ends the
- * phase offers the prefix cache its blocks and leaves the logits to sample from. */
+/* One prompt chunk of T positions for a request in its prefill phase. Each chunk offers the
+ * prefix cache its full blocks (a preempted prefill then resumes from them); the one that ends
+ * the phase leaves the logits to sample from. */
 static tl_status run_chunk(tl_sched* s, sched_req* r, size_t T, size_t* n_ready) {
     tl_engine* e = s->engine;
     tl_seq* q = r->stream.seq;
@@ -390,19 +451,18 @@ static tl_status run_chunk(tl_sched* s, sched_req* r, size_t T, size_t* n_ready)
     tl_status st = tl_seq_run(q, r->input + q->n, T, T, &opts);
     if (st != TL_OK) return st;
     s->stats.prompt_tokens += T;
-    if (!last) return TL_OK;
     if (e->pcache) {
         const tl_pcache_key key = tl_gen_cache_key(e, q, &r->p);
-        tl_pcache_insert(e->pcache, &key, r->input, r->prefill_end, &q->kv);
-        tl_kv_release_outside(&q->kv, q->n, q->window);
+        tl_pcache_insert(e->pcache, &key, r->input, q->n, &q->kv);
+        if (last) tl_kv_release_outside(&q->kv, q->n, q->window);
     }
-    s->ready[(*n_ready)++] = r;
+    if (last) s->ready[(*n_ready)++] = r;
     return TL_OK;
 }
 
 static tl_status run_prefills(tl_sched* s, size_t budget, size_t* n_ready) {
     for (sched_req* r = s->running.head; r && budget; r = r->next) {
-        if (r->stream.seq->n >= r->prefill_end) continue;
+        if (decoding(r)) continue;
         const size_t T = chunk_of(r, budget);
         tl_status st = run_chunk(s, r, T, n_ready);
         if (st != TL_OK) return st;
@@ -425,6 +485,7 @@ static void sample_ready(tl_sched* s, size_t n_ready, uint64_t* ids, int32_t* to
             s->stats.finished++;
             list_remove(&s->running, r);
             req_free(r);
+            s->head_refused = false;
         }
     }
 }
@@ -437,31 +498,32 @@ TL_API tl_status tl_sched_step(tl_sched* s, uint64_t* ids, int32_t* tokens, uint
     if (capacity < s->params.max_batch)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "capacity %zu < max_batch %zu", capacity, s->params.max_batch);
     tl_status st = tl_engine_check_open(s->engine);
-    if (st == TL_OK) st = admit(s);
-    if (st != TL_OK || s->running.n == 0) return st;
+    if (st != TL_OK) return st;
+    const tl_status admitted = admit(s);  /* a failed admission does not stop the running requests */
+    if (s->running.n == 0) return admitted;
     fit_budget(s);
     size_t n_ready = 0;
     st = run_decodes(s, &n_ready);
+    if (st == TL_ERR_OUT_OF_MEMORY && s->running.n > 1) {
+        preempt_newest(s);                /* its memory may be what the others need */
+        st = run_decodes(s, &n_ready);
+    }
     const size_t n_decoded = n_ready;
     if (st == TL_OK) st = run_prefills(s, s->params.step_tokens - n_decoded, &n_ready);
     sample_ready(s, n_ready, ids, tokens, finish);
     *n_events = n_ready;
     s->stats.steps++;
-    return st;
+    return st != TL_OK ? st : admitted;
 }
 
 TL_API tl_status tl_sched_stats_get(const tl_sched* s, tl_sched_stats* out) {
-    if (!s || !out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "sched or out is NULL");
-    if (out->size < offsetof(tl_sched_stats, steps))
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "tl_sched_stats.size must be set (sizeof(tl_sched_stats))");
+    if (!s || !out || out->size < sizeof(size_t))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "sched or out is NULL, or out->size not set");
     tl_sched_stats v = s->stats;
-    v.size = sizeof v;
     v.running = s->running.n;
     v.waiting = s->waiting.n;
     v.kv_bytes = kv_alone(s, &v.kv_blocks);
     v.kv_budget_bytes = s->params.kv_budget_bytes;
-    const size_t size = out->size < sizeof v ? out->size : sizeof v;
-    memcpy(out, &v, size);
-    out->size = size;
+    tl_copy_versioned(out, &v, sizeof v);
     return TL_OK;
 }
