@@ -1,5 +1,6 @@
-"""Shared bench helpers: result files in bench/results/, and (from tinyloop.quickbench) the
-standard shapes, their model files and timing."""
+"""Shared bench helpers: result files in bench/results/, (from tinyloop.quickbench) the standard
+shapes, their model files and timing, and the llama.cpp side of the comparisons: the release
+the benches build and a random LLaMA GGUF equal in compute to a shape."""
 import contextlib
 import datetime
 import json
@@ -8,15 +9,32 @@ import platform
 import signal
 from pathlib import Path
 
+import numpy as np
+
 import tinyloop
 from tinyloop.backends import native_isas
 
 from tinyloop.quickbench import SHAPES, best_of, bench_model as model_file
 
-__all__ = ["RESULTS", "SHAPES", "best_of", "exit_text", "machine", "model_file", "tinyloop_isas",
-           "tinyloop_model", "write_results"]
+try:
+    import gguf
+except ImportError:
+    gguf = None
+
+__all__ = ["DEFAULT_LLAMA_DIR", "LLAMA_CPP_PYTHON", "LLAMA_QUANT", "NO_AMX_FLAGS", "RESULTS",
+           "SHAPES", "best_of", "exit_text", "gguf", "machine", "model_file", "tinyloop_isas",
+           "tinyloop_model", "vocabulary", "write_f16_gguf", "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# The llama.cpp the benches compare with: the llama-cpp-python release whose AMX crash we
+# measured (its source package vendors llama.cpp 0c1e570), built under DEFAULT_LLAMA_DIR, tuned
+# for this CPU without AMX by NO_AMX_FLAGS (GCC keeps an explicit -mno-* over -march=native).
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+DEFAULT_LLAMA_DIR = Path.home() / ".cache" / "tinyloop-bench"
+LLAMA_QUANT = {"int8": "Q8_0", "int4": "Q4_0"}    # TinyLoop weight format -> llama.cpp type
+WEIGHT_STD = 0.02
 
 
 def machine():
@@ -78,3 +96,65 @@ def tinyloop_model(path, isa, threads):
             os.environ["TINYLOOP_ISA"] = saved
     with model:
         yield model
+
+
+# --- the random LLaMA -----------------------------------------------------------------------
+
+def llama_layers(shape):
+    """Tensor shapes, numpy (out, in), of one LLaMA layer equal in compute to a TinyLoop block."""
+    s = SHAPES[shape]
+    d, f = s["d_model"], s["ffn_dim"]
+    q, kv = s["n_heads"] * s["head_dim"], s["n_kv_heads"] * s["head_dim"]
+    return {"attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
+            "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+
+
+def vocabulary(size):
+    """A dummy SentencePiece vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then fillers."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.BYTE] * 256
+    tokens += [f"t{i}" for i in range(size - len(tokens))]
+    types += [gguf.TokenType.NORMAL] * (size - len(types))
+    return tokens, types
+
+
+def write_f16_gguf(path, shape, seed=0):
+    """A random-weight F16 LLaMA GGUF with n_pre + L layers of `shape`."""
+    s = SHAPES[shape]
+    n_layers, d, vocab = s["n_pre_blocks"] + s["default_loops"], s["d_model"], s["vocab_size"]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(s["max_seq_len"])
+    writer.add_embedding_length(d)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(s["ffn_dim"])
+    writer.add_head_count(s["n_heads"])
+    writer.add_head_count_kv(s["n_kv_heads"])
+    writer.add_rope_dimension_count(s["head_dim"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    tokens, types = vocabulary(vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def matrix(rows, cols):
+        return (rng.standard_normal((rows, cols), np.float32) * WEIGHT_STD).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", matrix(vocab, d))
+    for layer in range(n_layers):
+        for name, dims in llama_layers(shape).items():
+            writer.add_tensor(f"blk.{layer}.{name}.weight", matrix(*dims))
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(d, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    writer.add_tensor("output.weight", matrix(vocab, d))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
