@@ -558,6 +558,20 @@ def test_health_is_503_until_the_model_has_loaded(tmp_path):
         assert error_of(httpx.get(url + "/v1/models"), 503)["type"] == "service_unavailable"
 
 
+def test_a_model_without_a_tokenizer_is_refused_with_the_reason(tmp_path):
+    """The server answers in text: a token-only model is never served (no 500 per request)."""
+    path = tmp_path / "ids-only.tinyloop"
+    tinyloop.random_model(path, vocab_size=64, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8,
+                          ffn_dim=16, n_pre_blocks=0, default_loops=1, max_seq_len=64)
+    with running(create_app(path)) as url:
+        deadline = time.monotonic() + START_TIMEOUT
+        while "has no tokenizer" not in httpx.get(url + "/health").text:
+            assert time.monotonic() < deadline, "the refusal was never reported"
+            time.sleep(0.05)
+        reply = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": [1, 2, 3]})
+        assert error_of(reply, 503)["message"].startswith("the model failed to load: model")
+
+
 def test_cli_checks_the_scheduler_flags_before_serving(capsys):
     assert main(["serve", "--max-batch", "8", "--step-tokens", "4"]) == 2
     assert "--step-tokens 4 is less than --max-batch 8" in capsys.readouterr().err

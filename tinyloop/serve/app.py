@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from ..model import DEFAULT_PREFIX_CACHE_BYTES, Model
 from .engine_loop import EngineLoop
-from .handler import Handler, served_name
+from .handler import Handler, check_servable, served_name
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schema import RequestError, parse_json
 
@@ -56,6 +56,7 @@ class _Server:
             else:
                 model, opened = Model(self._source, **self._model_options), True
             try:
+                check_servable(model)
                 name = served_name(model, self._model_name)
                 engine = EngineLoop(model, **self._engine_options)
             except BaseException:

@@ -91,6 +91,15 @@ class Run:
             self._metrics.requests.labels(ended).inc()
 
 
+def check_servable(model: Model) -> None:
+    """The server answers in text: a model without a tokenizer (token ids in, token ids out)
+    is refused before it serves, with the reason."""
+    if model.config()["tokenizer"] == "none":
+        raise ValueError(f"model {model.config()['name'] or model.path!r} has no tokenizer, and the "
+                         f"server answers in text: serve a model with one (tinyloop convert keeps a "
+                         f"Hugging Face folder's tokenizer.json)")
+
+
 def served_name(model: Model, given: Optional[str]) -> str:
     """The id a served model answers to: `given`, else the file's model name, else the file's
     name without its extension."""

@@ -41,7 +41,7 @@ from starlette.routing import Route
 from ..model import Model
 from .app import ERROR_HANDLERS
 from .engine_loop import EngineLoop
-from .handler import Handler, served_name
+from .handler import Handler, check_servable, served_name
 from .metrics import ServerMetrics
 from .schema import RequestError, parse_json
 
@@ -149,6 +149,7 @@ class Replica:
     def __init__(self, model_path: Optional[str], model_options: dict[str, Any],
                  engine_options: dict[str, Any], model_name: Optional[str]):
         self.model = Model(model_path, **model_options)
+        check_servable(self.model)
         self.engine = EngineLoop(self.model, **engine_options)
         self.engine.start()
         self.handler = Handler(self.model, self.engine, ServerMetrics(lambda: self.engine.stats),
