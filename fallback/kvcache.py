@@ -21,7 +21,9 @@ class BlockPool:
         self.block_nbytes = 2 * block_size * n_kv_heads * (head_dim + 4)
         self.bytes_in_use = 0
         self.n_blocks_created = 0
-        self._lock = threading.Lock()
+        # reentrant: a PrefixCache the garbage collector finalizes frees its blocks from
+        # whatever code the collection interrupted, which may be this pool's own (under the lock)
+        self._lock = threading.RLock()
 
     def new_block(self):
         block = KVBlock(self)

@@ -307,3 +307,27 @@ def test_threads_racing_on_a_growing_kv_arena_lose_no_write(tmp_path):
     for trial in range(20):
         with tinyloop.Model(path, backend="numba", block_size=4, prefix_cache_bytes=20000) as model:
             assert generate_on_threads(model, calls) == want, f"trial {trial}"
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_a_prefix_collected_while_its_pool_is_locked_frees_without_deadlock(backend, model_files):
+    """The garbage collector may finalize a PrefixCache (freeing its KV blocks) in the middle
+    of the pool's own locked code (the numba arena's store), on the same thread: that must not
+    deadlock."""
+    import gc
+    import threading
+    with tinyloop.Model(model_files["int8-gqa"], backend=backend) as model:
+        prefix = model.build_prefix_cache([1, 2, 3, 4, 5])
+        pool = prefix._state.cache.pool
+        cycle = [prefix]
+        cycle.append(cycle)              # only the collector frees it
+        del prefix, cycle
+
+        def collect_under_the_lock():
+            with pool._lock:
+                gc.collect()
+
+        worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "freeing a collected prefix deadlocked on its pool's lock"
