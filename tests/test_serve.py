@@ -415,6 +415,37 @@ def test_engine_loop_survives_a_failed_step_and_a_refused_add(reference):
     assert engine.stats["running"] == engine.stats["waiting"] == 0
 
 
+def test_engine_loop_retries_a_step_out_of_memory_without_losing_a_token(reference):
+    """A step that runs out of memory (twice here) is retried: every request still gets
+    exactly offline generate's tokens."""
+    engine = EngineLoop(reference, max_batch=4, step_tokens=16)
+    step, failures = engine._scheduler.step, []
+
+    def failing_step():
+        if len(failures) < 2 and engine.stats["steps"] >= 2:
+            failures.append("raised")
+            raise MemoryError("injected")
+        return step()
+
+    engine._scheduler.step = failing_step
+    prompt = reference.encode(PROMPTS[1])
+
+    async def run():
+        async def tokens(seed):
+            return [e.token async for e in engine.generate(prompt, max_tokens=8, seed=seed,
+                                                           temperature=1.0)]
+        return await asyncio.gather(*(tokens(s) for s in range(4)))
+
+    engine.start()
+    try:
+        got = asyncio.run(asyncio.wait_for(run(), ENGINE_TIMEOUT))
+    finally:
+        engine.stop()
+    assert failures == ["raised", "raised"]
+    assert got == [reference.generate(prompt, max_tokens=8, seed=s, temperature=1.0)[len(prompt):]
+                   for s in range(4)]
+
+
 def test_engine_loop_cancels_an_abandoned_request(reference):
     engine = EngineLoop(reference, max_batch=2, step_tokens=16)
 

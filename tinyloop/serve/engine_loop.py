@@ -5,8 +5,11 @@ adds and cancels that asyncio callers queued, runs `step()` while there is work 
 backend releases the GIL there) and sleeps on a condition when there is none. Each event goes
 to its request's asyncio queue through `loop.call_soon_threadsafe`, so callers on any event
 loop only ever await. An exception never ends the thread: a refused add fails that request
-(the Scheduler's ValueError reaches the caller as is), and a failed step fails the requests
-it was running, which are cancelled, while later requests are served as before.
+(the Scheduler's ValueError reaches the caller as is); a step out of memory is retried (a
+retried step loses no token, and requests finishing or cancelled meanwhile free memory), and
+only after OUT_OF_MEMORY_RETRIES failures in a row, or on any other error, does a failed step
+fail the requests it was running, which are cancelled, while later requests are served as
+before.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
     from ..model import Model
 
 log = logging.getLogger("tinyloop.serve")
+OUT_OF_MEMORY_RETRIES = 50       # consecutive steps out of memory before the requests fail
+OUT_OF_MEMORY_PAUSE = 0.02       # seconds between them
 
 
 class _Request:
@@ -136,8 +141,11 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        out_of_memory = 0                 # steps in a row that ran out of memory
         while True:
             with self._wake:
+                if out_of_memory:         # let finishing or cancelled requests free memory
+                    self._wake.wait(OUT_OF_MEMORY_PAUSE)
                 while not (self._commands or self._stopping or self._running):
                     self._wake.wait()
                 if self._stopping:
@@ -155,6 +163,13 @@ class EngineLoop:
                 if self._running:         # every request the Scheduler holds is in it
                     self._step()
                     self.stats = self._snapshot()
+                out_of_memory = 0
+            except MemoryError:
+                out_of_memory += 1
+                log.warning("a step ran out of memory (%d in a row); retrying", out_of_memory)
+                if out_of_memory >= OUT_OF_MEMORY_RETRIES:
+                    out_of_memory = 0
+                    self._fail_running(RuntimeError("the engine failed: out of memory"))
             except Exception as exc:      # a failed step: its requests fail, the loop goes on
                 log.exception("the engine failed; the requests it was running are cancelled")
                 self._fail_running(RuntimeError(f"the engine failed: {exc}"))
