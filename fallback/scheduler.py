@@ -173,7 +173,7 @@ class Scheduler:
             r.cache = self.engine.new_cache(r.params.loops, r.params.cache_window)
             tokens = np.array(r.input, np.int32)
             hit = pcache.lookup(self._tree(r), r.cache, tokens) if pcache is not None else 0
-            if not self._fits(r, self._alone()[1] if self.budget else 0):
+            if not self._fits(r, used):     # admitting allocates no block: `used` holds
                 self._drop(r)
                 self._refused_at = used
                 break

@@ -20,16 +20,6 @@ enum { N_SYSTEM = 23, MAX_NEW = 6 };
 static int32_t system_prompt[N_SYSTEM];
 static uint32_t V;
 
-static tl_model* open_with_cache(const char* path, size_t budget) {
-    tl_model_params p = tl_model_params_default();
-    p.n_threads = 2;
-    p.kv_block_size = 4;
-    p.prefix_cache_bytes = budget;
-    tl_model* m = NULL;
-    CHECK_OK(tl_model_open(path, &p, &m));
-    return m;
-}
-
 static tl_prefix_cache_stats stats_of(tl_model* m) {
     tl_prefix_cache_stats s;
     memset(&s, 0, sizeof s);
@@ -58,8 +48,8 @@ static void check_same(result a, result b, const char* what) {
 /* A workload of prompts sharing the system prompt, varied depth, window, salt and sampling:
  * every result equals the cache-less model's, at a large and at a tiny budget. */
 static void test_results_unchanged(const char* path, size_t budget) {
-    tl_model* plain = open_with_cache(path, 0);
-    tl_model* cached = open_with_cache(path, budget);
+    tl_model* plain = tu_open_cached(path, 0);
+    tl_model* cached = tu_open_cached(path, budget);
     const char* salts[3] = {NULL, "alice", "bob"};
     uint64_t rng = 42;
     int32_t prompt[N_SYSTEM + 9];
@@ -91,7 +81,7 @@ static void test_results_unchanged(const char* path, size_t budget) {
 }
 
 static void test_counters_salts_clear(const char* path) {
-    tl_model* m = open_with_cache(path, 1 << 30);
+    tl_model* m = tu_open_cached(path, 1 << 30);
     tl_gen_params gp = tl_gen_params_default();
     gp.max_tokens = 1;
     int32_t out[1];
@@ -116,7 +106,7 @@ static void test_counters_salts_clear(const char* path) {
 
 /* Mixed requests in one batch each equal their own tl_generate / tl_generate_from_prefix. */
 static void test_batch(const char* path) {
-    tl_model* m = open_with_cache(path, 1 << 20);
+    tl_model* m = tu_open_cached(path, 1 << 20);
     tl_prefix* prefix = NULL;
     CHECK_OK(tl_prefix_build(m, system_prompt, 11, 4, 0, 3, &prefix));
     enum { N = 7 };
@@ -183,7 +173,7 @@ static void test_batch(const char* path) {
     batch[3] = &req[3];
     CHECK_STATUS(tl_generate_batch(m, NULL, 1), TL_ERR_INVALID_ARGUMENT);
     CHECK_OK(tl_generate_batch(m, NULL, 0));
-    tl_model* other = open_with_cache(path, 0);
+    tl_model* other = tu_open_cached(path, 0);
     CHECK_STATUS(tl_generate_batch(other, batch, N), TL_ERR_WRONG_MODEL);
     tl_model_free(other);
     tl_model_close(m);
@@ -196,8 +186,8 @@ static void test_batch(const char* path) {
 /* A block cached at depth 3 serves a request at depth 2 when the model has no coda (depth
  * nesting); with a coda it serves depth 3 alone (its coda slots hold depth 3's KV). */
 static void test_depth_trees(const char* path, int coda) {
-    tl_model* m = open_with_cache(path, 1 << 30);
-    tl_model* plain = open_with_cache(path, 0);
+    tl_model* m = tu_open_cached(path, 1 << 30);
+    tl_model* plain = tu_open_cached(path, 0);
     tl_gen_params gp = tl_gen_params_default();
     gp.max_tokens = 3;
     gp.loops = 3;
@@ -271,7 +261,7 @@ static size_t bytes_in_use(void) {
  * through the close must not have put its blocks back into the cache: every byte it took is
  * returned when it ends. */
 static void test_no_insert_after_close(const char* path) {
-    tl_model* m = open_with_cache(path, 1 << 20);
+    tl_model* m = tu_open_cached(path, 1 << 20);
     tl_seq* keeper = NULL;
     CHECK_OK(tl_seq_create(m, 1, 0, &keeper));
     tl_gen_params gp = tl_gen_params_default();
@@ -299,7 +289,7 @@ static void test_no_insert_after_close(const char* path) {
 /* One token too many says so; a huge n says so too (it is refused before anything is
  * allocated or read, where it used to fail as "out of memory"). */
 static void test_prefix_build_checks_length_first(const char* path) {
-    tl_model* m = open_with_cache(path, 0);
+    tl_model* m = tu_open_cached(path, 0);
     tl_model_config cfg = {.size = sizeof cfg};
     CHECK_OK(tl_model_config_get(m, &cfg));
     const size_t too_long = (size_t)cfg.max_seq_len + 1;

@@ -222,17 +222,6 @@ static void test_bad_arguments(tl_model* m) {
     tl_sched_free(s);
 }
 
-/* A model of `spec` with blocks of 4 positions and an automatic prefix cache of cache_bytes. */
-static tl_model* open_model(const char* path, size_t cache_bytes) {
-    tl_model_params mp = tl_model_params_default();
-    mp.kv_block_size = 4;
-    mp.n_threads = 2;
-    mp.prefix_cache_bytes = cache_bytes;
-    tl_model* m = NULL;
-    CHECK_OK(tl_model_open(path, &mp, &m));
-    return m;
-}
-
 int main(void) {
     tu_spec spec = tu_spec_rich();
     spec.max_seq = 64;
@@ -243,7 +232,7 @@ int main(void) {
        against its budget: the scheduler's budget preempts only without one */
     uint64_t preemptions_cached = 0, preemptions = 0;
     for (size_t cache_bytes = 0; cache_bytes <= (1 << 20); cache_bytes += 1 << 20) {
-        tl_model* m = open_model(path, cache_bytes);
+        tl_model* m = tu_open_cached(path, cache_bytes);
         if (!m) return tu_finish("test_sched");
         uint64_t* preempted = cache_bytes ? &preemptions_cached : &preemptions;
         for (uint64_t seed = 1; seed <= 8; seed++) {
@@ -262,7 +251,7 @@ int main(void) {
         tl_model_free(m);
     }
     CHECK(preemptions > 0, "no budget forced a preemption");
-    tl_model* m = open_model(path, 1 << 20);
+    tl_model* m = tu_open_cached(path, 1 << 20);
     if (!m) return tu_finish("test_sched");
     test_cancel(m);
     test_bad_arguments(m);

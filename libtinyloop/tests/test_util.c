@@ -322,4 +322,15 @@ tl_model* tu_open(const char* path, uint32_t threads, tl_isa isa, uint32_t block
     return m;
 }
 
+tl_model* tu_open_cached(const char* path, size_t cache_bytes) {
+    tl_model_params p = tl_model_params_default();
+    p.n_threads = 2;
+    p.kv_block_size = 4;
+    p.prefix_cache_bytes = cache_bytes;
+    tl_model* m = NULL;
+    tl_status st = tl_model_open(path, &p, &m);
+    CHECK(st == TL_OK, "tl_model_open(%s): %s", path, tl_last_error());
+    return m;
+}
+
 int tu_same_bits(const float* a, const float* b, size_t n) { return memcmp(a, b, n * sizeof *a) == 0; }

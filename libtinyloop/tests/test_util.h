@@ -76,6 +76,8 @@ const char* tu_write_file(const char* name, const uint8_t* bytes, size_t n);
 /* Write a model and open it with the given threads / ISA (block size 4 to exercise paging). */
 const char* tu_write_model(const char* name, const tu_spec* spec);
 tl_model* tu_open(const char* path, uint32_t threads, tl_isa isa, uint32_t block_size);
+/* Open with 2 threads, blocks of 4 and an automatic prefix cache of cache_bytes (0: none). */
+tl_model* tu_open_cached(const char* path, size_t cache_bytes);
 
 /* Exact comparison of float arrays by bit pattern. */
 int tu_same_bits(const float* a, const float* b, size_t n);

@@ -23,11 +23,9 @@ typedef struct batch {
     size_t n;
     tl_gen_params* params;  /* [n] resolved                              */
     tl_stream* streams;     /* [n]                                       */
-    tl_seq** live;          /* [n] sequences decoded in the current step */
+    tl_decode_rows live;    /* [n] the sequences decoded in the current step, their new
+                               tokens and their streams' logits buffers */
     size_t* live_index;     /* [n] their requests                        */
-    tl_kv_mark* marks;      /* [n] their tables before the step          */
-    int32_t* tokens;        /* [n] their new tokens                      */
-    float** logits;         /* [n] their streams' logits buffers         */
 } batch;
 
 typedef struct request_ref {
@@ -98,12 +96,8 @@ static tl_status batch_alloc(batch* b, size_t n) {
     b->n = n;
     b->params = tl_alloc_zeroed(n, sizeof *b->params);
     b->streams = tl_alloc_zeroed(n, sizeof *b->streams);
-    b->live = tl_alloc_zeroed(n, sizeof *b->live);
     b->live_index = tl_alloc_zeroed(n, sizeof *b->live_index);
-    b->marks = tl_alloc_zeroed(n, sizeof *b->marks);
-    b->tokens = tl_alloc_zeroed(n, sizeof *b->tokens);
-    b->logits = tl_alloc_zeroed(n, sizeof *b->logits);
-    return b->params && b->streams && b->live && b->live_index && b->marks && b->tokens && b->logits
+    return b->params && b->streams && b->live_index && tl_decode_rows_alloc(&b->live, n) == TL_OK
                ? TL_OK : tl_fail_oom("batch");
 }
 
@@ -111,11 +105,8 @@ static void batch_free(batch* b) {
     for (size_t i = 0; b->streams && i < b->n; i++) tl_stream_free(&b->streams[i]);
     tl_free(b->params);
     tl_free(b->streams);
-    tl_free(b->live);
+    tl_decode_rows_free(&b->live);
     tl_free(b->live_index);
-    tl_free(b->marks);
-    tl_free(b->tokens);
-    tl_free(b->logits);
 }
 
 static tl_status start_all(tl_engine* e, batch* b, tl_request* const* requests) {
@@ -137,11 +128,11 @@ static tl_status sample_all(batch* b, size_t* n_live) {
     for (size_t i = 0; i < b->n; i++) {
         tl_stream* s = &b->streams[i];
         if (s->done) continue;
-        tl_status st = tl_stream_sample(s, &b->tokens[*n_live]);
+        tl_status st = tl_stream_sample(s, &b->live.tokens[*n_live]);
         if (st != TL_OK) return st;
         if (s->done) continue;
-        b->live[*n_live] = s->seq;
-        b->logits[*n_live] = s->logits;
+        b->live.seqs[*n_live] = s->seq;
+        b->live.logits[*n_live] = s->logits;
         b->live_index[(*n_live)++] = i;
     }
     return TL_OK;
@@ -152,14 +143,31 @@ static tl_status sample_all(batch* b, size_t* n_live) {
 static tl_status check_room(const tl_engine* e, const batch* b, size_t n_live) {
     const uint32_t max_seq_len = tl_engine_config(e)->max_seq_len;
     for (size_t j = 0; j < n_live; j++)
-        if (b->live[j]->n >= max_seq_len)
+        if (b->live.seqs[j]->n >= max_seq_len)
             return tl_fail(TL_ERR_SEQ_TOO_LONG, "request %zu: sequence length %zu exceeds max_seq_len %u",
-                           b->live_index[j], b->live[j]->n + 1, max_seq_len);
+                           b->live_index[j], b->live.seqs[j]->n + 1, max_seq_len);
     return TL_OK;
 }
 
-tl_status tl_gen_decode_rows(tl_engine* e, tl_seq* const* seqs, const int32_t* tokens, size_t n,
-                             float* const* logits, tl_kv_mark* marks) {
+tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity) {
+    rows->seqs = tl_alloc_zeroed(capacity, sizeof *rows->seqs);
+    rows->tokens = tl_alloc_zeroed(capacity, sizeof *rows->tokens);
+    rows->logits = tl_alloc_zeroed(capacity, sizeof *rows->logits);
+    rows->marks = tl_alloc_zeroed(capacity, sizeof *rows->marks);
+    return rows->seqs && rows->tokens && rows->logits && rows->marks ? TL_OK : tl_fail_oom("decode rows");
+}
+
+void tl_decode_rows_free(tl_decode_rows* rows) {
+    tl_free(rows->seqs);
+    tl_free(rows->tokens);
+    tl_free(rows->logits);
+    tl_free(rows->marks);
+    memset(rows, 0, sizeof *rows);
+}
+
+tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
+    tl_seq* const* seqs = rows->seqs;
+    tl_kv_mark* marks = rows->marks;
     tl_status st = TL_OK;
     size_t tried = 0;  /* tables given a reservation attempt (a failed one changes nothing) */
     for (; st == TL_OK && tried < n; tried++) {
@@ -167,7 +175,7 @@ tl_status tl_gen_decode_rows(tl_engine* e, tl_seq* const* seqs, const int32_t* t
         marks[tried] = tl_kv_mark_now(&s->kv);
         st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, 1);
     }
-    if (st == TL_OK) st = tl_forward_batch(seqs, tokens, n, logits);
+    if (st == TL_OK) st = tl_forward_batch(seqs, rows->tokens, n, rows->logits);
     if (st != TL_OK) {
         for (size_t j = 0; j < tried; j++) tl_kv_rollback(&seqs[j]->kv, marks[j]);
         return st;
@@ -184,7 +192,7 @@ tl_status tl_gen_decode_rows(tl_engine* e, tl_seq* const* seqs, const int32_t* t
 static tl_status step(tl_engine* e, batch* b, size_t n_live) {
     tl_status st = tl_engine_check_open(e);
     if (st == TL_OK) st = check_room(e, b, n_live);
-    return st == TL_OK ? tl_gen_decode_rows(e, b->live, b->tokens, n_live, b->logits, b->marks) : st;
+    return st == TL_OK ? tl_gen_decode_rows(e, &b->live, n_live) : st;
 }
 
 TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests, size_t n_requests) {

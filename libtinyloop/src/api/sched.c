@@ -58,11 +58,8 @@ struct tl_sched {
     size_t refused_at;
     tl_sched_stats stats;     /* counters; running, waiting and kv_* filled on request         */
     /* per-step scratch, [max_batch] each */
-    tl_seq** rows;
-    sched_req** row_reqs;
-    int32_t* row_tokens;
-    float** row_logits;
-    tl_kv_mark* marks;
+    tl_decode_rows rows;      /* the decoding requests' pass                                    */
+    sched_req** row_reqs;     /* its rows' requests                                             */
     sched_req** ready;        /* requests whose logits this step filled, to sample             */
 };
 
@@ -143,11 +140,8 @@ TL_API void tl_sched_free(tl_sched* s) {
     if (!s) return;
     list_free(&s->waiting);
     list_free(&s->running);
-    tl_free(s->rows);
+    tl_decode_rows_free(&s->rows);
     tl_free(s->row_reqs);
-    tl_free(s->row_tokens);
-    tl_free(s->row_logits);
-    tl_free(s->marks);
     tl_free(s->ready);
     if (s->engine) tl_engine_unref(s->engine);
     tl_free(s);
@@ -171,13 +165,10 @@ TL_API tl_status tl_sched_create(tl_model* model, const tl_sched_params* params,
     s->params = p;
     s->next_id = 1;
     const size_t B = p.max_batch;
-    s->rows = tl_alloc_zeroed(B, sizeof *s->rows);
+    const tl_status rows = tl_decode_rows_alloc(&s->rows, B);
     s->row_reqs = tl_alloc_zeroed(B, sizeof *s->row_reqs);
-    s->row_tokens = tl_alloc_zeroed(B, sizeof *s->row_tokens);
-    s->row_logits = tl_alloc_zeroed(B, sizeof *s->row_logits);
-    s->marks = tl_alloc_zeroed(B, sizeof *s->marks);
     s->ready = tl_alloc_zeroed(B, sizeof *s->ready);
-    if (!s->rows || !s->row_reqs || !s->row_tokens || !s->row_logits || !s->marks || !s->ready) {
+    if (rows != TL_OK || !s->row_reqs || !s->ready) {
         tl_sched_free(s);
         return tl_fail_oom("scheduler");
     }
@@ -366,7 +357,7 @@ static tl_status admit(tl_sched* s) {
             q->n = hit;
         }
         r->stream.seq = q;
-        if (!fits(s, r, budgeted ? kv_alone(s, NULL) : 0)) {
+        if (!fits(s, r, used)) {  /* admitting allocates no block: `used` holds */
             tl_seq_free(q);
             r->stream.seq = NULL;
             s->head_refused = true;
@@ -427,13 +418,13 @@ static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
     size_t n = 0;
     for (sched_req* r = s->running.head; r; r = r->next) {
         if (!decoding(r)) continue;
-        s->rows[n] = r->stream.seq;
+        s->rows.seqs[n] = r->stream.seq;
         s->row_reqs[n] = r;
-        s->row_tokens[n] = r->input[r->stream.seq->n];
-        s->row_logits[n++] = r->stream.logits;
+        s->rows.tokens[n] = r->input[r->stream.seq->n];
+        s->rows.logits[n++] = r->stream.logits;
     }
     if (n == 0) return TL_OK;
-    tl_status st = tl_gen_decode_rows(s->engine, s->rows, s->row_tokens, n, s->row_logits, s->marks);
+    tl_status st = tl_gen_decode_rows(s->engine, &s->rows, n);
     if (st != TL_OK) return st;
     memcpy(s->ready + *n_ready, s->row_reqs, n * sizeof *s->ready);
     *n_ready += n;

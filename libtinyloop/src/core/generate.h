@@ -19,12 +19,22 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
 /* The automatic prefix cache's place (docs/spec.md §4.3) of a request p run in sequence s. */
 tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen_params* p);
 
-/* One new token for each of n sequences (seqs[j] gets tokens[j]), in one batched pass: each
- * sequence's KV reserved, run, advanced and released outside its window; logits[j] ([V])
- * receives its logits. marks: [n] scratch. All-or-nothing: on failure every table is rolled
- * back. The caller checks that each sequence has room for one more position. */
-tl_status tl_gen_decode_rows(tl_engine* e, tl_seq* const* seqs, const int32_t* tokens, size_t n,
-                             float* const* logits, tl_kv_mark* marks);
+/* The rows of one batched decode pass, [capacity] each: row j runs tokens[j] in seqs[j] and
+ * writes its logits to logits[j] ([V]); marks is the pass's scratch. */
+typedef struct tl_decode_rows {
+    tl_seq** seqs;
+    int32_t* tokens;
+    float** logits;
+    tl_kv_mark* marks;
+} tl_decode_rows;
+
+tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity);
+void tl_decode_rows_free(tl_decode_rows* rows);
+
+/* One new token for each of the first n rows, in one batched pass: each sequence's KV
+ * reserved, run, advanced and released outside its window. All-or-nothing: on failure every
+ * table is rolled back. The caller checks that each sequence has room for one more position. */
+tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n);
 
 /* One request's sampling state (docs/spec.md §5): the ids of its history for the repetition
  * penalty, the logits to sample the next token from, its outputs and stop rules. */
