@@ -70,7 +70,7 @@ static void rec_release(void* ctx, void* data) {
     free(data);
 }
 
-static const tl_backend_iface rec_iface = {rec_forward, rec_forward_batch, rec_head_logits, rec_info, rec_free};
+static const tl_backend_iface rec_iface = {rec_forward, rec_forward_batch, rec_head_logits, rec_info, rec_free, NULL};
 
 /* Every live block of s has its data outside its header: it came from the allocator. */
 static int blocks_on_device(const tl_seq* s, const recorder* r) {

@@ -29,6 +29,7 @@
 typedef struct tl_backend tl_backend;
 typedef struct tl_engine tl_engine;
 typedef struct tl_seq tl_seq;
+typedef struct tl_part tl_part; /* core/forward.h */
 
 /* What tl_model_runtime reports about a backend. */
 typedef struct tl_backend_info {
@@ -51,6 +52,11 @@ typedef struct tl_backend_iface {
     void (*info)(const tl_backend* b, tl_backend_info* out);
     /* Frees the backend; every KV block it allocated is gone by then. */
     void (*free)(tl_backend* b);
+    /* A part of the pass of T tokens of one sequence (core/forward.h's tl_forward_part): some
+     * core iterations, resumable from kept states. Optional: NULL when the backend has none
+     * (then speculative requests decode plainly and tl_prefix_extend rebuilds the prefix). */
+    tl_status (*forward_part)(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
+                              const tl_part* part);
 } tl_backend_iface;
 
 /* Embedded as the first member of each backend's own state. */

@@ -22,6 +22,41 @@ static inline tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, f
     return b->iface->forward(b, s, tokens, T, logits_all, logits_last, last_hidden, loop_states);
 }
 
+/* What a part pass runs and produces (docs/spec.md §5.6, §5.4 warm start). Iteration i of a
+ * row depends only on the row's state after iteration i-1, its injected term and the KV of
+ * earlier layers, so a pass split at any iteration is the whole pass, bit for bit: a draft at
+ * depth L_d keeps its states and a verifier resumes from them at L_d; a warm-start prefix
+ * resumes every token at its old depth. */
+typedef struct tl_part {
+    uint32_t first_iter;     /* 0: from the embedding (prelude included); else resume before core
+                                iteration first_iter from state_in                              */
+    uint32_t depth;          /* iterations first_iter .. depth-1 run; first_iter < depth <= s->loops */
+    uint32_t coda_depth;     /* whose coda slots the coda uses; 0 = depth's own (a draft: s->loops) */
+    const float* state_in;   /* [T][d] with first_iter > 0: each row's state after iteration first_iter-1 */
+    const float* inject_in;  /* [T][d] with first_iter > 0 and injection: each row's injected term */
+    float* state_out;        /* NULL or [T][d]: each row's state after iteration depth-1 (before coda) */
+    float* inject_out;       /* NULL or [T][d] (injection only; else untouched)                   */
+    float* hidden_all;       /* NULL or [T][d]: each row's final state (the head's input)          */
+    float* logits_all;       /* NULL or [T][V]                                                    */
+    float* logits_last;      /* NULL or [V]                                                       */
+    float* loop_states;      /* NULL or [depth][d]: prefix build/extension: every depth
+                                first_iter+1 .. depth ends on a copy (its coda slots), and
+                                loop_states[i] = last row's final state at depth i+1 (i >= first_iter) */
+} tl_part;
+
+/* Rows tokens[0..T) (ignored when first_iter > 0) at positions pos0 .. pos0+T-1 of s, whose KV
+ * is reserved for those positions; fails like tl_forward. It writes the KV of the layers it
+ * runs only (the prelude's with first_iter 0, iterations first_iter .. depth-1, the coda's in
+ * coda_depth's slots); s->n and s->last_hidden are the caller's. Only on a backend with a part
+ * pass (tl_has_part_pass). */
+static inline tl_status tl_forward_part(tl_seq* s, const int32_t* tokens, size_t T, size_t pos0, const tl_part* part) {
+    tl_backend* b = s->engine->backend;
+    return b->iface->forward_part(b, s, tokens, T, pos0, part);
+}
+
+/* Whether the engine's backend has a part pass. */
+static inline bool tl_has_part_pass(const tl_engine* e) { return e->backend->iface->forward_part != NULL; }
+
 /* One new token for each of B sequences of one engine (each with KV reserved for position
  * seqs[b]->n), run together: every linear is one GEMM over the B rows, attention reads each
  * row's own cache. Rows may differ in depth and window; a row runs coda_norm and the coda (in

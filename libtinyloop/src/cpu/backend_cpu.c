@@ -20,8 +20,14 @@ typedef struct cpu_backend {
 
 static tl_status cpu_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
                              float* logits_last, float* last_hidden, float* loop_states) {
-    return tl_cpu_forward(((cpu_backend*)b)->linears, s, tokens, T, logits_all, logits_last, last_hidden,
-                          loop_states);
+    const tl_part whole = {.depth = s->loops, .logits_all = logits_all, .logits_last = logits_last,
+                           .loop_states = loop_states};
+    return tl_cpu_forward(((cpu_backend*)b)->linears, s, tokens, T, s->n, &whole, last_hidden);
+}
+
+static tl_status cpu_forward_part(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
+                                  const tl_part* part) {
+    return tl_cpu_forward(((cpu_backend*)b)->linears, s, tokens, T, pos0, part, NULL);
 }
 
 static tl_status cpu_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
@@ -47,7 +53,12 @@ static void cpu_free(tl_backend* b) {
     tl_free(cpu);
 }
 
-static const tl_backend_iface cpu_iface = {cpu_forward, cpu_forward_batch, cpu_head_logits, cpu_info, cpu_free};
+static const tl_backend_iface cpu_iface = {.forward = cpu_forward,
+                                           .forward_batch = cpu_forward_batch,
+                                           .head_logits = cpu_head_logits,
+                                           .info = cpu_info,
+                                           .free = cpu_free,
+                                           .forward_part = cpu_forward_part};
 
 tl_status tl_backend_cpu_new(tl_engine* e, tl_backend** out) {
     *out = NULL;

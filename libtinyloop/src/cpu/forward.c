@@ -10,6 +10,9 @@
  * last of those) then run coda_norm and the coda at that depth and leave with their final state.
  * A prefix build (loop_states) also finishes every shallower depth on a copy of the state after
  * each iteration, writing that depth's coda slots and keeping the last row's final state.
+ * A chunk runs as a part pass (core/forward.h's tl_part): it may stop at a depth below the
+ * sequence's (ending in another depth's coda slots) and resume from kept states, skipping the
+ * embedding, the prelude and the iterations before first_iter; tl_forward is the whole part.
  *
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool (on AMX,
@@ -45,6 +48,9 @@ typedef struct fwd {
     uint32_t layer;          /* cache slot of the current layer                        */
     bool simd;               /* SIMD kernels: acts need qx; AVX2 row operations         */
     bool chunk;              /* the rows are positions pos[0] .. pos[0]+T-1 of one sequence */
+    uint32_t first_iter;     /* chunk: the first core iteration it runs (0 for a batch)  */
+    uint32_t depth;          /* chunk: the depth it runs to (a batch: unused)       */
+    uint32_t coda_depth;     /* chunk: whose coda slots its coda writes                */
     float* x;                /* [T][d] the state the blocks run on                     */
     float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e))       */
     float* side;             /* [T][d] a prefix build: the state a shallower depth ends on */
@@ -81,8 +87,6 @@ static void* take(carve* c, size_t bytes) {
     c->used += (bytes + 63) / 64 * 64;
     return p;
 }
-
-/* Whether a depth ends with more than the last iteration's state: coda_norm or coda blocks. */
 
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
  * buffers only for a batch, the side state only for a prefix build. */
@@ -370,21 +374,29 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     return TL_OK;
 }
 
-/* Every layer of the embedded rows (ordered deepest first); x ends as each row's final state.
- * With `states` (a prefix build: one sequence, depth L), every depth 1 .. L-1 also ends on a
- * copy of the state, writing its coda slots, and states[i] receives the last row's final state
+/* The depth row r runs to: a chunk's part depth, a batch row's sequence depth. */
+static uint32_t row_depth(const fwd* f, size_t r) { return f->chunk ? f->depth : f->seqs[r]->loops; }
+
+/* The layers of the rows (ordered deepest first) from the embedding in x, or from iteration
+ * first_iter's input state in x (and the injected terms in inject); x ends as each row's final
+ * state. A chunk's `part` (NULL for a batch) may ask for the state after the last iteration
+ * (state_out), and a prefix build's (loop_states) ends every depth first_iter+1 .. depth-1 on a
+ * copy of the state too, writing its coda slots, with loop_states[i] the last row's final state
  * at depth i + 1. */
-static void run_layers(fwd* f, float* states) {
+static void run_layers(fwd* f, const tl_part* part) {
     const tl_config* c = f->c;
     const size_t d = c->d_model, rows = f->T;
-    for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(f, b, b);
-    if (c->injection) begin_injection(f);
-    const uint32_t loops = f->seqs[0]->loops;
-    for (uint32_t i = 0; i < loops; i++) {
-        while (f->seqs[f->T - 1]->loops <= i) f->T--;
+    float* const states = part ? part->loop_states : NULL;
+    if (f->first_iter == 0) {
+        for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(f, b, b);
+        if (c->injection) begin_injection(f);
+    }
+    const uint32_t depth = row_depth(f, 0);
+    for (uint32_t i = f->first_iter; i < depth; i++) {
+        while (row_depth(f, f->T - 1) <= i) f->T--;
         iteration(f, i);
         size_t lo = f->T; /* rows [lo, T) end at depth i + 1 */
-        while (lo > 0 && f->seqs[lo - 1]->loops == i + 1) lo--;
+        while (lo > 0 && row_depth(f, lo - 1) == i + 1) lo--;
         if (states && lo == f->T) { /* a shallower depth of a prefix build */
             const float* final = f->x;
             if (tl_has_coda(c)) {
@@ -394,10 +406,11 @@ static void run_layers(fwd* f, float* states) {
             }
             memcpy(states + (size_t)i * d, final + (f->T - 1) * d, d * sizeof(float));
         }
-        end_depth(f, f->x, lo, f->T, i + 1);
+        if (part && part->state_out && lo == 0) memcpy(part->state_out, f->x, rows * d * sizeof(float));
+        end_depth(f, f->x, lo, f->T, f->chunk ? f->coda_depth : i + 1);
     }
     f->T = rows;
-    if (states) memcpy(states + (size_t)(loops - 1) * d, f->x + (rows - 1) * d, d * sizeof(float));
+    if (states) memcpy(states + (size_t)(depth - 1) * d, f->x + (rows - 1) * d, d * sizeof(float));
 }
 
 /* logits[T][V] of the final states x[T][d]. */
@@ -415,22 +428,32 @@ static void head_last(fwd* f, float* logits) {
     f->T = rows;
 }
 
-tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
-                         float* logits_last, float* last_hidden, float* loop_states) {
+tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
+                         const tl_part* part, float* last_hidden) {
     fwd f;
-    tl_status st = begin(&f, s->engine, linears, T, s->n + T, false, loop_states != NULL, &s->scratch);
+    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, false, part->loop_states != NULL, &s->scratch);
     if (st != TL_OK) return st;
+    f.first_iter = part->first_iter;
+    f.depth = part->depth;
+    f.coda_depth = part->coda_depth ? part->coda_depth : part->depth;
     for (size_t t = 0; t < T; t++) {
         f.seqs[t] = s;
-        f.pos[t] = s->n + t;
-        f.tokens[t] = tokens[t];
+        f.pos[t] = pos0 + t;
     }
-    const size_t d = f.c->d_model;
-    embed(&f);
-    run_layers(&f, loop_states);
-    memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
-    if (logits_all) head_rows(&f, f.x, logits_all);
-    if (logits_last) head_last(&f, logits_last);
+    const size_t d = f.c->d_model, state = T * d * sizeof(float);
+    if (part->first_iter == 0) {
+        memcpy(f.tokens, tokens, T * sizeof *tokens);
+        embed(&f);
+    } else {
+        memcpy(f.x, part->state_in, state);
+        if (f.c->injection) memcpy(f.inject, part->inject_in, state);
+    }
+    run_layers(&f, part);
+    if (part->inject_out && f.c->injection) memcpy(part->inject_out, f.inject, state);
+    if (part->hidden_all) memcpy(part->hidden_all, f.x, state);
+    if (last_hidden) memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
+    if (part->logits_all) head_rows(&f, f.x, part->logits_all);
+    if (part->logits_last) head_last(&f, part->logits_last);
     return TL_OK;
 }
 

@@ -150,8 +150,13 @@ static void cuda_free(tl_backend* b) {
 static void* kv_alloc(void* ctx, size_t bytes) { return tl_cuda_block_alloc(ctx, bytes); }
 static void kv_free(void* ctx, void* data) { tl_cuda_block_free(ctx, data); }
 
-static const tl_backend_iface cuda_iface = {cuda_forward, cuda_forward_batch, cuda_head_logits, cuda_info,
-                                            cuda_free};
+/* No part pass yet: speculative requests decode plainly, and tl_prefix_extend rebuilds a prefix. */
+static const tl_backend_iface cuda_iface = {.forward = cuda_forward,
+                                            .forward_batch = cuda_forward_batch,
+                                            .head_logits = cuda_head_logits,
+                                            .info = cuda_info,
+                                            .free = cuda_free,
+                                            .forward_part = NULL};
 
 tl_status tl_backend_cuda_new(tl_engine* e, int device, tl_backend** out) {
     *out = NULL;
