@@ -18,7 +18,8 @@
  *    sizeof(the struct) (the `*_default()` initializers do that), so the ABI can grow.
  *    Output structs are filled up to the caller's `size`.
  *  - Threading: a tl_model may be used from many threads at once. A tl_seq must be used by one
- *    thread at a time. A tl_prefix is immutable and may be read from many threads at once.
+ *    thread at a time. A tl_prefix may be read from many threads at once, and tl_prefix_extend
+ *    may deepen it meanwhile (it takes the prefix's internal lock).
  *    All models share one process-wide crew of worker threads (idle workers sleep); a call
  *    that finds it busy computes on the calling thread instead of waiting (docs/c-api.md).
  *  - Caller buffers are borrowed for the duration of the call only.
@@ -286,12 +287,15 @@ TL_API void tl_seq_free(tl_seq* seq);
 
 /* ===== Prefixes ============================================================================= */
 
-/* An immutable prompt prefix run once at depth L_b with window W: the KV of its n_layers(L_b)
- * cache layers (with a coda, its slots for every depth 1 .. L_b) and the last token's final
- * state at each depth, so sequences at any depth L <= L_b start from it with no recomputation
- * (docs/spec.md §5.4).
+/* A prompt prefix run once at depth L_b with window W: the KV of its n_layers(L_b) cache
+ * layers (with a coda, its slots for every depth 1 .. L_b) and the last token's final state at
+ * each depth, so sequences at any depth L <= L_b start from it with no recomputation
+ * (docs/spec.md §5.4). Built with TL_PREFIX_WARM_START it can be deepened in place
+ * (tl_prefix_extend); otherwise it never changes.
  * Holds a reference to the model's weights; shareable between threads. */
 typedef struct tl_prefix tl_prefix;
+
+enum { TL_PREFIX_WARM_START = 1 }; /* tl_prefix_build_ex flag: keep what tl_prefix_extend needs */
 
 /* Run tokens[0..n) (n >= 1, copied) at depth `loops` (0 = default) with window `cache_window`,
  * prefilling in chunks of `chunk` tokens (0 = all at once). *out owned by the caller
@@ -299,9 +303,28 @@ typedef struct tl_prefix tl_prefix;
 TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t n,
                                  uint32_t loops, uint32_t cache_window, size_t chunk,
                                  tl_prefix** out);
+/* As tl_prefix_build (which is this with flags 0); flags TL_PREFIX_WARM_START also keeps every
+ * token's state after the last core iteration (4 * d_model bytes per token, twice that with
+ * injection; none on a backend without a part pass, whose tl_prefix_extend rebuilds), so
+ * tl_prefix_extend can deepen the prefix. Unknown flags: TL_ERR_INVALID_ARGUMENT. */
+TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
+                                    uint32_t cache_window, size_t chunk, uint32_t flags, tl_prefix** out);
+/* Deepen a warm-start prefix to depth `loops` in place, computing only iterations L_b ..
+ * loops-1 of its tokens (in chunks of `chunk`, 0 = all at once): afterwards it is bit for bit
+ * the prefix tl_prefix_build at `loops` makes (KV, states, every generation from it). A depth
+ * <= the prefix's (0 included) is a no-op. A prefix built without the flag:
+ * TL_ERR_LOOPS_MISMATCH ("... build it with TL_PREFIX_WARM_START to extend it"); loops >
+ * 1024 or past the cache slots: TL_ERR_INVALID_ARGUMENT. All or nothing: on failure (out of
+ * memory) the prefix is unchanged. Thread-safe with concurrent sequences and generations from
+ * the prefix (those already started keep its old blocks) and with other extensions of it. On
+ * a backend without a part pass (CUDA for now) it rebuilds the prefix from its tokens. */
+TL_API tl_status tl_prefix_extend(tl_prefix* prefix, uint32_t loops, size_t chunk);
+/* 1 if the prefix was built with TL_PREFIX_WARM_START, else 0 (NULL included). */
+TL_API int tl_prefix_warm_start(const tl_prefix* prefix);
 /* Facts about a prefix; any output pointer may be NULL. nbytes = the bytes of the KV blocks
  * it holds (each block's whole allocation, docs/c-api.md) + 4 * loops * d_model (its hidden
- * states) + 4 * n_tokens (its token copy). Thread-safe. */
+ * states) + 4 * n_tokens * d_model (warm start: its tokens' states; twice that with
+ * injection) + 4 * n_tokens (its token copy). Thread-safe. */
 TL_API void tl_prefix_info(const tl_prefix* prefix, size_t* n_tokens, uint32_t* loops,
                            uint32_t* cache_window, size_t* nbytes);
 /* The prefix's own copy of its tokens (borrowed: valid while the prefix lives); *n (may be
@@ -326,6 +349,20 @@ typedef int (*tl_token_fn)(void* user_data, int32_t token);
  * with none. For progress displays and cancelling long prefills. */
 typedef int (*tl_progress_fn)(void* user_data, size_t done, size_t total);
 
+/* Self-speculative decoding (docs/spec.md §5.6): with n_draft = K > 0 a request at depth L
+ * decodes in rounds: the same weights at depth draft_loops = L_d < L draft up to K tokens, one
+ * pass at depth L verifies them all at once (resuming each drafted row at iteration L_d), and
+ * the tokens the verifier samples are emitted while they agree with the drafts. The output,
+ * tokens and logits, is exactly plain decoding's, greedy or sampled; only the speed differs.
+ * A backend without a part pass (CUDA, for now) decodes plainly: drafted = accepted = 0. */
+enum { TL_MAX_DRAFT = 64 };
+
+/* A request's drafting so far: tokens drafted, and drafted tokens the verifier emitted too
+ * (accepted <= drafted; accepted / drafted is the acceptance rate). */
+typedef struct tl_draft_stats {
+    size_t drafted, accepted;
+} tl_draft_stats;
+
 typedef struct tl_gen_params {
     size_t size;               /* sizeof(tl_gen_params)                                        */
     size_t max_tokens;         /* tokens to emit at most; >= 1                                 */
@@ -348,10 +385,15 @@ typedef struct tl_gen_params {
                                   salts (NULL and "" are equal)                               */
     tl_progress_fn on_prefill; /* NULL, or called after each prompt chunk (progress, cancel);
                                   gets user_data too                                          */
+    uint32_t draft_loops;        /* self-speculative decoding's draft depth L_d: 1 <= L_d < loops
+                                    when n_draft > 0 (ignored when n_draft == 0)              */
+    uint32_t n_draft;            /* tokens drafted per round, 0 .. TL_MAX_DRAFT; 0 = plain decoding */
+    tl_draft_stats* draft_stats; /* NULL, or zeroed after validation and updated after every round */
 } tl_gen_params;
 
 /* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,
- * seed 0, whole-prompt prefill, no stop sequences, no callbacks, no cache salt. */
+ * seed 0, whole-prompt prefill, no stop sequences, no callbacks, no cache salt, plain decoding
+ * (n_draft 0). */
 TL_API tl_gen_params tl_gen_params_default(void);
 
 /* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). With an automatic prefix
@@ -389,7 +431,8 @@ typedef struct tl_request {
 
 /* Generate for every request at once: each prompt is run (through the automatic prefix cache
  * when the model has one; a request with a prefix shares its blocks), then every live
- * sequence is decoded in one batched step per token until each meets its own stop rule.
+ * sequence is decoded in one batched step per token (a speculative request, n_draft > 0, runs
+ * a round of its own per step instead) until each meets its own stop rule.
  * Requests may differ in every parameter, depth and window included. Each request's tokens
  * and logits are bit-identical to tl_generate (or tl_generate_from_prefix) of it alone.
  * requests[0..n_requests) point to the requests (they need not be contiguous); each is read
@@ -406,22 +449,26 @@ TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests,
 
 /* A scheduler: many requests of one model, run by iteration. Each tl_sched_step runs one
  * iteration: waiting requests join the running batch (in arrival order, while slots and the
- * KV budget allow), every decoding request computes one token (one batched pass), and the
- * prompts being prefilled get chunks from what is left of the step's token budget, so a long
- * prompt never stalls the running streams. Every prompt goes through the automatic prefix cache
- * (when the model has one), under its request's cache_salt; each chunk offers it its full
- * blocks. When a step would take the running requests' KV past the budget, the newest running
- * request is preempted: its KV is dropped and it waits at the head of the queue to be
- * recomputed (its prompt and the tokens it emitted), so it loses nothing. Every request's tokens are bit-identical to tl_generate of it alone,
- * whatever else runs (docs/c-api.md, "Continuous batching"). Use a scheduler from one thread at
- * a time; it holds a reference to the model's weights. */
+ * KV budget allow), every decoding request computes one token (one batched pass) or, with
+ * n_draft > 0, one round of self-speculative decoding (alone, emitting 1 .. K' tokens; plain
+ * decoding in the batched pass on a backend without a part pass), and the prompts being
+ * prefilled get chunks from what is left of the step's token budget, so a long prompt never
+ * stalls the running streams. Every prompt goes through the automatic prefix cache (when the
+ * model has one), under its request's cache_salt; each chunk offers it its full blocks. When a
+ * step would take the running requests' KV past the budget, the newest running request is
+ * preempted: its KV is dropped and it waits at the head of the queue to be recomputed (its
+ * prompt and the tokens it emitted), so it loses nothing. Every request's tokens are
+ * bit-identical to tl_generate of it alone, whatever else runs (docs/c-api.md, "Continuous
+ * batching"). Use a scheduler from one thread at a time; it holds a reference to the model's
+ * weights. */
 typedef struct tl_sched tl_sched;
 
 typedef struct tl_sched_params {
     size_t size;            /* sizeof(tl_sched_params)                                        */
     size_t max_batch;       /* requests running at once (prefilling or decoding); 0 = 32      */
-    size_t step_tokens;     /* positions one step computes at most: one per decoding request,
-                               the rest in prompt chunks; 0 = 512; must be >= max_batch        */
+    size_t step_tokens;     /* positions one step computes at most: one per decoding request
+                               (K' for a speculative round), the rest in prompt chunks;
+                               0 = 512; must be >= max_batch                                   */
     size_t kv_budget_bytes; /* KV bytes the running requests may hold alone (blocks shared with
                                the prefix cache count against its budget); 0 = no limit. A
                                request that could not run within it alone is refused. Without
@@ -442,9 +489,10 @@ TL_API void tl_sched_free(tl_sched* sched);
 /* Queue a request: prompt[0..n) (n >= 1) and params (NULL = tl_gen_params_default()), checked
  * as tl_generate checks them; both are copied (stop sequences and cache_salt included).
  * params->prefill_chunk is not used (the scheduler chunks prompts by its token budget, which
- * changes no result) and on_token / on_prefill must be NULL. *id (required) receives the
- * request's id, unique in this scheduler, >= 1. TL_ERR_INVALID_ARGUMENT also when the request
- * alone could need more KV than kv_budget_bytes. */
+ * changes no result); on_token, on_prefill and draft_stats must be NULL (tl_sched_stats counts
+ * the drafted and accepted tokens of all requests). *id (required) receives the request's id,
+ * unique in this scheduler, >= 1. TL_ERR_INVALID_ARGUMENT also when the request alone could
+ * need more KV than kv_budget_bytes. */
 TL_API tl_status tl_sched_add(tl_sched* sched, const int32_t* prompt, size_t n, const tl_gen_params* params,
                               uint64_t* id);
 /* Remove request `id`, waiting or running; it emits nothing more and its KV is released.
@@ -461,14 +509,18 @@ typedef enum tl_finish {
 
 /* Run one iteration and report what it emitted: event i is request ids[i] emitting tokens[i],
  * with finish[i] (a tl_finish) nonzero when that ended the request, which is then gone. Each
- * request gets at most one event per step, and a request's events come in the order of its
- * tokens. The arrays have room for `capacity` events, which must be >= max_batch; *n_events
- * receives the count (0 when there is nothing to run). On TL_ERR_OUT_OF_MEMORY the step ran
- * what it could (a failed admission does not stop the running requests; a decode pass out of
- * memory preempts the newest request and runs once more): its *n_events events are valid, the
- * rest is unchanged and the next step tries again. A TL_FINISH_ERROR event leaves the
- * sampler's message in tl_last_error() though the step returns TL_OK. TL_ERR_CLOSED once the
- * model is closed. */
+ * request gets at most one event per step, except a speculative one (n_draft > 0), which gets
+ * one per token its round emits; a request's events come in the order of its tokens. The
+ * arrays have room for `capacity` events, which must be >= max_batch; a round's K' is capped
+ * so that the step's events fit `capacity` and its positions step_tokens while every other
+ * running request keeps room for one (a step emits at most step_tokens events, so capacity >=
+ * step_tokens never caps a round by events; the tokens are the same whatever the cap).
+ * *n_events receives the count (0 when there is nothing to run). On TL_ERR_OUT_OF_MEMORY the
+ * step ran what it could (a failed admission does not stop the running requests; a decode
+ * pass or a round out of memory preempts the newest request and runs once more): its
+ * *n_events events are valid, the rest is unchanged and the next step tries again. A
+ * TL_FINISH_ERROR event leaves the sampler's message in tl_last_error() though the step
+ * returns TL_OK. TL_ERR_CLOSED once the model is closed. */
 TL_API tl_status tl_sched_step(tl_sched* sched, uint64_t* ids, int32_t* tokens, uint8_t* finish,
                                size_t capacity, size_t* n_events);
 
@@ -486,6 +538,8 @@ typedef struct tl_sched_stats {
     size_t kv_blocks;          /* KV blocks the running requests hold alone                    */
     size_t kv_bytes;           /* their bytes: what kv_budget_bytes bounds                     */
     size_t kv_budget_bytes;    /* tl_sched_params.kv_budget_bytes                              */
+    uint64_t drafted_tokens;   /* tokens drafted by speculative rounds (K' each)               */
+    uint64_t accepted_tokens;  /* drafted tokens the verifier emitted too (<= drafted_tokens)  */
 } tl_sched_stats;
 
 /* Snapshot of the scheduler's counters, filled up to out->size. */

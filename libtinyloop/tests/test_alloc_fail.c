@@ -86,6 +86,31 @@ static tl_status op_generate(tl_model* m) {
     return greedy(m, out);
 }
 
+/* greedy's request decoded speculatively (drafts at depth 1, rounds of 4 rows over blocks of
+ * 4), alone and in a batch beside a plain request; whenever it succeeds, the tokens are
+ * greedy's. */
+static tl_status op_speculative(tl_model* m) {
+    tl_gen_params gp = tl_gen_params_default(), plain;
+    gp.max_tokens = 8;
+    gp.prefill_chunk = 5;
+    plain = gp;
+    gp.draft_loops = 1;
+    gp.n_draft = 4;
+    int32_t out[2][8];
+    size_t n;
+    tl_status st = tl_generate(m, prompt, 21, &gp, out[0], &n, NULL);
+    if (st == TL_OK) CHECK(n == 8 && memcmp(out[0], reference, sizeof reference) == 0, "speculative tokens differ");
+    if (st != TL_OK) return st;
+    tl_request req[2] = {{sizeof req[0], NULL, prompt, 21, &gp, out[0], NULL, 0},
+                         {sizeof req[1], NULL, prompt, 21, &plain, out[1], NULL, 0}};
+    tl_request* batch[2] = {&req[0], &req[1]};
+    st = tl_generate_batch(m, batch, 2);
+    if (st == TL_OK)
+        CHECK(memcmp(out[0], reference, sizeof reference) == 0 && memcmp(out[1], reference, sizeof reference) == 0,
+              "speculative batch tokens differ");
+    return st;
+}
+
 /* Three requests in one batch: two prompts and a prefix continuation. */
 static tl_status batch_of_three(tl_model* m, const tl_prefix* p) {
     tl_gen_params gp = tl_gen_params_default();
@@ -133,18 +158,21 @@ static tl_status op_cached(tl_model* unused) {
     return st;
 }
 
-/* The three requests op_sched runs: prompt[0 .. 21 - 4i), 8 greedy tokens; their tokens alone. */
+/* The three requests op_sched runs: prompt[0 .. 21 - 4i), 8 greedy tokens, the second one
+ * decoding speculatively (rounds of 3 drafted at depth 1); their tokens alone, decoded plainly. */
 static int32_t sched_reference[3][8];
 
-static tl_gen_params sched_params(void) {
+static tl_gen_params sched_params(size_t i) {
     tl_gen_params gp = tl_gen_params_default();
     gp.max_tokens = 8;
+    if (i == 1) gp.draft_loops = 1, gp.n_draft = 3;
     return gp;
 }
 
 static void sched_references(tl_model* m) {
-    const tl_gen_params gp = sched_params();
     for (size_t i = 0; i < 3; i++) {
+        tl_gen_params gp = sched_params(i);
+        gp.n_draft = 0;
         size_t n;
         CHECK_OK(tl_generate(m, prompt, 21 - 4 * i, &gp, sched_reference[i], &n, NULL));
     }
@@ -158,17 +186,19 @@ static tl_status op_sched(tl_model* m) {
     sp.step_tokens = 8;
     tl_sched* s = NULL;
     tl_status first = tl_sched_create(m, &sp, &s);
-    const tl_gen_params gp = sched_params();
     uint64_t ids_added[3] = {0};
-    for (size_t i = 0; i < 3 && first == TL_OK; i++) first = tl_sched_add(s, prompt, 21 - 4 * i, &gp, &ids_added[i]);
+    for (size_t i = 0; i < 3 && first == TL_OK; i++) {
+        const tl_gen_params gp = sched_params(i);
+        first = tl_sched_add(s, prompt, 21 - 4 * i, &gp, &ids_added[i]);
+    }
     int32_t got[3][8];
     size_t n_got[3] = {0};
     for (int step = 0; first == TL_OK && step < 100; step++) {
-        uint64_t ids[4];
-        int32_t tokens[4];
-        uint8_t finish[4];
+        uint64_t ids[8];
+        int32_t tokens[8];
+        uint8_t finish[8];
         size_t n = 0;
-        const tl_status st = tl_sched_step(s, ids, tokens, finish, 4, &n);  /* a failure: retried */
+        const tl_status st = tl_sched_step(s, ids, tokens, finish, 8, &n);  /* a failure: retried */
         CHECK(st == TL_OK || st == TL_ERR_OUT_OF_MEMORY, "scheduler step: status %d: %s", st, tl_last_error());
         for (size_t e = 0; e < n; e++)
             for (size_t i = 0; i < 3; i++)
@@ -223,6 +253,7 @@ int main(void) {
     sweep("prefix", op_prefix, m);
     sweep("generate", op_generate, m);
     sweep("batch", op_batch, m);
+    sweep("speculative", op_speculative, m);
     sweep("prefix cache", op_cached, NULL);
     sweep("scheduler", op_sched, m);
     tl_model_free(m);

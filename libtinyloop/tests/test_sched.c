@@ -1,15 +1,18 @@
 /* test_sched.c — the continuous-batching scheduler from a C host. Requests sharing a prefix,
- * with stop sequences, salts, sampling and depths, added at different steps to schedulers of
- * several batch sizes, step budgets and KV budgets (down to one that forces preemption), each
- * get exactly tl_generate's tokens, and their finish codes say why they ended; a cancelled
- * request emits nothing more; the counters add up; bad arguments, callbacks, a too small
- * event array and a closed model are refused with the right status. */
+ * with stop sequences, salts, sampling and depths, some decoding speculatively among plain
+ * ones, added at different steps to schedulers of several batch sizes, step budgets, event
+ * capacities and KV budgets (down to one that forces preemption), each get exactly plain
+ * tl_generate's tokens, and their finish codes say why they ended; no step emits more events
+ * than its capacity and step budget allow, nor more than one for a plain request; a cancelled
+ * request emits nothing more; the counters add up (drafted and accepted tokens too, equal to
+ * tl_generate's when no step caps a round); bad arguments, callbacks, a too small event array
+ * and a closed model are refused with the right status. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "test_util.h"
 
-enum { N = 6, MAX_NEW = 9, SHARED = 24, PROMPT_MAX = SHARED + 12, CAP = 16 };
+enum { N = 6, MAX_NEW = 9, SHARED = 24, PROMPT_MAX = SHARED + 12, CAP = 16, MAX_K = 8, EVENTS = 256 };
 
 static uint32_t V;
 static int32_t prompts[N][PROMPT_MAX];
@@ -22,11 +25,13 @@ static const char* salts[] = {NULL, "tenant-a", "", "tenant-a", "tenant-b", NULL
 typedef struct expected {
     int32_t tokens[N][MAX_NEW];
     size_t n[N];
+    size_t drafted, accepted; /* tl_generate's, over the requests */
 } expected;
 
 /* Requests of seed; `decode_heavy`: prompts of 2 tokens decoding MAX_NEW tokens each, so the
- * decodes outgrow what admission foresaw and a tight budget must preempt. */
-static void make_requests(uint64_t seed, int decode_heavy) {
+ * decodes outgrow what admission foresaw and a tight budget must preempt; `speculative`: every
+ * request but one in three decodes speculatively (1 <= n_draft <= MAX_K, at depth 2 or 3). */
+static void make_requests(uint64_t seed, int decode_heavy, int speculative) {
     uint64_t rng = seed;
     int32_t shared[SHARED];
     for (int j = 0; j < SHARED; j++) shared[j] = tu_uniform(&rng, 0, (int32_t)V - 1);
@@ -48,27 +53,52 @@ static void make_requests(uint64_t seed, int decode_heavy) {
             p->stop_lengths = stop_lengths;
             p->n_stop = 2;
         }
+        if (speculative && i % 3 != 2) {
+            p->loops = (uint32_t)tu_uniform(&rng, 2, 3);
+            p->draft_loops = (uint32_t)tu_uniform(&rng, 1, (int32_t)p->loops - 1);
+            p->n_draft = (uint32_t)tu_uniform(&rng, 1, MAX_K);
+        }
     }
 }
 
+/* Each request alone, decoded plainly (the tokens every schedule must give); a speculative
+ * one also as requested, which must give the same tokens, counting its drafts. */
 static void generate_alone(tl_model* m, expected* want) {
-    for (int i = 0; i < N; i++)
-        CHECK_OK(tl_generate(m, prompts[i], prompt_lengths[i], &params[i], want->tokens[i], &want->n[i], NULL));
+    want->drafted = want->accepted = 0;
+    for (int i = 0; i < N; i++) {
+        tl_gen_params plain = params[i];
+        plain.n_draft = 0;
+        CHECK_OK(tl_generate(m, prompts[i], prompt_lengths[i], &plain, want->tokens[i], &want->n[i], NULL));
+        if (!params[i].n_draft) continue;
+        tl_gen_params p = params[i];
+        tl_draft_stats drafts;
+        p.draft_stats = &drafts;
+        int32_t tokens[MAX_NEW];
+        size_t n = 0;
+        CHECK_OK(tl_generate(m, prompts[i], prompt_lengths[i], &p, tokens, &n, NULL));
+        CHECK(n == want->n[i] && memcmp(tokens, want->tokens[i], n * sizeof *tokens) == 0,
+              "request %d: speculative tl_generate differs from plain", i);
+        want->drafted += drafts.drafted;
+        want->accepted += drafts.accepted;
+    }
 }
 
-/* Run every request through a scheduler, request i added at step i % 3; check its tokens and
- * finish code against `want`. Returns the scheduler's preemptions. */
-static uint64_t run_scheduled(tl_model* m, const expected* want, size_t max_batch, size_t step_tokens, size_t budget) {
+/* Run every request through a scheduler, request i added at step i % 3, stepping with room for
+ * `capacity` events; check its tokens and finish code against `want`, and each step's events
+ * against the caps. Returns the scheduler's final counters. */
+static tl_sched_stats run_scheduled(tl_model* m, const expected* want, size_t max_batch, size_t step_tokens,
+                                    size_t budget, size_t capacity) {
+    tl_sched_stats st = {.size = sizeof st};
     tl_sched_params sp = tl_sched_params_default();
     sp.max_batch = max_batch;
     sp.step_tokens = step_tokens;
     sp.kv_budget_bytes = budget;
     tl_sched* s = NULL;
     CHECK_OK(tl_sched_create(m, &sp, &s));
-    if (!s) return 0;
-    uint64_t ids[N] = {0}, ev_ids[CAP];
-    int32_t got[N][MAX_NEW], ev_tokens[CAP];
-    uint8_t ev_finish[CAP], finish[N] = {0};
+    if (!s) return st;
+    uint64_t ids[N] = {0}, ev_ids[EVENTS];
+    int32_t got[N][MAX_NEW], ev_tokens[EVENTS];
+    uint8_t ev_finish[EVENTS], finish[N] = {0};
     size_t n_got[N] = {0}, n_events = 0, added = 0;
     for (int step = 0; step < 1000; step++) {
         for (int i = 0; i < N; i++)
@@ -76,7 +106,10 @@ static uint64_t run_scheduled(tl_model* m, const expected* want, size_t max_batc
                 CHECK_OK(tl_sched_add(s, prompts[i], prompt_lengths[i], &params[i], &ids[i]));
                 added++;
             }
-        CHECK_OK(tl_sched_step(s, ev_ids, ev_tokens, ev_finish, CAP, &n_events));
+        CHECK_OK(tl_sched_step(s, ev_ids, ev_tokens, ev_finish, capacity, &n_events));
+        CHECK(n_events <= capacity && n_events <= step_tokens, "a step emitted %zu events (capacity %zu, step "
+              "tokens %zu)", n_events, capacity, step_tokens);
+        size_t step_events[N] = {0};
         for (size_t e = 0; e < n_events; e++) {
             int i = 0;
             while (i < N && ids[i] != ev_ids[e]) i++;
@@ -85,8 +118,11 @@ static uint64_t run_scheduled(tl_model* m, const expected* want, size_t max_batc
             if (i == N || finish[i] || n_got[i] == MAX_NEW) continue;
             got[i][n_got[i]++] = ev_tokens[e];
             finish[i] = ev_finish[e];
+            step_events[i]++;
         }
-        tl_sched_stats st = {.size = sizeof st};
+        for (int i = 0; i < N; i++)
+            CHECK(step_events[i] <= (params[i].n_draft ? params[i].n_draft : 1), "request %d (n_draft %u) got %zu "
+                  "events in a step", i, params[i].n_draft, step_events[i]);
         CHECK_OK(tl_sched_stats_get(s, &st));
         if (budget) CHECK(st.kv_bytes <= budget, "kv_bytes %zu > budget %zu", st.kv_bytes, budget);
         if (added == N && st.running == 0 && st.waiting == 0) break;
@@ -99,15 +135,45 @@ static uint64_t run_scheduled(tl_model* m, const expected* want, size_t max_batc
         CHECK(finish[i] == why && finish[i] != TL_FINISH_NONE && finish[i] != TL_FINISH_ERROR,
               "request %d finish %u", i, finish[i]);
     }
-    tl_sched_stats st = {.size = sizeof st};
     CHECK_OK(tl_sched_stats_get(s, &st));
-    size_t emitted = 0;
-    for (int i = 0; i < N; i++) emitted += want->n[i];
+    size_t emitted = 0, emitted_speculative = 0;
+    for (int i = 0; i < N; i++) {
+        emitted += want->n[i];
+        if (params[i].n_draft) emitted_speculative += want->n[i];
+    }
     CHECK(st.finished == N && st.cancelled == 0 && st.generated_tokens == emitted && st.kv_bytes == 0,
           "stats: finished %llu, generated %llu of %zu, kv %zu", (unsigned long long)st.finished,
           (unsigned long long)st.generated_tokens, emitted, st.kv_bytes);
+    /* accepted drafts are emitted tokens of the speculative requests */
+    CHECK(st.accepted_tokens <= st.drafted_tokens && st.accepted_tokens <= emitted_speculative,
+          "drafted %llu, accepted %llu, speculative tokens %zu",
+          (unsigned long long)st.drafted_tokens, (unsigned long long)st.accepted_tokens, emitted_speculative);
     tl_sched_free(s);
-    return st.preemptions;
+    return st;
+}
+
+/* The schedules of the requests made last, each checked against `want`; adds up the
+ * preemptions and the drafted and accepted tokens. */
+static void run_schedules(tl_model* m, const expected* want, size_t fits, tl_sched_stats* total) {
+    const tl_sched_stats runs[] = {
+        run_scheduled(m, want, 1, 1, 0, 1),            /* every round K' = 1 */
+        run_scheduled(m, want, 4, 4, 0, 4),
+        run_scheduled(m, want, 3, 9, 0, EVENTS),       /* step_tokens caps the rounds */
+        run_scheduled(m, want, CAP, 64, 0, EVENTS),    /* nothing caps a round */
+        run_scheduled(m, want, CAP, 16, fits, CAP),
+        run_scheduled(m, want, 4, 7, fits + fits / 2, 5),
+        run_scheduled(m, want, 4, 64, fits, 4),        /* the events cap the rounds */
+    };
+    /* with no cap, every round is tl_generate's */
+    CHECK(runs[3].drafted_tokens == want->drafted && runs[3].accepted_tokens == want->accepted,
+          "uncapped schedule drafted %llu, accepted %llu; tl_generate %zu, %zu",
+          (unsigned long long)runs[3].drafted_tokens, (unsigned long long)runs[3].accepted_tokens, want->drafted,
+          want->accepted);
+    for (size_t i = 0; i < sizeof runs / sizeof *runs; i++) {
+        total->preemptions += runs[i].preemptions;
+        total->drafted_tokens += runs[i].drafted_tokens;
+        total->accepted_tokens += runs[i].accepted_tokens;
+    }
 }
 
 /* Whether a scheduler with this KV budget accepts every request. */
@@ -230,33 +296,36 @@ int main(void) {
     const char* path = tu_write_model("sched", &spec);
     /* with a prefix cache, a prompt's full blocks are shared once offered to it and count
        against its budget: the scheduler's budget preempts only without one */
-    uint64_t preemptions_cached = 0, preemptions = 0;
+    tl_sched_stats cached = {0}, uncached = {0}, speculative = {0};
     for (size_t cache_bytes = 0; cache_bytes <= (1 << 20); cache_bytes += 1 << 20) {
         tl_model* m = tu_open_cached(path, cache_bytes);
         if (!m) return tu_finish("test_sched");
-        uint64_t* preempted = cache_bytes ? &preemptions_cached : &preemptions;
-        for (uint64_t seed = 1; seed <= 8; seed++) {
-            make_requests(seed, seed > 4);
+        for (uint64_t seed = 1; seed <= 12; seed++) {
+            const int drafting = seed > 8;
+            make_requests(seed, drafting ? seed > 10 : seed > 4, drafting);
             expected want;
             generate_alone(m, &want);
-            const size_t fits = fitting_budget(m);
-            run_scheduled(m, &want, 1, 1, 0);
-            run_scheduled(m, &want, 4, 4, 0);
-            run_scheduled(m, &want, 3, 9, 0);
-            run_scheduled(m, &want, CAP, 64, 0);
-            *preempted += run_scheduled(m, &want, CAP, 16, fits);
-            *preempted += run_scheduled(m, &want, 4, 7, fits + fits / 2);
+            tl_sched_stats* total = drafting ? &speculative : cache_bytes ? &cached : &uncached;
+            run_schedules(m, &want, fitting_budget(m), total);
             tl_model_prefix_cache_clear(m);
         }
         tl_model_free(m);
     }
-    CHECK(preemptions > 0, "no budget forced a preemption");
+    CHECK(uncached.preemptions > 0 && speculative.preemptions > 0, "no budget forced a preemption (%llu plain, "
+          "%llu with speculative requests)", (unsigned long long)uncached.preemptions,
+          (unsigned long long)speculative.preemptions);
+    CHECK(cached.drafted_tokens == 0 && uncached.drafted_tokens == 0 && speculative.accepted_tokens > 0,
+          "drafted %llu without speculative requests; accepted %llu with them",
+          (unsigned long long)(cached.drafted_tokens + uncached.drafted_tokens),
+          (unsigned long long)speculative.accepted_tokens);
     tl_model* m = tu_open_cached(path, 1 << 20);
     if (!m) return tu_finish("test_sched");
     test_cancel(m);
     test_bad_arguments(m);
     tl_model_free(m);
-    printf("test_sched: %llu preemptions without a prefix cache, %llu with one\n",
-           (unsigned long long)preemptions, (unsigned long long)preemptions_cached);
+    printf("test_sched: %llu preemptions without a prefix cache, %llu with one, %llu with speculative requests "
+           "(%llu of %llu drafted tokens accepted)\n", (unsigned long long)uncached.preemptions,
+           (unsigned long long)cached.preemptions, (unsigned long long)speculative.preemptions,
+           (unsigned long long)speculative.accepted_tokens, (unsigned long long)speculative.drafted_tokens);
     return tu_finish("test_sched");
 }

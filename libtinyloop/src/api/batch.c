@@ -2,7 +2,8 @@
  * through the prefix cache), then all live requests decoded together, one token each per
  * step, through tl_forward_batch. A request leaves the batch when its own stop rule fires;
  * since every row of a batched step is computed exactly as it would be alone, each request
- * gets the tokens and logits it gets from tl_generate.
+ * gets the tokens and logits it gets from tl_generate. A speculative request (n_draft > 0)
+ * runs one round of its own per step instead (core/speculate.h), emitting 1 .. n_draft tokens.
  *
  * The requests come as an array of pointers, each struct read up to its own `size`: no
  * element's address depends on this library's sizeof(tl_request), so a caller compiled
@@ -18,11 +19,15 @@
 #include "base/errors.h"
 #include "core/forward.h"
 #include "core/generate.h"
+#include "core/speculate.h"
 
 typedef struct batch {
     size_t n;
     tl_gen_params* params;  /* [n] resolved                              */
     tl_stream* streams;     /* [n]                                       */
+    tl_spec* specs;         /* [n] the speculative requests' scratch      */
+    int32_t* next;          /* [n] a speculative request's last emitted token,
+                               which its next round runs                 */
     tl_decode_rows live;    /* [n] the sequences decoded in the current step, their new
                                tokens and their streams' logits buffers */
     size_t* live_index;     /* [n] their requests                        */
@@ -96,15 +101,21 @@ static tl_status batch_alloc(batch* b, size_t n) {
     b->n = n;
     b->params = tl_alloc_zeroed(n, sizeof *b->params);
     b->streams = tl_alloc_zeroed(n, sizeof *b->streams);
+    b->specs = tl_alloc_zeroed(n, sizeof *b->specs);
+    b->next = tl_alloc_zeroed(n, sizeof *b->next);
     b->live_index = tl_alloc_zeroed(n, sizeof *b->live_index);
-    return b->params && b->streams && b->live_index && tl_decode_rows_alloc(&b->live, n) == TL_OK
+    return b->params && b->streams && b->specs && b->next && b->live_index &&
+                   tl_decode_rows_alloc(&b->live, n) == TL_OK
                ? TL_OK : tl_fail_oom("batch");
 }
 
 static void batch_free(batch* b) {
     for (size_t i = 0; b->streams && i < b->n; i++) tl_stream_free(&b->streams[i]);
+    for (size_t i = 0; b->specs && i < b->n; i++) tl_spec_free(&b->specs[i]);
     tl_free(b->params);
     tl_free(b->streams);
+    tl_free(b->specs);
+    tl_free(b->next);
     tl_decode_rows_free(&b->live);
     tl_free(b->live_index);
 }
@@ -114,6 +125,7 @@ static tl_status start_all(tl_engine* e, batch* b, tl_request* const* requests) 
         tl_request* r = requests[i];
         tl_stream* s = &b->streams[i];
         tl_status st = tl_stream_init(s, e, &b->params[i], r->out_tokens, r->out_logits, &r->n_out);
+        if (st == TL_OK && b->params[i].n_draft) st = tl_spec_init(&b->specs[i], e, &b->params[i]);
         if (st == TL_OK) st = tl_gen_start(e, r->prefix, r->prompt, r->n_prompt, s);
         if (st != TL_OK) return st;
         if (r->prefix) tl_stream_see(s, r->prefix->tokens, r->prefix->n);
@@ -122,15 +134,24 @@ static tl_status start_all(tl_engine* e, batch* b, tl_request* const* requests) 
     return TL_OK;
 }
 
-/* Sample every live request; those not done form the next step's batch. */
-static tl_status sample_all(batch* b, size_t* n_live) {
-    *n_live = 0;
+/* Sample every live request, but a speculative one only for its first token (its rounds
+ * sample the rest); the plain ones not done form the next step's batch, *n_rounds counts the
+ * speculative ones not done. */
+static tl_status sample_all(batch* b, size_t* n_live, size_t* n_rounds) {
+    *n_live = *n_rounds = 0;
     for (size_t i = 0; i < b->n; i++) {
         tl_stream* s = &b->streams[i];
+        const bool speculative = b->params[i].n_draft > 0;
         if (s->done) continue;
-        tl_status st = tl_stream_sample(s, &b->live.tokens[*n_live]);
-        if (st != TL_OK) return st;
-        if (s->done) continue;
+        if (!speculative || s->n_emitted == 0) {
+            tl_status st = tl_stream_sample(s, speculative ? &b->next[i] : &b->live.tokens[*n_live]);
+            if (st != TL_OK) return st;
+            if (s->done) continue;
+        }
+        if (speculative) {
+            (*n_rounds)++;
+            continue;
+        }
         b->live.seqs[*n_live] = s->seq;
         b->live.logits[*n_live] = s->logits;
         b->live_index[(*n_live)++] = i;
@@ -188,11 +209,16 @@ tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
     return TL_OK;
 }
 
-/* One batched decode step over the live sequences (all-or-nothing on failure). */
+/* One batched decode step over the live plain sequences (all-or-nothing on failure), then a
+ * round of each live speculative request. */
 static tl_status step(tl_engine* e, batch* b, size_t n_live) {
     tl_status st = tl_engine_check_open(e);
     if (st == TL_OK) st = check_room(e, b, n_live);
-    return st == TL_OK ? tl_gen_decode_rows(e, &b->live, n_live) : st;
+    if (st == TL_OK && n_live) st = tl_gen_decode_rows(e, &b->live, n_live);
+    for (size_t i = 0; st == TL_OK && i < b->n; i++)
+        if (b->params[i].n_draft && !b->streams[i].done)
+            st = tl_spec_round(&b->specs[i], &b->streams[i], &b->next[i], 0);
+    return st;
 }
 
 TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests, size_t n_requests) {
@@ -210,8 +236,9 @@ TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests,
     st = batch_alloc(&b, n_requests);
     if (st == TL_OK) st = check_requests(e, requests, n_requests, b.params);
     if (st == TL_OK) st = start_all(e, &b, requests);
-    size_t n_live = 0;
-    while (st == TL_OK && (st = sample_all(&b, &n_live)) == TL_OK && n_live > 0) st = step(e, &b, n_live);
+    size_t n_live = 0, n_rounds = 0;
+    while (st == TL_OK && (st = sample_all(&b, &n_live, &n_rounds)) == TL_OK && n_live + n_rounds > 0)
+        st = step(e, &b, n_live);
     batch_free(&b);
     tl_engine_unref(e);
     return st;

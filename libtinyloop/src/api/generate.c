@@ -9,7 +9,9 @@
 
 #include "base/alloc.h"
 #include "base/errors.h"
+#include "core/forward.h"
 #include "core/generate.h"
+#include "core/speculate.h"
 
 TL_API tl_gen_params tl_gen_params_default(void) {
     tl_gen_params p;
@@ -66,8 +68,9 @@ static tl_status check_length(const tl_config* c, size_t n0, size_t max_tokens) 
     return TL_OK;
 }
 
-tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
-                       const tl_gen_params* given, tl_gen_params* p) {
+/* Every rule but the draft's, which needs the resolved depth. */
+static tl_status check_request(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
+                               const tl_gen_params* given, tl_gen_params* p) {
     tl_status st = tl_engine_check_open(e);
     if (st != TL_OK) return st;
     if (prefix && prefix->engine != e)
@@ -83,14 +86,31 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
         return st == TL_OK ? tl_seq_check_depth(e, p->loops) : st;
     }
     if (p->loops == 0) p->loops = prefix->loops;
-    if (p->loops > prefix->loops)
-        return tl_fail(TL_ERR_LOOPS_MISMATCH,
-                       "loops mismatch: prefix built at loops=%u, requested %u (a prefix serves loops <= its own)",
-                       prefix->loops, p->loops);
+    st = tl_prefix_check_loops(prefix, p->loops);
+    if (st != TL_OK) return st;
     if (p->cache_window != prefix->window)
         return tl_fail(TL_ERR_WINDOW_MISMATCH, "cache_window mismatch: prefix built with cache_window=%u, requested %u",
                        prefix->window, p->cache_window);
     return check_length(tl_engine_config(e), prefix->n + n, p->max_tokens);
+}
+
+/* Self-speculative decoding's parameters against the resolved depth p->loops. */
+static tl_status check_draft(const tl_gen_params* p) {
+    if (p->n_draft > TL_MAX_DRAFT) return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft > %d", TL_MAX_DRAFT);
+    if (p->n_draft > 0 && (p->draft_loops < 1 || p->draft_loops >= p->loops))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_loops must be in 1 .. loops-1 (loops=%u) when n_draft > 0, got %u",
+                       p->loops, p->draft_loops);
+    return TL_OK;
+}
+
+tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
+                       const tl_gen_params* given, tl_gen_params* p) {
+    tl_status st = check_request(e, prefix, prompt, n, given, p);
+    if (st == TL_OK) st = check_draft(p);
+    /* a backend without a part pass decodes plainly: the same tokens, nothing drafted (§5.6) */
+    if (st == TL_OK && !tl_has_part_pass(e)) p->n_draft = 0;
+    if (st == TL_OK && p->draft_stats) *p->draft_stats = (tl_draft_stats){0, 0};
+    return st;
 }
 
 tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen_params* p) {
@@ -137,7 +157,7 @@ tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* pro
     return st;
 }
 
-/* The whole of one request, decoded alone. */
+/* The whole of one request, decoded alone: token by token, or in speculative rounds. */
 static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                               const tl_gen_params* params, int32_t* out_tokens, size_t* n_out, float* out_logits) {
     if (n_out) *n_out = 0;
@@ -146,16 +166,20 @@ static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32
     tl_status st = tl_gen_check(e, prefix, prompt, n, params, &p);
     if (st != TL_OK) return st;
     tl_stream s;
+    tl_spec spec = {0};
     st = tl_stream_init(&s, e, &p, out_tokens, out_logits, n_out);
     if (st != TL_OK) return st;
-    st = tl_gen_start(e, prefix, prompt, n, &s);
+    if (p.n_draft) st = tl_spec_init(&spec, e, &p);
+    if (st == TL_OK) st = tl_gen_start(e, prefix, prompt, n, &s);
     if (prefix) tl_stream_see(&s, prefix->tokens, prefix->n);
     tl_stream_see(&s, prompt, n);
     int32_t token;
+    if (st == TL_OK && !s.done) st = tl_stream_sample(&s, &token);
     while (st == TL_OK && !s.done) {
-        st = tl_stream_sample(&s, &token);
-        if (st == TL_OK && !s.done) st = tl_seq_decode(s.seq, token, s.logits);
+        if (p.n_draft) st = tl_spec_round(&spec, &s, &token, 0);
+        else if ((st = tl_seq_decode(s.seq, token, s.logits)) == TL_OK) st = tl_stream_sample(&s, &token);
     }
+    tl_spec_free(&spec);
     tl_stream_free(&s);
     return st;
 }

@@ -1,23 +1,113 @@
-/* prefix.c — tl_prefix: a prompt run once at depth L_b, immutable afterwards (docs/spec.md
- * §5.4). It keeps the KV blocks of all n_layers(L_b) slots, with the coda slots of every depth
- * 1 .. L_b written, and the last token's final state at each depth; a sequence at depth
- * L <= L_b starts from it by sharing the blocks (no copy) and taking state L-1 as its last
- * hidden state. */
+/* prefix.c — tl_prefix: a prompt run once at depth L_b (docs/spec.md §5.4). It keeps the KV
+ * blocks of all n_layers(L_b) slots, with the coda slots of every depth 1 .. L_b written, and
+ * the last token's final state at each depth; a sequence at depth L <= L_b starts from it by
+ * sharing the blocks (no copy) and taking state L-1 as its last hidden state.
+ *
+ * Warm start (TL_PREFIX_WARM_START): the build also keeps every token's state after iteration
+ * L_b-1 (and its injected term), so tl_prefix_extend deepens the prefix to L > L_b by running
+ * only iterations L_b .. L-1 of every token from those states, into new blocks of n_layers(L)
+ * slots whose first n_layers(L_b) are the old blocks' (copied): the result is bit for bit the
+ * prefix a build at L makes. Each row's iterations depend only on its own state, its injected
+ * term and earlier layers' KV, so resuming is the whole pass; the coda slots of each new depth
+ * are written on a copy of the state, as a build writes them. With a window the extension
+ * computes every position (the released ones in temporary blocks) and releases outside the
+ * window at the end, as a build does. A backend without a part pass keeps no states: its
+ * extension rebuilds the prefix from its tokens (same result, full cost).
+ *
+ * Concurrency: core/seq.h (struct tl_prefix). */
 #include <string.h>
 
 #include "base/alloc.h"
 #include "base/errors.h"
+#include "core/forward.h"
 #include "core/seq.h"
 
-TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
-                                 uint32_t cache_window, size_t chunk, tl_prefix** out) {
+/* Whether a build can keep what an extension resumes from: a part pass, and KV blocks in host
+ * memory (the extension copies their old layers). */
+static bool can_resume(const tl_engine* e) { return tl_has_part_pass(e) && !e->kv_geom.device; }
+
+static void free_buffers(tl_prefix* p) {
+    tl_free(p->tokens);
+    tl_free(p->loop_states);
+    tl_free(p->states);
+    tl_free(p->injects);
+}
+
+/* An empty prefix of n tokens at depth `loops` (a reference to e taken), with its buffers and
+ * locks; NULL when out of memory. */
+static tl_prefix* prefix_new(tl_engine* e, size_t n, uint32_t loops, uint32_t window, bool warm_start) {
+    const tl_config* c = tl_engine_config(e);
+    const size_t d = c->d_model;
+    const bool states = warm_start && can_resume(e), injects = states && c->injection;
+    tl_prefix* p = tl_alloc_zeroed(1, sizeof *p);
+    if (!p) return NULL;
+    p->tokens = tl_alloc(n * sizeof(int32_t));
+    p->loop_states = tl_alloc_zeroed((size_t)loops * d, sizeof(float));
+    if (states) p->states = tl_alloc(n * d * sizeof(float));
+    if (injects) p->injects = tl_alloc(n * d * sizeof(float));
+    const bool allocated = p->tokens && p->loop_states && (!states || p->states) && (!injects || p->injects);
+    if (allocated && pthread_rwlock_init(&p->lock, NULL) == 0) {
+        if (pthread_mutex_init(&p->extending, NULL) == 0) {
+            tl_engine_ref(e);
+            p->engine = e;
+            p->n = n;
+            p->loops = loops;
+            p->window = window;
+            p->warm_start = warm_start;
+            return p;
+        }
+        pthread_rwlock_destroy(&p->lock);
+    }
+    free_buffers(p);
+    tl_free(p);
+    return NULL;
+}
+
+/* Readers of a const prefix still take its lock. */
+static void read_lock(const tl_prefix* p) { pthread_rwlock_rdlock((pthread_rwlock_t*)&p->lock); }
+static void read_unlock(const tl_prefix* p) { pthread_rwlock_unlock((pthread_rwlock_t*)&p->lock); }
+
+/* Rows 0 .. n-1 of s (positions 0 .. n-1, their KV reserved) through the part pass `whole` in
+ * chunks of `chunk` rows (0 = all at once): each chunk runs whole with its rows of the per-row
+ * arrays. Then the blocks outside the window are released, as tl_seq_run does. */
+static tl_status run_chunks(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, const tl_part* whole) {
+    const size_t d = tl_engine_config(s->engine)->d_model;
+    if (chunk == 0 || chunk > n) chunk = n;
+    tl_status st = TL_OK;
+    for (size_t off = 0; off < n && st == TL_OK; off += chunk) {
+        const size_t T = n - off < chunk ? n - off : chunk;
+        tl_part part = *whole;
+        part.state_in = whole->state_in ? whole->state_in + off * d : NULL;
+        part.inject_in = whole->inject_in ? whole->inject_in + off * d : NULL;
+        part.state_out = whole->state_out ? whole->state_out + off * d : NULL;
+        part.inject_out = whole->inject_out ? whole->inject_out + off * d : NULL;
+        st = tl_forward_part(s, tokens ? tokens + off : NULL, T, off, &part);
+    }
+    if (st == TL_OK) tl_kv_release_outside(&s->kv, n, s->window);
+    return st;
+}
+
+/* A warm-start build's run of tokens[0..p->n) into the empty sequence s at the prefix's depth:
+ * its KV, and p's loop states, states and injected terms. */
+static tl_status run_keeping_states(tl_seq* s, const int32_t* tokens, size_t chunk, tl_prefix* p) {
+    tl_engine* e = s->engine;
+    tl_status st = tl_engine_check_tokens(e, tokens, p->n, "tokens");
+    if (st == TL_OK) st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, 0, p->n);
+    const tl_part whole = {.depth = s->loops, .state_out = p->states, .inject_out = p->injects,
+                           .loop_states = p->loop_states};
+    return st == TL_OK ? run_chunks(s, tokens, p->n, chunk, &whole) : st;
+}
+
+TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
+                                    uint32_t cache_window, size_t chunk, uint32_t flags, tl_prefix** out) {
     if (!out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL");
     *out = NULL;
+    if (flags & ~(uint32_t)TL_PREFIX_WARM_START)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "unknown prefix flags 0x%x", flags & ~(uint32_t)TL_PREFIX_WARM_START);
     tl_engine* e;
     tl_status st = tl_model_acquire(model, &e);
     if (st != TL_OK) return st;
     const tl_config* c = tl_engine_config(e);
-    const size_t d = c->d_model;
     tl_seq* s = NULL;
     tl_prefix* p = NULL;
     st = tl_engine_resolve_loops(e, loops, &loops);
@@ -27,47 +117,130 @@ TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t 
         st = tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", n, c->max_seq_len);
     if (st == TL_OK) st = tl_seq_new(e, loops, cache_window, &s);
     if (st == TL_OK) {
-        p = tl_alloc_zeroed(1, sizeof *p);
-        if (p) p->tokens = tl_alloc(n * sizeof(int32_t));
-        if (p) p->loop_states = tl_alloc_zeroed((size_t)loops * d, sizeof(float));
-        if (!p || !p->tokens || !p->loop_states) st = tl_fail_oom("prefix");
+        p = prefix_new(e, n, loops, cache_window, flags & TL_PREFIX_WARM_START);
+        if (!p) st = tl_fail_oom("prefix");
     }
     if (st == TL_OK) {
         const tl_run_opts opts = {.loop_states = p->loop_states};
-        st = tl_seq_run(s, tokens, n, chunk, &opts);
+        st = p->states ? run_keeping_states(s, tokens, chunk, p) : tl_seq_run(s, tokens, n, chunk, &opts);
     }
     if (st == TL_OK) {
         memcpy(p->tokens, tokens, n * sizeof(int32_t));
-        p->n = n;
-        p->loops = loops;
-        p->window = cache_window;
         p->kv = s->kv; /* the blocks move from the temporary sequence */
         memset(&s->kv, 0, sizeof s->kv);
-        tl_engine_ref(e);
-        p->engine = e;
         *out = p;
         p = NULL;
     }
-    if (p) {
-        tl_free(p->tokens);
-        tl_free(p->loop_states);
-        tl_free(p);
-    }
+    tl_prefix_free(p);
     tl_seq_free(s);
     tl_engine_unref(e);
     return st;
 }
 
-TL_API void tl_prefix_info(const tl_prefix* p, size_t* n_tokens, uint32_t* loops,
-                           uint32_t* cache_window, size_t* nbytes) {
+TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
+                                 uint32_t cache_window, size_t chunk, tl_prefix** out) {
+    return tl_prefix_build_ex(model, tokens, n, loops, cache_window, chunk, 0, out);
+}
+
+tl_status tl_prefix_check_loops(const tl_prefix* p, uint32_t loops) {
+    const uint32_t built = p->loops;
+    if (loops <= built) return TL_OK;
+    return tl_fail(TL_ERR_LOOPS_MISMATCH,
+                   "loops mismatch: prefix built at loops=%u, requested %u (a prefix serves loops <= its own; %s)",
+                   built, loops,
+                   p->warm_start ? "tl_prefix_extend deepens it" : "build it with TL_PREFIX_WARM_START to extend it");
+}
+
+/* The extension of p to depth `loops` (> p->loops, p warm-start, `extending` held) in the empty
+ * sequence s at that depth: s gets the KV, loop_states [loops][d] the last token's final states
+ * and, when p keeps states, states [n][d] every token's state after iteration loops-1. */
+static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_states, float* states) {
+    if (!p->states) {
+        const tl_run_opts opts = {.loop_states = loop_states};
+        return tl_seq_run(s, p->tokens, p->n, chunk, &opts);
+    }
+    const tl_kv_geom* g = &s->engine->kv_geom;
+    tl_status st = tl_kv_reserve(&s->kv, g, s->n_layers, 0, p->n);
+    if (st != TL_OK) return st;
+    /* Both tables span positions 0 .. n-1 as reserving them from 0 lays them out (block i from
+     * position i * block_size; a build, or an earlier extension, made the old one so), and a
+     * block's data is [layer][kv head][head_bytes], so the old layers are a byte prefix of the
+     * new block's. A block for positions the window had released gets no old layers: only the
+     * new ones are read before run_chunks releases it again. */
+    for (size_t i = 0; i < s->kv.n_spans; i++) {
+        const tl_kv_block* old = p->kv.spans[i].block;
+        if (old) memcpy(s->kv.spans[i].block->data, old->data, (size_t)old->n_layers * g->n_kv_heads * g->head_bytes);
+    }
+    const size_t d = tl_engine_config(s->engine)->d_model;
+    memcpy(loop_states, p->loop_states, (size_t)p->loops * d * sizeof(float));
+    const tl_part whole = {.first_iter = p->loops, .depth = s->loops, .state_in = p->states,
+                           .inject_in = p->injects, .state_out = states, .loop_states = loop_states};
+    return run_chunks(s, NULL, p->n, chunk, &whole);
+}
+
+/* tl_prefix_extend past the checks, `extending` held: all or nothing. */
+static tl_status extend(tl_prefix* p, uint32_t loops, size_t chunk) {
+    const size_t d = tl_engine_config(p->engine)->d_model;
+    float* loop_states = NULL;
+    float* states = NULL;
+    tl_seq* s;
+    tl_status st = tl_seq_new(p->engine, loops, p->window, &s);
+    if (st == TL_OK) {
+        loop_states = tl_alloc((size_t)loops * d * sizeof(float));
+        if (p->states) states = tl_alloc(p->n * d * sizeof(float));
+        if (!loop_states || (p->states && !states)) st = tl_fail_oom("prefix extension");
+    }
+    if (st == TL_OK) st = deepen(p, s, chunk, loop_states, states);
+    if (st == TL_OK) { /* swap the new in; the old go with s and the buffers */
+        pthread_rwlock_wrlock(&p->lock);
+        const tl_kv_table kv = p->kv;
+        p->kv = s->kv;
+        s->kv = kv;
+        float* const old_loop_states = p->loop_states;
+        p->loop_states = loop_states;
+        loop_states = old_loop_states;
+        float* const old_states = p->states;
+        p->states = states;
+        states = old_states;
+        p->loops = loops;
+        pthread_rwlock_unlock(&p->lock);
+    }
+    tl_free(loop_states);
+    tl_free(states);
+    tl_seq_free(s);
+    return st;
+}
+
+TL_API tl_status tl_prefix_extend(tl_prefix* p, uint32_t loops, size_t chunk) {
+    if (!p) return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefix is NULL");
+    tl_status st = tl_engine_check_open(p->engine);
+    if (st == TL_OK && loops > TL_MAX_LOOPS) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "loops > %d", TL_MAX_LOOPS);
+    if (st != TL_OK) return st;
+    pthread_mutex_lock(&p->extending);
+    if (loops > p->loops) st = p->warm_start ? extend(p, loops, chunk) : tl_prefix_check_loops(p, loops);
+    pthread_mutex_unlock(&p->extending);
+    return st;
+}
+
+TL_API int tl_prefix_warm_start(const tl_prefix* p) { return p && p->warm_start; }
+
+TL_API void tl_prefix_info(const tl_prefix* p, size_t* n_tokens, uint32_t* loops, uint32_t* cache_window,
+                           size_t* nbytes) {
     if (n_tokens) *n_tokens = p ? p->n : 0;
-    if (loops) *loops = p ? p->loops : 0;
     if (cache_window) *cache_window = p ? p->window : 0;
-    if (nbytes)
-        *nbytes = p ? tl_kv_bytes(&p->kv) +
-                          sizeof(float) * p->loops * tl_engine_config(p->engine)->d_model +
-                          sizeof(int32_t) * p->n
-                    : 0;
+    if (!p) {
+        if (loops) *loops = 0;
+        if (nbytes) *nbytes = 0;
+        return;
+    }
+    const size_t d = tl_engine_config(p->engine)->d_model;
+    read_lock(p);
+    if (loops) *loops = p->loops;
+    if (nbytes) {
+        const size_t rows = p->loops + (p->states ? p->n : 0) + (p->injects ? p->n : 0);
+        *nbytes = tl_kv_bytes(&p->kv) + sizeof(float) * rows * d + sizeof(int32_t) * p->n;
+    }
+    read_unlock(p);
 }
 
 TL_API const int32_t* tl_prefix_tokens(const tl_prefix* p, size_t* n) {
@@ -78,8 +251,9 @@ TL_API const int32_t* tl_prefix_tokens(const tl_prefix* p, size_t* n) {
 TL_API void tl_prefix_free(tl_prefix* p) {
     if (!p) return;
     tl_kv_clear(&p->kv);
-    tl_free(p->tokens);
-    tl_free(p->loop_states);
+    free_buffers(p);
+    pthread_rwlock_destroy(&p->lock);
+    pthread_mutex_destroy(&p->extending);
     tl_engine_unref(p->engine);
     tl_free(p);
 }
@@ -89,22 +263,22 @@ TL_API tl_status tl_seq_from_prefix(const tl_prefix* p, uint32_t loops, tl_seq**
     *out = NULL;
     tl_status st = tl_engine_check_open(p->engine);
     if (st != TL_OK) return st;
+    read_lock(p);
     if (loops == 0) loops = p->loops;
-    if (loops > p->loops)
-        return tl_fail(TL_ERR_LOOPS_MISMATCH,
-                       "loops mismatch: prefix built at loops=%u, requested %u (a prefix serves loops <= its own)",
-                       p->loops, loops);
-    tl_seq* s;
-    st = tl_seq_new(p->engine, loops, p->window, &s);
-    if (st != TL_OK) return st;
-    st = tl_kv_share(&s->kv, &p->kv);
+    tl_seq* s = NULL;
+    st = tl_prefix_check_loops(p, loops);
+    if (st == TL_OK) st = tl_seq_new(p->engine, loops, p->window, &s);
+    if (st == TL_OK) st = tl_kv_share(&s->kv, &p->kv);
+    if (st == TL_OK) {
+        const size_t d = tl_engine_config(p->engine)->d_model;
+        s->n = p->n;
+        memcpy(s->last_hidden, p->loop_states + (size_t)(loops - 1) * d, d * sizeof(float));
+    }
+    read_unlock(p);
     if (st != TL_OK) {
         tl_seq_free(s);
-        return st;
+        s = NULL;
     }
-    const size_t d = tl_engine_config(p->engine)->d_model;
-    s->n = p->n;
-    memcpy(s->last_hidden, p->loop_states + (size_t)(loops - 1) * d, d * sizeof(float));
     *out = s;
-    return TL_OK;
+    return st;
 }

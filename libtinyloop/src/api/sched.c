@@ -6,8 +6,11 @@
  *    chunks from the step's token budget, run with tl_seq_run, and when the chunk that reaches
  *    prefill_end is done its blocks are offered to the prefix cache and its first token is
  *    sampled from that chunk's logits;
- *  - decode: seq->n == input length - 1 (the last emitted token is not run yet); all decoding
- *    requests run their token in one tl_gen_decode_rows pass and sample the next.
+ *  - decode: seq->n == input length - 1 (the last emitted token is not run yet); the decoding
+ *    requests run their token in one tl_gen_decode_rows pass and sample the next, except the
+ *    speculative ones (n_draft > 0 on a backend with a part pass), which each run one round of
+ *    self-speculative decoding alone (tl_spec_round: its draft and verify passes are its own)
+ *    and emit 1..K' tokens.
  * Admission (arrival order) looks the input up in the prefix cache and takes the request while
  * a batch slot is free and the blocks its prefill will write, plus those the decoding requests
  * will open meanwhile, fit the KV budget; a refused head is tried again once the held KV
@@ -16,8 +19,16 @@
  * running request: its sequence is freed and it waits at the head of the queue with its input
  * (prompt + emitted), which a later admission prefills again; its sampling state (tl_stream)
  * is kept, so its next token is the one it would have sampled. A decode pass that runs out of
- * memory preempts the newest request and tries once more, so the oldest keeps going. Every computation is one the contract makes bit-identical to running the
- * request alone (any chunking, any batch), so each request's tokens equal tl_generate's.
+ * memory preempts the newest request and tries once more, so the oldest keeps going; so does a
+ * round, which fails all-or-nothing.
+ *
+ * The step is planned before it runs (plan_step): in running order, each round's K' is capped so
+ * that the step's events fit the caller's capacity and its positions fit step_tokens while every
+ * other running request keeps room for one; the other decoding requests take one position
+ * each, and the prefills what is left. Admission and the budget count those K' positions (an
+ * upper bound of the KV a round writes before rolling back to what it keeps). Every computation
+ * is one the contract makes bit-identical to running the request alone (any chunking, any
+ * batch, any round size), so each request's tokens equal tl_generate's.
  *
  * Requests live in two doubly linked lists, waiting (FIFO, preempted at the head) and running
  * (admission order). A request's fields are written only by the thread using the scheduler. */
@@ -27,7 +38,9 @@
 #include "base/alloc.h"
 #include "base/errors.h"
 #include "base/versioned.h"
+#include "core/forward.h"
 #include "core/generate.h"
+#include "core/speculate.h"
 
 typedef struct sched_req {
     uint64_t id;
@@ -40,6 +53,9 @@ typedef struct sched_req {
     size_t* stop_lengths;
     char* salt;
     tl_stream stream;         /* stream.seq is NULL while waiting                              */
+    bool speculative;         /* decodes by rounds (n_draft > 0 and the backend has a part pass) */
+    tl_spec spec;             /* the rounds' scratch and counts, when speculative (else zeroed) */
+    size_t round;             /* this step's K', when speculative and decoding (plan_step)     */
     struct sched_req *prev, *next;
 } sched_req;
 
@@ -95,6 +111,7 @@ static void list_push_front(req_list* l, sched_req* r) {
 static void req_free(sched_req* r) {
     if (!r) return;
     tl_stream_free(&r->stream);
+    tl_spec_free(&r->spec);
     tl_free(r->input);
     tl_free(r->stop_tokens);
     tl_free(r->stop_lengths);
@@ -228,6 +245,9 @@ TL_API tl_status tl_sched_add(tl_sched* s, const int32_t* prompt, size_t n, cons
     if (st == TL_OK && (r->p.on_token || r->p.on_prefill))
         st = tl_fail(TL_ERR_INVALID_ARGUMENT, "a scheduled request takes no callbacks (on_token and on_prefill "
                      "must be NULL): tl_sched_step reports its tokens");
+    if (st == TL_OK && r->p.draft_stats)
+        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "a scheduled request takes no draft_stats (it must be NULL): "
+                     "tl_sched_stats counts the drafted and accepted tokens");
     r->n_prompt = n;
     if (st == TL_OK) st = check_budget(s, r);
     if (st == TL_OK) st = copy_params(r);
@@ -235,6 +255,10 @@ TL_API tl_status tl_sched_add(tl_sched* s, const int32_t* prompt, size_t n, cons
         r->input = tl_alloc((n + r->p.max_tokens) * sizeof *r->input);
         st = r->input ? tl_stream_init(&r->stream, e, &r->p, r->input + n, NULL, &r->n_out)
                       : tl_fail_oom("scheduler request");
+    }
+    if (st == TL_OK && r->p.n_draft > 0) {
+        st = tl_spec_init(&r->spec, e, &r->p);
+        r->speculative = st == TL_OK;
     }
     if (st != TL_OK) {
         req_free(r);
@@ -271,6 +295,8 @@ TL_API tl_status tl_sched_cancel(tl_sched* s, uint64_t id) {
 
 /* ---- the step ------------------------------------------------------------------------------- */
 
+static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
+
 static size_t input_length(const sched_req* r) { return r->n_prompt + r->n_out; }
 
 static size_t kv_alone(const tl_sched* s, size_t* n_blocks) {
@@ -293,20 +319,23 @@ static size_t new_bytes(const tl_sched* s, const sched_req* r, size_t T) {
 
 static bool decoding(const sched_req* r) { return r->stream.seq->n >= r->prefill_end; }
 
-/* Bytes of the blocks the decoding requests open over the next `steps` steps. */
+/* Positions one decode step of r computes at most: a round's n_draft, else 1. */
+static size_t decode_width(const sched_req* r) { return r->speculative ? r->p.n_draft : 1; }
+
+/* Bytes of the blocks the decoding requests open over the next `steps` steps (a round writes
+ * K' positions before it rolls back to those it keeps). */
 static size_t decode_growth(const tl_sched* s, size_t steps) {
     size_t bytes = 0;
     for (const sched_req* r = s->running.head; r; r = r->next)
-        if (decoding(r)) {
-            const size_t left = r->p.max_tokens - r->n_out;
-            bytes += new_bytes(s, r, steps < left ? steps : left);
-        }
+        if (decoding(r)) bytes += new_bytes(s, r, min_size(steps * decode_width(r), r->p.max_tokens - r->n_out));
     return bytes;
 }
 
-static size_t count_decoding(const tl_sched* s) {
+/* Positions the decoding requests compute in a step at most. */
+static size_t decode_positions(const tl_sched* s) {
     size_t n = 0;
-    for (const sched_req* r = s->running.head; r; r = r->next) n += decoding(r);
+    for (const sched_req* r = s->running.head; r; r = r->next)
+        if (decoding(r)) n += decode_width(r);
     return n;
 }
 
@@ -320,14 +349,16 @@ static size_t prefill_growth(const tl_sched* s) {
 
 /* Whether r, looked up (its sequence holds the hit), fits the budget beside `used`: its
  * prefill's new blocks, the rest of the other prefills', and what the decoding requests open
- * until r's prefill is done (the prompts ahead of it included). */
+ * until r's prefill is done (the prompts ahead of it included; the prefills get what the
+ * decodes leave of a step, in order: plan_step keeps room for one position per request). */
 static bool fits(const tl_sched* s, const sched_req* r, size_t used) {
     const size_t budget = s->params.kv_budget_bytes;
     if (budget == 0 || s->running.n == 0) return true;
     size_t positions = input_length(r) - r->stream.seq->n;
     for (const sched_req* q = s->running.head; q; q = q->next)
         if (!decoding(q)) positions += q->prefill_end - q->stream.seq->n;
-    const size_t per_step = s->params.step_tokens - count_decoding(s);
+    const size_t decodes = decode_positions(s);
+    const size_t per_step = decodes < s->params.step_tokens ? s->params.step_tokens - decodes : 1;
     const size_t steps = (positions + per_step - 1) / per_step;
     const size_t need = new_bytes(s, r, input_length(r) - r->stream.seq->n) + prefill_growth(s) +
                         decode_growth(s, steps);
@@ -378,14 +409,28 @@ static size_t chunk_of(const sched_req* r, size_t budget) {
     return left < budget ? left : budget;
 }
 
-/* The bytes of new blocks this step would allocate, planned as step() runs it. */
-static size_t step_need(const tl_sched* s) {
-    size_t need = 0, budget = s->params.step_tokens;
-    for (const sched_req* r = s->running.head; r; r = r->next)
-        if (decoding(r)) {
-            need += new_bytes(s, r, 1);
-            budget--;
+/* Plan the step as it runs. In running order, each decoding request takes its positions: one,
+ * or for a speculative one its round's K' (r->round) = min(n_draft, tokens left, room), the
+ * room being what the step's events (capacity) and positions (step_tokens) have left once every
+ * running request not planned yet keeps one; a round emits at most K' events, any other request
+ * at most one. Then the prefills, in order, take chunks of the positions left. Returns the bytes of the new blocks the step would allocate; *decodes receives the
+ * positions the decodes take. */
+static size_t plan_step(tl_sched* s, size_t capacity, size_t* decodes) {
+    const size_t limit = min_size(capacity, s->params.step_tokens);  /* >= max_batch >= running */
+    size_t need = 0, used = 0, unplanned = s->running.n;
+    for (sched_req* r = s->running.head; r; r = r->next) {
+        if (!decoding(r)) continue;
+        unplanned--;
+        size_t T = 1;
+        if (r->speculative) {  /* used + unplanned < limit: the room is >= 1 */
+            T = min_size(min_size(decode_width(r), r->p.max_tokens - r->n_out), limit - used - unplanned);
+            r->round = T;
         }
+        need += new_bytes(s, r, T);
+        used += T;
+    }
+    *decodes = used;
+    size_t budget = s->params.step_tokens - used;
     for (const sched_req* r = s->running.head; r && budget; r = r->next)
         if (!decoding(r)) {
             const size_t T = chunk_of(r, budget);
@@ -406,18 +451,87 @@ static void preempt_newest(tl_sched* s) {
     s->head_refused = false;
 }
 
-/* Preempt the newest running requests until the step fits the budget (never the last one). */
-static void fit_budget(tl_sched* s) {
+/* Plan the step, preempting the newest running requests until it fits the KV budget (never
+ * the last one). Returns the positions the plan leaves to the prefills. */
+static size_t fit_budget(tl_sched* s, size_t capacity) {
     const size_t budget = s->params.kv_budget_bytes;
-    if (budget == 0) return;
-    while (s->running.n > 1 && kv_alone(s, NULL) + step_need(s) > budget) preempt_newest(s);
+    for (;;) {
+        size_t decodes;
+        const size_t need = plan_step(s, capacity, &decodes);
+        if (budget == 0 || s->running.n == 1 || kv_alone(s, NULL) + need <= budget)
+            return s->params.step_tokens - decodes;
+        preempt_newest(s);
+    }
 }
 
-/* Every decoding request's pending token, in one batched pass. */
+/* The caller's event arrays, and how many events the step has written. */
+typedef struct step_events {
+    uint64_t* ids;
+    int32_t* tokens;
+    uint8_t* finish;
+    size_t n;
+} step_events;
+
+static void push_event(step_events* ev, const sched_req* r, int32_t token, tl_finish why) {
+    ev->ids[ev->n] = r->id;
+    ev->tokens[ev->n] = token;
+    ev->finish[ev->n++] = (uint8_t)why;
+}
+
+/* r ended (a stop rule, or its sampling failed): it leaves the scheduler. */
+static void finish_request(tl_sched* s, sched_req* r) {
+    s->stats.finished++;
+    list_remove(&s->running, r);
+    req_free(r);
+    s->head_refused = false;
+}
+
+/* r's round of K' = r->round positions: each token it emits is an event, the last one with the
+ * finish; a sampling failure (non-finite logits) ends r with TL_FINISH_ERROR, as in
+ * sample_ready. Any other failure comes before an emission and leaves r as it was. */
+static tl_status run_round(tl_sched* s, sched_req* r, step_events* ev) {
+    tl_stream* q = &r->stream;
+    const size_t emitted = q->n_emitted, drafted = r->spec.drafted, accepted = r->spec.accepted;
+    int32_t token = r->input[q->seq->n];
+    const tl_status st = tl_spec_round(&r->spec, q, &token, r->round);
+    if (st != TL_OK && st != TL_ERR_NUMERIC) return st;
+    s->stats.drafted_tokens += r->spec.drafted - drafted;
+    s->stats.accepted_tokens += r->spec.accepted - accepted;
+    s->stats.generated_tokens += q->n_emitted - emitted;
+    const tl_finish why = st != TL_OK ? TL_FINISH_ERROR : q->finish;
+    for (size_t i = emitted; i < q->n_emitted; i++)
+        push_event(ev, r, q->out_tokens[i], i + 1 == q->n_emitted && st == TL_OK ? why : TL_FINISH_NONE);
+    if (why == TL_FINISH_ERROR) push_event(ev, r, -1, why);
+    if (why != TL_FINISH_NONE) finish_request(s, r);
+    return TL_OK;
+}
+
+/* Every speculative decoding request's round, alone, in running order. A round out of memory
+ * preempts the newest running request (its memory may be what the round needs; when that is
+ * the round's own request, it just waits) and runs once more. */
+static tl_status run_rounds(tl_sched* s, step_events* ev) {
+    sched_req* next;
+    for (sched_req* r = s->running.head; r; r = next) {
+        next = r->next;
+        if (!r->speculative || !decoding(r)) continue;
+        tl_status st = run_round(s, r, ev);
+        if (st == TL_ERR_OUT_OF_MEMORY && s->running.n > 1) {
+            const bool newest = r == s->running.tail;
+            preempt_newest(s);
+            if (newest) return TL_OK;
+            next = r->next;
+            st = run_round(s, r, ev);
+        }
+        if (st != TL_OK) return st;
+    }
+    return TL_OK;
+}
+
+/* Every other decoding request's pending token, in one batched pass. */
 static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
     size_t n = 0;
     for (sched_req* r = s->running.head; r; r = r->next) {
-        if (!decoding(r)) continue;
+        if (!decoding(r) || r->speculative) continue;
         s->rows.seqs[n] = r->stream.seq;
         s->row_reqs[n] = r;
         s->rows.tokens[n] = r->input[r->stream.seq->n];
@@ -463,21 +577,14 @@ static tl_status run_prefills(tl_sched* s, size_t budget, size_t* n_ready) {
 }
 
 /* Sample each ready request's next token into the events; finished requests leave. */
-static void sample_ready(tl_sched* s, size_t n_ready, uint64_t* ids, int32_t* tokens, uint8_t* finish) {
+static void sample_ready(tl_sched* s, size_t n_ready, step_events* ev) {
     for (size_t i = 0; i < n_ready; i++) {
         sched_req* r = s->ready[i];
         int32_t token = -1;
-        tl_finish why = tl_stream_sample(&r->stream, &token) == TL_OK ? r->stream.finish : TL_FINISH_ERROR;
-        ids[i] = r->id;
-        tokens[i] = why == TL_FINISH_ERROR ? -1 : token;
-        finish[i] = (uint8_t)why;
+        const tl_finish why = tl_stream_sample(&r->stream, &token) == TL_OK ? r->stream.finish : TL_FINISH_ERROR;
+        push_event(ev, r, why == TL_FINISH_ERROR ? -1 : token, why);
         if (why != TL_FINISH_ERROR) s->stats.generated_tokens++;
-        if (why != TL_FINISH_NONE) {
-            s->stats.finished++;
-            list_remove(&s->running, r);
-            req_free(r);
-            s->head_refused = false;
-        }
+        if (why != TL_FINISH_NONE) finish_request(s, r);
     }
 }
 
@@ -492,17 +599,20 @@ TL_API tl_status tl_sched_step(tl_sched* s, uint64_t* ids, int32_t* tokens, uint
     if (st != TL_OK) return st;
     const tl_status admitted = admit(s);  /* a failed admission does not stop the running requests */
     if (s->running.n == 0) return admitted;
-    fit_budget(s);
+    const size_t prefill_positions = fit_budget(s, capacity);
+    step_events ev = {ids, tokens, finish, 0};
     size_t n_ready = 0;
-    st = run_decodes(s, &n_ready);
-    if (st == TL_ERR_OUT_OF_MEMORY && s->running.n > 1) {
-        preempt_newest(s);                /* its memory may be what the others need */
+    st = run_rounds(s, &ev);
+    if (st == TL_OK) {
         st = run_decodes(s, &n_ready);
+        if (st == TL_ERR_OUT_OF_MEMORY && s->running.n > 1) {
+            preempt_newest(s);            /* its memory may be what the others need */
+            st = run_decodes(s, &n_ready);
+        }
     }
-    const size_t n_decoded = n_ready;
-    if (st == TL_OK) st = run_prefills(s, s->params.step_tokens - n_decoded, &n_ready);
-    sample_ready(s, n_ready, ids, tokens, finish);
-    *n_events = n_ready;
+    if (st == TL_OK) st = run_prefills(s, prefill_positions, &n_ready);
+    sample_ready(s, n_ready, &ev);
+    *n_events = ev.n;
     s->stats.steps++;
     return st != TL_OK ? st : admitted;
 }

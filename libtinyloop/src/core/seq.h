@@ -3,6 +3,9 @@
 #ifndef TL_SEQ_H
 #define TL_SEQ_H
 
+#include <pthread.h>
+#include <stdbool.h>
+
 #include "core/engine.h"
 #include "core/kvcache.h"
 
@@ -26,15 +29,33 @@ struct tl_seq {
                                the sequence (a batched pass uses its first sequence's)     */
 };
 
+/* A prefix is read by many threads at once (tl_seq_from_prefix, tl_prefix_info, under `lock`
+ * for reading) while tl_prefix_extend may deepen it: the extension computes outside `lock`,
+ * holding `extending` (one extension at a time; nothing else writes loops, kv, loop_states or
+ * states), then swaps kv, loop_states and states in and raises loops under `lock` for
+ * writing. A swapped-out block lives on in the sequences that share it. tl_gen_check reads
+ * loops without the lock (an atomic: it only ever rises, and a prefix serves every depth up to
+ * it). */
 struct tl_prefix {
     tl_engine* engine;      /* holds a reference                                          */
     int32_t* tokens;        /* [n] copy                                                   */
     size_t n;
-    uint32_t loops;         /* L_b                                                        */
+    _Atomic uint32_t loops; /* L_b, raised by tl_prefix_extend                            */
     uint32_t window;
-    tl_kv_table kv;         /* immutable once built; every depth's coda slots written     */
+    bool warm_start;        /* built with TL_PREFIX_WARM_START                            */
+    tl_kv_table kv;         /* blocks immutable once written; every depth's coda slots    */
     float* loop_states;     /* [L_b][d]: last token's final state at depth i + 1           */
+    float* states;          /* warm start: [n][d] each token's state after iteration L_b-1
+                               (before the coda); NULL without warm start or on a backend
+                               without a part pass (which extends by rebuilding)           */
+    float* injects;         /* with states and injection: [n][d] each token's injected term */
+    pthread_rwlock_t lock;
+    pthread_mutex_t extending;
 };
+
+/* TL_OK when the prefix serves depth `loops` (<= its own), else TL_ERR_LOOPS_MISMATCH with a
+ * message saying how to get a deeper one (tl_prefix_extend, or a warm-start build). */
+tl_status tl_prefix_check_loops(const tl_prefix* p, uint32_t loops);
 
 /* TL_OK, or TL_ERR_INVALID_ARGUMENT when depth `loops` needs more than TL_MAX_CACHE_LAYERS
  * cache slots (docs/spec.md §1). */

@@ -1,0 +1,146 @@
+/* speculate.c — one round of self-speculative decoding (core/speculate.h, docs/spec.md §5.6).
+ *
+ * A round on a stream whose last emitted token t sits at position p (not yet run): K' rows
+ * r_0 = t, r_1 = d_1, .. at positions p .. p+K'-1, each reserved and drafted alone at depth L_d
+ * (its coda in depth L's slots, which the verifier then overwrites), its state after iteration
+ * L_d - 1 kept and its draft d_{i+1} sampled with the request's sampler at position p+i+1 over
+ * the real history plus d_1 .. d_i. One verify pass resumes the K' rows at iteration L_d and
+ * yields every row's logits at depth L; the stream samples v_1, v_2, .. from them exactly as
+ * plain decoding would, stopping after a stop rule or the first v_i != d_i. The sequence keeps
+ * the m emitted rows: the rest of the round's KV is rolled back to the mark taken before row m
+ * was reserved, and only then is the window applied, at the committed length.
+ *
+ * Why it is exact: row i of the verify pass sees rows r_0 .. r_i, which equal plain decoding's
+ * tokens while every earlier v_j == d_j; its KV below iteration L_d is the draft's, which by
+ * depth nesting is depth L's; and every row of a pass is computed as it would be alone. */
+#include "core/speculate.h"
+
+#include <string.h>
+
+#include "base/alloc.h"
+#include "base/errors.h"
+#include "core/forward.h"
+
+tl_status tl_spec_init(tl_spec* sp, const tl_engine* e, const tl_gen_params* p) {
+    memset(sp, 0, sizeof *sp);
+    sp->n_draft = p->n_draft;
+    sp->draft_loops = p->draft_loops;
+    const tl_config* c = tl_engine_config(e);
+    const size_t K = p->n_draft, d = c->d_model, V = c->vocab_size;
+    sp->rows = tl_alloc(K * sizeof *sp->rows);
+    sp->drafts = tl_alloc(K * sizeof *sp->drafts);
+    sp->states = tl_alloc(K * d * sizeof(float));
+    sp->injects = c->injection ? tl_alloc(K * d * sizeof(float)) : NULL;
+    sp->logits = tl_alloc(K * V * sizeof(float));
+    sp->hidden = tl_alloc(K * d * sizeof(float));
+    sp->seen = tl_alloc(V);
+    sp->marks = tl_alloc(K * sizeof *sp->marks);
+    if (!sp->rows || !sp->drafts || !sp->states || (c->injection && !sp->injects) || !sp->logits || !sp->hidden ||
+        !sp->seen || !sp->marks) {
+        tl_spec_free(sp);
+        return tl_fail_oom("speculative decoding scratch");
+    }
+    return TL_OK;
+}
+
+void tl_spec_free(tl_spec* sp) {
+    tl_free(sp->rows);
+    tl_free(sp->drafts);
+    tl_free(sp->states);
+    tl_free(sp->injects);
+    tl_free(sp->logits);
+    tl_free(sp->hidden);
+    tl_free(sp->seen);
+    tl_free(sp->marks);
+    memset(sp, 0, sizeof *sp);
+}
+
+/* Reserve and draft rows r_0 .. r_{K-1} at positions p .. p+K-1 (A.2). Shallow logits that
+ * cannot be sampled (not finite) end the drafting there, with a draft no token equals: plain
+ * decoding never sees them, so they must not fail the round. *K becomes the rows drafted. On
+ * failure the table is back at marks[0]. */
+static tl_status draft(tl_spec* sp, tl_stream* s, size_t p, size_t* K) {
+    tl_seq* q = s->seq;
+    const tl_engine* e = q->engine;
+    const tl_config* c = tl_engine_config(e);
+    const size_t d = c->d_model, V = c->vocab_size;
+    memcpy(sp->seen, s->seen, V);
+    for (size_t i = 0; i < *K; i++) {
+        sp->marks[i] = tl_kv_mark_now(&q->kv);
+        tl_status st = tl_kv_reserve(&q->kv, &e->kv_geom, q->n_layers, p + i, 1);
+        const tl_part part = {.depth = sp->draft_loops, .coda_depth = q->loops, .state_out = sp->states + i * d,
+                              .inject_out = sp->injects ? sp->injects + i * d : NULL,
+                              .logits_last = sp->logits + i * V};
+        if (st == TL_OK) st = tl_forward_part(q, &sp->rows[i], 1, p + i, &part);
+        if (st == TL_OK)
+            st = tl_sample(&s->sampler, sp->logits + i * V, (uint32_t)V, sp->seen, p + i + 1, &s->scratch,
+                           &sp->drafts[i]);
+        if (st == TL_ERR_NUMERIC) {
+            sp->drafts[i] = -1;
+            *K = i + 1;
+            return TL_OK;
+        }
+        if (st != TL_OK) {
+            tl_kv_rollback(&q->kv, sp->marks[0]);
+            return st;
+        }
+        sp->seen[sp->drafts[i]] = 1;
+        if (i + 1 < *K) sp->rows[i + 1] = sp->drafts[i];
+    }
+    return TL_OK;
+}
+
+/* Emit v_1 .. v_m from the verifier's logits (A.4), each sampled by the stream at its position
+ * p + i; returns the status of the last sample and sets *m and *accepted. */
+static tl_status emit(tl_spec* sp, tl_stream* s, int32_t* token, size_t p, size_t K, size_t* m, size_t* accepted) {
+    const size_t V = tl_engine_config(s->seq->engine)->vocab_size;
+    float* const own = s->logits;
+    tl_status st = TL_OK;
+    *m = *accepted = 0;
+    while (*m < K) {
+        s->logits = sp->logits + *m * V;
+        s->seq->n = p + *m + 1; /* v_{m+1} will occupy position p + m + 1 */
+        st = tl_stream_sample(s, token);
+        if (st != TL_OK) break;
+        const bool agree = *token == sp->drafts[(*m)++];
+        *accepted += agree;
+        if (s->done || !agree) break;
+    }
+    s->logits = own;
+    return st;
+}
+
+tl_status tl_spec_round(tl_spec* sp, tl_stream* s, int32_t* token, size_t round_cap) {
+    tl_seq* q = s->seq;
+    tl_engine* e = q->engine;
+    tl_status st = tl_engine_check_open(e);
+    if (st != TL_OK) return st;
+    const tl_config* c = tl_engine_config(e);
+    const size_t p = q->n, left = s->p->max_tokens - s->n_emitted;
+    size_t K = sp->n_draft < left ? sp->n_draft : left;
+    if (round_cap && K > round_cap) K = round_cap;
+    if (K > c->max_seq_len || p > c->max_seq_len - K) /* tl_gen_check bounds it; this guards RoPE and KV */
+        return tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", p + K, c->max_seq_len);
+
+    sp->rows[0] = *token;
+    if ((st = draft(sp, s, p, &K)) != TL_OK) return st;
+    const tl_part verify = {.first_iter = sp->draft_loops, .depth = q->loops, .state_in = sp->states,
+                            .inject_in = sp->injects, .hidden_all = sp->hidden, .logits_all = sp->logits};
+    if ((st = tl_forward_part(q, NULL, K, p, &verify)) != TL_OK) {
+        tl_kv_rollback(&q->kv, sp->marks[0]);
+        return st;
+    }
+    size_t m, accepted;
+    st = emit(sp, s, token, p, K, &m, &accepted);
+    if (m < K) tl_kv_rollback(&q->kv, sp->marks[m]);
+    q->n = p + m;
+    if (m) memcpy(q->last_hidden, sp->hidden + (m - 1) * c->d_model, c->d_model * sizeof(float));
+    tl_kv_release_outside(&q->kv, q->n, q->window);
+    sp->drafted += K;
+    sp->accepted += accepted;
+    if (s->p->draft_stats) {
+        s->p->draft_stats->drafted += K;
+        s->p->draft_stats->accepted += accepted;
+    }
+    return st;
+}
