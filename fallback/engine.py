@@ -6,33 +6,48 @@ docs/spec.md. `Engine` implements the engine interface, tinyloop.engine.Engine: 
 (tinyloop.Model) pass only checked arguments, int32 prompts with ids in range and a
 tinyloop.engine.GenerationParams.
 """
+import threading
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
-from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, stop_reached
+from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, loops_mismatch, stop_reached
 
-from .forward import NumpyKernels, forward_chunk, head_logits
+from .forward import NumpyKernels, forward_chunk, forward_part, head_logits, on_host
 from .kvcache import KVCache
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
+from .speculate import speculative_round
 from .weights import Weights
 
 
 @dataclass
 class Prefix:
     """A prompt's KV at depth `loops` (the coda slots of every depth written) plus the last
-    token's final state (the head's input) at every depth 1 .. loops (docs/spec.md §5.4)."""
+    token's final state (the head's input) at every depth 1 .. loops (docs/spec.md §5.4).
+    A warm-start prefix also keeps every token's state after iteration loops-1 and, with
+    injection, its injected term, so that Engine.extend_prefix can deepen it."""
     tokens: np.ndarray          # (n,) int32
     loops: int
     cache_window: int
     cache: KVCache
     loop_states: list = field(repr=False)   # depth 1 .. loops: (1, d) f32, the kernels' arrays
+    states: Optional[np.ndarray] = field(default=None, repr=False)     # warm start: (n, d) f32
+    injected: Optional[np.ndarray] = field(default=None, repr=False)   # and injection: (n, d) f32
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # extend vs fork
+
+    @property
+    def warm_start(self):
+        return self.states is not None
 
     @property
     def nbytes(self):
-        """KV blocks held, plus the loop states and the token copy (docs/api.md)."""
-        return self.cache.nbytes + 4 * self.loops * self.loop_states[0].shape[1] + 4 * len(self.tokens)
+        """KV blocks held, plus the loop states, the token copy and a warm start's states
+        (docs/api.md)."""
+        kept = sum(a.nbytes for a in (self.states, self.injected) if a is not None)
+        return (self.cache.nbytes + 4 * self.loops * self.loop_states[0].shape[1]
+                + 4 * len(self.tokens) + kept)
 
     def free(self):
         self.cache.free()
@@ -62,17 +77,20 @@ class Engine:
         return KVCache(self.pool, self.config.n_layers(loops), window)
 
     def prefill(self, cache, tokens, chunk, depth_states=None, all_logits=False, release=True,
-                on_chunk=None):
+                on_chunk=None, kept=None):
         """Feed tokens in chunks; returns logits (V,) of the last token, or (n, V) of all.
         depth_states: a list to receive the last token's final state at every depth, and the
         coda's KV of every depth (a prefix build, forward_chunk); release=False keeps the
         blocks a window no longer sees (for the prefix cache); on_chunk(tokens done in this
-        call) runs after each chunk."""
+        call) runs after each chunk; kept: a list to receive each chunk's Rows."""
         outputs = []
         for start in range(0, len(tokens), chunk):
             piece = tokens[start:start + chunk]
             states = [] if depth_states is not None else None
-            x = forward_chunk(self.kernels, self.weights, cache, piece, states)
+            rows = forward_chunk(self.kernels, self.weights, cache, piece, states)
+            x = rows.hidden
+            if kept is not None:
+                kept.append(rows)
             if depth_states is not None and start + chunk >= len(tokens):
                 depth_states.extend(states)
             if all_logits:
@@ -102,7 +120,7 @@ class Engine:
         except BaseException:
             cache.free()
             raise
-        return self._decode(cache, logits, list(prompt.tolist()), params, callbacks.on_token)
+        return self._decode(cache, logits, list(prompt.tolist()), params, callbacks)
 
     @staticmethod
     def _progress(on_prefill, done_before, total):
@@ -147,45 +165,106 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def build_prefix(self, prompt, loops, window, chunk):
+    def build_prefix(self, prompt, loops, window, chunk, warm_start=False):
         cache = self.new_cache(loops, window)
-        states = []
-        self.prefill(cache, prompt, chunk, depth_states=states)
-        return Prefix(prompt.copy(), loops, window, cache, states)
+        states, kept = [], [] if warm_start else None
+        try:
+            self.prefill(cache, prompt, chunk, depth_states=states, kept=kept)
+        except BaseException:
+            cache.free()
+            raise
+        prefix = Prefix(prompt.copy(), loops, window, cache, states)
+        if warm_start:
+            prefix.states = on_host(self.kernels, [rows.state for rows in kept])
+            if self.config.injection:
+                prefix.injected = on_host(self.kernels, [rows.injected for rows in kept])
+        return prefix
+
+    def extend_prefix(self, prefix, loops, chunk):
+        """Deepen a warm-start prefix to depth `loops` in place (docs/spec.md §5.4): iterations
+        prefix.loops .. loops-1 for every prefix token, `chunk` tokens a pass, from the kept
+        states, into new cache slots; the old slots are shared, not copied. Bit-identical to a
+        prefix built at `loops`. A no-op when the prefix is that deep already."""
+        with prefix.lock:
+            if loops <= prefix.loops:
+                return
+            if not prefix.warm_start:
+                raise RuntimeError(loops_mismatch(prefix.loops, loops))
+            k, n, n_old = self.kernels, len(prefix.tokens), self.config.n_layers(prefix.loops)
+            cache = self.new_cache(loops, prefix.cache_window)
+            fresh = cache.layers[n_old:]
+            cache.layers[:n_old] = prefix.cache.layers
+            kept = []
+            try:
+                for start in range(0, n, chunk):
+                    rows = slice(start, start + chunk)
+                    states = []
+                    part = forward_part(k, self.weights, cache, start, first_iter=prefix.loops,
+                                        state=k.table(prefix.states[rows]),
+                                        injected=None if prefix.injected is None
+                                        else k.table(prefix.injected[rows]),
+                                        depth_states=states)
+                    kept.append(part.state)
+                cache.length = n
+                cache.release_outside_window()
+                deeper = on_host(k, kept)
+            except BaseException:
+                cache.layers = fresh         # the prefix's own slots stay the prefix's
+                cache.free()
+                raise
+            prefix.cache, prefix.states = cache, deeper
+            prefix.loop_states = prefix.loop_states + states
+            prefix.loops = loops
 
     def generate_from_prefix(self, prefix, suffix, params, want_logits=False, callbacks=NO_CALLBACKS):
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth
         params.loops <= prefix.loops (checked by the caller)."""
-        cache = prefix.cache.fork(self.config.n_layers(params.loops))
+        with prefix.lock:
+            cache = prefix.cache.fork(self.config.n_layers(params.loops))
+            loop_state = prefix.loop_states[params.loops - 1]
         n = len(prefix.tokens)
         try:
             if len(suffix):
                 logits = self.prefill(cache, suffix, params.prefill_chunk, on_chunk=self._progress(
                     callbacks.on_prefill, n, n + len(suffix)))
             else:
-                logits = head_logits(self.kernels, self.weights, prefix.loop_states[params.loops - 1])[0]
+                logits = head_logits(self.kernels, self.weights, loop_state)[0]
         except BaseException:
             cache.free()
             raise
         history = prefix.tokens.tolist() + suffix.tolist()
-        return self._decode(cache, logits, history, params, callbacks.on_token)
+        return self._decode(cache, logits, history, params, callbacks)
 
-    def _decode(self, cache, logits, history, params, on_token=None):
-        """Sample until a stop rule fires. Returns (emitted ids, [(V,) logits per emitted id])."""
+    def _decode(self, cache, logits, history, params, callbacks):
+        """Sample until a stop rule fires, decoding plainly or, with params.n_draft > 0, in
+        speculative rounds (docs/spec.md §5.6), each reported to callbacks.on_draft. Returns
+        (emitted ids, [(V,) logits per emitted id]); frees the cache."""
         emitted, step_logits = [], []
+
+        def emit(token, z):
+            step_logits.append(z)
+            history.append(token)
+            emitted.append(token)
+            if callbacks.on_token is not None:
+                callbacks.on_token(token)
+            return stop_reached(emitted, params, self.config.eos_id)
+
+        k, w = self.kernels, self.weights
         try:
-            while True:
-                token = self.kernels.sample(logits, history, params, len(history))
-                step_logits.append(logits)
-                history.append(token)
-                emitted.append(token)
-                if on_token is not None:
-                    on_token(token)
-                if stop_reached(emitted, params, self.config.eos_id):
-                    return emitted, step_logits
-                x = forward_chunk(self.kernels, self.weights, cache, np.array([token], np.int32))
-                cache.release_outside_window()
-                logits = head_logits(self.kernels, self.weights, x)[0]
+            done = emit(k.sample(logits, history, params, len(history)), logits)
+            while not done:
+                if params.n_draft:
+                    counts = speculative_round(k, w, cache, history, params, emit,
+                                               params.max_tokens - len(emitted))
+                    if callbacks.on_draft is not None:
+                        callbacks.on_draft(*counts)
+                    done = stop_reached(emitted, params, self.config.eos_id)
+                else:
+                    x = forward_chunk(k, w, cache, np.array(history[-1:], np.int32)).hidden
+                    cache.release_outside_window()
+                    logits = head_logits(k, w, x)[0]
+                    done = emit(k.sample(logits, history, params, len(history)), logits)
+            return emitted, step_logits
         finally:
             cache.free()
 

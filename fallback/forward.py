@@ -1,12 +1,17 @@
 """Forward pass of a looped model over a chunk of tokens (docs/spec.md §1, §4), for any kernel
 set.
 
-`forward_chunk` runs T new tokens at positions cache.length .. cache.length+T-1 through the
-model at the cache's depth L (its n_layers(L) slots, §1): the prelude, L iterations of the
-core (step norm, adapter, k blocks), the coda norm and the coda, writing the KV of every layer
-it runs, and returns the final hidden states (the head's input). A prefix build also runs the
-coda after each earlier iteration, on a copy of the state, writing the coda slots of every
-depth (§5.4). It releases nothing: the caller drops blocks a window no longer sees once its
+`forward_part` runs T rows at positions pos0 .. pos0+T-1 through part of the model: from the
+embedding (the prelude, then core iterations 0 ..) or resuming before core iteration
+`first_iter` from each row's kept state (and injected term), up to iteration depth-1, then the
+coda norm and the coda in the coda slots of `coda_depth`, writing the KV of every layer it runs;
+it returns the rows' final hidden states (the head's input) and their state after iteration
+depth-1 with their injected term (Rows). The draft and the verification of self-speculative
+decoding (§5.6) and the extension of a warm-start prefix (§5.4) are part passes; `forward_chunk`
+is the whole pass at the cache's depth L (its n_layers(L) slots, §1) over the cache's next T
+positions, advancing its length. A prefix build (or extension) also runs the coda after each
+earlier iteration, on a copy of the state, writing the coda slots of every depth it reaches
+(§5.4). Nothing here releases a block: the caller drops blocks a window no longer sees once its
 call is done.
 
 The orchestration here is shared by every Python backend; the arithmetic comes from a *kernel
@@ -38,6 +43,8 @@ the same operations, each of which must give bit-identical results:
     to_host(y)                               a numpy array of y
     sample(logits, history, params, pos)     spec §5.1 on host logits (V,)
 """
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from .attention import attend_cached
@@ -92,7 +99,7 @@ class NumpyKernels:
     sample = staticmethod(sample)
 
 
-def depth(config, n_layers):
+def cache_depth(config, n_layers):
     """The depth L of a cache of n_layers(L) slots (§1)."""
     return (n_layers - config.n_pre_blocks) // (config.n_core_blocks + config.n_coda_blocks)
 
@@ -144,37 +151,70 @@ def coda(kernels, weights, cache, loops, x, pos0):
     return x
 
 
-def forward_chunk(kernels, weights, cache, tokens, depth_states=None):
-    """Run tokens (T,) int32 through the model at the cache's depth; returns (T, d) final
-    states (the head's input).
+class Rows(NamedTuple):
+    """What a pass returns for its T rows, each (T, d) f32 in the kernels' arrays."""
+    hidden: Any        # the final states, the head's input
+    state: Any         # the states after the last core iteration run (before the coda)
+    injected: Any      # the adapter's injected terms (None without injection)
 
-    If `depth_states` is a list (a prefix build, §5.4), the coda also runs after every earlier
-    iteration i, on a copy of the state, writing the coda slots of depth i + 1, and the last
-    token's final state at each depth 1 .. L is appended to it as a (1, d) row.
+
+def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth=None,
+                 coda_depth=None, state=None, injected=None, depth_states=None):
+    """Rows at positions pos0 .. pos0+T-1 through core iterations first_iter .. depth-1
+    (depth: the cache's by default) and the coda in the coda slots of depth `coda_depth`
+    (depth's own by default). first_iter == 0 starts from `tokens` (T,) int32 (embedding,
+    prelude); first_iter > 0 resumes from `state`, each row's state after iteration
+    first_iter-1, and with injection `injected`, its injected term. Writes the KV of every
+    layer it runs at those positions; leaves cache.length alone. Returns Rows.
+
+    If `depth_states` is a list (a prefix build or extension, §5.4), the coda also runs after
+    every iteration i < depth-1, on a copy of the state, writing the coda slots of depth i + 1,
+    and the last row's final state at each depth first_iter+1 .. depth is appended to it as a
+    (1, d) row.
     """
-    cfg, pos0 = weights.config, cache.length
-    loops = depth(cfg, cache.n_layers)
-    x = kernels.embed(weights, tokens)
-    for b, block in enumerate(weights.pre_blocks):
-        x = run_block(kernels, weights, block, cache, b, x, pos0)
-    if cfg.injection:                  # the adapter's injected half is the same every iteration
-        injected = weights.adapter_inject(*kernels.quantize_rows(x))
-        x = kernels.table(np.zeros((len(tokens), cfg.d_model), F32))     # §4.4: state zero
-    for i in range(loops):
+    cfg = weights.config
+    depth = cache_depth(cfg, cache.n_layers) if depth is None else depth
+    if first_iter == 0:
+        x = kernels.embed(weights, tokens)
+        for b, block in enumerate(weights.pre_blocks):
+            x = run_block(kernels, weights, block, cache, b, x, pos0)
+        if cfg.injection:              # the adapter's injected half is the same every iteration
+            injected = weights.adapter_inject(*kernels.quantize_rows(x))
+            x = kernels.table(np.zeros((len(tokens), cfg.d_model), F32))     # §4.4: state zero
+    else:
+        x = state
+    for i in range(first_iter, depth):
         if cfg.step_norm and i >= 1:
             x = kernels.rms_norm(x, weights.step_norm, cfg.rms_eps)
         if cfg.injection:
             x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x)), injected)
         for j, block in enumerate(weights.core_blocks):
             x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0)
-        if depth_states is not None and i < loops - 1:
+        if depth_states is not None and i < depth - 1:
             out = coda(kernels, weights, cache, i + 1, kernels.copy(x), pos0)
             depth_states.append(kernels.last_row(out))
-    x = coda(kernels, weights, cache, loops, x, pos0)
+    hidden = coda(kernels, weights, cache, coda_depth or depth, x, pos0)
     if depth_states is not None:
-        depth_states.append(kernels.last_row(x))
+        depth_states.append(kernels.last_row(hidden))
+    return Rows(hidden, x, injected if cfg.injection else None)
+
+
+def forward_chunk(kernels, weights, cache, tokens, depth_states=None):
+    """Run tokens (T,) int32 at the cache's next T positions through the whole model at the
+    cache's depth, and advance cache.length past them; returns their Rows (forward_part)."""
+    rows = forward_part(kernels, weights, cache, cache.length, tokens, depth_states=depth_states)
     cache.length += len(tokens)
-    return x
+    return rows
+
+
+def on_host(kernels, parts):
+    """(T_i, d) arrays of the kernel set -> one host (sum T_i, d) array."""
+    return np.concatenate([kernels.to_host(a) for a in parts])
+
+
+def stack_rows(kernels, parts):
+    """(T_i, d) arrays of the kernel set -> one (sum T_i, d) array of it."""
+    return kernels.table(on_host(kernels, parts))
 
 
 def head_logits(kernels, weights, x):

@@ -121,6 +121,19 @@ class KVCache:
                     self.pool.release(blocks[b])
                     blocks[b] = None
 
+    def truncate(self, length):
+        """Commit positions < length: every layer drops its blocks past them (references
+        only, nothing copied), whatever was written there (a speculative round writes past
+        self.length before it commits), and length becomes the cache's length. A kept partial
+        block keeps stale positions past `length`, written again before anything reads them."""
+        n_kept = -(-length // self.pool.block_size)
+        for blocks in self.layers:
+            for blk in blocks[n_kept:]:
+                if blk is not None:
+                    self.pool.release(blk)
+            del blocks[n_kept:]
+        self.length = length
+
     def fork(self, n_layers):
         """A new cache sharing the first n_layers layers' blocks (no copies)."""
         twin = KVCache(self.pool, n_layers, self.window)

@@ -7,12 +7,17 @@ the other prefills and the decodes meanwhile will open fit the KV budget) looks 
 the prefix cache; a refused head is tried again once a request leaves or the held KV drops. A
 running request is in its prefill phase until cache.length reaches `prefill_end` (it gets
 prompt chunks from what the step's token budget leaves after one position per decoding
-request; each chunk offers its full blocks to the prefix cache), then decodes one token a step.
-A step whose new blocks would pass the budget preempts the newest running request: its cache is
-dropped and it waits at the head of the queue to prefill its input again; a step that fails
-preempts every running request, so a retried step recomputes them exactly. The reference runs
-each row on its own (batching changes no result, only speed), so every request gets exactly
-Engine.generate's tokens.
+request; each chunk offers its full blocks to the prefix cache), then decodes one token a step,
+or with n_draft > 0 runs one round of self-speculative decoding a step (docs/spec.md §5.6),
+before the other requests, emitting its 1 .. K' tokens that step: the step is planned as
+libtinyloop's (api/sched.c) plans it (_plan: K' fits the step's events and positions), and
+admission and the budget count K' positions for a round. A step whose new blocks would pass the
+budget preempts the newest running request: its cache is dropped and it waits at the head of
+the queue to prefill its input again. A step that fails preempts every running request, so a
+retried step recomputes them exactly; it returns the events emitted before the failure (rounds
+run first and emit as they go) and raises only when there are none, as libtinyloop's step does.
+The reference runs each row on its own (batching changes no result, only speed), so every
+request gets exactly Engine.generate's tokens.
 
 KV bytes here are the Python pool's (blocks of one layer each, BlockPool.block_nbytes), so a
 budget admits other schedules than the native one; the tokens are the same.
@@ -27,6 +32,7 @@ from tinyloop.engine import SCHED_STAT_NAMES, finish_reason
 
 from .forward import forward_chunk, head_logits
 from .sampling import NumericError
+from .speculate import speculative_round
 
 
 @dataclass(eq=False)
@@ -38,6 +44,7 @@ class _Request:
     cache: object = None         # KVCache while running
     prefill_end: int = 0
     logits: np.ndarray = field(default=None, repr=False)
+    round: int = 0               # this step's K' when it decodes speculatively (_plan), else 0
 
     @property
     def emitted(self):
@@ -103,23 +110,28 @@ class Scheduler:
         self._admit()
         if not self.running:
             return []
-        self._fit_budget()
+        prefill_positions = self._fit_budget()
+        events = []
         try:
-            ready = self._run()
-        except BaseException:
+            for r in [r for r in self.running if r.round]:
+                self._speculate(r, events)
+            ready = self._run(prefill_positions)
+            events += [self._sample(r) for r in ready]
+        except BaseException as failure:
             while self.running:
                 self._preempt_newest()
-            raise
+            if not (events and isinstance(failure, Exception)):
+                raise
         finally:
             self.counters["steps"] += 1
-        return [self._sample(r) for r in ready]
+        return events
 
-    def _run(self):
-        """The decodes, then the prefill chunks; returns the requests with logits to sample."""
-        ready = [r for r in self.running if self._decoding(r)]
+    def _run(self, budget):
+        """The plain decodes, then prefill chunks of `budget` positions in all; returns the
+        requests with logits to sample."""
+        ready = [r for r in self.running if self._decoding(r) and not r.params.n_draft]
         for r in ready:
             self._decode(r)
-        budget = self.step_tokens - len(ready)
         for r in [r for r in self.running if not self._decoding(r)]:
             if budget == 0:
                 break
@@ -156,10 +168,12 @@ class Scheduler:
         prefilling = [q for q in self.running if not self._decoding(q)]
         decoding = [q for q in self.running if self._decoding(q)]
         positions = len(r.input) - r.cache.length + sum(q.prefill_end - q.cache.length for q in prefilling)
-        steps = -(-positions // (self.step_tokens - len(decoding)))
+        per_step = max(1, self.step_tokens - sum(self._width(q) for q in decoding))
+        steps = -(-positions // per_step)
         need = (self._new_bytes(r, len(r.input) - r.cache.length)
                 + sum(self._new_bytes(q, q.prefill_end - q.cache.length) for q in prefilling)
-                + sum(self._new_bytes(q, min(steps, q.params.max_tokens - len(q.emitted))) for q in decoding))
+                + sum(self._new_bytes(q, min(steps * self._width(q), q.params.max_tokens - len(q.emitted)))
+                      for q in decoding))
         return used + need <= self.budget
 
     def _admit(self):
@@ -181,18 +195,40 @@ class Scheduler:
             self.counters["cached_tokens"] += hit
             self.running.append(self.waiting.popleft())
 
-    def _step_need(self):
-        need, budget = 0, self.step_tokens
+    @staticmethod
+    def _width(r):
+        """Positions one decode step of r computes at most: a round's n_draft, else 1."""
+        return r.params.n_draft or 1
+
+    def _plan(self):
+        """Plan the step as it runs. In running order each decoding request takes its
+        positions: one, or for a speculative one its round's K' (r.round) = min(n_draft, tokens
+        left, room), the room being what the step's positions (step_tokens, which also bounds
+        the events NativeScheduler takes) have left once every running request not planned
+        yet keeps one. Then the prefills, in order, take chunks of the
+        positions left. Returns (bytes of the new blocks the step would allocate, positions
+        left to the prefills)."""
+        limit = self.step_tokens                            # >= max_batch >= len(self.running)
+        need = used = 0
+        unplanned = len(self.running)
         for r in self.running:
-            if self._decoding(r):
-                need += self._new_bytes(r, 1)
-                budget -= 1
+            r.round = 0
+            if not self._decoding(r):
+                continue
+            unplanned -= 1
+            T = 1
+            if r.params.n_draft:
+                T = r.round = min(r.params.n_draft, r.params.max_tokens - len(r.emitted),
+                                  limit - used - unplanned)
+            need += self._new_bytes(r, T)
+            used += T
+        budget = left = self.step_tokens - used
         for r in self.running:
             if not self._decoding(r) and budget:
                 T = min(budget, r.prefill_end - r.cache.length)
                 need += self._new_bytes(r, T)
                 budget -= T
-        return need
+        return need, left
 
     def _preempt_newest(self):
         victim = self.running.pop()
@@ -202,12 +238,17 @@ class Scheduler:
         self._refused_at = None
 
     def _fit_budget(self):
-        while self.budget and len(self.running) > 1 and self._alone()[1] + self._step_need() > self.budget:
+        """Plan the step, preempting the newest running requests until it fits the KV budget
+        (never the last one). Returns the positions the plan leaves to the prefills."""
+        while True:
+            need, left = self._plan()
+            if not self.budget or len(self.running) == 1 or self._alone()[1] + need <= self.budget:
+                return left
             self._preempt_newest()
 
     def _decode(self, r):
         e = self.engine
-        x = forward_chunk(e.kernels, e.weights, r.cache, np.array(r.input[-1:], np.int32))
+        x = forward_chunk(e.kernels, e.weights, r.cache, np.array(r.input[-1:], np.int32)).hidden
         r.cache.release_outside_window()
         r.logits = head_logits(e.kernels, e.weights, x)[0]
 
@@ -226,6 +267,30 @@ class Scheduler:
             r.cache.release_outside_window()
         r.logits = logits
         return True
+
+    def _speculate(self, r, events):
+        """r's round of K' = r.round positions, its events appended to `events` as they are
+        emitted, so none is lost if the round then fails (a NumericError ends r with an
+        "error" event, as _sample does)."""
+        eos = self.engine.config.eos_id
+
+        def emit(token, logits):
+            r.input.append(token)
+            self.counters["generated_tokens"] += 1
+            events.append((r.id, token, finish_reason(r.emitted, r.params, eos)))
+            return events[-1][2] is not None
+
+        e = self.engine
+        try:
+            drafted, accepted = speculative_round(e.kernels, e.weights, r.cache, r.input, r.params,
+                                                  emit, r.round)
+        except NumericError:
+            events.append((r.id, -1, "error"))
+        else:
+            self.counters["drafted_tokens"] += drafted
+            self.counters["accepted_tokens"] += accepted
+        if events[-1][2] is not None:
+            self._finish(r)
 
     def _sample(self, r):
         """r's next token as an event; a finished request leaves."""

@@ -168,6 +168,13 @@ def assert_same_bits(got, want):
                              f"{first}: {got[first]!r} != {want[first]!r}")
 
 
+def assert_same_generation(got, want):
+    """Two (tokens, logits) results of return_logits=True: the same tokens, the logits bit for bit."""
+    (got_tokens, got_logits), (want_tokens, want_logits) = got, want
+    assert got_tokens == want_tokens
+    assert_same_bits(got_logits, want_logits)
+
+
 # Small models covering the shape space: GQA or not, n_pre 0..2, int8 / int4, tied head,
 # odd vocabularies, eos ids. Keyed by a short name used in test ids.
 MODEL_SHAPES = {
@@ -286,6 +293,16 @@ def on_backend(backend, model_files):
     yield opened
     for model in opened.values():
         model.close()
+
+
+@pytest.fixture(scope="module")
+def on_fast_backend(backend, request):
+    """on_backend, skipped on numba's CUDA simulator, where a token of these models costs tens
+    of seconds: for the example tests of a module whose properties (tiny shapes) run it."""
+    if simulated(backend):
+        pytest.skip("MODEL_SHAPES models take tens of seconds a token on the CUDA simulator; "
+                    "this module's properties run its kernels")
+    return request.getfixturevalue("on_backend")
 
 
 @pytest.fixture

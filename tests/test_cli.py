@@ -119,6 +119,13 @@ BAD_INPUTS = [
      "argument --repetition-penalty: must be a finite number > 0"),
     (["generate", "1", "--cache-window", "-1", "SMALL"], "argument --cache-window: must be an integer >= 0"),
     (["generate", "1", "--seed", str(1 << 64), "SMALL"], "argument --seed: must be an integer from 0 to"),
+    (["generate", "1", "--draft-loops", "3", "SMALL"],
+     "draft_loops must be in 1 .. loops-1 (loops=3), got 3"),
+    (["generate", "1", "--draft-loops", "0", "SMALL"],
+     "argument --draft-loops: must be an integer from 1 to 1024, got 0"),
+    (["generate", "1", "--n-draft", "2", "SMALL"], "n_draft > 0 needs draft_loops"),
+    (["generate", "1", "--draft-loops", "1", "--n-draft", "65", "SMALL"],
+     "argument --n-draft: must be an integer from 0 to 64, got 65"),
     (["generate", "1", "--threads", "0", "SMALL"], "argument --threads: must be an integer >= 1, got 0"),
     (["generate", "1", "--backend", "nope", "SMALL"], "argument --backend: invalid choice: 'nope'"),
     (["generate", "1", "--model", "/nonexistent.tinyloop"],
@@ -169,6 +176,19 @@ def test_generate_stops_reads_stdin_and_reports_reuse(small, monkeypatch, capsys
     code, text = run("generate", "-", "--max-tokens", "6", *common)
     assert code == 0 and text.split()[0] == first
     assert "reused 0," in capsys.readouterr().err
+
+
+def test_generate_drafts_with_draft_loops_and_reports_the_acceptance(small, capsys):
+    common = ("1,2,3", "--ids", "--model", small[0], "--max-tokens", "9", "--temperature", "1",
+              "--seed", "4", "--backend", "numpy")
+    code, plain = run("generate", *common)
+    assert code == 0 and "draft" not in capsys.readouterr().err
+    code, text = run("generate", *common, "--loops", "3", "--draft-loops", "2", "--n-draft", "3")
+    assert code == 0 and text == plain
+    report = re.search(r"^\[draft loops 2: drafted (\d+), accepted (\d+), acceptance rate "
+                       r"(\d\.\d\d)\]$", capsys.readouterr().err, re.M)
+    drafted, accepted, rate = int(report[1]), int(report[2]), float(report[3])
+    assert 8 <= drafted <= 24 and accepted <= 8 and rate == round(accepted / drafted, 2)
 
 
 def test_generate_shows_prefill_progress_then_the_prompt(monkeypatch):

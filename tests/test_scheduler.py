@@ -2,9 +2,11 @@
 prompt lengths, cancellations, batch size, step token budget and KV budget, every request's
 tokens are exactly what Model.generate gives it alone; a cancelled request's are a prefix of
 them. Preemption under a tight KV budget loses nothing, a long prompt is prefilled in chunks
-between the running decodes, the prefix cache serves prompts that share a prefix, and bad
+between the running decodes, the prefix cache serves prompts that share a prefix, speculative
+requests among plain ones get plain decoding's tokens (their rounds counted), and bad
 arguments are named.
 """
+import collections
 import re
 
 import pytest
@@ -21,6 +23,11 @@ def need_of(model, prompt, **kwargs):
         with pytest.raises(ValueError, match="more than kv_budget_bytes 1") as refused:
             probe.add(prompt, **kwargs)
     return int(re.search(r"could need (\d+) bytes", str(refused.value)).group(1))
+
+
+def step_events(kwargs):
+    """The events a request may get in one step: one, or a speculative round's tokens."""
+    return (kwargs.get("n_draft") or 4) if kwargs.get("draft_loops") else 1
 
 
 def run(scheduler, arrivals, cancels=(), max_steps=10_000, kv_bound=0):
@@ -40,7 +47,8 @@ def run(scheduler, arrivals, cancels=(), max_steps=10_000, kv_bound=0):
                 assert was_there == (i not in finish)
                 finish.setdefault(i, "cancelled")
         events = scheduler.step()
-        assert len({e.id for e in events}) == len(events)        # one event per request a step
+        for rid, n in collections.Counter(e.id for e in events).items():
+            assert n <= step_events(arrivals[index[rid]][2])
         for e in events:
             i = index[e.id]
             assert i not in finish, f"request {i} emitted after it ended"
@@ -56,9 +64,13 @@ def run(scheduler, arrivals, cancels=(), max_steps=10_000, kv_bound=0):
 
 @st.composite
 def request_kwargs(draw, vocab):
-    return dict(draw(sampling()), max_tokens=draw(st.integers(1, 8)),
-                loops=draw(st.integers(1, 4)), cache_window=draw(st.sampled_from([0, 0, 3, 8])),
-                stop_sequences=draw(st.lists(prompts(vocab, max_size=2), max_size=2)))
+    loops = draw(st.integers(1, 4))
+    kwargs = dict(draw(sampling()), max_tokens=draw(st.integers(1, 8)), loops=loops,
+                  cache_window=draw(st.sampled_from([0, 0, 3, 8])),
+                  stop_sequences=draw(st.lists(prompts(vocab, max_size=2), max_size=2)))
+    if loops > 1 and draw(st.booleans()):        # speculative decoding (docs/spec.md §5.6)
+        kwargs.update(draft_loops=draw(st.integers(1, loops - 1)), n_draft=draw(st.integers(1, 6)))
+    return kwargs
 
 
 @backend_given(data=st.data())
@@ -86,7 +98,7 @@ def test_every_request_gets_what_it_gets_alone(backend, zoo, data):
             tokens, finish, _ = run(scheduler, arrivals, cancels, kv_bound=budget * (cache_bytes == 0))
             stats = scheduler.stats()
         for i, (_, prompt, kwargs) in enumerate(arrivals):
-            want = model.generate(prompt, **kwargs)[len(prompt):]
+            want = model.generate(prompt, **dict(kwargs, n_draft=0))[len(prompt):]   # plain
             if finish[i] == "cancelled":
                 assert tokens[i] == want[:len(tokens[i])]
                 continue
@@ -97,6 +109,7 @@ def test_every_request_gets_what_it_gets_alone(backend, zoo, data):
         assert stats["running"] == stats["waiting"] == stats["kv_bytes"] == 0
         assert stats["finished"] + stats["cancelled"] == len(arrivals)
         assert stats["generated_tokens"] == sum(map(len, tokens.values()))
+        assert stats["accepted_tokens"] <= stats["drafted_tokens"]
 
 
 def test_a_burst_beyond_the_kv_budget_is_preempted_and_loses_nothing(numpy_or_native, zoo):
@@ -114,6 +127,30 @@ def test_a_burst_beyond_the_kv_budget_is_preempted_and_loses_nothing(numpy_or_na
         for i, (_, prompt, kwargs) in enumerate(arrivals):
             assert tokens[i] == model.generate(prompt, **kwargs)[len(prompt):]
             assert finish[i] == "length"
+
+
+def test_speculative_requests_among_plain_ones_get_plain_tokens(numpy_or_native, zoo):
+    """Requests drafting at depth 1 or 2 (n_draft 2 .. 5) beside plain ones, under schedules
+    that cap their rounds (a small batch and step budget) and a KV budget that preempts: each
+    gets Model.generate's plain tokens, and the drafted and accepted tokens are counted."""
+    shape = dict(vocab_size=64, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=16,
+                 n_pre_blocks=1, default_loops=3, max_seq_len=128, eos_id=-1)
+    with zoo.open(shape, numpy_or_native, block_size=4, prefix_cache_bytes=0) as model:
+        arrivals = [(i % 3, [i + 1] * (4 + 3 * i),
+                     dict(max_tokens=14, temperature=0.8 if i % 2 else 0.0, seed=i,
+                          **(dict(draft_loops=1 + i % 2, n_draft=2 + i % 4) if i % 3 else {})))
+                    for i in range(8)]
+        want = [model.generate(p, **dict(kw, n_draft=0))[len(p):] for _, p, kw in arrivals]
+        budget = 2 * max(need_of(model, p, **kw) for _, p, kw in arrivals)
+        for max_batch, step_tokens, kv_budget in ((8, 64, 0), (3, 3, 0), (8, 64, budget)):
+            with tinyloop.Scheduler(model, max_batch, step_tokens, kv_budget) as s:
+                tokens, finish, _ = run(s, arrivals, kv_bound=kv_budget)
+                stats = s.stats()
+            assert [tokens[i] for i in range(len(arrivals))] == want
+            assert set(finish.values()) == {"length"}
+            assert 0 < stats["accepted_tokens"] <= stats["drafted_tokens"]
+            assert stats["generated_tokens"] == sum(map(len, want))
+        assert stats["preemptions"] > 0
 
 
 def test_a_long_prompt_is_prefilled_between_the_running_decodes(numpy_or_native, models_by_backend):

@@ -111,7 +111,8 @@ def _open(args, **kwargs):
 
 
 def run_generate(args, out):
-    """Stream the continuation as it is sampled, then one stats line on stderr."""
+    """Stream the continuation as it is sampled, then one stats line on stderr (and one for
+    self-speculative decoding with --draft-loops)."""
     with _open(args) as model:
         cfg = model.config()
         is_text = cfg["tokenizer"] != "none" and not args.ids
@@ -142,6 +143,7 @@ def run_generate(args, out):
 
         progress = PrefillProgress(args.progress, len(prompt))
         hits_before = model.cache_stats()["hit_tokens"]
+        drafts = {}
         start = time.perf_counter()
         try:
             result = model.generate(
@@ -149,7 +151,8 @@ def run_generate(args, out):
                 top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                 cache_window=args.cache_window, stop_sequences=stops, seed=args.seed, on_token=show,
                 on_prefill=progress if progress.enabled else None,
-                prefill_chunk=PROGRESS_CHUNK if progress.enabled else None)
+                prefill_chunk=PROGRESS_CHUNK if progress.enabled else None,
+                draft_loops=args.draft_loops, n_draft=args.n_draft, draft_stats=drafts)
         finally:
             if first:                        # ends the streamed line, also before an error
                 print(stream.flush() if is_text else "", file=out, flush=True)
@@ -160,6 +163,10 @@ def run_generate(args, out):
         print(f"[backend {model.backend}, prompt {len(prompt)} tokens, "
               f"reused {model.cache_stats()['hit_tokens'] - hits_before}, "
               f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s]", file=sys.stderr)
+        if args.draft_loops is not None:
+            print(f"[draft loops {args.draft_loops}: drafted {drafts['drafted']}, accepted "
+                  f"{drafts['accepted']}, acceptance rate {drafts['acceptance_rate']:.2f}]",
+                  file=sys.stderr)
     return 0
 
 
@@ -394,6 +401,13 @@ def build_parser():
     gen.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                      help=f"prefill progress on stderr; auto: on a terminal, for prompts of "
                           f"{PROGRESS_MIN_TOKENS}+ tokens (default: %(default)s)")
+    gen.add_argument("--draft-loops", type=integer(1, P.MAX_LOOPS), default=None,
+                     help="self-speculative decoding: draft tokens at this depth (1 .. loops-1) "
+                          "and verify them at --loops, with exactly the tokens of plain "
+                          "decoding; the acceptance rate goes to stderr (default: off)")
+    gen.add_argument("--n-draft", type=integer(0, P.MAX_DRAFT), default=None,
+                     help=f"tokens drafted per round with --draft-loops, 0 = plain decoding "
+                          f"(default: {P.DEFAULT_N_DRAFT} with --draft-loops)")
 
     chat = command("chat", run_chat, "a conversation with a chat model: a message per line "
                    "on stdin, /exit or end of input ends it")

@@ -32,7 +32,7 @@ FINISH_REASONS = (None, "stop", "length", "error")
 # Counters of a scheduler, in the order of tl_sched_stats (docs/api.md).
 SCHED_STAT_NAMES = ("running", "waiting", "steps", "prompt_tokens", "cached_tokens",
                     "generated_tokens", "preemptions", "finished", "cancelled", "kv_blocks",
-                    "kv_bytes", "kv_budget_bytes")
+                    "kv_bytes", "kv_budget_bytes", "drafted_tokens", "accepted_tokens")
 # Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
 CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
                     "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes")
@@ -55,6 +55,9 @@ class GenerationParams:
     seed: int                  # u64 key of the counter-based generator
     prefill_chunk: int         # prompt tokens per forward chunk (>= 1)
     cache_salt: str = ""       # tenant key of the automatic prefix cache ("" = none)
+    draft_loops: int = 0       # self-speculative decoding's draft depth, 1 .. loops-1 when
+                               # n_draft > 0 (docs/spec.md §5.6); else ignored
+    n_draft: int = 0           # tokens drafted a round, 0 .. 64; 0 = plain decoding
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class Callbacks:
     request and propagates."""
     on_token: Optional[Callable[[int], None]] = None          # after each emitted token
     on_prefill: Optional[Callable[[int, int], None]] = None   # (done, total) after each chunk
+    # (drafted, accepted) increments of speculative decoding, whose sums are the request's
+    # totals: after every round (the Python engine) or once at the end (the native engine)
+    on_draft: Optional[Callable[[int, int], None]] = None
 
 
 NO_CALLBACKS = Callbacks()
@@ -79,6 +85,12 @@ def finish_reason(emitted: Sequence[int], params: GenerationParams, eos_id: int)
     return "length" if len(emitted) >= params.max_tokens else None
 
 
+def loops_mismatch(built: int, requested: int) -> str:
+    """The refusal of a prefix asked for a depth past its own (docs/api.md, "Warm start")."""
+    return (f"loops mismatch: prefix built at loops={built}, requested {requested} (a prefix "
+            "serves loops <= its own; build it with warm_start=True to extend it)")
+
+
 def stop_reached(emitted: Sequence[int], params: GenerationParams, eos_id: int) -> bool:
     """Whether a stop rule fires (finish_reason)."""
     return finish_reason(emitted, params, eos_id) is not None
@@ -86,11 +98,19 @@ def stop_reached(emitted: Sequence[int], params: GenerationParams, eos_id: int) 
 
 @runtime_checkable
 class EnginePrefix(Protocol):
-    """A prompt's KV built by `Engine.build_prefix`; immutable, shared by every generation
-    from it. `tinyloop.PrefixCache` wraps one and calls `free` when it is collected."""
+    """A prompt's KV built by `Engine.build_prefix`, shared by every generation from it and
+    unchanged by them; only Engine.extend_prefix deepens it. `tinyloop.PrefixCache` wraps one
+    and calls `free` when it is collected."""
     tokens: np.ndarray         # (n,) int32, the engine's own copy of the prompt
-    loops: int                 # the depth it was built at; it serves any depth <= loops
     cache_window: int          # the window it was built with; it serves only that window
+
+    @property
+    def loops(self) -> int:
+        """Its depth (built at, or extended to); it serves any depth <= loops."""
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether it keeps what Engine.extend_prefix needs (built with warm_start=True)."""
 
     @property
     def nbytes(self) -> int:
@@ -127,8 +147,9 @@ class EngineScheduler(Protocol):
         """Remove a waiting or running request; False if there is none with that id."""
 
     def step(self) -> List[SchedulerEvent]:
-        """Run one iteration; at most one event per request (finish: FINISH_REASONS). A step
-        that raises may be retried: no request's tokens change."""
+        """Run one iteration; at most one event per request, but a speculative request's
+        round emits its tokens that step (finish: FINISH_REASONS). A step that raises may be
+        retried: no request's tokens change."""
 
     def stats(self) -> Dict[str, int]:
         """{name: int for name in SCHED_STAT_NAMES}."""
@@ -158,8 +179,17 @@ class Engine(Protocol[PrefixT]):
         chunks), then sample until stop_reached."""
 
     def build_prefix(self, prompt: np.ndarray, loops: int, window: int,
-                     chunk: int) -> PrefixT:
-        """Prefill `prompt` at depth `loops` with attention window `window` (0 = none)."""
+                     chunk: int, warm_start: bool = False) -> PrefixT:
+        """Prefill `prompt` at depth `loops` with attention window `window` (0 = none);
+        `warm_start` also keeps every token's state after the last iteration (and its
+        injected term), what extend_prefix needs (docs/spec.md §5.4)."""
+
+    def extend_prefix(self, prefix: PrefixT, loops: int, chunk: int) -> None:
+        """Deepen a warm-start prefix to `loops` in place (prefix.loops becomes loops),
+        running only the missing iterations, `chunk` tokens a pass: bit-identical to a prefix
+        built at `loops`. A no-op when loops <= prefix.loops; RuntimeError "loops mismatch"
+        for a prefix built without warm start. Generations already running from it keep
+        their KV; safe beside concurrent generations from it."""
 
     def generate_from_prefix(self, prefix: PrefixT, suffix: np.ndarray,
                              params: GenerationParams, want_logits: bool = False,

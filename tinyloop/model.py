@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, MutableMapping, Sequence, Union
 
 import numpy as np
 
 from . import params as P
 from .backends import open_engine
-from .engine import NO_CALLBACKS, Callbacks, Engine, EnginePrefix
+from .engine import NO_CALLBACKS, Callbacks, Engine, EnginePrefix, loops_mismatch
 from .modelfile import read_meta
 from .tokenizer import Tokenizer, open_tokenizer
 
@@ -27,7 +27,8 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 TokenIds = Union[Sequence[int], np.ndarray]
 # The keyword arguments of a generation request (generate_batch's `params` and `per_request`).
 REQUEST_ARGUMENTS = ("max_tokens", "loops", "temperature", "top_k", "top_p", "cache_window",
-                     "repetition_penalty", "stop_sequences", "seed", "prefill_chunk", "cache_salt")
+                     "repetition_penalty", "stop_sequences", "seed", "prefill_chunk", "cache_salt",
+                     "draft_loops", "n_draft", "draft_stats")
 
 
 def _check_kv_mode(kv_mode):
@@ -57,18 +58,40 @@ def _default_model_path():
     return demo_model_path()
 
 
-class PrefixCache:
-    """An immutable prompt prefix whose KV is computed once and shared by many generations.
+class _DraftTally:
+    """Sums a request's Callbacks.on_draft increments and writes them into the caller's
+    `draft_stats` mapping (None: nowhere): drafted, accepted, acceptance_rate."""
 
-    Opaque: exposes `prompt` (a read-only copy), `loops`, `cache_window` and `nbytes`. It keeps
-    its model alive and is freed by the garbage collector; it has no close().
+    def __init__(self, out: MutableMapping[str, Any] | None) -> None:
+        if out is not None and not isinstance(out, MutableMapping):
+            raise ValueError(f"draft_stats must be a dict or None, got {type(out).__name__}")
+        self.out = out
+        self.drafted = self.accepted = 0
+
+    def __call__(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def report(self) -> None:
+        if self.out is not None:
+            self.out.update(drafted=self.drafted, accepted=self.accepted,
+                            acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0)
+
+
+class PrefixCache:
+    """A prompt prefix whose KV is computed once and shared by many generations.
+
+    Opaque: exposes `prompt` (a read-only copy), `loops`, `cache_window`, `warm_start` and
+    `nbytes`. Its tokens never change; a warm-start prefix may be deepened in place (`extend`).
+    It keeps its model alive and is freed by the garbage collector; it has no close().
     """
 
-    __slots__ = ("_model", "_state", "__weakref__")
+    __slots__ = ("_model", "_state", "_lock", "__weakref__")
 
     def __init__(self, model: Model, state: EnginePrefix) -> None:
         self._model = model
         self._state = state
+        self._lock = threading.Lock()         # one extension at a time
 
     @property
     def prompt(self) -> np.ndarray:
@@ -85,6 +108,11 @@ class PrefixCache:
         return self._state.cache_window
 
     @property
+    def warm_start(self) -> bool:
+        """Whether it was built with warm_start=True: it can then be deepened (`extend`)."""
+        return self._state.warm_start
+
+    @property
     def nbytes(self) -> int:
         return self._state.nbytes
 
@@ -93,7 +121,27 @@ class PrefixCache:
 
     def __repr__(self) -> str:
         return (f"PrefixCache(tokens={len(self)}, loops={self.loops}, "
-                f"cache_window={self.cache_window}, nbytes={self.nbytes})")
+                f"cache_window={self.cache_window}, warm_start={self.warm_start}, "
+                f"nbytes={self.nbytes})")
+
+    def extend(self, loops: int, prefill_chunk: int | None = None) -> None:
+        """Deepen a warm-start prefix to depth `loops`, in place: only the iterations past its
+        depth run, for every prefix token (in `prefill_chunk` chunks; default the model's),
+        and the result is bit for bit a prefix built at `loops`. A depth <= its own is a no-op.
+        Generations already running from it are unaffected; concurrent calls extend once.
+        RuntimeError("loops mismatch: ...") for a prefix built without warm_start."""
+        engine = self._model._live_engine()
+        loops = P.check_loops(P.check_int("loops", loops, 1), self.loops)
+        chunk = P.check_prefill_chunk(prefill_chunk, self._model._prefill_chunk)
+        if loops <= self.loops:      # deep enough: no wait behind an extension in progress
+            return
+        with self._lock:
+            if loops <= self.loops:
+                return
+            if not self.warm_start:
+                raise RuntimeError(loops_mismatch(self.loops, loops))
+            with _out_of_memory_as_runtime_error():
+                engine.extend_prefix(self._state, loops, chunk)
 
     def __del__(self):
         state, self._state = getattr(self, "_state", None), None
@@ -216,17 +264,19 @@ class Model:
     # -- generation -------------------------------------------------------------------------
     def _params(self, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
                 cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
-                prefill_chunk=None, cache_salt=None):
+                prefill_chunk=None, cache_salt=None, draft_loops=None, n_draft=None):
         return P.generation_params(
             self._config, max_tokens=max_tokens, loops=loops, temperature=temperature,
             top_k=top_k, top_p=top_p, cache_window=cache_window,
             repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
-            prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk, cache_salt=cache_salt)
+            prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk, cache_salt=cache_salt,
+            draft_loops=draft_loops, n_draft=n_draft)
 
     def _request(self, prompt, prefix, kwargs):
         """Check one request: (all tokens, the tokens to run, GenerationParams). With a
-        prefix, `prompt` is the suffix (None or empty allowed) and loops/cache_window default
-        to the prefix's."""
+        prefix, `prompt` is the suffix (None or empty allowed), loops/cache_window default
+        to the prefix's, and a depth past the prefix's needs a warm-start prefix (the caller
+        extends it once every request is checked)."""
         if prefix is None:
             tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
             params = self._params(**kwargs)
@@ -242,9 +292,8 @@ class Model:
         if kwargs.get("cache_window") is None:
             kwargs["cache_window"] = prefix.cache_window
         params = self._params(**kwargs)
-        if params.loops > prefix.loops:
-            raise RuntimeError(f"loops mismatch: prefix built at loops={prefix.loops}, "
-                               f"requested {params.loops} (a prefix serves loops <= its own)")
+        if params.loops > prefix.loops and not prefix.warm_start:
+            raise RuntimeError(loops_mismatch(prefix.loops, params.loops))
         if params.cache_window != prefix.cache_window:
             raise RuntimeError(f"cache_window mismatch: prefix built with "
                                f"cache_window={prefix.cache_window}, requested {params.cache_window}")
@@ -260,7 +309,9 @@ class Model:
                  stop_sequences: Sequence[TokenIds] | None = (), seed: int | None = None,
                  prefill_chunk: int | None = None, return_logits: bool = False,
                  on_token: Callable[[int], None] | None = None, cache_salt: str | None = None,
-                 on_prefill: Callable[[int, int], None] | None = None) -> Any:
+                 on_prefill: Callable[[int, int], None] | None = None,
+                 draft_loops: int | None = None, n_draft: int | None = None,
+                 draft_stats: MutableMapping[str, Any] | None = None) -> Any:
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
 
         on_token(id), if given, is called with each emitted id as soon as it is sampled
@@ -272,25 +323,42 @@ class Model:
 
         The automatic prefix cache reuses the longest cached block-aligned prefix of the
         prompt; only requests with the same `cache_salt` share blocks. Results never change.
+
+        Self-speculative decoding: with `draft_loops` (1 .. loops-1) each round drafts
+        `n_draft` tokens (default 4) at that depth and verifies them at `loops` in one pass;
+        the tokens and logits are exactly plain decoding's. `draft_stats` (a dict) receives
+        drafted, accepted and acceptance_rate.
         """
         engine = self._live_engine()
+        tally = _DraftTally(draft_stats)
         tokens, _, params = self._request(prompt, None, dict(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
-            cache_salt=cache_salt))
-        with _out_of_memory_as_runtime_error():
-            emitted, logits = engine.generate(tokens, params, return_logits,
-                                              Callbacks(on_token, on_prefill))
+            cache_salt=cache_salt, draft_loops=draft_loops, n_draft=n_draft))
+        try:
+            with _out_of_memory_as_runtime_error():
+                emitted, logits = engine.generate(tokens, params, return_logits, Callbacks(
+                    on_token=on_token, on_prefill=on_prefill, on_draft=tally))
+        finally:
+            tally.report()
         return self._result(tokens, emitted, logits, return_logits)
 
     def build_prefix_cache(self, prompt: TokenIds, loops: int | None = None, cache_window: int = 0,
-                           prefill_chunk: int | None = None) -> PrefixCache:
-        """Prefill `prompt` once at depth `loops`; the result serves any depth <= loops."""
+                           prefill_chunk: int | None = None,
+                           warm_start: bool = False) -> PrefixCache:
+        """Prefill `prompt` once at depth `loops`; the result serves any depth <= loops.
+        warm_start=True also keeps every token's state after the last iteration (4 * d_model
+        bytes a token, twice that with injection), so that a deeper request extends the
+        prefix in place instead of failing (PrefixCache.extend)."""
         engine = self._live_engine()
         args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)
+        if not isinstance(warm_start, (bool, np.bool_)):
+            raise ValueError(f"warm_start must be a bool, got {type(warm_start).__name__}")
+        tokens, depth, window, chunk = args
         with _out_of_memory_as_runtime_error():
-            return PrefixCache(self, engine.build_prefix(*args))
+            return PrefixCache(self, engine.build_prefix(tokens, depth, window, chunk,
+                                                         warm_start=bool(warm_start)))
 
     def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = 32,
                                    loops: int | None = None, temperature: float = 0.0,
@@ -301,21 +369,32 @@ class Model:
                                    seed: int | None = None, suffix: TokenIds | None = None,
                                    prefill_chunk: int | None = None, return_logits: bool = False,
                                    on_token: Callable[[int], None] | None = None,
-                                   on_prefill: Callable[[int, int], None] | None = None) -> Any:
+                                   on_prefill: Callable[[int, int], None] | None = None,
+                                   draft_loops: int | None = None, n_draft: int | None = None,
+                                   draft_stats: MutableMapping[str, Any] | None = None) -> Any:
         """Decode from a PrefixCache. `loops=None` and `cache_window=None` mean the prefix's.
 
         `suffix` (optional token ids) is fed after the prefix before decoding: the usual shared
         system prompt + per-request text. Returns prefix + suffix + emitted ids, exactly what
-        generate(prefix.prompt + suffix, ...) returns. The prefix itself never changes.
+        generate(prefix.prompt + suffix, ...) returns. The prefix's tokens never change; a
+        `loops` past a warm-start prefix's depth first extends it in place (once: later calls
+        find it deep enough). draft_loops, n_draft, draft_stats: as in generate.
         """
         engine = self._live_engine()
+        tally = _DraftTally(draft_stats)
         tokens, rest, params = self._request(suffix, prefix, dict(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
-            stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk))
-        with _out_of_memory_as_runtime_error():
-            emitted, logits = engine.generate_from_prefix(prefix._state, rest, params, return_logits,
-                                                           Callbacks(on_token, on_prefill))
+            stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
+            draft_loops=draft_loops, n_draft=n_draft))
+        try:
+            prefix.extend(params.loops, params.prefill_chunk)
+            with _out_of_memory_as_runtime_error():
+                emitted, logits = engine.generate_from_prefix(
+                    prefix._state, rest, params, return_logits,
+                    Callbacks(on_token=on_token, on_prefill=on_prefill, on_draft=tally))
+        finally:
+            tally.report()
         return self._result(tokens, emitted, logits, return_logits)
 
     def generate_batch(self, prompts: Sequence[TokenIds], *, prefix: PrefixCache | None = None,
@@ -329,29 +408,42 @@ class Model:
         generate's keyword arguments, shared by every request; `per_request`, if given, is a
         list (one per prompt) of dicts overriding them for that request, e.g. its own seed.
         An engine may decode all live sequences together in one batched step per token
-        (libtinyloop does); the results are the same either way.
+        (libtinyloop does); the results are the same either way. A `draft_stats` dict shared
+        by several requests receives their sums. A depth past a warm-start prefix's extends
+        it once, to the deepest request's, after every request is checked.
         """
         engine = self._live_engine()
         prompts = list(prompts)
         overrides = [{}] * len(prompts) if per_request is None else list(per_request)
         if len(overrides) != len(prompts):
             raise ValueError(f"per_request has {len(overrides)} entries for {len(prompts)} prompts")
-        checked = []
+        checked: list[Any] = []
+        tallies: dict[int, _DraftTally] = {}  # one per distinct draft_stats mapping
         for i, (prompt, extra) in enumerate(zip(prompts, overrides)):
             kwargs = {**params, **extra}
             unknown = sorted(set(kwargs) - set(REQUEST_ARGUMENTS))
             if unknown:
                 raise ValueError(f"request {i}: unknown generation argument(s) {unknown}")
+            stats = kwargs.pop("draft_stats", None)
             try:
-                checked.append(self._request(prompt, prefix, kwargs))
+                tally = None if stats is None else tallies.setdefault(id(stats), _DraftTally(stats))
+                checked.append(self._request(prompt, prefix, kwargs) + (
+                    NO_CALLBACKS if tally is None else Callbacks(on_draft=tally),))
             except (ValueError, RuntimeError) as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
+        if prefix is not None and checked:     # a warm-start prefix deepens once, for them all
+            prefix.extend(max(request[2].loops for request in checked))
         state = None if prefix is None else prefix._state
-        with _out_of_memory_as_runtime_error():
-            results = engine.generate_batch(
-                [(state, rest, params, NO_CALLBACKS) for _, rest, params in checked], return_logits)
+        try:
+            with _out_of_memory_as_runtime_error():
+                results = engine.generate_batch(
+                    [(state, rest, params, callbacks) for _, rest, params, callbacks in checked],
+                    return_logits)
+        finally:
+            for tally in tallies.values():
+                tally.report()
         return [self._result(tokens, emitted, logits, return_logits)
-                for (tokens, _, _), (emitted, logits) in zip(checked, results)]
+                for (tokens, *_), (emitted, logits) in zip(checked, results)]
 
     # -- the automatic prefix cache ---------------------------------------------------------
     def cache_stats(self) -> dict[str, int]:

@@ -37,22 +37,31 @@ def _error_types(lib: Any) -> dict[int, type[Exception]]:
 
 
 class NativePrefix:
-    """A tl_prefix handle and what the Python side needs to know about it (an EnginePrefix)."""
+    """A tl_prefix handle and what the Python side needs to know about it (an EnginePrefix).
+    Its depth and size are read from the library: tl_prefix_extend deepens it in place."""
 
-    def __init__(self, engine: NativeEngine, handle: Any, tokens: np.ndarray, loops: int,
+    def __init__(self, engine: NativeEngine, handle: Any, tokens: np.ndarray,
                  window: int) -> None:
         self.handle = handle
         self.tokens = tokens          # (n,) int32 copy
-        self.loops = loops
         self.cache_window = window
+        self.warm_start = bool(engine.lib.tl_prefix_warm_start(handle))
         self._engine = engine
+
+    def _info(self) -> tuple[int, int]:
+        """(loops, nbytes) as tl_prefix_info says now."""
+        ffi = self._engine.ffi
+        loops, nbytes = ffi.new("uint32_t*"), ffi.new("size_t*")
+        self._engine.lib.tl_prefix_info(self.handle, ffi.NULL, loops, ffi.NULL, nbytes)
+        return int(loops[0]), int(nbytes[0])
+
+    @property
+    def loops(self) -> int:
+        return self._info()[0]
 
     @property
     def nbytes(self) -> int:
-        nbytes = self._engine.ffi.new("size_t*")
-        self._engine.lib.tl_prefix_info(self.handle, self._engine.ffi.NULL, self._engine.ffi.NULL,
-                                        self._engine.ffi.NULL, nbytes)
-        return int(nbytes[0])
+        return self._info()[1]
 
     def free(self) -> None:
         if self.handle is not None:
@@ -74,10 +83,12 @@ class NativeScheduler:
         out = ffi.new("tl_sched**")
         engine._check(lib.tl_sched_create(engine.model, params, out))
         self.handle = engine._owned(out, "tl_sched_free")
-        self._capacity = max_batch
-        self._ids = ffi.new("uint64_t[]", max_batch)
-        self._tokens = ffi.new("int32_t[]", max_batch)
-        self._finish = ffi.new("uint8_t[]", max_batch)
+        # a step emits at most step_tokens events (one per position it computes), so this
+        # capacity never caps a speculative round below what step_tokens allows
+        self._capacity = step_tokens
+        self._ids = ffi.new("uint64_t[]", step_tokens)
+        self._tokens = ffi.new("int32_t[]", step_tokens)
+        self._finish = ffi.new("uint8_t[]", step_tokens)
         self._n_events = ffi.new("size_t*")
 
     def add(self, prompt: np.ndarray, params: GenerationParams) -> int:
@@ -191,6 +202,8 @@ class NativeEngine:
         p.repetition_penalty = params.repetition_penalty
         p.seed = params.seed
         p.prefill_chunk = params.prefill_chunk
+        p.draft_loops = params.draft_loops
+        p.n_draft = params.n_draft
         if params.cache_salt:
             keep.append(self.ffi.new("char[]", params.cache_salt.encode("utf-8")))
             p.cache_salt = keep[-1]
@@ -219,7 +232,8 @@ class NativeEngine:
 
     def _request_params(self, params: GenerationParams, callbacks: Callbacks, keep: list[Any],
                         raised: list[BaseException]) -> Any:
-        """tl_gen_params for `params`, with callbacks.on_token / on_prefill wired to C."""
+        """tl_gen_params for `params`, with callbacks.on_token / on_prefill wired to C and,
+        with callbacks.on_draft, a tl_draft_stats that _report_drafts hands to it."""
         p = self._gen_params(params, keep)
         if callbacks.on_token is not None:
             keep.append(self._callback("tl_token_fn", callbacks.on_token, raised))
@@ -227,7 +241,17 @@ class NativeEngine:
         if callbacks.on_prefill is not None:
             keep.append(self._callback("tl_progress_fn", callbacks.on_prefill, raised))
             p.on_prefill = keep[-1]
+        if callbacks.on_draft is not None:
+            keep.append(self.ffi.new("tl_draft_stats*"))
+            p.draft_stats = keep[-1]
         return p
+
+    @staticmethod
+    def _report_drafts(p: Any, callbacks: Callbacks) -> None:
+        """The library's totals for a call that returned (also one that failed part-way),
+        handed to on_draft once (docs/api.md)."""
+        if callbacks.on_draft is not None:
+            callbacks.on_draft(int(p.draft_stats.drafted), int(p.draft_stats.accepted))
 
     def _outputs(self, params: GenerationParams,
                  want_logits: bool) -> tuple[Any, np.ndarray | None, Any]:
@@ -250,7 +274,9 @@ class NativeEngine:
         p = self._request_params(params, callbacks, keep, raised)
         out_tokens, logits, out_logits = self._outputs(params, want_logits)
         n_out = self.ffi.new("size_t*")
-        self._finish(call(p, out_tokens, n_out, out_logits), raised)
+        status = call(p, out_tokens, n_out, out_logits)
+        self._report_drafts(p, callbacks)
+        self._finish(status, raised)
         n = int(n_out[0])
         return list(self.ffi.unpack(out_tokens, n)), (list(logits[:n]) if logits is not None else None)
 
@@ -262,11 +288,17 @@ class NativeEngine:
             lambda p, toks, n, lg: self.lib.tl_generate(self.model, buf, len(prompt), p, toks, n, lg),
             params, want_logits, callbacks)
 
-    def build_prefix(self, prompt: np.ndarray, loops: int, window: int, chunk: int) -> NativePrefix:
+    def build_prefix(self, prompt: np.ndarray, loops: int, window: int, chunk: int,
+                     warm_start: bool = False) -> NativePrefix:
         prompt, buf = self._tokens(prompt)
         out = self.ffi.new("tl_prefix**")
-        self._check(self.lib.tl_prefix_build(self.model, buf, len(prompt), loops, window, chunk, out))
-        return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), loops, window)
+        flags = self.lib.TL_PREFIX_WARM_START if warm_start else 0
+        self._check(self.lib.tl_prefix_build_ex(self.model, buf, len(prompt), loops, window, chunk,
+                                                flags, out))
+        return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), window)
+
+    def extend_prefix(self, prefix: NativePrefix, loops: int, chunk: int) -> None:
+        self._check(self.lib.tl_prefix_extend(prefix.handle, loops, chunk))
 
     def generate_from_prefix(self, prefix: NativePrefix, suffix: np.ndarray,
                              params: GenerationParams, want_logits: bool = False,
@@ -310,7 +342,10 @@ class NativeEngine:
             r.params, r.out_tokens, r.out_logits = p, out_tokens, out_logits
             outputs.append((out_tokens, logits))
         pointers = self.ffi.new("tl_request*[]", [reqs + i for i in range(len(requests))])
-        self._finish(self.lib.tl_generate_batch(self.model, pointers, len(requests)), raised)
+        status = self.lib.tl_generate_batch(self.model, pointers, len(requests))
+        for r, (_, _, _, callbacks) in zip(reqs, requests):
+            self._report_drafts(r.params, callbacks)
+        self._finish(status, raised)
         return [(list(self.ffi.unpack(out, r.n_out)), list(logits[:r.n_out]) if logits is not None else None)
                 for r, (out, logits) in zip(reqs, outputs)]
 

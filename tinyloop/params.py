@@ -21,15 +21,17 @@ from .engine import CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, GenerationParams,
 if TYPE_CHECKING:
     from .config import ModelConfig
 
-__all__ = ["CACHE_STAT_NAMES", "NO_CALLBACKS", "Callbacks", "GenerationParams", "MAX_BLOCK_SIZE",
-           "MAX_LOOPS", "MAX_THREADS",
-           "check_cache_salt", "check_int", "check_length", "check_loops", "check_prefill_chunk",
-           "check_real", "check_seed", "check_stop_sequences", "check_tokens",
-           "generation_params", "stop_reached"]
+__all__ = ["CACHE_STAT_NAMES", "DEFAULT_N_DRAFT", "MAX_DRAFT", "NO_CALLBACKS", "Callbacks",
+           "GenerationParams", "MAX_BLOCK_SIZE", "MAX_LOOPS", "MAX_THREADS",
+           "check_cache_salt", "check_draft", "check_int", "check_length", "check_loops",
+           "check_prefill_chunk", "check_real", "check_seed", "check_stop_sequences",
+           "check_tokens", "generation_params", "stop_reached"]
 
 MAX_LOOPS = 1024
 MAX_BLOCK_SIZE = 65536      # KV positions per block (libtinyloop: TL_MAX_KV_BLOCK_SIZE)
 MAX_THREADS = 1024          # threads per model (libtinyloop: TL_POOL_MAX_THREADS)
+MAX_DRAFT = 64              # tokens drafted per speculative round (libtinyloop: TL_MAX_DRAFT)
+DEFAULT_N_DRAFT = 4         # n_draft when only draft_loops is given
 
 
 def _is_int(value: Any) -> bool:
@@ -130,12 +132,36 @@ def check_prefill_chunk(chunk: Any, default: int) -> int:
     return default if chunk is None else check_int("prefill_chunk", chunk, 1)
 
 
+def check_draft(draft_loops: Any, n_draft: Any, loops: int) -> tuple[int, int]:
+    """Self-speculative decoding's (draft_loops, n_draft) for a request at depth `loops`
+    (docs/api.md): draft_loops None (or 0) is off; n_draft None is DEFAULT_N_DRAFT with
+    draft_loops, else 0; n_draft 0 is plain decoding, returned as (0, 0) whatever draft_loops."""
+    if n_draft is not None:
+        if not _is_int(n_draft):
+            raise ValueError(f"n_draft must be an integer, got {type(n_draft).__name__}")
+        if not 0 <= n_draft <= MAX_DRAFT:
+            raise ValueError(f"n_draft must be in 0 .. {MAX_DRAFT}, got {n_draft}")
+    draft_loops = 0 if draft_loops is None else check_int("draft_loops", draft_loops, 0)
+    if draft_loops == 0:
+        if n_draft:
+            raise ValueError("n_draft > 0 needs draft_loops")
+        return 0, 0
+    n_draft = DEFAULT_N_DRAFT if n_draft is None else int(n_draft)
+    if n_draft == 0:
+        return 0, 0
+    if not 1 <= draft_loops < loops:
+        raise ValueError(f"draft_loops must be in 1 .. loops-1 (loops={loops}), got {draft_loops}")
+    return draft_loops, n_draft
+
+
 def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, temperature: Any,
                       top_k: Any, top_p: Any, cache_window: Any, repetition_penalty: Any,
                       stop_sequences: Any, seed: Any, prefill_chunk: Any, default_chunk: int,
-                      cache_salt: Any = None) -> GenerationParams:
-    """Check every generation argument; `config` is the model's ModelConfig."""
-    return GenerationParams(
+                      cache_salt: Any = None, draft_loops: Any = None,
+                      n_draft: Any = None) -> GenerationParams:
+    """Check every generation argument, in this order (the draft arguments last, against the
+    resolved depth); `config` is the model's ModelConfig."""
+    checked: dict[str, Any] = dict(
         max_tokens=check_int("max_tokens", max_tokens, 1),
         loops=check_loops(loops, config.default_loops),
         cache_window=check_int("cache_window", cache_window, 0),
@@ -148,6 +174,8 @@ def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, tempe
         prefill_chunk=check_prefill_chunk(prefill_chunk, default_chunk),
         cache_salt=check_cache_salt(cache_salt),
     )
+    draft_loops, n_draft = check_draft(draft_loops, n_draft, checked["loops"])
+    return GenerationParams(**checked, draft_loops=draft_loops, n_draft=n_draft)
 
 
 def check_length(n_tokens: int, max_seq_len: int) -> None:

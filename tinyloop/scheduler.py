@@ -2,8 +2,9 @@
 
 Requests are added at any time and run by iteration: each `step()` admits waiting requests
 into the running batch, decodes one token for every running request that is past its prompt
-(one batched pass in the native backend) and gives the prompts being prefilled chunks of what
-is left of the step's token budget. A KV budget bounds the memory the running requests hold;
+(one batched pass in the native backend), or one round of self-speculative decoding for a
+request with n_draft > 0 (1 .. n_draft tokens), and gives the prompts being prefilled chunks
+of what is left of the step's token budget. A KV budget bounds the memory the running requests hold;
 when a step would pass it, the newest running request is preempted and later recomputed,
 losing nothing. Every request's tokens are exactly what `Model.generate` returns for it alone,
 whatever else runs. The policy itself lives in the engine (libtinyloop's tl_sched, or
@@ -36,7 +37,8 @@ class Scheduler:
     """Scheduler(model, max_batch=32, step_tokens=512, kv_budget_bytes=0).
 
     max_batch: requests running at once (prefilling or decoding); step_tokens: positions a
-    step computes at most (one per decoding request, the rest in prompt chunks), >= max_batch;
+    step computes at most (one per decoding request, a speculative round's drafted tokens, the
+    rest in prompt chunks), >= max_batch;
     kv_budget_bytes: KV bytes the running requests may hold alone (blocks shared with the
     model's prefix cache count against its budget), 0 = no limit. Use from one thread at a
     time; `step` releases the GIL in the native backend.
@@ -64,15 +66,19 @@ class Scheduler:
             temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
             cache_window: int = 0, repetition_penalty: float = 1.0,
             stop_sequences: Sequence[TokenIds] | None = (), seed: int | None = None,
-            cache_salt: str | None = None) -> int:
+            cache_salt: str | None = None, draft_loops: int | None = None,
+            n_draft: int | None = None) -> int:
         """Queue a request; Model.generate's arguments and errors (a prompt too long for
         max_seq_len: RuntimeError), plus ValueError when it alone could need more KV than
-        kv_budget_bytes. Returns its id."""
+        kv_budget_bytes. With draft_loops (and n_draft) it decodes speculatively: a step runs
+        one round of it, emitting 1 .. n_draft of its tokens (the same tokens); stats() counts
+        the drafted and accepted ones. Returns its id."""
         engine = self._live()
         tokens, _, params = self._model._request(prompt, None, dict(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
-            stop_sequences=stop_sequences, seed=seed, cache_salt=cache_salt))
+            stop_sequences=stop_sequences, seed=seed, cache_salt=cache_salt,
+            draft_loops=draft_loops, n_draft=n_draft))
         return engine.add(tokens, params)
 
     def cancel(self, request_id: int) -> bool:
@@ -81,8 +87,10 @@ class Scheduler:
         return self._live().cancel(P.check_int("request_id", request_id, 0, (1 << 64) - 1))
 
     def step(self) -> list[SchedulerEvent]:
-        """Run one iteration; [] when there is nothing to run. A step that raises (e.g.
-        MemoryError) may simply be retried: no request loses or changes a token."""
+        """Run one iteration; [] when there is nothing to run. A request gets at most one
+        event a step, a speculative one one per token its round emits (in token order). A step
+        that raises (e.g. MemoryError) may simply be retried: no request loses or changes a
+        token."""
         return [SchedulerEvent(*event) for event in self._live().step()]
 
     @property
@@ -95,7 +103,8 @@ class Scheduler:
         """running, waiting, steps, prompt_tokens (positions prefilled, recomputation
         included), cached_tokens (positions the prefix cache served), generated_tokens,
         preemptions, finished, cancelled, kv_blocks and kv_bytes (held alone by the running
-        requests), kv_budget_bytes."""
+        requests), kv_budget_bytes, drafted_tokens and accepted_tokens (of the speculative
+        requests' rounds: tokens drafted, and drafted tokens the verifier emitted too)."""
         return self._live().stats()
 
     def close(self) -> None:
