@@ -4,8 +4,9 @@ Servers run in this process on 127.0.0.1, each on a free port of its own, on a u
 that stops at the end of the module. The replies are checked against offline `Model.generate`
 with the same prompt ids and seed on a model opened separately: a request's tokens are the same
 whatever else the server runs (32 concurrent streams; a burst beyond the KV budget, which
-preempts). The bundled demo model (bytes tokenizer: one token per byte, so equal text is equal
-tokens) serves the completions; a tiny random model with a Hugging Face tokenizer and a chat
+preempts), and with self-speculative decoding (draft_loops, n_draft) they are plain decoding's.
+The bundled demo model (bytes tokenizer: one token per byte, so equal text is equal tokens)
+serves the completions; a tiny random model with a Hugging Face tokenizer and a chat
 template (tests/tiny_hf.py) serves the chats.
 """
 import asyncio
@@ -161,6 +162,30 @@ def check_completion(client, reference, sampling):
     prompt_tokens = len(reference.encode(PROMPTS[0]))
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens,
             reply.usage.total_tokens) == (prompt_tokens, 24, prompt_tokens + 24)
+
+
+SPECULATIVE = {"draft_loops": 1, "n_draft": 4}
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_speculative_completion_equals_plain_generate_and_counts_its_drafts(demo, client,
+                                                                             reference, sampling):
+    """draft_loops / n_draft change no token of the reply; /metrics counts the request's drafted
+    and accepted tokens, as offline generate counts them (it runs alone: no round is capped)."""
+    openai_fields = {k: v for k, v in sampling.items() if k in ("temperature", "top_p")}
+    extra = {k: v for k, v in sampling.items() if k not in openai_fields}
+    before = wait_for(demo, idle)
+    reply = client.completions.create(model=DEMO, prompt=PROMPTS[7], max_tokens=24, seed=13,
+                                      **openai_fields, extra_body=dict(extra, **SPECULATIVE))
+    assert reply.choices[0].text == offline(reference, PROMPTS[7], 24, 13, **sampling)[0]
+    assert reply.usage.completion_tokens == 24
+    drafts = {}
+    offline(reference, PROMPTS[7], 24, 13, **sampling, **SPECULATIVE, draft_stats=drafts)
+    after = wait_for(demo, idle)
+    drafted, accepted = (after[name] - before[name] for name in (
+        "tinyloop_draft_tokens_total", "tinyloop_draft_accepted_tokens_total"))
+    assert (drafted, accepted) == (drafts["drafted"], drafts["accepted"])
+    assert drafted > 0 and (accepted > 0 or sampling["temperature"] > 0)
 
 
 def test_token_id_prompt_and_default_max_tokens(client, reference):
@@ -345,16 +370,16 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
                                          {"type": "text", "text": "café?"}]}]
 
 
-def offline_chat(path, messages, max_tokens, seed):
-    """The reply Model.generate gives for the rendered conversation, stopping at the end of
-    turn as tinyloop.Chat does."""
+def offline_chat(path, messages, max_tokens, seed, **kwargs):
+    """The reply Model.generate gives for the rendered conversation (with Model.generate's
+    `kwargs`), stopping at the end of turn as tinyloop.Chat does."""
     with tinyloop.Model(path, prefix_cache_bytes=0) as model:
         rendered = [dict(m, content=m["content"] if isinstance(m["content"], str)
                          else "".join(part["text"] for part in m["content"])) for m in messages]
         ids = model.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
         eos = model.tokenizer.eos_id
         stops = [[eos]] if eos is not None and eos != model.config()["eos_id"] else []
-        return offline(model, ids, max_tokens, seed, stop_sequences=stops)
+        return offline(model, ids, max_tokens, seed, stop_sequences=stops, **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -374,6 +399,19 @@ def test_chat_equals_offline_generate(chat_url, chat_model, stream):
         assert reply.usage.completion_tokens == n
         assert reply.choices[0].finish_reason == ("length" if n == 20 else "stop")
     assert text == want
+
+
+def test_speculative_streamed_chat_equals_plain_generate(chat_url, chat_model):
+    """A streamed chat reply drafting at depth 1 of the model's 2 is the plain reply."""
+    client = openai.OpenAI(base_url=chat_url + "/v1", api_key="unused", max_retries=0)
+    before = metrics(chat_url)
+    chunks = list(client.chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, seed=8, max_completion_tokens=20, stream=True,
+        temperature=0.0, extra_body=SPECULATIVE))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == offline_chat(chat_model, MESSAGES, 20, 8, temperature=0.0)[0]
+    after = wait_for(chat_url, idle)
+    assert after["tinyloop_draft_tokens_total"] > before["tinyloop_draft_tokens_total"]
 
 
 # -- the engine loop -----------------------------------------------------------------------------
@@ -492,6 +530,15 @@ BAD_COMPLETIONS = [
     (dict(GOOD, repetition_penalty=0), 400, "repetition_penalty"),
     (dict(GOOD, loops=0), 400, "loops"),
     (dict(GOOD, loops=True), 400, "loops"),
+    (dict(GOOD, draft_loops=6), 400, "draft_loops"),           # the demo model's depth
+    (dict(GOOD, loops=2, draft_loops=2), 400, "draft_loops"),
+    (dict(GOOD, draft_loops=-1), 400, "draft_loops"),
+    (dict(GOOD, draft_loops=1.5), 400, "draft_loops"),
+    (dict(GOOD, draft_loops="1"), 400, "draft_loops"),
+    (dict(GOOD, n_draft=4), 400, "n_draft"),                  # without draft_loops
+    (dict(GOOD, draft_loops=1, n_draft=65), 400, "n_draft"),
+    (dict(GOOD, draft_loops=1, n_draft=-1), 400, "n_draft"),
+    (dict(GOOD, draft_loops=1, n_draft=True), 400, "n_draft"),
     (dict(GOOD, seed=-1), 400, "seed"),
     (dict(GOOD, seed=1 << 64), 400, "seed"),
     (dict(GOOD, n=2), 400, "n"),

@@ -2,8 +2,8 @@
 
 Two kinds: what the request handlers observe (latency histograms, admitted prompt tokens,
 requests by finish reason) and what the engine counts, read from `EngineLoop.stats` at scrape
-time (requests running and waiting, tokens computed and generated, prefix-cache queries and
-hits, KV blocks). docs/serving.md lists every name.
+time (requests running and waiting, tokens computed, generated, drafted and accepted,
+prefix-cache queries and hits, KV blocks). docs/serving.md lists every name.
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ ENGINE_COUNTERS = (
     ("tinyloop_generation_tokens", "Tokens generated", "generated_tokens"),
     ("tinyloop_preemptions", "Requests preempted to stay within the KV budget", "preemptions"),
     ("tinyloop_scheduler_steps", "Scheduler steps run", "steps"),
+    ("tinyloop_draft_tokens", "Tokens drafted by self-speculative decoding (draft_loops, n_draft)",
+     "drafted_tokens"),
+    ("tinyloop_draft_accepted_tokens", "Drafted tokens the full-depth verifier emitted too",
+     "accepted_tokens"),
     ("tinyloop_prefix_cache_queries", "Prefix-cache lookups", "cache.lookups"),
     ("tinyloop_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
      "cache.hit_tokens"),

@@ -2,10 +2,11 @@
 
 `completion_request` and `chat_request` read the JSON body of POST /v1/completions and
 /v1/chat/completions (the OpenAI API's schema plus TinyLoop's top_k, repetition_penalty,
-loops and cache_salt) and return a `GenerationRequest`: prompt token ids and the keyword
-arguments of `Scheduler.add`, every value checked. Anything wrong raises `RequestError`
-naming the field, which the app answers with the OpenAI error body (`RequestError.body`).
-Nothing here runs the model: it only tokenizes and renders chat templates.
+loops, cache_salt, and draft_loops / n_draft for self-speculative decoding) and return a
+`GenerationRequest`: prompt token ids and the keyword arguments of `Scheduler.add`, every value
+checked. Anything wrong raises `RequestError` naming the field, which the app answers with the
+OpenAI error body (`RequestError.body`). Nothing here runs the model: it only tokenizes and
+renders chat templates.
 
 Defaults follow the OpenAI API: temperature 1, top_p 1, no top-k (top_k 0; Model.generate's
 default of 50 is not OpenAI's), max_tokens 16 for a completion and the rest of the context
@@ -35,7 +36,8 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "l
            "service_tier": None, "store": None, "metadata": None, "modalities": None,
            "reasoning_effort": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "loops",
-          "cache_salt", "seed", "stop", "stream", "stream_options", "n", "user"}
+          "draft_loops", "n_draft", "cache_salt", "seed", "stop", "stream", "stream_options", "n",
+          "user"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 
@@ -150,6 +152,8 @@ def _request(body: Body, model: Model, prompt_field: str, ids: list[int], max_fi
     if options is not None and not stream:
         raise RequestError("stream_options is only allowed with stream: true", "stream_options")
     _field(body, "user", str)
+    loops = _number(body, "loops", int, lambda v: P.check_loops(v, cfg["default_loops"]), None)
+    draft_loops, n_draft = _draft(body, cfg["default_loops"] if loops is None else loops)
     sampling = dict(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", float,
@@ -160,7 +164,9 @@ def _request(body: Body, model: Model, prompt_field: str, ids: list[int], max_fi
         repetition_penalty=_number(
             body, "repetition_penalty", float,
             lambda v: P.check_real("repetition_penalty", v, 0.0, False), 1.0),
-        loops=_number(body, "loops", int, lambda v: P.check_loops(v, cfg["default_loops"]), None),
+        loops=loops,
+        draft_loops=draft_loops,
+        n_draft=n_draft,
         seed=P.check_seed(_number(body, "seed", int, P.check_seed, None)),   # None: a fresh one
         cache_salt=_field(body, "cache_salt", str) or "",
         stop_sequences=token_stops,
@@ -169,6 +175,19 @@ def _request(body: Body, model: Model, prompt_field: str, ids: list[int], max_fi
         raise RequestError("cache_salt must not contain NUL characters", "cache_salt")
     return GenerationRequest(prompt_field, ids, sampling, _stops(body.get("stop")), stream,
                              bool(include_usage))
+
+
+def _draft(body: Body, loops: int) -> tuple[int, int]:
+    """(draft_loops, n_draft) of a request at depth `loops`, by tinyloop.params' rules (0, 0
+    when absent); an error names the field its message is about."""
+    draft_loops = _number(body, "draft_loops", int, lambda v: v, None)
+    n_draft = _number(body, "n_draft", int, lambda v: v, None)
+    try:
+        return P.check_draft(draft_loops, n_draft, loops)
+    except ValueError as exc:
+        message = str(exc)
+        raise RequestError(message, "n_draft" if message.startswith("n_draft") else "draft_loops"
+                           ) from None
 
 
 def _check_fields(body: Body, known: set[str]) -> None:
