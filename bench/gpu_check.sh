@@ -112,9 +112,9 @@ for r in rows:
 PY
 step cross_backend_cuda_no_graphs 60 env TINYLOOP_CUDA_GRAPHS=0 TINYLOOP_TEST_BACKENDS=native-cuda \
     TINYLOOP_REQUIRE_BACKENDS=native-cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_cross_backend.py
-step native_suites_on_cuda 90 env TINYLOOP_DEVICE=cuda \
+step native_suites_on_cuda 120 env TINYLOOP_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_batch.py tests/test_auto_prefix_cache.py \
-    tests/test_window.py tests/test_paths.py
+    tests/test_window.py tests/test_paths.py tests/test_speculative.py tests/test_warm_start.py
 step numba_cuda 80 env TINYLOOP_TEST_BACKENDS=numba-cuda TINYLOOP_REQUIRE_BACKENDS=numba-cuda \
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_numba_cuda.py tests/test_cross_backend.py
 step memcheck 60 env TINYLOOP_TEST_BACKENDS=native-cuda TINYLOOP_REQUIRE_BACKENDS=native-cuda \
