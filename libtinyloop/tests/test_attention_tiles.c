@@ -174,10 +174,10 @@ static void run_case(size_t D, uint32_t bs, size_t p0, size_t m, uint32_t window
 }
 
 /* The tile scratch grows with the whole history, once per pool thread: a sequence whose chunks
- * are all too short for tiles (decode, chunks of 15) must not carry it, i.e. it holds exactly
- * the bytes it holds on AVX-512. Real tiles only: the emulated build runs every chunk on them
- * (asked of the library: this file does not see its TL_AMX_EMULATION). */
-enum { SHORT_CHUNK = TL_ATTN_TILE - 1 };
+ * are all too short for tiles (one row: decode, chunks of 1) must not carry it, i.e. it holds
+ * exactly the bytes it holds on AVX-512. Real tiles only: the emulated build runs every chunk on
+ * them (asked of the library: this file does not see its TL_AMX_EMULATION). */
+enum { SHORT_CHUNK = 1 };
 
 static size_t bytes_in_use(void) {
     tl_memory_stats st = {.size = sizeof st};
