@@ -67,7 +67,7 @@ typedef enum tl_status {
     TL_ERR_WINDOW_MISMATCH = 5,  /* cache_window differs from the prefix's                    */
     TL_ERR_CLOSED = 6,           /* "model was closed"                                        */
     TL_ERR_OUT_OF_MEMORY = 7,    /* "out of memory"                                           */
-    TL_ERR_BAD_FILE = 8,         /* the model file breaks docs/spec.md §6                      */
+    TL_ERR_BAD_FILE = 8,         /* the model file breaks docs/spec.md §6, a prefix blob §7   */
     TL_ERR_IO = 9,               /* the model file cannot be opened or read (or it shrank)    */
     TL_ERR_NUMERIC = 10,         /* non-finite logits during generation                       */
     TL_ERR_UNSUPPORTED = 11,     /* e.g. an ISA this CPU lacks                                 */
@@ -131,6 +131,10 @@ TL_API void tl_memory_reset_peak(void);
 
 typedef struct tl_model tl_model;
 
+/* The KV cache's storage of keys and values (docs/spec.md §4): Q8 rows of D bytes, or Q4 rows
+ * (values -7 .. 7) packed two per byte, D / 2 bytes; attention is the same formula either way. */
+typedef enum tl_kv_mode { TL_KV_INT8 = 0, TL_KV_INT4 = 1 } tl_kv_mode;
+
 typedef struct tl_model_params {
     size_t size;            /* sizeof(tl_model_params)                                       */
     uint32_t n_threads;     /* at most this many threads (the caller's included) work on one of
@@ -148,9 +152,13 @@ typedef struct tl_model_params {
     tl_device device;       /* where the forward pass runs; TL_DEVICE_AUTO = the CPU (for now).
                                TL_DEVICE_CUDA without a usable GPU is TL_ERR_UNSUPPORTED.    */
     int32_t device_index;   /* CUDA device ordinal (TL_DEVICE_CUDA only); default 0           */
+    tl_kv_mode kv_mode;     /* how the KV cache stores keys and values (docs/spec.md §4):
+                               TL_KV_INT8 (default) or TL_KV_INT4; a caller built before this
+                               field passes a smaller size and gets TL_KV_INT8                */
 } tl_model_params;
 
-/* Defaults: all cores, blocks of 16, automatic ISA, no automatic prefix cache, device auto. */
+/* Defaults: all cores, blocks of 16, automatic ISA, no automatic prefix cache, device auto,
+ * int8 KV cache. */
 TL_API tl_model_params tl_model_params_default(void);
 
 /* Read the file at `path` into memory, validate it (docs/spec.md §6) and prepare the kernels;
@@ -212,6 +220,7 @@ typedef struct tl_model_runtime {
     tl_device device;       /* where the forward pass runs (never TL_DEVICE_AUTO)              */
     size_t device_weight_bytes; /* bytes of weights in device memory (0 on the CPU)            */
     char device_name[64];   /* e.g. "cpu (avx2)" or "NVIDIA H200 (sm_90)"; NUL-terminated     */
+    tl_kv_mode kv_mode;     /* the KV mode the model runs in                                  */
 } tl_model_runtime;
 
 TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* out);
@@ -332,6 +341,15 @@ TL_API void tl_prefix_info(const tl_prefix* prefix, size_t* n_tokens, uint32_t* 
 TL_API const int32_t* tl_prefix_tokens(const tl_prefix* prefix, size_t* n);
 /* Free the prefix; blocks still shared by sequences live on in them. NULL is a no-op. */
 TL_API void tl_prefix_free(tl_prefix* prefix);
+/* Serialize the prefix (docs/spec.md §7). *size (required) receives the blob's byte count.
+ * buf NULL: only that. Otherwise cap must be >= it (else TL_ERR_INVALID_ARGUMENT, *size still
+ * set, so the caller can retry: an extension may grow the prefix between the calls) and the
+ * blob is written. Thread-safe with generations and extensions of the prefix. */
+TL_API tl_status tl_prefix_save(const tl_prefix* prefix, void* buf, size_t cap, size_t* size);
+/* A prefix of `model` from a blob tl_prefix_save made (by this or another backend/process).
+ * TL_ERR_BAD_FILE for a corrupted blob, one from another model or KV mode (message names
+ * what); TL_ERR_OUT_OF_MEMORY; never reads past buf[0..n). *out owned by the caller. */
+TL_API tl_status tl_prefix_load(tl_model* model, const void* buf, size_t n, tl_prefix** out);
 /* A sequence continuing the prefix at depth `loops` (0 = the prefix's; must be <= the
  * prefix's, else TL_ERR_LOOPS_MISMATCH) with the prefix's window. Shares every prefix block;
  * copies none. *out owned by the caller. Thread-safe (the prefix is only read). */

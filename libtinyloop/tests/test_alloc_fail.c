@@ -81,6 +81,27 @@ static tl_status op_prefix(tl_model* m) {
     return st;
 }
 
+static uint8_t* blob; /* of a warm-start prefix with a window, saved in main */
+static size_t blob_bytes;
+
+/* The blob loaded, generated from and saved again (to the same bytes). */
+static tl_status op_prefix_blob(tl_model* m) {
+    tl_prefix* p = NULL;
+    uint8_t* again = malloc(blob_bytes);
+    int32_t out[8];
+    size_t n;
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 4;
+    gp.cache_window = 6;
+    tl_status st = tl_prefix_load(m, blob, blob_bytes, &p);
+    if (st == TL_OK) st = tl_generate_from_prefix(p, prompt + 15, 3, &gp, out, &n, NULL);
+    if (st == TL_OK) st = tl_prefix_save(p, again, blob_bytes, &n);
+    if (st == TL_OK) CHECK(n == blob_bytes && memcmp(again, blob, n) == 0, "the loaded prefix saves other bytes");
+    free(again);
+    tl_prefix_free(p);
+    return st;
+}
+
 static tl_status op_generate(tl_model* m) {
     int32_t out[8];
     return greedy(m, out);
@@ -251,6 +272,14 @@ int main(void) {
     sweep("prefill+decode", op_prefill_decode, m);
     sweep("fork", op_fork, m);
     sweep("prefix", op_prefix, m);
+    tl_prefix* saved = NULL;
+    CHECK_OK(tl_prefix_build_ex(m, prompt, 15, 2, 6, 0, TL_PREFIX_WARM_START, &saved));
+    CHECK_OK(tl_prefix_save(saved, NULL, 0, &blob_bytes));
+    blob = malloc(blob_bytes);
+    CHECK_OK(tl_prefix_save(saved, blob, blob_bytes, &blob_bytes));
+    tl_prefix_free(saved);
+    sweep("prefix blob", op_prefix_blob, m);
+    free(blob);
     sweep("generate", op_generate, m);
     sweep("batch", op_batch, m);
     sweep("speculative", op_speculative, m);

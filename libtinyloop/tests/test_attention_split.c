@@ -163,7 +163,7 @@ int main(void) {
     size_t compared = 0, nonzero = 0;
     for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
         const size_t D = dims[di];
-        const tl_kv_geom g = tl_kv_geom_make(BLOCK, 1, (uint32_t)D);
+        const tl_kv_geom g = tl_kv_geom_make(BLOCK, 1, (uint32_t)D, 8);
         for (int fc = CASE_PLAIN; fc <= CASE_NAN_SCORE; fc++) {
             for (int windowed = 0; windowed <= 1; windowed++) {
                 const size_t keys = (size_t)tu_uniform(&rng, 20, KEYS_MAX);
@@ -181,7 +181,7 @@ int main(void) {
                 int64_t s_num[D_MAX];
                 int8_t s_qq[D_MAX];
                 int16_t s_qq16[D_MAX];
-                tl_attn_scratch scratch = {s_scores, s_u, s_num, s_qq, s_qq16, NULL};
+                tl_attn_scratch scratch = {s_scores, s_u, s_num, s_qq, s_qq16, NULL, NULL};
                 tl_attend(&tl_attn_scalar, &g, &kv, 0, 0, pos, window, qh, ref, &scratch);
 
                 int expect_ok = 1;

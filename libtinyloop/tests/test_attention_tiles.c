@@ -9,7 +9,8 @@
  * its flush. Runs the tile with the scalar and (where the CPU has it) the AVX2 per-row kernels;
  * in a TINYLOOP_AMX_EMULATION build on the emulated tiles, else on the real ones (skipped
  * without AMX). On real tiles, also: a sequence whose chunks never reach the tiles holds no
- * tile scratch (exactly the bytes it holds on AVX-512). */
+ * tile scratch (exactly the bytes it holds on AVX-512). Every case runs on an int8 and on an int4
+ * (packed Q4) cache. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,11 +61,21 @@ static void build_table(const tl_kv_geom* g, size_t n, uint64_t* rng, tl_kv_tabl
     }
 }
 
-/* Every slot of every (layer, kv head) random, then the case's values in (layer, kv_head) for
- * the keys of the tile at p0 .. p0+m-1. */
+/* Row s of a (layer, kv head)'s keys or values := q[0 .. D), packed in an int4 cache. */
+static void store_row(const tl_kv_geom* g, int8_t* rows, size_t s, const int8_t* q) {
+    const size_t R = tl_kv_row_bytes(g);
+    if (g->kv_bits == 8) memcpy(rows + s * R, q, R);
+    else tl_kv_pack4(q, g->head_dim, rows + s * R);
+}
+
+/* Every slot of every (layer, kv head) random (Q8 or Q4 values, as the cache holds), then the
+ * case's values in (layer, kv_head) for the keys of the tile at p0 .. p0+m-1. */
 static void fill(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t p0, size_t m,
                  fill_case fc, uint64_t* rng) {
     const size_t D = g->head_dim, n = p0 + m;
+    const int32_t qmax = g->kv_bits == 8 ? 127 : 7;
+    int8_t* kq = malloc(D);
+    int8_t* vq = malloc(D);
     const size_t special = fc == FILL_FULL_LIMBS ? 0 : (size_t)tu_uniform(rng, 0, (int32_t)n - 1);
     for (size_t i = 0; i < kv->n_spans; i++)
         for (uint32_t l = 0; l < LAYERS; l++)
@@ -76,18 +87,20 @@ static void fill(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uin
                 float* sv = tl_kv_value_scales(g, b, l, h);
                 for (size_t s = 0; s < kv->spans[i].count; s++) {
                     for (size_t d = 0; d < D; d++) {
-                        k[s * D + d] = (int8_t)tu_uniform(rng, -127, 127);
-                        v[s * D + d] = (int8_t)tu_uniform(rng, -127, 127);
+                        kq[d] = (int8_t)tu_uniform(rng, -qmax, qmax);
+                        vq[d] = (int8_t)tu_uniform(rng, -qmax, qmax);
                     }
                     sk[s] = (float)tu_uniform(rng, 1, 4000) * 1e-5f;
                     sv[s] = (float)tu_uniform(rng, 1, 1000) * 1e-4f;
                     const size_t j = kv->spans[i].start + s;
-                    if (l != layer || h != kv_head) continue;
-                    if (fc == FILL_EXTREME || fc == FILL_FULL_LIMBS)
+                    if (l == layer && h == kv_head && (fc == FILL_EXTREME || fc == FILL_FULL_LIMBS))
                         for (size_t d = 0; d < D; d++) {
-                            k[s * D + d] = fc == FILL_EXTREME ? -127 : 0;
-                            v[s * D + d] = 127;
+                            kq[d] = (int8_t)(fc == FILL_EXTREME ? -qmax : 0);
+                            vq[d] = (int8_t)qmax;
                         }
+                    store_row(g, k, s, kq);
+                    store_row(g, v, s, vq);
+                    if (l != layer || h != kv_head) continue;
                     if (fc == FILL_EXTREME) sk[s] = 0.01f, sv[s] = 0.5f;
                     if (fc == FILL_FULL_LIMBS) sv[s] = j == special ? 16777216.0f : 2097151.0f;
                     if (fc == FILL_ZERO_VALUES && j < p0 + m / 2) sv[s] = 0.0f;
@@ -96,6 +109,7 @@ static void fill(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uin
                     if (fc == FILL_NAN_SCORES && j % 3 == 0) sk[s] = NAN;
                 }
             }
+    free(kq), free(vq);
 }
 
 typedef struct tally {
@@ -109,7 +123,7 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
     float* ref = malloc(m * D * sizeof(float));
     float* got = malloc(m * D * sizeof(float));
     tl_attn_scratch rs = {malloc(n * sizeof(float)), malloc(n * sizeof(int32_t)), malloc(D * sizeof(int64_t)),
-                          malloc(D), malloc(D * sizeof(int16_t)), NULL};
+                          malloc(D), malloc(D * sizeof(int16_t)), NULL, malloc(tl_attn_rows_bytes(g) + 1)};
     for (size_t i = 0; i < m; i++)
         tl_attend(&tl_attn_scalar, g, kv, layer, kv_head, p0 + i, window, q + i * D, ref + i * D, &rs);
     for (size_t i = 0; i < m * D; i++) {
@@ -121,17 +135,17 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
     const char* names[] = {"scalar", "avx2"};
     const size_t n_kernels = tl_isa_available(TL_ISA_AVX2) ? 2 : 1;
     tl_attn_scratch ts = {NULL, malloc(n * sizeof(int32_t)), NULL, malloc(D), NULL,
-                          aligned_alloc(64, tl_attn_tile_bytes(n, D))};
+                          aligned_alloc(64, tl_attn_tile_bytes(n, D)), NULL};
     for (size_t ki = 0; ki < n_kernels; ki++) {
         memset(got, 0x55, m * D * sizeof(float));
         tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, m, window, q, D, got, D, &ts);
         for (size_t i = 0; i < m; i++)
             CHECK(tu_same_bits(ref + i * D, got + i * D, D),
-                  "%s, %s kernels: query %zu of %zu at %zu (D %zu, block %u, window %u)", what, names[ki], i, m,
-                  p0 + i, D, g->block_size, window);
+                  "%s, %s kernels: query %zu of %zu at %zu (D %zu, block %u, window %u, kv_bits %u)", what,
+                  names[ki], i, m, p0 + i, D, g->block_size, window, g->kv_bits);
         t->compared++;
     }
-    free(rs.scores), free(rs.u), free(rs.num), free(rs.qq), free(rs.qq16);
+    free(rs.scores), free(rs.u), free(rs.num), free(rs.qq), free(rs.qq16), free(rs.rows);
     free(ts.u), free(ts.qq), free(ts.tile);
     free(ref), free(got);
 }
@@ -149,10 +163,11 @@ static void random_queries(float* q, size_t m, size_t D, fill_case fc, uint64_t*
     }
 }
 
-/* One case: a table of p0 + m keys in blocks of bs, the tile's keys filled for the case. */
-static void run_case(size_t D, uint32_t bs, size_t p0, size_t m, uint32_t window, fill_case fc, uint64_t* rng,
-                     tally* t) {
-    const tl_kv_geom g = tl_kv_geom_make(bs, KV_HEADS, (uint32_t)D);
+/* One case: a table of p0 + m keys in blocks of bs (an int8 or int4 cache), the tile's keys
+ * filled for the case. */
+static void run_case(size_t D, uint32_t bs, uint32_t kv_bits, size_t p0, size_t m, uint32_t window, fill_case fc,
+                     uint64_t* rng, tally* t) {
+    const tl_kv_geom g = tl_kv_geom_make(bs, KV_HEADS, (uint32_t)D, kv_bits);
     const size_t n = p0 + m;
     tl_kv_table kv;
     tl_kv_block** held = malloc(n * sizeof(tl_kv_block*));
@@ -230,11 +245,11 @@ int main(void) {
         const int w = tu_uniform(&rng, 0, 3);
         const uint32_t window = w < 2 ? 0 : w == 2 ? (uint32_t)tu_uniform(&rng, 1, 40)
                                                    : (uint32_t)tu_uniform(&rng, 1, (int32_t)(p0 + m));
-        run_case(D, bs, p0, m, window, fc, &rng, &t);
+        for (uint32_t kv_bits = 8; kv_bits >= 4; kv_bits -= 4) run_case(D, bs, kv_bits, p0, m, window, fc, &rng, &t);
     }
     /* 140000 keys of three full limbs: 127 * 127 * 140000 > 2^31 without the flush */
-    run_case(8, 64, 140000 - TL_ATTN_TILE, TL_ATTN_TILE, 0, FILL_FULL_LIMBS, &rng, &t);
-    CHECK(t.compared > 400 && t.finite_nonzero > 50000 && t.zero > 1000 && t.nan > 1000,
+    run_case(8, 64, 8, 140000 - TL_ATTN_TILE, TL_ATTN_TILE, 0, FILL_FULL_LIMBS, &rng, &t);
+    CHECK(t.compared > 800 && t.finite_nonzero > 50000 && t.zero > 1000 && t.nan > 1000,
           "%zu tiles compared; outputs finite and nonzero %zu, zero %zu, NaN %zu", t.compared, t.finite_nonzero, t.zero,
           t.nan);
     test_no_tile_scratch_without_tiles();

@@ -107,7 +107,7 @@ int main(void) {
     static recorder rec;
     rec.base = (tl_backend){&rec_iface, &rec.kv};
     rec.inner = e->backend;
-    rec.kv = (tl_kv_allocator){rec_alloc, rec_release, &rec};
+    rec.kv = (tl_kv_allocator){.alloc = rec_alloc, .free = rec_release, .ctx = &rec};
     e->backend = &rec.base; /* before any block exists */
     e->kv_geom.device = rec.base.kv;
 

@@ -28,23 +28,6 @@ static tl_prefix_cache_stats stats_of(tl_model* m) {
     return s;
 }
 
-typedef struct result {
-    int32_t tokens[MAX_NEW];
-    float* logits; /* [MAX_NEW][V] */
-    size_t n;
-} result;
-
-static result run(tl_model* m, const int32_t* prompt, size_t n, const tl_gen_params* gp) {
-    result r = {{0}, calloc((size_t)MAX_NEW * V, sizeof(float)), 0};
-    CHECK_OK(tl_generate(m, prompt, n, gp, r.tokens, &r.n, r.logits));
-    return r;
-}
-
-static void check_same(result a, result b, const char* what) {
-    CHECK(a.n == b.n && memcmp(a.tokens, b.tokens, a.n * sizeof(int32_t)) == 0, "%s: tokens differ", what);
-    CHECK(tu_same_bits(a.logits, b.logits, a.n * V), "%s: logits differ", what);
-}
-
 /* A workload of prompts sharing the system prompt, varied depth, window, salt and sampling:
  * every result equals the cache-less model's, at a large and at a tiny budget. */
 static void test_results_unchanged(const char* path, size_t budget) {
@@ -65,10 +48,11 @@ static void test_results_unchanged(const char* path, size_t budget) {
         gp.temperature = tu_uniform(&rng, 0, 1) ? 0.8f : 0.0f;
         gp.seed = tu_next(&rng);
         gp.cache_salt = salts[tu_uniform(&rng, 0, 2)];
-        result got = run(cached, prompt, keep + extra, &gp), want = run(plain, prompt, keep + extra, &gp);
-        check_same(got, want, "cached");
-        free(got.logits);
-        free(want.logits);
+        tu_result got = tu_generate(cached, prompt, keep + extra, &gp, V);
+        tu_result want = tu_generate(plain, prompt, keep + extra, &gp, V);
+        CHECK(tu_same_result(&got, &want), "cached: tokens or logits differ");
+        tu_result_free(&got);
+        tu_result_free(&want);
         const tl_prefix_cache_stats s = stats_of(cached);
         CHECK(s.bytes_in_use <= budget, "%zu bytes cached over a budget of %zu", s.bytes_in_use, budget);
     }
@@ -113,7 +97,7 @@ static void test_batch(const char* path) {
     tl_request req[N];
     tl_request* batch[N];
     tl_gen_params gp[N];
-    result got[N];
+    tu_result got[N];
     uint64_t rng = 7;
     for (int i = 0; i < N; i++) {
         gp[i] = tl_gen_params_default();
@@ -133,7 +117,7 @@ static void test_batch(const char* path) {
             req[i].prompt = system_prompt;
             req[i].n_prompt = (size_t)tu_uniform(&rng, 1, N_SYSTEM);
         }
-        got[i] = (result){{0}, calloc((size_t)MAX_NEW * V, sizeof(float)), 0};
+        got[i] = tu_result_new(MAX_NEW, V);
         req[i].out_tokens = got[i].tokens;
         req[i].out_logits = got[i].logits;
         batch[i] = &req[i];
@@ -141,14 +125,10 @@ static void test_batch(const char* path) {
     CHECK_OK(tl_generate_batch(m, batch, N));
     for (int i = 0; i < N; i++) {
         got[i].n = req[i].n_out;
-        result want = {{0}, calloc((size_t)MAX_NEW * V, sizeof(float)), 0};
-        if (req[i].prefix)
-            CHECK_OK(tl_generate_from_prefix(prefix, req[i].prompt, req[i].n_prompt, &gp[i], want.tokens,
-                                             &want.n, want.logits));
-        else
-            CHECK_OK(tl_generate(m, req[i].prompt, req[i].n_prompt, &gp[i], want.tokens, &want.n, want.logits));
-        check_same(got[i], want, "batch");
-        free(want.logits);
+        tu_result want = req[i].prefix ? tu_from_prefix(prefix, req[i].prompt, req[i].n_prompt, &gp[i], V)
+                                       : tu_generate(m, req[i].prompt, req[i].n_prompt, &gp[i], V);
+        CHECK(tu_same_result(&got[i], &want), "batch, request %d: tokens or logits differ", i);
+        tu_result_free(&want);
     }
 
     /* validation: the first bad request is named, nothing runs */
@@ -178,7 +158,7 @@ static void test_batch(const char* path) {
     tl_model_free(other);
     tl_model_close(m);
     CHECK_STATUS(tl_generate_batch(m, batch, N), TL_ERR_CLOSED);
-    for (int i = 0; i < N; i++) free(got[i].logits);
+    for (int i = 0; i < N; i++) tu_result_free(&got[i]);
     tl_prefix_free(prefix);
     tl_model_free(m);
 }
@@ -191,18 +171,23 @@ static void test_depth_trees(const char* path, int coda) {
     tl_gen_params gp = tl_gen_params_default();
     gp.max_tokens = 3;
     gp.loops = 3;
-    result deep = run(m, system_prompt, N_SYSTEM, &gp), want_deep = run(plain, system_prompt, N_SYSTEM, &gp);
-    check_same(deep, want_deep, "depth 3");
+    tu_result deep = tu_generate(m, system_prompt, N_SYSTEM, &gp, V);
+    tu_result want_deep = tu_generate(plain, system_prompt, N_SYSTEM, &gp, V);
+    CHECK(tu_same_result(&deep, &want_deep), "depth 3: tokens or logits differ");
     gp.loops = 2;
     const tl_prefix_cache_stats before = stats_of(m);
-    result shallow = run(m, system_prompt, N_SYSTEM, &gp), want = run(plain, system_prompt, N_SYSTEM, &gp);
-    check_same(shallow, want, "depth 2 after depth 3");
+    tu_result shallow = tu_generate(m, system_prompt, N_SYSTEM, &gp, V);
+    tu_result want = tu_generate(plain, system_prompt, N_SYSTEM, &gp, V);
+    CHECK(tu_same_result(&shallow, &want), "depth 2 after depth 3: tokens or logits differ");
     const tl_prefix_cache_stats after = stats_of(m);
     CHECK(after.hit_tokens - before.hit_tokens == (coda ? 0u : 20u),
           "coda %d: depth 2 reused %llu tokens of depth 3", coda,
           (unsigned long long)(after.hit_tokens - before.hit_tokens));
     CHECK(after.blocks == (coda ? 10u : 5u), "coda %d: %zu blocks cached", coda, after.blocks);
-    free(deep.logits), free(want_deep.logits), free(shallow.logits), free(want.logits);
+    tu_result_free(&deep);
+    tu_result_free(&want_deep);
+    tu_result_free(&shallow);
+    tu_result_free(&want);
     tl_model_free(m);
     tl_model_free(plain);
 }
@@ -467,7 +452,7 @@ static bool same_state(tl_pcache* c, const ref_cache* r, int step) {
  * releasing early blocks), probes, releases and clears over two salts and two windows, with
  * tokens from {0, 1} so that chains share and branch. */
 static void test_lru_matches_reference(uint64_t seed) {
-    const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4);
+    const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4, 8);
     ref_cache* r = calloc(1, sizeof *r);
     r->budget = 1500; /* 5 .. 11 blocks of 1 .. 3 layers */
     tl_pcache* c = tl_pcache_new(&g, r->budget);
@@ -559,7 +544,7 @@ static tl_pcache* filled_cache(const tl_kv_geom* g, int n, int h, tl_kv_table* h
  * they are released, it visits its victim only. */
 static void test_eviction_cost(void) {
     enum { N = 2000, M = 300, H = 3 };
-    const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4);
+    const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4, 8);
     tl_kv_table held[H], t;
     tl_pcache* c = filled_cache(&g, N, H, held, &t);
     uint64_t walked = tl_pcache_eviction_visits(c);
@@ -586,7 +571,7 @@ static void test_eviction_cost(void) {
  * blocks evicts B entries and visits the H held ones once, not once per block (B * (H + 1)). */
 static void test_eviction_cost_per_insert(void) {
     enum { N = 1000, M = 100, H = 50, B = MAX_CHAIN };
-    const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4);
+    const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4, 8);
     tl_kv_table held[H], t;
     tl_pcache* c = filled_cache(&g, N, H, held, &t);
     int32_t id = N;

@@ -25,38 +25,11 @@
 #include "core/seq.h"
 #include "test_util.h"
 
-enum { N_PROMPT = 29, N_SUFFIX = 3, MAX_NEW = 5 };
+enum { N_PROMPT = 29, N_SUFFIX = 3, MAX_NEW = 5, SEED = 7 };
 
 static int32_t prompt[N_PROMPT + N_SUFFIX]; /* the prefix's tokens, then a suffix */
+static const int32_t* const suffix = prompt + N_PROMPT;
 static uint32_t V, D;
-
-typedef struct result {
-    int32_t tokens[MAX_NEW];
-    float* logits; /* [MAX_NEW][V] */
-    size_t n;
-} result;
-
-static tl_gen_params params(uint32_t loops, uint32_t window, int sampled) {
-    tl_gen_params gp = tl_gen_params_default();
-    gp.max_tokens = MAX_NEW;
-    gp.loops = loops;
-    gp.cache_window = window;
-    gp.temperature = sampled ? 0.9f : 0.0f;
-    gp.seed = 7;
-    gp.prefill_chunk = 2;
-    return gp;
-}
-
-static result generate(const tl_prefix* p, size_t n_suffix, const tl_gen_params* gp) {
-    result r = {{0}, calloc((size_t)MAX_NEW * V, sizeof(float)), 0};
-    CHECK_OK(tl_generate_from_prefix(p, prompt + N_PROMPT, n_suffix, gp, r.tokens, &r.n, r.logits));
-    return r;
-}
-
-static int same_result(result a, result b) {
-    return a.n == b.n && memcmp(a.tokens, b.tokens, a.n * sizeof(int32_t)) == 0 &&
-           tu_same_bits(a.logits, b.logits, a.n * V);
-}
 
 static tl_prefix* build(tl_model* m, uint32_t loops, uint32_t window, size_t chunk, uint32_t flags) {
     tl_prefix* p = NULL;
@@ -111,11 +84,12 @@ static void check_equal(const tl_prefix* got, const tl_prefix* want, const char*
     CHECK(nbytes_of(got) == nbytes_of(want), "%s: nbytes %zu, want %zu", what, nbytes_of(got), nbytes_of(want));
     for (uint32_t depth = 1; depth <= L; depth++)
         for (size_t n_suffix = 0; n_suffix <= N_SUFFIX; n_suffix += N_SUFFIX) {
-            const tl_gen_params gp = params(depth, W, depth % 2);
-            result a = generate(got, n_suffix, &gp), b = generate(want, n_suffix, &gp);
-            CHECK(same_result(a, b), "%s: generation at loops=%u, suffix %zu differs", what, depth, n_suffix);
-            free(a.logits);
-            free(b.logits);
+            const tl_gen_params gp = tu_gen_params(MAX_NEW, depth, W, depth % 2, SEED);
+            tu_result a = tu_from_prefix(got, suffix, n_suffix, &gp, V);
+            tu_result b = tu_from_prefix(want, suffix, n_suffix, &gp, V);
+            CHECK(tu_same_result(&a, &b), "%s: generation at loops=%u, suffix %zu differs", what, depth, n_suffix);
+            tu_result_free(&a);
+            tu_result_free(&b);
         }
 }
 
@@ -133,11 +107,11 @@ static void check_extension(tl_model* m, uint32_t L_b, uint32_t L1, uint32_t L, 
     CHECK(nbytes_of(want) == nbytes_of(plain) + kept, "%s: warm start keeps %zu bytes, want %zu", what,
           nbytes_of(want) - nbytes_of(plain), kept);
     CHECK(same_kv(got, plain), "%s: KV differs from a build without warm start", what);
-    const tl_gen_params gp = params(L, W, 1);
-    result a = generate(got, N_SUFFIX, &gp), b = generate(plain, N_SUFFIX, &gp);
-    CHECK(same_result(a, b), "%s: generation differs from a build without warm start", what);
-    free(a.logits);
-    free(b.logits);
+    const tl_gen_params gp = tu_gen_params(MAX_NEW, L, W, 1, SEED);
+    tu_result a = tu_from_prefix(got, suffix, N_SUFFIX, &gp, V), b = tu_from_prefix(plain, suffix, N_SUFFIX, &gp, V);
+    CHECK(tu_same_result(&a, &b), "%s: generation differs from a build without warm start", what);
+    tu_result_free(&a);
+    tu_result_free(&b);
     tl_prefix_free(got);
 
     snprintf(what, sizeof what, "loops %u -> %u -> %u, window %u", L_b, L1, L, W);
@@ -220,7 +194,7 @@ static void test_closed(const char* path) {
 typedef struct reader {
     tl_prefix* prefix;
     uint32_t loops;
-    result want;         /* of a generation at `loops` from the prefix as built        */
+    tu_result want;      /* of a generation at `loops` from the prefix as built        */
     atomic_int started;  /* set by the reader before its first generation               */
     atomic_int done;     /* set once the extension returned                             */
     int during, runs, wrong; /* generations wholly inside the extension; all; wrong ones */
@@ -229,15 +203,15 @@ typedef struct reader {
 /* Generate at r->loops from the prefix until the extension is done, then twice more. */
 static void* read_while_extending(void* arg) {
     reader* r = arg;
-    const tl_gen_params gp = params(r->loops, 0, 1);
+    const tl_gen_params gp = tu_gen_params(MAX_NEW, r->loops, 0, 1, SEED);
     atomic_store(&r->started, 1);
     for (int after = 0; after < 2; r->runs++) {
         const int inside = !atomic_load(&r->done);
         after += !inside;
-        result got = generate(r->prefix, N_SUFFIX, &gp);
+        tu_result got = tu_from_prefix(r->prefix, suffix, N_SUFFIX, &gp, V);
         r->during += inside && !atomic_load(&r->done);
-        r->wrong += !same_result(got, r->want);
-        free(got.logits);
+        r->wrong += !tu_same_result(&got, &r->want);
+        tu_result_free(&got);
     }
     return NULL;
 }
@@ -246,10 +220,10 @@ static void test_concurrent(tl_model* m) {
     enum { L_B = 2, L = 48 };
     tl_prefix* want = build(m, L, 0, 0, 0);
     tl_prefix* p = build(m, L_B, 0, 0, TL_PREFIX_WARM_START);
-    const tl_gen_params shallow = params(L_B, 0, 1);
+    const tl_gen_params shallow = tu_gen_params(MAX_NEW, L_B, 0, 1, SEED);
     tl_seq* before = NULL; /* taken before the extension: keeps its blocks */
     CHECK_OK(tl_seq_from_prefix(p, L_B, &before));
-    reader r = {.prefix = p, .loops = L_B, .want = generate(p, N_SUFFIX, &shallow)};
+    reader r = {.prefix = p, .loops = L_B, .want = tu_from_prefix(p, suffix, N_SUFFIX, &shallow, V)};
     pthread_t thread;
     CHECK(pthread_create(&thread, NULL, read_while_extending, &r) == 0, "pthread_create");
     while (!atomic_load(&r.started)) sched_yield();
@@ -258,7 +232,7 @@ static void test_concurrent(tl_model* m) {
     pthread_join(thread, NULL);
     CHECK(r.wrong == 0, "%d of %d generations around the extension differ", r.wrong, r.runs);
     printf("concurrent: %d of %d generations ran wholly during the extension\n", r.during, r.runs);
-    free(r.want.logits);
+    tu_result_free(&r.want);
 
     /* the sequence taken before decodes exactly as one taken from a prefix built at L_b */
     tl_prefix* shallow_prefix = build(m, L_B, 0, 0, 0);
@@ -278,11 +252,12 @@ static void test_concurrent(tl_model* m) {
     tl_seq_free(before);
     tl_prefix_free(shallow_prefix);
 
-    const tl_gen_params deep = params(L, 0, 1);
-    result got = generate(p, N_SUFFIX, &deep), exp = generate(want, N_SUFFIX, &deep);
-    CHECK(same_result(got, exp), "after a concurrent extension: generation at loops=%d differs", L);
-    free(got.logits);
-    free(exp.logits);
+    const tl_gen_params deep = tu_gen_params(MAX_NEW, L, 0, 1, SEED);
+    tu_result got = tu_from_prefix(p, suffix, N_SUFFIX, &deep, V);
+    tu_result exp = tu_from_prefix(want, suffix, N_SUFFIX, &deep, V);
+    CHECK(tu_same_result(&got, &exp), "after a concurrent extension: generation at loops=%d differs", L);
+    tu_result_free(&got);
+    tu_result_free(&exp);
     tl_prefix_free(p);
     tl_prefix_free(want);
 }
@@ -330,8 +305,8 @@ static void test_alloc_failures(tl_model* m, uint32_t W) {
     CHECK_OK(tl_prefix_extend(probe, L, 3));
     n_allocs = total_allocs() - before;
     tl_prefix_free(probe);
-    const tl_gen_params gp = params(L_B, W, 1);
-    const result want = generate(p, N_SUFFIX, &gp);
+    const tl_gen_params gp = tu_gen_params(MAX_NEW, L_B, W, 1, SEED);
+    tu_result want = tu_from_prefix(p, suffix, N_SUFFIX, &gp, V);
     const size_t nbytes = nbytes_of(p);
     baseline = in_use();
     for (size_t k = 0; k < n_allocs; k++) {
@@ -341,12 +316,12 @@ static void test_alloc_failures(tl_model* m, uint32_t W) {
         check_oom(st, "extension", k);
         CHECK(in_use() == baseline, "extension, k=%zu: %zu bytes leaked", k, in_use() - baseline);
         CHECK(p->loops == L_B && nbytes_of(p) == nbytes, "extension, k=%zu: the prefix changed", k);
-        result got = generate(p, N_SUFFIX, &gp);
-        CHECK(same_result(got, want), "extension, k=%zu: generation from the prefix changed", k);
-        free(got.logits);
+        tu_result got = tu_from_prefix(p, suffix, N_SUFFIX, &gp, V);
+        CHECK(tu_same_result(&got, &want), "extension, k=%zu: generation from the prefix changed", k);
+        tu_result_free(&got);
     }
     printf("extension (window %u): %zu allocations, each failed in turn\n", W, n_allocs);
-    free(want.logits);
+    tu_result_free(&want);
     CHECK_OK(tl_prefix_extend(p, L, 3));
     tl_prefix* built = build(m, L, W, 0, TL_PREFIX_WARM_START);
     check_equal(p, built, "extension after failures");
@@ -379,17 +354,13 @@ static void test_model(const char* name, const tu_spec* spec, int full) {
 
 int main(void) {
     for (int i = 0; i < N_PROMPT + N_SUFFIX; i++) prompt[i] = (i * 37 + 11) % 256;
-    tu_spec huginn = tu_spec_rich(); /* prelude, core of 2 with injection and step norm, coda */
-    huginn.hf = 0;
-    huginn.meta = 0;
+    const tu_spec huginn = tu_spec_huginn(); /* prelude, core of 2 with injection and step norm, coda */
     test_model("huginn.tinyloop", &huginn, 1);
     tu_spec step_norm = tu_spec_default();
     step_norm.step_norm = 1;
     step_norm.layout = 2;
     test_model("step_norm.tinyloop", &step_norm, 0);
-    tu_spec plain = tu_spec_default();
-    plain.n_coda = 1; /* a coda without injection or coda_norm */
-    plain.n_pre = 0;
-    test_model("coda.tinyloop", &plain, 0);
+    const tu_spec coda = tu_spec_coda();
+    test_model("coda.tinyloop", &coda, 0);
     return tu_finish("test_prefix_warm");
 }

@@ -308,7 +308,7 @@ static void test_attention_kernels(void) {
                 sv[j] = (float)tu_uniform(&rng, 0, 1000) / 4096.0f;
             }
             if (n > 8 && di % 2) sv[n / 2] = INFINITY; /* NaN weights */
-            tl_attn_scratch scratch = {NULL, NULL, NULL, qq, qq16, NULL};
+            tl_attn_scratch scratch = {NULL, NULL, NULL, qq, qq16, NULL, NULL};
             const float c = 0.37f;
             tl_attn_scalar.scores(&scratch, k, sk, n, D, c, s1);
             tl_attn_avx2.scores(&scratch, k, sk, n, D, c, s2);

@@ -55,6 +55,18 @@ tu_spec tu_spec_rich(void) {
     return s;
 }
 
+tu_spec tu_spec_huginn(void) {
+    tu_spec s = tu_spec_rich();
+    s.hf = 0, s.meta = 0;
+    return s;
+}
+
+tu_spec tu_spec_coda(void) {
+    tu_spec s = tu_spec_default();
+    s.n_coda = 1, s.n_pre = 0;
+    return s;
+}
+
 /* ---- file writer ---------------------------------------------------------------------- */
 
 /* What a tensor holds, which says how it is filled. */
@@ -334,3 +346,51 @@ tl_model* tu_open_cached(const char* path, size_t cache_bytes) {
 }
 
 int tu_same_bits(const float* a, const float* b, size_t n) { return memcmp(a, b, n * sizeof *a) == 0; }
+
+/* ---- generations -------------------------------------------------------------------------- */
+
+tu_result tu_result_new(size_t max_tokens, uint32_t vocab) {
+    const size_t cells = max_tokens * vocab;
+    tu_result r = {calloc(max_tokens, sizeof(int32_t)), calloc(cells, sizeof(float)), 0, vocab};
+    if ((max_tokens && !r.tokens) || (cells && !r.logits)) {
+        fprintf(stderr, "tu_result_new: out of memory for %zu tokens of %u logits\n", max_tokens, vocab);
+        exit(2);
+    }
+    return r;
+}
+
+void tu_result_free(tu_result* r) {
+    free(r->tokens);
+    free(r->logits);
+    *r = (tu_result){NULL, NULL, 0, 0};
+}
+
+tl_gen_params tu_gen_params(size_t max_tokens, uint32_t loops, uint32_t window, int sampled, uint64_t seed) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = max_tokens;
+    gp.loops = loops;
+    gp.cache_window = window;
+    gp.temperature = sampled ? 0.9f : 0.0f;
+    gp.seed = seed;
+    gp.prefill_chunk = 2;
+    return gp;
+}
+
+tu_result tu_generate(tl_model* m, const int32_t* prompt, size_t n, const tl_gen_params* gp, uint32_t vocab) {
+    tu_result r = tu_result_new(gp->max_tokens, vocab);
+    CHECK_OK(tl_generate(m, prompt, n, gp, r.tokens, &r.n, r.logits));
+    return r;
+}
+
+tu_result tu_from_prefix(const tl_prefix* p, const int32_t* suffix, size_t n, const tl_gen_params* gp,
+                         uint32_t vocab) {
+    tu_result r = tu_result_new(gp->max_tokens, vocab);
+    CHECK_OK(tl_generate_from_prefix(p, suffix, n, gp, r.tokens, &r.n, r.logits));
+    return r;
+}
+
+int tu_same_result(const tu_result* a, const tu_result* b) {
+    return a->n == b->n && a->n > 0 && a->vocab == b->vocab &&
+           memcmp(a->tokens, b->tokens, a->n * sizeof(int32_t)) == 0 &&
+           tu_same_bits(a->logits, b->logits, a->n * a->vocab);
+}

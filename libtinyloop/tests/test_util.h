@@ -1,7 +1,8 @@
 /* test_util.h — shared helpers of the C tests: CHECK macros that count failures (a test
  * binary exits nonzero when any check failed), a deterministic RNG, a bitwise CRC-32, and a
  * writer of valid random `.tinyloop` files of version 2 or 1 (an independent implementation
- * of docs/spec.md §6, so the loader is tested against a second reading of the spec). */
+ * of docs/spec.md §6, so the loader is tested against a second reading of the spec), and
+ * generations kept for a bit-exact comparison (tu_result). */
 #ifndef TL_TEST_UTIL_H
 #define TL_TEST_UTIL_H
 
@@ -65,6 +66,10 @@ tu_spec tu_spec_default(void);
  * sandwich blocks, qkv biases, injection, both norms, an embedding scale of 2, an hf
  * tokenizer and every meta.* text. */
 tu_spec tu_spec_rich(void);
+/* A Huginn-like model: tu_spec_rich without the tokenizer and meta.* texts. */
+tu_spec tu_spec_huginn(void);
+/* tu_spec_default with a coda of 1 and no prelude (no injection, no coda_norm). */
+tu_spec tu_spec_coda(void);
 /* The bytes of a valid model file (malloc'd), *n its size; exits with status 2 on a spec that
  * version 1 cannot express. */
 uint8_t* tu_model_bytes(const tu_spec* spec, size_t* n);
@@ -81,5 +86,31 @@ tl_model* tu_open_cached(const char* path, size_t cache_bytes);
 
 /* Exact comparison of float arrays by bit pattern. */
 int tu_same_bits(const float* a, const float* b, size_t n);
+
+/* ---- generations -------------------------------------------------------------------------- */
+
+/* What a generation emitted: its tokens and the logits each was sampled from. */
+typedef struct tu_result {
+    int32_t* tokens; /* [max_tokens]                   */
+    float* logits;   /* [max_tokens][vocab]            */
+    size_t n;        /* the tokens emitted             */
+    uint32_t vocab;
+} tu_result;
+
+/* Zeroed room for max_tokens tokens and their logits over `vocab` (exits with status 2 when
+ * memory runs out); release it with tu_result_free. */
+tu_result tu_result_new(size_t max_tokens, uint32_t vocab);
+void tu_result_free(tu_result* r);
+/* Defaults, but max_tokens, loops, cache_window, a prefill in chunks of 2 and the seed;
+ * greedy, or sampled at temperature 0.9. */
+tl_gen_params tu_gen_params(size_t max_tokens, uint32_t loops, uint32_t window, int sampled, uint64_t seed);
+/* tl_generate / tl_generate_from_prefix into a new result for gp->max_tokens tokens (a
+ * failure is counted as a failed check). */
+tu_result tu_generate(tl_model* m, const int32_t* prompt, size_t n, const tl_gen_params* gp, uint32_t vocab);
+tu_result tu_from_prefix(const tl_prefix* p, const int32_t* suffix, size_t n, const tl_gen_params* gp,
+                         uint32_t vocab);
+/* Whether both emitted the same tokens, at least one, with bit-identical logits (two empty
+ * results prove nothing, so they differ). */
+int tu_same_result(const tu_result* a, const tu_result* b);
 
 #endif

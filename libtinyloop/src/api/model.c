@@ -93,6 +93,7 @@ TL_API tl_model_params tl_model_params_default(void) {
     p.isa = TL_ISA_AUTO;
     p.device = TL_DEVICE_AUTO;
     p.device_index = 0;
+    p.kv_mode = TL_KV_INT8;
     return p;
 }
 
@@ -135,6 +136,8 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
     if (p->kv_block_size > TL_MAX_KV_BLOCK_SIZE)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_block_size must be <= %d, got %u", TL_MAX_KV_BLOCK_SIZE,
                        p->kv_block_size);
+    if (p->kv_mode != TL_KV_INT8 && p->kv_mode != TL_KV_INT4)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_mode must be 0 (int8) or 1 (int4), got %d", (int)p->kv_mode);
     tl_status st = resolve_isa(&p->isa);
     if (st != TL_OK) return st;
     st = tl_device_check(p->device);
@@ -163,7 +166,8 @@ static tl_status engine_create(const char* path, const tl_model_params* p, tl_en
         return st;
     }
     const tl_config* c = &e->file.cfg;
-    e->kv_geom = tl_kv_geom_make(p->kv_block_size, c->n_kv_heads, c->head_dim);
+    e->kv_geom = tl_kv_geom_make(p->kv_block_size, c->n_kv_heads, c->head_dim,
+                                 p->kv_mode == TL_KV_INT4 ? 4 : 8);
     st = tl_pool_create(p->n_threads, &e->pool);
     if (st == TL_OK)
         st = p->device == TL_DEVICE_CUDA ? tl_backend_cuda_new(e, p->device_index, &e->backend)
@@ -235,7 +239,8 @@ TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* o
     /* the backend's own weights, and the file's tensors that are still held (embedding, rope, ...) */
     const size_t host_weight_bytes = info.host_weight_bytes + tl_file_held_bytes(&e->file);
     tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
-                             host_weight_bytes, info.device, info.device_weight_bytes, {0}};
+                             host_weight_bytes, info.device, info.device_weight_bytes, {0},
+                             e->kv_geom.kv_bits == 4 ? TL_KV_INT4 : TL_KV_INT8};
     snprintf(full.device_name, sizeof full.device_name, "%s", info.name);
     tl_copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);

@@ -22,9 +22,7 @@
 #include "core/forward.h"
 #include "core/seq.h"
 
-/* Whether a build can keep what an extension resumes from: a part pass, and KV blocks in host
- * memory (the extension copies their old layers). */
-static bool can_resume(const tl_engine* e) { return tl_has_part_pass(e) && !e->kv_geom.device; }
+bool tl_prefix_can_resume(const tl_engine* e) { return tl_has_part_pass(e) && !e->kv_geom.device; }
 
 static void free_buffers(tl_prefix* p) {
     tl_free(p->tokens);
@@ -33,12 +31,10 @@ static void free_buffers(tl_prefix* p) {
     tl_free(p->injects);
 }
 
-/* An empty prefix of n tokens at depth `loops` (a reference to e taken), with its buffers and
- * locks; NULL when out of memory. */
-static tl_prefix* prefix_new(tl_engine* e, size_t n, uint32_t loops, uint32_t window, bool warm_start) {
+tl_prefix* tl_prefix_new(tl_engine* e, size_t n, uint32_t loops, uint32_t window, bool warm_start, bool states) {
     const tl_config* c = tl_engine_config(e);
     const size_t d = c->d_model;
-    const bool states = warm_start && can_resume(e), injects = states && c->injection;
+    const bool injects = states && c->injection;
     tl_prefix* p = tl_alloc_zeroed(1, sizeof *p);
     if (!p) return NULL;
     p->tokens = tl_alloc(n * sizeof(int32_t));
@@ -117,7 +113,8 @@ TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size
         st = tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", n, c->max_seq_len);
     if (st == TL_OK) st = tl_seq_new(e, loops, cache_window, &s);
     if (st == TL_OK) {
-        p = prefix_new(e, n, loops, cache_window, flags & TL_PREFIX_WARM_START);
+        const bool warm_start = flags & TL_PREFIX_WARM_START;
+        p = tl_prefix_new(e, n, loops, cache_window, warm_start, warm_start && tl_prefix_can_resume(e));
         if (!p) st = tl_fail_oom("prefix");
     }
     if (st == TL_OK) {

@@ -15,6 +15,15 @@ tl_status tl_fail(tl_status status, const char* fmt, ...) {
     return status;
 }
 
+tl_status tl_fail_bad_file(const char* what, const char* fmt, ...) {
+    char msg[400];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(msg, sizeof msg, fmt, args);
+    va_end(args);
+    return tl_fail(TL_ERR_BAD_FILE, "bad %s: %s", what, msg);
+}
+
 tl_status tl_fail_oom(const char* what) {
     return tl_fail(TL_ERR_OUT_OF_MEMORY, "out of memory (%s)", what);
 }

@@ -8,9 +8,9 @@
 
 _Static_assert(sizeof(tl_kv_block) <= 64, "block header must fit in 64 bytes");
 
-tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim) {
-    tl_kv_geom g = {block_size, n_kv_heads, head_dim, 0, NULL};
-    size_t bytes = 2 * (size_t)block_size * head_dim + 2 * sizeof(float) * block_size;
+tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim, uint32_t kv_bits) {
+    tl_kv_geom g = {block_size, n_kv_heads, head_dim, kv_bits, 0, NULL};
+    const size_t bytes = tl_kv_scales_offset(&g) + 2 * sizeof(float) * block_size;
     g.head_bytes = (bytes + 63) / 64 * 64;
     return g;
 }

@@ -1,7 +1,10 @@
-/* kvcache.h — the paged int8 KV cache (docs/spec.md §4.2), reference-counted blocks.
+/* kvcache.h — the paged quantized KV cache (docs/spec.md §4.2), reference-counted blocks.
  *
  * A block holds `block_size` consecutive positions starting at `start`, for `n_layers` cache
- * layers; per (layer, kv head) it stores kq[bs][D] i8, vq[bs][D] i8, sk[bs] f32, sv[bs] f32.
+ * layers; per (layer, kv head) it stores kq[bs][R], vq[bs][R], sk[bs] f32, sv[bs] f32 (the
+ * scales 4-byte aligned, tl_kv_scales_offset) with rows
+ * of R = tl_kv_row_bytes bytes: D int8 values (kv_bits 8), or D Q4 values packed two per byte
+ * (kv_bits 4: element 2i in the low nibble of byte i, 2i+1 in the high one, two's complement).
  * A table (one per sequence or prefix) is an ordered list of spans covering positions 0 .. n-1
  * contiguously: span i uses the first `count` slots of its block. Blocks are shared between
  * tables by reference count; a table writes only into a block it holds alone (refs == 1), so
@@ -18,16 +21,21 @@
 #include "tinyloop.h"
 
 /* Where block data lives when not in host memory: a backend's device allocator (backend.h).
- * alloc returns `bytes` of zero-filled device memory, or NULL when out of memory; both calls
- * are thread-safe. */
+ * alloc returns `bytes` of zero-filled device memory, or NULL when out of memory. download and
+ * upload copy `bytes` between host memory and device data (after the writes already queued on
+ * it), returning 0 on success; NULL where the device offers no copy (a prefix blob then cannot
+ * be saved or loaded). Every call is thread-safe. */
 typedef struct tl_kv_allocator {
     void* (*alloc)(void* ctx, size_t bytes);
     void (*free)(void* ctx, void* data);
     void* ctx;
+    int (*download)(void* ctx, void* host, const void* device, size_t bytes);
+    int (*upload)(void* ctx, void* device, const void* host, size_t bytes);
 } tl_kv_allocator;
 
 typedef struct tl_kv_geom {
     uint32_t block_size, n_kv_heads, head_dim;
+    uint32_t kv_bits;               /* 8 (int8 rows) or 4 (Q4 rows, two per byte)            */
     size_t head_bytes;              /* one (layer, kv head) of a block, 64-byte multiple      */
     const tl_kv_allocator* device;  /* block data comes from it; NULL = host memory          */
 } tl_kv_geom;
@@ -59,7 +67,7 @@ typedef struct tl_kv_mark {
 } tl_kv_mark;
 
 /* Host-memory geometry; set .device afterwards to place block data on a device. */
-tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim);
+tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim, uint32_t kv_bits);
 
 /* The table's current extent, to roll back to after later reservations. */
 tl_kv_mark tl_kv_mark_now(const tl_kv_table* t);
@@ -90,19 +98,42 @@ static inline void tl_kv_block_retain(tl_kv_block* b) { atomic_fetch_add(&b->ref
 static inline unsigned tl_kv_block_refs(const tl_kv_block* b) { return atomic_load(&b->refs); }
 void tl_kv_block_release(tl_kv_block* b);
 
-/* Per-(layer, kv head) arrays of a block (device addresses for a device block: only the backend
- * that allocated them may dereference those). */
+/* Bytes of one key or value row: D (int8) or D / 2 (int4, packed; D is even). */
+static inline size_t tl_kv_row_bytes(const tl_kv_geom* g) { return (size_t)g->head_dim * g->kv_bits / 8; }
+
+/* Per-(layer, kv head) arrays of a block: rows of tl_kv_row_bytes bytes, packed for int4 (device
+ * addresses for a device block: only the backend that allocated them may dereference those). */
 static inline int8_t* tl_kv_keys(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
     return (int8_t*)b->data + ((size_t)layer * g->n_kv_heads + h) * g->head_bytes;
 }
 static inline int8_t* tl_kv_values(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
-    return tl_kv_keys(g, b, layer, h) + (size_t)g->block_size * g->head_dim;
+    return tl_kv_keys(g, b, layer, h) + (size_t)g->block_size * tl_kv_row_bytes(g);
+}
+/* Offset of the key scales in a (layer, kv head)'s bytes: after both rows arrays, rounded up to
+ * a float's alignment (int4 rows of an odd block size can end on an even, not a 4-byte, offset;
+ * the rounding never changes head_bytes). */
+static inline size_t tl_kv_scales_offset(const tl_kv_geom* g) {
+    return (2 * (size_t)g->block_size * tl_kv_row_bytes(g) + 3) / 4 * 4;
 }
 static inline float* tl_kv_key_scales(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
-    return (float*)(tl_kv_values(g, b, layer, h) + (size_t)g->block_size * g->head_dim);
+    return (float*)((char*)tl_kv_keys(g, b, layer, h) + tl_kv_scales_offset(g));
 }
 static inline float* tl_kv_value_scales(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, uint32_t h) {
     return tl_kv_key_scales(g, b, layer, h) + g->block_size;
+}
+
+/* Q4 values q[0 .. n) (each -8 .. 7, n even) into n / 2 bytes: q[2i] & 15 | (q[2i+1] & 15) << 4. */
+static inline void tl_kv_pack4(const int8_t* q, size_t n, int8_t* out) {
+    for (size_t i = 0; i < n / 2; i++)
+        out[i] = (int8_t)(uint8_t)(((uint8_t)q[2 * i] & 15u) | ((uint8_t)q[2 * i + 1] & 15u) << 4);
+}
+/* The inverse: n values (n even) from n / 2 packed bytes, each nibble sign-extended. */
+static inline void tl_kv_unpack4(const int8_t* packed, size_t n, int8_t* q) {
+    for (size_t i = 0; i < n / 2; i++) {
+        const uint8_t b = (uint8_t)packed[i];
+        q[2 * i] = (int8_t)((int8_t)(uint8_t)(b << 4) >> 4);
+        q[2 * i + 1] = (int8_t)((int8_t)b >> 4);
+    }
 }
 
 #endif

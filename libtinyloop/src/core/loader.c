@@ -35,31 +35,13 @@
 #include "base/alloc.h"
 #include "base/crc32.h"
 #include "base/errors.h"
+#include "base/le.h"
 
 enum { HEADER_BYTES = 256, ENTRY_BYTES = 96, ALIGN = 64, MAX_NDIM = 4, CHECKSUM_AT = 24 };
 enum { DT_F32 = 1, DT_I8 = 2, DT_U8 = 3 };
 enum { SCRATCH_BYTES = 64 << 10 }; /* the read buffer for bytes that are summed, not kept */
 
-static uint32_t rd_u32(const uint8_t* p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t rd_u64(const uint8_t* p) { return rd_u32(p) | (uint64_t)rd_u32(p + 4) << 32; }
-static float rd_f32(const uint8_t* p) {
-    uint32_t u = rd_u32(p);
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static tl_status bad(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-static tl_status bad(const char* fmt, ...) {
-    char msg[400];
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(msg, sizeof msg, fmt, args);
-    va_end(args);
-    return tl_fail(TL_ERR_BAD_FILE, "bad model file: %s", msg);
-}
+#define bad(...) tl_fail_bad_file("model file", __VA_ARGS__)
 
 #define TRY(expr)                             \
     do {                                      \
@@ -763,6 +745,10 @@ static tl_status validate(reader* r, tl_file* f) {
         if (h[k]) st = bad("reserved: header bytes %d .. %d must be zero", reserved_from, HEADER_BYTES - 1);
     if (st == TL_OK && rd_u32(h + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(h + 116));
     if (st == TL_OK) st = build_views(&t, req, n_req, f);
+    if (st == TL_OK) {
+        f->checksum = rd_u32(h + CHECKSUM_AT);
+        f->file_bytes = file_bytes;
+    }
     table_free(&t);
     tl_free(req);
     return st;

@@ -52,6 +52,8 @@ typedef struct tl_block_vectors {
  * are numbered in file order: prelude 0 .. n_pre-1, core n_pre .. n_pre+k-1, then the coda. */
 typedef struct tl_file {
     tl_config cfg;
+    uint32_t checksum;     /* the header's (§6.1 offset 24): a prefix blob names its model by */
+    uint64_t file_bytes;   /* it and by this (docs/spec.md §7)                               */
     const int8_t* emb_w;   /* [V][d]                                              */
     const float* emb_s;    /* [V]                                                 */
     const float* rope_cos; /* [max_seq_len][D/2]                                  */

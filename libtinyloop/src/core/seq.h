@@ -53,6 +53,14 @@ struct tl_prefix {
     pthread_mutex_t extending;
 };
 
+/* Whether a warm-start prefix can keep what an extension resumes from (states, injects): the
+ * backend has a part pass and KV blocks in host memory (the extension copies their old layers). */
+bool tl_prefix_can_resume(const tl_engine* e);
+/* An empty prefix of n tokens at depth `loops` (a reference to e taken), with its locks and
+ * buffers: tokens, loop_states (zeroed) and, when `states`, states and (with injection)
+ * injects; its kv table empty. NULL when out of memory. */
+tl_prefix* tl_prefix_new(tl_engine* e, size_t n, uint32_t loops, uint32_t window, bool warm_start, bool states);
+
 /* TL_OK when the prefix serves depth `loops` (<= its own), else TL_ERR_LOOPS_MISMATCH with a
  * message saying how to get a deeper one (tl_prefix_extend, or a warm-start build). */
 tl_status tl_prefix_check_loops(const tl_prefix* p, uint32_t loops);

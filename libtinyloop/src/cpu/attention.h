@@ -1,9 +1,11 @@
-/* attention.h — exact two-pass attention over the paged int8 KV cache (docs/spec.md §4.1).
+/* attention.h — exact two-pass attention over the paged KV cache (docs/spec.md §4.1).
  *
  * The driver (attention.c) walks the visible keys segment by segment (a run of consecutive
  * slots of one block) and calls the kernels per segment or per query; the scalar kernels live
  * in attention.c, AVX2 ones in attention_avx2.c. Every kernel computes exact integers or the
- * spec's element-wise f32 operations, so both sets give identical bits. */
+ * spec's element-wise f32 operations, so both sets give identical bits. The kernels read int8
+ * rows of D bytes: an int4 cache's packed rows (kvcache.h) are unpacked for them first, into the
+ * same integers, so the two KV modes share every kernel. */
 #ifndef TL_ATTENTION_H
 #define TL_ATTENTION_H
 
@@ -21,7 +23,16 @@ typedef struct tl_attn_scratch {
     int8_t* qq;      /* [D]                            */
     int16_t* qq16;   /* [D] qq widened (SIMD kernels)  */
     void* tile;      /* tl_attn_tile_bytes(max_keys, D) bytes, 64-byte aligned (tl_attend_tile only) */
+    int8_t* rows;    /* tl_attn_rows_bytes(g) bytes: an int4 cache's rows unpacked (tl_attend only) */
 } tl_attn_scratch;
+
+enum { TL_ATTN_UNPACK_ROWS = 256 }; /* int4 key or value rows tl_attend unpacks at a time, at most */
+
+/* Bytes of scratch->rows that tl_attend needs: none for an int8 cache, whose rows the kernels
+ * read in place; TL_ATTN_UNPACK_ROWS rows of D int8 for an int4 one. */
+static inline size_t tl_attn_rows_bytes(const tl_kv_geom* g) {
+    return g->kv_bits == 8 ? 0 : (size_t)TL_ATTN_UNPACK_ROWS * g->head_dim;
+}
 
 /* The value rows of one segment: n rows of D bytes, consecutive. */
 typedef struct tl_attn_rows {

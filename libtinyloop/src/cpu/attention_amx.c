@@ -8,9 +8,10 @@
  *            [lo_q - lo(p0), p_q - lo(p0)] of that range, and every max and sum below runs over
  *            that part of its row only.
  *   scores   C[j][q] = Σ_d kq_jd qq_qd by TDPBSSD with the key rows as A (16 keys x 64 bytes of d,
- *            straight from the cache when D is a multiple of 64 and 16 keys of one block are at
- *            hand, else copied into zero-padded rows) and the queries as B (VNNI: 4 d of one
- *            query side by side, zero past D and past m): the exact int32 dot (|.| <= 127^2 D).
+ *            straight from an int8 cache when D is a multiple of 64 and 16 keys of one block are
+ *            at hand, else copied (or unpacked, from an int4 cache) into zero-padded rows) and
+ *            the queries as B (VNNI: 4 d of one query side by side, zero past D and past m):
+ *            the exact int32 dot (|.| <= 127^2 D).
  *            Then S = ((f32)dot * c_q) * sk_j, c_q = sq_q / sqrt(D): the spec's two multiplies.
  *   per row  svmax, the zero and infinite branches, M, kappa, U_j and den: kern's own max,
  *            weights and output kernels on the query's contiguous row, as tl_attend calls them
@@ -19,7 +20,8 @@
  *   values   num_qd = Σ_j U_qj vq_jd exactly: 0 <= U <= 2^24 + 2 is split into four 7-bit limbs
  *            U = u0 + 2^7 u1 + 2^14 u2 + 2^21 u3 (each 0 .. 127, an int8), U = 0 for keys the query
  *            does not see, and each limb is a TDPBSSD GEMM: A = the limbs [16 queries][64 keys],
- *            B = the value rows of 64 keys in VNNI layout (4 keys of one d side by side), one
+ *            B = the value rows of 64 keys in VNNI layout (4 keys of one d side by side; an int4
+ *            cache's rows unpacked on the way), one
  *            16-wide tile of d per B. An int32 accumulator sums at most 127 * 127 per key, so it
  *            is flushed into the i64 sums every 1024 key blocks (65536 keys: < 2^31 / 16129);
  *            then num = Σ_l 2^(7l) C_l in i64.
@@ -57,7 +59,8 @@ typedef struct tile_buffers {
     int8_t* qpack;          /* [Dp / 4][TQ][4] the queries as B (zero past D and past m)    */
     int8_t* stage;          /* [TQ][Dp] key rows copied for a score product, zero past D    */
     int8_t* zeros;          /* [Dp] the value row of the keys past the union                */
-    const int8_t** vrow;    /* [n_pad] the value row of each key                            */
+    int8_t* group;          /* [4][Dp] an int4 cache: the value rows of a key group unpacked */
+    const int8_t** vrow;    /* [n_pad] the value row of each key (packed for int4)          */
     float* sk;              /* [n_pad] key scales                                           */
     float* sv;              /* [n_pad] value scales                                         */
     float* scores;          /* [TQ][n_pad] S of every query against every key of the union */
@@ -80,6 +83,7 @@ static size_t carve(uint8_t* base, size_t n_keys, size_t D, tile_buffers* b) {
     TAKE(qpack, TQ * b->Dp);
     TAKE(stage, TQ * b->Dp);
     TAKE(zeros, b->Dp);
+    TAKE(group, 4 * b->Dp);
     TAKE(vrow, b->n_pad * sizeof(const int8_t*));
     TAKE(sk, b->n_pad * sizeof(float));
     TAKE(sv, b->n_pad * sizeof(float));
@@ -98,13 +102,18 @@ size_t tl_attn_tile_bytes(size_t max_keys, size_t D) {
 
 /* ---- scores --------------------------------------------------------------------------------- */
 
-/* Query q's row of scores for the n <= 16 keys k (rows of D bytes, consecutive), which are keys
+/* Query q's row of scores for the n <= 16 keys k (cache rows, consecutive), which are keys
  * col .. col+n-1 of the union: C[j][q] = kq_j . qq_q on the tiles, then the spec's multiplies. */
-TL_TILES static void score_keys(const tile_buffers* b, const int8_t* k, size_t n, size_t D, size_t m,
+TL_TILES static void score_keys(const tile_buffers* b, const tl_kv_geom* g, const int8_t* k, size_t n, size_t m,
                                 const float* c, size_t col) {
+    const size_t D = g->head_dim, R = tl_kv_row_bytes(g);
     const int8_t* rows = k;
     size_t stride = D;
-    if (n < TL_TILE_ROWS || D % KB) { /* a tile would read past these keys or past D: copy */
+    if (g->kv_bits != 8) { /* int4: unpacked into the staging rows (zero past D) */
+        for (size_t j = 0; j < n; j++) tl_kv_unpack4(k + j * R, D, b->stage + j * b->Dp);
+        rows = b->stage;
+        stride = b->Dp;
+    } else if (n < TL_TILE_ROWS || D % KB) { /* a tile would read past these keys or past D: copy */
         for (size_t j = 0; j < n; j++) memcpy(b->stage + j * b->Dp, k + j * D, D);
         rows = b->stage;
         stride = b->Dp;
@@ -127,10 +136,20 @@ TL_TILES static void score_keys(const tile_buffers* b, const int8_t* k, size_t n
 /* ---- values --------------------------------------------------------------------------------- */
 
 /* Keys 4g .. 4g+3 of the union into B row g % 16 of each d tile of key block g / 16:
- * out[dt][4 dd + i] = v_{4g+i}[16 dt + dd], zero past D and past the union's n keys. */
-static void pack_value_group(const tile_buffers* b, size_t g, size_t n, size_t D) {
+ * out[dt][4 dd + i] = v_{4g+i}[16 dt + dd], zero past D and past the union's n keys (int4 rows
+ * unpacked first). */
+static void pack_value_group(const tile_buffers* b, size_t g, size_t n, size_t D, bool packed) {
     const int8_t* r[4];
-    for (size_t i = 0; i < 4; i++) r[i] = 4 * g + i < n ? b->vrow[4 * g + i] : b->zeros;
+    for (size_t i = 0; i < 4; i++) {
+        if (4 * g + i >= n) {
+            r[i] = b->zeros;
+        } else if (packed) {
+            tl_kv_unpack4(b->vrow[4 * g + i], D, b->group + i * b->Dp);
+            r[i] = b->group + i * b->Dp;
+        } else {
+            r[i] = b->vrow[4 * g + i];
+        }
+    }
     int8_t* out = b->vpack + (g / 16) * b->n_dt * TILE_BYTES + (g % 16) * KB;
     const size_t full = D / DT;
     for (size_t dt = 0; dt < full; dt++)
@@ -205,7 +224,8 @@ TL_TILES static void value_sums(const tile_buffers* b, size_t D) {
 TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv,
                              uint32_t layer, uint32_t kv_head, size_t p0, size_t m, uint32_t window,
                              const float* q, size_t q_stride, float* o, size_t o_stride, tl_attn_scratch* s) {
-    const size_t D = g->head_dim, lo = tl_attn_first_key(p0, window), hi = p0 + m - 1, n = hi - lo + 1;
+    const size_t D = g->head_dim, R = tl_kv_row_bytes(g), lo = tl_attn_first_key(p0, window), hi = p0 + m - 1,
+                 n = hi - lo + 1;
     tile_buffers b;
     carve(s->tile, n, D, &b);
     tl_tiles_configure(&tl_tiles_full);
@@ -224,13 +244,13 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
     tl_attn_segment seg;
     size_t si = tl_kv_find(kv, lo), col = 0, len;
     while ((len = tl_attn_next_segment(kv, &si, lo, hi, &seg))) {
-        const int8_t* keys = tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * D;
-        const int8_t* values = tl_kv_values(g, seg.block, layer, kv_head) + seg.from * D;
+        const int8_t* keys = tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * R;
+        const int8_t* values = tl_kv_values(g, seg.block, layer, kv_head) + seg.from * R;
         memcpy(b.sk + col, tl_kv_key_scales(g, seg.block, layer, kv_head) + seg.from, len * sizeof(float));
         memcpy(b.sv + col, tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, len * sizeof(float));
-        for (size_t j = 0; j < len; j++) b.vrow[col + j] = values + j * D;
+        for (size_t j = 0; j < len; j++) b.vrow[col + j] = values + j * R;
         for (size_t j0 = 0; j0 < len; j0 += TL_TILE_ROWS)
-            score_keys(&b, keys + j0 * D, len - j0 < TL_TILE_ROWS ? len - j0 : TL_TILE_ROWS, D, m, c, col + j0);
+            score_keys(&b, g, keys + j0 * R, len - j0 < TL_TILE_ROWS ? len - j0 : TL_TILE_ROWS, m, c, col + j0);
         col += len;
     }
 
@@ -253,7 +273,7 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
     }
 
     /* pass 2: the value sums of every query at once */
-    for (size_t grp = 0; grp < b.n_pad / 4; grp++) pack_value_group(&b, grp, n, D);
+    for (size_t grp = 0; grp < b.n_pad / 4; grp++) pack_value_group(&b, grp, n, D, g->kv_bits != 8);
     value_sums(&b, D);
     tl_tiles_release();
 

@@ -129,7 +129,7 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     for (unsigned w = 0; w < workers; w++) {
         tl_attn_scratch s = {take(c, max_keys * sizeof(float)), take(c, max_keys * sizeof(int32_t)),
                              take(c, D * sizeof(int64_t)), take(c, D), take(c, D * sizeof(int16_t)),
-                             take(c, tile_bytes)};
+                             take(c, tile_bytes), take(c, tl_attn_rows_bytes(&f->e->kv_geom))};
         if (f->attn) f->attn[w] = s;
     }
     f->order = take(c, batch ? T * sizeof(size_t) : 0);
@@ -191,9 +191,19 @@ static void norm_rows(fwd* f, float* rows, const float* gain, bool add_to_x) {
     tl_pool_run(f->e->pool, f->T, task_norm, f);
 }
 
-/* RoPE on token t's Q and K heads, then Q8 of each K and V head into the cache. */
+/* Row x[D] of one K or V head into its cache row (docs/spec.md §4): Q8 in an int8 cache; Q4,
+ * through the worker's free query row qq, packed two per byte in an int4 one. Returns the scale. */
+static float kv_row(const fwd* f, const float* x, size_t D, int8_t* row, unsigned worker) {
+    if (f->e->kv_geom.kv_bits == 8) return q8_row(f, x, D, row);
+    int8_t* q = f->attn[worker].qq;
+    const float s = f->simd ? tl_quantize_row_avx2(x, D, 7, q) : tl_quantize_row(x, D, 7, q);
+    tl_kv_pack4(q, D, row);
+    return s;
+}
+
+/* RoPE on token t's Q and K heads, then Q8 (Q4 in an int4 cache) of each K and V head into the
+ * cache. */
 static void task_kv_write(void* ctx, size_t t, unsigned worker) {
-    (void)worker;
     fwd* f = ctx;
     const tl_config* c = f->c;
     const size_t D = c->head_dim, pos = f->pos[t];
@@ -204,14 +214,14 @@ static void task_kv_write(void* ctx, size_t t, unsigned worker) {
     const tl_kv_geom* g = &f->e->kv_geom;
     const tl_kv_table* kv = &f->seqs[t]->kv;
     const tl_kv_span* span = &kv->spans[tl_kv_find(kv, pos)];
-    const size_t slot = pos - span->start;
+    const size_t slot = pos - span->start, R = tl_kv_row_bytes(g);
     for (uint32_t h = 0; h < c->n_kv_heads; h++) {
         const float* k = z + ((size_t)c->n_heads + h) * D;
         const float* v = z + ((size_t)c->n_heads + c->n_kv_heads + h) * D;
         tl_kv_key_scales(g, span->block, f->layer, h)[slot] =
-            q8_row(f, k, D, tl_kv_keys(g, span->block, f->layer, h) + slot * D);
+            kv_row(f, k, D, tl_kv_keys(g, span->block, f->layer, h) + slot * R, worker);
         tl_kv_value_scales(g, span->block, f->layer, h)[slot] =
-            q8_row(f, v, D, tl_kv_values(g, span->block, f->layer, h) + slot * D);
+            kv_row(f, v, D, tl_kv_values(g, span->block, f->layer, h) + slot * R, worker);
     }
 }
 

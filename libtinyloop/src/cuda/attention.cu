@@ -26,7 +26,9 @@
  * over threads or blocks cannot change a bit. Visible keys are positions lo .. pos (lo = pos + 1 - W
  * with a window W, else 0); key k = j - lo lives in the row's span holding j, slot j - start.
  * The per-key S_k (then U_k, as bits) go to scratch `scores` [rows][H][key_stride].
- * Cache layout per (layer, kv head): kq [bs][D] i8, vq [bs][D] i8, sk [bs] f32, sv [bs] f32. */
+ * Cache layout per (layer, kv head): kq [bs][R], vq [bs][R], sk [bs] f32, sv [bs] f32 with rows of
+ * R = D int8 values or, in the int4 KV mode, R = D / 2 bytes of packed Q4 values (kvcache.h),
+ * which the passes unpack as they read them: the same integers, so the same formulas. */
 #include "common.cuh"
 #include "cuda/attention_split.h"
 
@@ -54,6 +56,9 @@ typedef struct key_finder {
     int n, first;             /* spans; the last one starting at or before lo          */
     uint32_t first_start, block_size;
     size_t head_off;          /* (layer, kv head) offset inside a block's data         */
+    size_t row_bytes;         /* R: D, or D / 2 for packed Q4 rows                     */
+    size_t scales_off;        /* sk [bs], then sv [bs]: after the rows, 4-byte aligned */
+    bool packed;              /* the int4 KV mode                                      */
 } key_finder;
 
 /* The span a thread looked at last: keys of one thread mostly fall in it or the next. */
@@ -120,17 +125,32 @@ static __device__ __forceinline__ int dot_key(const int8_t* qq, const int8_t* k,
     return acc;
 }
 
-/* CW consecutive value bytes (CW = 8, 4 or 2; the address is CW-aligned), loaded raw: NW
- * words of 4 bytes, or for CW = 2 the two bytes themselves; value_at gives byte b, signed. */
-template <int CW>
+/* Exact qq . k for a packed Q4 key row k (D / 2 bytes). */
+static __device__ __forceinline__ int dot_key4(const int8_t* qq, const int8_t* k, int D) {
+    int acc = 0;
+    for (int i = 0; i < D / 2; i++) {
+        const unsigned b = (uint8_t)k[i];
+        acc += (int)qq[2 * i] * tl_cu_nibble(b, 0) + (int)qq[2 * i + 1] * tl_cu_nibble(b, 1);
+    }
+    return acc;
+}
+
+/* CW consecutive values of d (CW = 8, 4 or 2; the address is aligned to their bytes), loaded raw:
+ * int8 rows: NW words of 4 bytes, or for CW = 2 the two bytes themselves; packed Q4 rows (P):
+ * their CW / 2 bytes in one word. value_at gives value b, signed. */
+template <int CW, bool P>
 struct value_words {
-    enum { NW = CW >= 4 ? CW / 4 : 2 };
+    enum { NW = P ? 1 : CW >= 4 ? CW / 4 : 2 };
     int w[NW];
 };
 
-template <int CW>
-static __device__ __forceinline__ void load_values(const int8_t* p, value_words<CW>* out) {
-    if constexpr (CW == 8) {
+template <int CW, bool P>
+static __device__ __forceinline__ void load_values(const int8_t* p, value_words<CW, P>* out) {
+    if constexpr (P) {
+        if constexpr (CW == 8) out->w[0] = *(const int*)p;
+        else if constexpr (CW == 4) out->w[0] = *(const unsigned short*)p;
+        else out->w[0] = (uint8_t)p[0];
+    } else if constexpr (CW == 8) {
         const int2 v = *(const int2*)p;
         out->w[0] = v.x;
         out->w[1] = v.y;
@@ -142,9 +162,10 @@ static __device__ __forceinline__ void load_values(const int8_t* p, value_words<
     }
 }
 
-template <int CW>
-static __device__ __forceinline__ int value_at(const value_words<CW>& v, int b) {
-    if constexpr (CW == 2) return v.w[b];
+template <int CW, bool P>
+static __device__ __forceinline__ int value_at(const value_words<CW, P>& v, int b) {
+    if constexpr (P) return tl_cu_nibble((unsigned)v.w[0] >> (8 * (b / 2)), b % 2); /* nibble b, little-endian */
+    else if constexpr (CW == 2) return v.w[b];
     else return (int8_t)(v.w[b / 4] >> (8 * (b % 4))); /* byte b % 4 of word b / 4 (little-endian) */
 }
 
@@ -152,7 +173,7 @@ static __device__ __forceinline__ int value_at(const value_words<CW>& v, int b) 
  * every d < D. Thread = (column unit u: CW bytes of d, key lane gl); lane gl takes a contiguous
  * part of the range, walked span segment by span segment, four keys' loads in flight at a time.
  * The lanes' i64 partial sums meet in `part` ([ATT_THREADS * 8]) and are added in lane order. */
-template <int CW, typename Emit>
+template <int CW, bool P, typename Emit>
 static __device__ void accumulate_values(const key_finder& f, const float* sc, uint32_t lo, uint32_t kb,
                                          uint32_t ke, int D, long long* part, Emit emit) {
     const int tid = threadIdx.x;
@@ -162,7 +183,7 @@ static __device__ void accumulate_values(const key_finder& f, const float* sc, u
     const int u = tid % ncu, gl = tid / ncu;
     const uint32_t per = (ke - kb + ng - 1) / ng;
     const uint32_t k0 = kb + (uint32_t)gl * per, k1 = k0 + per < ke ? k0 + per : ke;
-    const size_t bsD = (size_t)f.block_size * D;
+    const size_t R = f.row_bytes, bsR = (size_t)f.block_size * R;
     for (int u0 = 0; u0 < nc; u0 += ncu) {
         const int col = u0 + u;
         long long acc[CW];
@@ -180,28 +201,28 @@ static __device__ void accumulate_values(const key_finder& f, const float* sc, u
                     continue;
                 }
                 const uint32_t n = (cur.end < jend ? cur.end : jend) - j; /* keys j .. j+n-1: this span */
-                const int8_t* v = base + bsD + (size_t)slot * D + (size_t)col * CW;
+                const int8_t* v = base + bsR + (size_t)slot * R + (size_t)col * (P ? CW / 2 : CW);
                 const float* uk = sc + (j - lo);
                 uint32_t i = 0;
                 for (; i + 4 <= n; i += 4) {
                     long long U[4];
-                    value_words<CW> w[4];
+                    value_words<CW, P> w[4];
                     #pragma unroll
                     for (int q = 0; q < 4; q++) {
                         U[q] = __float_as_int(uk[i + q]);
-                        load_values<CW>(v + (size_t)(i + q) * D, &w[q]);
+                        load_values<CW, P>(v + (size_t)(i + q) * R, &w[q]);
                     }
                     #pragma unroll
                     for (int q = 0; q < 4; q++)
                         #pragma unroll
-                        for (int b = 0; b < CW; b++) acc[b] += U[q] * value_at<CW>(w[q], b);
+                        for (int b = 0; b < CW; b++) acc[b] += U[q] * value_at<CW, P>(w[q], b);
                 }
                 for (; i < n; i++) {
                     const long long U = __float_as_int(uk[i]);
-                    value_words<CW> w;
-                    load_values<CW>(v + (size_t)i * D, &w);
+                    value_words<CW, P> w;
+                    load_values<CW, P>(v + (size_t)i * R, &w);
                     #pragma unroll
-                    for (int b = 0; b < CW; b++) acc[b] += U * value_at<CW>(w, b);
+                    for (int b = 0; b < CW; b++) acc[b] += U * value_at<CW, P>(w, b);
                 }
                 j += n;
             }
@@ -237,6 +258,7 @@ typedef struct att_args {
     int H, G, D;
     uint32_t layer, block_size;
     size_t head_bytes;
+    uint32_t kv_bits;       /* 8, or 4: packed Q4 rows                                  */
     /* split launches only: grid (heads, n_splits) */
     uint32_t n_splits;
     tl_att_max* maxima;     /* [heads][n_splits]                                        */
@@ -265,6 +287,9 @@ static __device__ head_view view_of(const att_args& a, unsigned hi) {
     f.n = (int)row.n_spans;
     f.block_size = a.block_size;
     f.head_off = ((size_t)a.layer * a.G + v.h / (a.H / a.G)) * a.head_bytes;
+    f.row_bytes = (size_t)a.D * a.kv_bits / 8;
+    f.scales_off = (2 * (size_t)a.block_size * f.row_bytes + 3) / 4 * 4; /* kvcache.h tl_kv_scales_offset */
+    f.packed = a.kv_bits != 8;
     f.first = 0;
     for (int l = 0, u = f.n - 1; l <= u;) {
         const int mid = (l + u) / 2;
@@ -299,7 +324,7 @@ static __device__ float quantize_query(const att_args& a, const head_view& v, in
  * every thread; -inf for an empty range). */
 static __device__ tl_att_max scores_pass(const head_view& v, const int8_t* qq, float c, int D, uint32_t k0,
                                          uint32_t k1, float* sc, float* shf) {
-    const size_t bsD = (size_t)v.f.block_size * D;
+    const size_t R = v.f.row_bytes;
     float m_part = -INFINITY, sv_part = -INFINITY;
     key_cursor cur;
     cursor_init(&cur);
@@ -307,8 +332,9 @@ static __device__ tl_att_max scores_pass(const head_view& v, const int8_t* qq, f
         const int8_t* base;
         uint32_t slot;
         if (!find_key(v.f, &cur, v.lo + k, &base, &slot)) continue;
-        const float* sk = (const float*)(base + 2 * bsD);
-        const int dot = dot_key(qq, base + (size_t)slot * D, D);
+        const float* sk = (const float*)(base + v.f.scales_off);
+        const int8_t* row = base + (size_t)slot * R;
+        const int dot = v.f.packed ? dot_key4(qq, row, D) : dot_key(qq, row, D);
         const float s = ((float)dot * c) * sk[slot];
         sc[k] = s;
         m_part = tl_fmax(m_part, s);
@@ -322,9 +348,8 @@ static __device__ tl_att_max scores_pass(const head_view& v, const int8_t* qq, f
 
 /* Pass 2 over keys [k0, k1): U_k (as bits) over S_k in sc; returns the block's Σ E_k and sets
  * *nan when some U_k is NaN (both to every thread; the barrier also publishes every U_k). */
-static __device__ long long weights_pass(const head_view& v, float M, float kappa, int D, uint32_t k0,
-                                         uint32_t k1, float* sc, long long* sh64, bool* nan) {
-    const size_t bsD = (size_t)v.f.block_size * D;
+static __device__ long long weights_pass(const head_view& v, float M, float kappa, uint32_t k0, uint32_t k1,
+                                         float* sc, long long* sh64, bool* nan) {
     long long den_part = 0;
     bool nan_part = false;
     key_cursor cur;
@@ -333,7 +358,7 @@ static __device__ long long weights_pass(const head_view& v, float M, float kapp
         const int8_t* base;
         uint32_t slot;
         if (!find_key(v.f, &cur, v.lo + k, &base, &slot)) continue;
-        const float sv = ((const float*)(base + 2 * bsD))[v.f.block_size + slot];
+        const float sv = ((const float*)(base + v.f.scales_off))[v.f.block_size + slot];
         int32_t u;
         den_part += tl_att_weight(sc[k], M, sv, kappa, &u, &nan_part);
         sc[k] = __int_as_float(u);
@@ -343,13 +368,20 @@ static __device__ long long weights_pass(const head_view& v, float M, float kapp
     return den;
 }
 
-/* Pass 3 over keys [k0, k1), by the widest column unit D allows. */
+/* Pass 3 over keys [k0, k1), by the widest column unit D allows, on int8 or packed Q4 rows. */
+template <bool P, typename Emit>
+static __device__ void values_pass_rows(const head_view& v, const float* sc, int D, uint32_t k0, uint32_t k1,
+                                        long long* part, Emit emit) {
+    if ((D & 7) == 0) accumulate_values<8, P>(v.f, sc, v.lo, k0, k1, D, part, emit);
+    else if ((D & 3) == 0) accumulate_values<4, P>(v.f, sc, v.lo, k0, k1, D, part, emit);
+    else accumulate_values<2, P>(v.f, sc, v.lo, k0, k1, D, part, emit);
+}
+
 template <typename Emit>
 static __device__ void values_pass(const head_view& v, const float* sc, int D, uint32_t k0, uint32_t k1,
                                    long long* part, Emit emit) {
-    if ((D & 7) == 0) accumulate_values<8>(v.f, sc, v.lo, k0, k1, D, part, emit);
-    else if ((D & 3) == 0) accumulate_values<4>(v.f, sc, v.lo, k0, k1, D, part, emit);
-    else accumulate_values<2>(v.f, sc, v.lo, k0, k1, D, part, emit);
+    if (v.f.packed) values_pass_rows<true>(v, sc, D, k0, k1, part, emit);
+    else values_pass_rows<false>(v, sc, D, k0, k1, part, emit);
 }
 
 static __device__ void fill(float* o, int D, float value) {
@@ -376,7 +408,7 @@ static __global__ void __launch_bounds__(ATT_THREADS, 3) attention_kernel(const 
         return;
     }
     bool nan;
-    const long long den = weights_pass(v, mx.m, tl_att_kappa(mx.svmax), D, 0, v.nvis, sc, sh64, &nan);
+    const long long den = weights_pass(v, mx.m, tl_att_kappa(mx.svmax), 0, v.nvis, sc, sh64, &nan);
     if (nan) {
         fill(o, D, c_nan());
         return;
@@ -411,7 +443,7 @@ static __global__ void __launch_bounds__(ATT_THREADS, 3) split_sums_kernel(const
     tl_att_split_range(v.nvis, a.n_splits, blockIdx.y, &k0, &k1);
     float* sc = a.scores + (size_t)blockIdx.x * a.key_stride;
     bool nan;
-    const long long den = weights_pass(v, mx.m, tl_att_kappa(mx.svmax), a.D, k0, k1, sc, sh64, &nan);
+    const long long den = weights_pass(v, mx.m, tl_att_kappa(mx.svmax), k0, k1, sc, sh64, &nan);
     if (threadIdx.x == 0) {
         a.sums[at].den = den;
         a.sums[at].nan = nan;
@@ -474,7 +506,8 @@ size_t tl_cu_attention_split_bytes(const tl_cuda* c, size_t T, size_t score_rows
 
 tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_span* spans, size_t T,
                           const float* qkv, float* o, uint32_t layer, uint32_t block_size, size_t head_bytes,
-                          uint32_t key_stride, float* scores, size_t score_rows, void* split_scratch) {
+                          uint32_t kv_bits, uint32_t key_stride, float* scores, size_t score_rows,
+                          void* split_scratch) {
     const tl_config* cfg = &c->cfg;
     const size_t H = cfg->n_heads, G = cfg->n_kv_heads, D = cfg->head_dim;
     const uint32_t n_splits = tl_cu_attention_splits(c, T);
@@ -496,6 +529,7 @@ tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_spa
     a.layer = layer;
     a.block_size = block_size;
     a.head_bytes = head_bytes;
+    a.kv_bits = kv_bits;
     a.n_splits = n_splits;
     if (n_splits > 1) { /* the largest launch's layout; every launch of this call fits it */
         size_t sums_at, nums_at, bytes;

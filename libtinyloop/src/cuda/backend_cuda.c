@@ -68,7 +68,7 @@ static tl_status run_rows(tl_cuda* c, tl_seq* const* seqs, const size_t* pos, co
     uint32_t max_keys;
     const size_t n_spans = tl_cuda_describe(seqs, pos, tokens, T, rows, spans, &max_keys);
     const tl_cuda_batch batch = {T, rows, spans, n_spans, max_keys, e->kv_geom.block_size, e->kv_geom.head_bytes,
-                                 hidden, logits, logits_last, loop_states};
+                                 e->kv_geom.kv_bits, hidden, logits, logits_last, loop_states};
     const tl_status st = tl_cuda_forward(c, &batch);
     tl_free(rows);
     tl_free(spans);
@@ -149,6 +149,12 @@ static void cuda_free(tl_backend* b) {
 
 static void* kv_alloc(void* ctx, size_t bytes) { return tl_cuda_block_alloc(ctx, bytes); }
 static void kv_free(void* ctx, void* data) { tl_cuda_block_free(ctx, data); }
+static int kv_download(void* ctx, void* host, const void* device, size_t bytes) {
+    return tl_cuda_block_download(ctx, host, device, bytes);
+}
+static int kv_upload(void* ctx, void* device, const void* host, size_t bytes) {
+    return tl_cuda_block_upload(ctx, device, host, bytes);
+}
 
 /* No part pass yet: speculative requests decode plainly, and tl_prefix_extend rebuilds a prefix. */
 static const tl_backend_iface cuda_iface = {.forward = cuda_forward,
@@ -170,7 +176,8 @@ tl_status tl_backend_cuda_new(tl_engine* e, int device, tl_backend** out) {
     }
     for (size_t i = 0; i < e->file.n_linears; i++)
         if (i + 1 < e->file.n_linears || !tl_linear_reads_src(&cb->head)) tl_file_release_linear(&e->file, i);
-    cb->kv = (tl_kv_allocator){kv_alloc, kv_free, cb->c};
+    cb->kv = (tl_kv_allocator){
+        .alloc = kv_alloc, .free = kv_free, .ctx = cb->c, .download = kv_download, .upload = kv_upload};
     cb->base = (tl_backend){&cuda_iface, &cb->kv};
     *out = &cb->base;
     return TL_OK;

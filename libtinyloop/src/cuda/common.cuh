@@ -78,6 +78,7 @@ typedef struct tl_cu_pass_shape {
     uint32_t key_stride;                /* row stride of the scores scratch (> every row's pos) */
     uint32_t block_size;
     size_t head_bytes;
+    uint32_t kv_bits;                   /* 8, or 4: packed Q4 KV rows                           */
     uint32_t loops;                     /* of the deepest row (row 0)                           */
     uint32_t outputs;                   /* which outputs the pass copies back (forward.cu)      */
     uint32_t depth[TL_CU_GRAPH_MAX_T];  /* each row's loops (graph passes; 0 beyond T)          */
@@ -220,11 +221,12 @@ static __device__ __forceinline__ int tl_cu_quantize_one(float x, float r, float
     return (int)tl_rint_small(tl_clamp(x * r, -qmax, qmax));
 }
 
-/* docs/spec.md §2.2 Q8 of x[0 .. n) (global or shared) into q[0 .. n), by the whole block, as
- * tl_quantize_row: amax, the tiny-row rule, r = 127 / amax, q = rint(clamp(x * r)). Returns the
- * scale s to every thread; *sumsq is this thread's share of Σ q² (exact; the caller sums it over
- * the block for NQ). `sh` is __shared__ [32]. */
-static __device__ __forceinline__ float tl_cu_block_q8(const float* x, int n, int8_t* q, int* sumsq, float* sh) {
+/* docs/spec.md §2.2 with qmax (127: Q8, 7: Q4) of x[0 .. n) (global or shared) into q[0 .. n),
+ * by the whole block, as tl_quantize_row: amax, the tiny-row rule, r = qmax / amax,
+ * q = rint(clamp(x * r)). Returns the scale s to every thread; *sumsq is this thread's share of
+ * Σ q² (exact; the caller sums it over the block for NQ). `sh` is __shared__ [32]. */
+static __device__ __forceinline__ float tl_cu_block_q(const float* x, int n, float qmax, int8_t* q, int* sumsq,
+                                                      float* sh) {
     const float amax = tl_cu_block_amax(x, n, sh);
     int ss = 0;
     if (amax < TL_CU_TINY_ROW) {
@@ -232,14 +234,24 @@ static __device__ __forceinline__ float tl_cu_block_q8(const float* x, int n, in
         *sumsq = 0;
         return 0.0f;
     }
-    const float r = 127.0f / amax;
+    const float r = qmax / amax;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int v = tl_cu_quantize_one(x[i], r, 127.0f);
+        const int v = tl_cu_quantize_one(x[i], r, qmax);
         q[i] = (int8_t)v;
         ss += v * v;
     }
     *sumsq = ss;
-    return amax / 127.0f;
+    return amax / qmax;
+}
+
+/* Q8: tl_cu_block_q with qmax 127. */
+static __device__ __forceinline__ float tl_cu_block_q8(const float* x, int n, int8_t* q, int* sumsq, float* sh) {
+    return tl_cu_block_q(x, n, 127.0f, q, sumsq, sh);
+}
+
+/* The signed nibble of packed Q4 byte b (kvcache.h): the low one for hi == 0, else the high one. */
+static __device__ __forceinline__ int tl_cu_nibble(unsigned b, int hi) {
+    return (int)(b << (28 - 4 * hi)) >> 28;
 }
 
 static inline size_t tl_cu_round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
@@ -252,10 +264,10 @@ tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x);
 /* q[t][0 .. lda) = Q8 (rms: NQ) of x[t * xs .. + n), zero beyond n; scale[t] = s (rms: a). */
 tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
                          size_t lda, float* scale);
-/* RoPE of every Q head in place in qkv [T][(H + 2G) * D], RoPE of each K head, then Q8 of the
- * K and V heads into each row's cache slot of `layer`. */
+/* RoPE of every Q head in place in qkv [T][(H + 2G) * D], RoPE of each K head, then Q8 (kv_bits
+ * 4: Q4, packed) of the K and V heads into each row's cache slot of `layer`. */
 tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qkv, uint32_t layer,
-                        uint32_t block_size, size_t head_bytes);
+                        uint32_t block_size, size_t head_bytes, uint32_t kv_bits);
 /* gu [T][2F]: gate := silu(gate) * up (in place), then q[t] = Q8(gate), scale[t] = s. */
 tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale);
 /* dst[t] = RN(src[t], gain) (docs/spec.md §2.7), or dst[t] + RN(src[t], gain) when add, rows
@@ -275,7 +287,8 @@ tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, c
  * key_stride > every row's pos), `split_scratch` tl_cu_attention_split_bytes (NULL when 0). */
 tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_span* spans, size_t T,
                           const float* qkv, float* o, uint32_t layer, uint32_t block_size, size_t head_bytes,
-                          uint32_t key_stride, float* scores, size_t score_rows, void* split_scratch);
+                          uint32_t kv_bits, uint32_t key_stride, float* scores, size_t score_rows,
+                          void* split_scratch);
 /* Rows per attention launch (at most T) whose scores fit the scratch cap: the `score_rows` to
  * size `scores` with. */
 size_t tl_cu_attention_rows(const tl_cuda* c, size_t T, uint32_t key_stride);

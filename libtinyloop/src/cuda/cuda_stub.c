@@ -22,6 +22,14 @@ size_t tl_cuda_weight_bytes(const tl_cuda* c) { (void)c; return 0; }
 const char* tl_cuda_device_name(const tl_cuda* c) { (void)c; return ""; }
 void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) { (void)c; (void)bytes; return NULL; }
 void tl_cuda_block_free(tl_cuda* c, void* data) { (void)c; (void)data; }
+int tl_cuda_block_download(tl_cuda* c, void* host, const void* data, size_t bytes) {
+    (void)c, (void)host, (void)data, (void)bytes;
+    return -1;
+}
+int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes) {
+    (void)c, (void)data, (void)host, (void)bytes;
+    return -1;
+}
 
 tl_status tl_cuda_forward(tl_cuda* c, const tl_cuda_batch* batch) {
     (void)c;

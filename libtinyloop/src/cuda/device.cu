@@ -401,6 +401,31 @@ extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
     return p;
 }
 
+/* One copy between host memory and block data on the model's stream, waited for. */
+static int block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    if (bytes == 0) return 0;
+    if (!c) return -1;
+    const tl_cu_device_guard guard(c->device);
+    if (guard.error() != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    pthread_mutex_lock(&c->capture_lock);
+    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, kind, c->stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(c->stream);
+    pthread_mutex_unlock(&c->capture_lock);
+    if (err != cudaSuccess) (void)cudaGetLastError();
+    return err == cudaSuccess ? 0 : -1;
+}
+
+extern "C" int tl_cuda_block_download(tl_cuda* c, void* host, const void* data, size_t bytes) {
+    return block_copy(c, host, data, bytes, cudaMemcpyDeviceToHost);
+}
+
+extern "C" int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes) {
+    return block_copy(c, data, host, bytes, cudaMemcpyHostToDevice);
+}
+
 extern "C" void tl_cuda_block_free(tl_cuda* c, void* data) {
     if (!c || !data) return;
     const tl_cu_device_guard guard(c->device);

@@ -44,11 +44,16 @@ const char* tl_cuda_device_name(const tl_cuda* c);
  * release. Thread-safe. */
 void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes);
 void tl_cuda_block_free(tl_cuda* c, void* data);
+/* Copy `bytes` of block data to or from host memory, in order after the work queued before on
+ * the model's stream; 0 on success, -1 on a CUDA error. Thread-safe. */
+int tl_cuda_block_download(tl_cuda* c, void* host, const void* data, size_t bytes);
+int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes);
 
 /* A run of `count` consecutive positions from `start` whose (kq, vq, sk, sv) live in the block
  * data at device address `data` (kvcache.h layout: per (layer, kv head) head_bytes from
- * data + (layer * n_kv_heads + h) * head_bytes: kq[bs][D] i8, vq[bs][D] i8, sk[bs] f32,
- * sv[bs] f32). */
+ * data + (layer * n_kv_heads + h) * head_bytes: kq[bs][R], vq[bs][R], sk[bs] f32, sv[bs] f32
+ * (4-byte aligned, tl_kv_scales_offset), rows of R = D int8 values, or with kv_bits 4 of
+ * R = D / 2 bytes of packed Q4 values). */
 typedef struct tl_cuda_span {
     const void* data;
     uint32_t start, count;
@@ -79,6 +84,7 @@ typedef struct tl_cuda_batch {
     uint32_t max_keys;          /* > every row's pos                                         */
     uint32_t block_size;        /* kvcache geometry                                         */
     size_t head_bytes;
+    uint32_t kv_bits;           /* 8 or 4 (int4 KV mode: packed Q4 rows)                     */
     /* outputs, host memory */
     float* hidden;              /* [T][d] each row's final state; required                  */
     float* logits;              /* [T][V] head of each final state; NULL = not wanted       */

@@ -116,6 +116,7 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
     s.key_stride = key_stride(c, max_keys);
     s.block_size = b->block_size;
     s.head_bytes = b->head_bytes;
+    s.kv_bits = b->kv_bits;
     s.loops = b->rows[0].loops;
     s.outputs = (b->logits ? OUT_LOGITS : 0) | (b->logits_last ? OUT_LOGITS_LAST : 0) |
                 (b->loop_states ? OUT_STATES : 0);
@@ -125,8 +126,8 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
 
 static bool same_shape(const tl_cu_pass_shape* a, const tl_cu_pass_shape* b) {
     return a->T == b->T && a->key_stride == b->key_stride && a->block_size == b->block_size &&
-           a->head_bytes == b->head_bytes && a->loops == b->loops && a->outputs == b->outputs &&
-           memcmp(a->depth, b->depth, sizeof a->depth) == 0;
+           a->head_bytes == b->head_bytes && a->kv_bits == b->kv_bits && a->loops == b->loops &&
+           a->outputs == b->outputs && memcmp(a->depth, b->depth, sizeof a->depth) == 0;
 }
 
 /* Where a pass's outputs sit in host_out (in floats): hidden [T][d], logits [n_logits][V]
@@ -237,9 +238,10 @@ static tl_status step_block(void* ctx, uint32_t slot, uint32_t block, size_t lo,
 
     TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_QKV].cols_pad, ascale));
     TL_CU_TRY(tl_cu_linear_run(c, &part[TL_PART_QKV], acts, ascale, n, qkv, qkv_dim, false, raw));
-    TL_CU_TRY(tl_cu_rope_kv(c, rows, n, qkv, slot, p->s->block_size, p->s->head_bytes));
+    TL_CU_TRY(tl_cu_rope_kv(c, rows, n, qkv, slot, p->s->block_size, p->s->head_bytes, p->s->kv_bits));
     TL_CU_TRY(tl_cu_attention(c, rows, p->spans, n, qkv, o, slot, p->s->block_size, p->s->head_bytes,
-                              p->s->key_stride, (float*)c->scores.p, p->score_rows, c->att_split.p));
+                              p->s->kv_bits, p->s->key_stride, (float*)c->scores.p, p->score_rows,
+                              c->att_split.p));
     TL_CU_TRY(tl_cu_quantize(c, o, hd, hd, n, false, acts, part[TL_PART_OUT].cols_pad, ascale));
     TL_CU_TRY(residual(c, &part[TL_PART_OUT], n, x, gains->attn_post_norm));
 

@@ -1,6 +1,7 @@
 /* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
- * Q8 / NQ of activation rows, RoPE + the Q8 K/V write into the paged cache, SwiGLU + Q8, and the
- * RMSNorm with a gain RN (step norm, coda norm, sandwich and post residuals).
+ * Q8 / NQ of activation rows, RoPE + the Q8 (int4 KV mode: packed Q4) K/V write into the paged
+ * cache, SwiGLU + Q8, and the RMSNorm with a gain RN (step norm, coda norm, sandwich and post
+ * residuals).
  * One thread block per row (per (row, head) for RoPE/KV); every element-wise f32 step is the
  * host's own numerics.h function, so each value is bit-identical to cpu/quant.c / cpu/forward.c.
  *
@@ -41,11 +42,13 @@ quantize_kernel(const float* x, size_t xs, int n, int rms, float eps, int8_t* q,
 
 /* grid T * (H + 2G): block t * (H + 2G) + hh rotates Q head hh in place (hh < H), or rotates K head
  * hh - H and writes its Q8 (kq, sk) into the row's slot, or writes the Q8 (vq, sv) of V head
- * hh - H - G. RoPE as tl_rope_head: two products, then the subtraction / addition. */
+ * hh - H - G; with kv_bits 4 the Q4 values instead, packed two per byte (kvcache.h) as
+ * cpu/forward.c kv_row does. RoPE as tl_rope_head: two products, then the subtraction / addition. */
 static __global__ void __launch_bounds__(HEAD_THREADS)
 rope_kv_kernel(const tl_cuda_row* rows, float* qkv, size_t qkv_dim, const float* rope_cos, const float* rope_sin,
-               int H, int G, int D, uint32_t layer, uint32_t block_size, size_t head_bytes) {
+               int H, int G, int D, uint32_t layer, uint32_t block_size, size_t head_bytes, uint32_t kv_bits) {
     __shared__ float buf[MAX_HEAD_DIM];
+    __shared__ int8_t q4[MAX_HEAD_DIM];
     __shared__ float sh[32];
     const size_t t = blockIdx.x / (unsigned)(H + 2 * G);
     const int hh = (int)(blockIdx.x % (unsigned)(H + 2 * G)), half = D / 2;
@@ -77,11 +80,19 @@ rope_kv_kernel(const tl_cuda_row* rows, float* qkv, size_t qkv_dim, const float*
     const bool is_key = hh < H + G;
     const int g = is_key ? hh - H : hh - H - G;
     int8_t* base = (int8_t*)row.write_data + ((size_t)layer * G + g) * head_bytes;
-    const size_t bsD = (size_t)block_size * D;
-    float* scales = (float*)(base + 2 * bsD); /* sk [bs], then sv [bs] */
-    int8_t* dst = base + (is_key ? 0 : bsD) + (size_t)row.write_slot * D;
+    const size_t R = (size_t)D * kv_bits / 8, bsR = (size_t)block_size * R; /* bytes of a row, of a block's rows */
+    float* scales = (float*)(base + (2 * bsR + 3) / 4 * 4); /* sk [bs], then sv [bs] (kvcache.h) */
+    int8_t* dst = base + (is_key ? 0 : bsR) + (size_t)row.write_slot * R;
     int unused;
-    const float s = tl_cu_block_q8(buf, D, dst, &unused, sh);
+    float s;
+    if (kv_bits == 8) {
+        s = tl_cu_block_q8(buf, D, dst, &unused, sh);
+    } else {
+        s = tl_cu_block_q(buf, D, 7.0f, q4, &unused, sh);
+        __syncthreads(); /* q4 complete */
+        for (int i = threadIdx.x; i < D / 2; i += blockDim.x)
+            dst[i] = (int8_t)(((unsigned)q4[2 * i] & 15u) | ((unsigned)q4[2 * i + 1] & 15u) << 4);
+    }
     if (threadIdx.x == 0) scales[(is_key ? 0 : block_size) + row.write_slot] = s;
 }
 
@@ -145,7 +156,7 @@ tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t
 }
 
 tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qkv, uint32_t layer,
-                        uint32_t block_size, size_t head_bytes) {
+                        uint32_t block_size, size_t head_bytes, uint32_t kv_bits) {
     const tl_config* cfg = &c->cfg;
     if (cfg->head_dim > MAX_HEAD_DIM)
         return tl_fail(TL_ERR_INTERNAL, "CUDA backend: head_dim %u > %d", cfg->head_dim, (int)MAX_HEAD_DIM);
@@ -155,7 +166,8 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
     const unsigned grid = (unsigned)blocks;
     rope_kv_kernel<<<grid, HEAD_THREADS, 0, c->stream>>>(rows, qkv, qkv_dim, c->rope_cos, c->rope_sin,
                                                          (int)cfg->n_heads, (int)cfg->n_kv_heads,
-                                                         (int)cfg->head_dim, layer, block_size, head_bytes);
+                                                         (int)cfg->head_dim, layer, block_size, head_bytes,
+                                                         kv_bits);
     return tl_cu_launched("RoPE / KV write kernel");
 }
 
