@@ -14,8 +14,9 @@ import numpy as np
 
 from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, loops_mismatch, stop_reached
 
+from . import prefix_blob
 from .forward import NumpyKernels, forward_chunk, forward_part, head_logits, on_host
-from .kvcache import KVCache
+from .kvcache import KV_BITS, KVCache
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .speculate import speculative_round
@@ -27,19 +28,18 @@ class Prefix:
     """A prompt's KV at depth `loops` (the coda slots of every depth written) plus the last
     token's final state (the head's input) at every depth 1 .. loops (docs/spec.md §5.4).
     A warm-start prefix also keeps every token's state after iteration loops-1 and, with
-    injection, its injected term, so that Engine.extend_prefix can deepen it."""
+    injection, its injected term, so that Engine.extend_prefix can deepen it; one loaded from
+    the blob of a backend without a part pass has no states, and is rebuilt to deepen it."""
+    engine: "Engine" = field(repr=False)    # the engine that built or loaded it
     tokens: np.ndarray          # (n,) int32
     loops: int
     cache_window: int
     cache: KVCache
     loop_states: list = field(repr=False)   # depth 1 .. loops: (1, d) f32, the kernels' arrays
+    warm_start: bool = False
     states: Optional[np.ndarray] = field(default=None, repr=False)     # warm start: (n, d) f32
     injected: Optional[np.ndarray] = field(default=None, repr=False)   # and injection: (n, d) f32
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # extend vs fork
-
-    @property
-    def warm_start(self):
-        return self.states is not None
 
     @property
     def nbytes(self):
@@ -52,16 +52,27 @@ class Prefix:
     def free(self):
         self.cache.free()
 
+    def to_bytes(self):
+        """The prefix blob (docs/spec.md §7), safe beside an extension of this prefix."""
+        with self.lock:
+            return prefix_blob.save(self.engine, self)
+
 
 class Engine:
     """A model's weights and KV pool, run by one kernel set (NumpyKernels by default), with an
-    automatic prefix cache of `prefix_cache_bytes` (0: none)."""
+    automatic prefix cache of `prefix_cache_bytes` (0: none); kv_mode "int8" or "int4" is
+    how the pool stores keys and values; model_identity is the model file's (header checksum,
+    file_bytes), what its prefix blobs name it by."""
 
-    def __init__(self, config, tensors, block_size=16, kernels=NumpyKernels, prefix_cache_bytes=0):
+    def __init__(self, config, tensors, block_size=16, kernels=NumpyKernels, prefix_cache_bytes=0,
+                 kv_mode="int8", *, model_identity):
         self.config = config
+        self.model_identity = model_identity
         self.kernels = kernels
+        self.kv_mode = kv_mode
         self.weights = Weights(config, tensors, kernels.linear, kernels.table)
-        self.pool = kernels.new_pool(block_size, config.n_kv_heads, config.head_dim)
+        self.pool = kernels.new_pool(block_size, config.n_kv_heads, config.head_dim,
+                                     KV_BITS[kv_mode])
         self.prefix_cache = PrefixCache(self.pool, prefix_cache_bytes) if prefix_cache_bytes else None
 
     def runtime(self):
@@ -71,7 +82,7 @@ class Engine:
         host, device = (held, 0) if k.device == "cpu" else (0, held)
         return {"backend": k.name, "device": k.device, "device_name": k.device_name,
                 "isa": k.isa, "threads": k.threads, "kv_block_size": self.pool.block_size,
-                "weight_bytes": host, "device_weight_bytes": device}
+                "weight_bytes": host, "device_weight_bytes": device, "kv_mode": self.kv_mode}
 
     def new_cache(self, loops, window):
         return KVCache(self.pool, self.config.n_layers(loops), window)
@@ -173,7 +184,7 @@ class Engine:
         except BaseException:
             cache.free()
             raise
-        prefix = Prefix(prompt.copy(), loops, window, cache, states)
+        prefix = Prefix(self, prompt.copy(), loops, window, cache, states, warm_start)
         if warm_start:
             prefix.states = on_host(self.kernels, [rows.state for rows in kept])
             if self.config.injection:
@@ -190,6 +201,9 @@ class Engine:
                 return
             if not prefix.warm_start:
                 raise RuntimeError(loops_mismatch(prefix.loops, loops))
+            if prefix.states is None:
+                self._rebuild(prefix, loops, chunk)
+                return
             k, n, n_old = self.kernels, len(prefix.tokens), self.config.n_layers(prefix.loops)
             cache = self.new_cache(loops, prefix.cache_window)
             fresh = cache.layers[n_old:]
@@ -215,6 +229,18 @@ class Engine:
             prefix.cache, prefix.states = cache, deeper
             prefix.loop_states = prefix.loop_states + states
             prefix.loops = loops
+
+    def _rebuild(self, prefix, loops, chunk):
+        """Deepen a warm-start prefix that kept no states by building it again at `loops`."""
+        deeper = self.build_prefix(prefix.tokens, loops, prefix.cache_window, chunk, True)
+        prefix.cache.free()     # generations running from it keep their forks' blocks
+        prefix.cache, prefix.loop_states = deeper.cache, deeper.loop_states
+        prefix.states, prefix.injected, prefix.loops = deeper.states, deeper.injected, loops
+
+    def prefix_from_bytes(self, blob):
+        """The prefix a blob of Prefix.to_bytes (or libtinyloop's tl_prefix_save) holds;
+        PrefixFormatError for a corrupted one or one of another model or KV mode."""
+        return Prefix(self, **prefix_blob.load(self, blob))
 
     def generate_from_prefix(self, prefix, suffix, params, want_logits=False, callbacks=NO_CALLBACKS):
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth

@@ -28,13 +28,16 @@ the same operations, each of which must give bit-identical results:
                                              a (T,) f32) gives (T, R) f32, the bias added last
     table(array)                             places a lookup table (embedding, RoPE) or an
                                              f32 vector (biases' and norms' gains, a zero state)
-    new_pool(block_size, n_kv_heads, D)      the KV cache's BlockPool
+    new_pool(block_size, n_kv_heads, D,      the KV cache's BlockPool (kv_bits 8: int8 KV,
+             kv_bits)                        4: int4 KV)
     embed(weights, tokens)                   tokens (T,) int32 -> (T, d) f32:
                                              ((f32) E[t] * es[t]) * weights.embed_scale
     rms_quantize(x, eps) / quantize_rows(x)  NQ / Q8 of every row: (q int8, scale (rows,) f32)
     rms_norm(x, gain, eps)                   RN (§2.7) of every row: (T, d) -> (T, d) f32
-    split_heads(z, cos, sin, config)         z (T, (H + 2G) * D) -> qh (T, H, D) after RoPE,
-                                             and Q8 of K (after RoPE) and V: kq, sk, vq, sv
+    split_heads(z, cos, sin, config,         z (T, (H + 2G) * D) -> qh (T, H, D) after RoPE,
+                kv_bits)                     and Q8 (kv_bits 8) or Q4 (4) of K (after RoPE)
+                                             and V as the cache stores them (kv_row): kq,
+                                             vq (T, G, D * kv_bits / 8), sk, sv (T, G)
     attend(qh, cache, layer, pos0)           (T, H, D) queries over one cache layer -> (T, H * D)
     swiglu(gu)                               (T, 2F) gate|up -> (T, F)
     add(x, y)                                the residual addition
@@ -47,8 +50,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from tinyloop.modelfile import pack_int4
+
 from .attention import attend_cached
-from .kvcache import BlockPool
+from .kvcache import BlockPool, kv_row_format
 from .numerics import F32, quantize_rows, rms_norm, rms_quantize, rope, silu
 from .sampling import sample
 from .weights import Linear
@@ -60,13 +65,20 @@ def embed(weights, tokens):
     return rows * weights.embed_scale
 
 
-def split_heads(z, cos, sin, config):
+def kv_row(x, kv_bits):
+    """The KV cache's (rows, scales) of K or V head rows x (T, G, D) float32: Q8 as int8, or
+    Q4 (values -7 .. 7) packed two a byte, (T, G, D/2) uint8."""
+    q, s = quantize_rows(x, kv_row_format(x.shape[-1], kv_bits).qmax)
+    return (q if kv_bits == 8 else pack_int4(q)), s
+
+
+def split_heads(z, cos, sin, config, kv_bits):
     """z: (T, (H + 2G) * D) -> qh (T, H, D) float32, (kq, sk, vq, sv) for the KV cache."""
     n_tok, H, G, D = len(z), config.n_heads, config.n_kv_heads, config.head_dim
     qh = rope(z[:, :H * D].reshape(n_tok, H, D), cos, sin)
     kh = rope(z[:, H * D:(H + G) * D].reshape(n_tok, G, D), cos, sin)
     vh = z[:, (H + G) * D:].reshape(n_tok, G, D)
-    return qh, quantize_rows(kh) + quantize_rows(vh)
+    return qh, kv_row(kh, kv_bits) + kv_row(vh, kv_bits)
 
 
 def swiglu(gu):
@@ -120,7 +132,8 @@ def attention_block(kernels, weights, block, cache, slot, x, pos0):
     q, a = kernels.rms_quantize(x, cfg.rms_eps)
     z = block.attn_qkv(q, a)                                   # (T, (H + 2G) * D), + bias
     rows = slice(pos0, pos0 + len(z))
-    qh, kv = kernels.split_heads(z, weights.rope_cos[rows], weights.rope_sin[rows], cfg)
+    qh, kv = kernels.split_heads(z, weights.rope_cos[rows], weights.rope_sin[rows], cfg,
+                                 cache.pool.kv_bits)
     cache.write(slot, pos0, *kv)
     o = kernels.attend(qh, cache, slot, pos0)                  # (T, H * D)
     q, s = kernels.quantize_rows(o)

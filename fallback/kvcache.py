@@ -1,24 +1,52 @@
-"""Paged int8 KV cache with reference-counted blocks (docs/spec.md §4.2).
+"""Paged int8 or int4 KV cache with reference-counted blocks (docs/spec.md §4.2).
 
 A cache holds, per layer, a list of blocks of `block_size` positions; each block stores the
-quantized keys and values of that many positions for every kv head:
-    kq, vq: (block_size, n_kv_heads, head_dim) int8;  sk, sv: (block_size, n_kv_heads) float32.
+quantized keys and values of that many positions for every kv head, as the pool's KV mode
+stores a row (kv_bits 8: Q8, D bytes; kv_bits 4: Q4, two values a byte, element 2i in the low
+nibble, tinyloop.modelfile.pack_int4):
+    kq, vq: (block_size, n_kv_heads, head_dim * kv_bits / 8) int8 (kv_bits 8) or uint8 (4);
+    sk, sv: (block_size, n_kv_heads) float32.
+Writes take rows already in that form (the kernel sets' split_heads); `KVCache.read` gives
+them back as int8 values whatever the mode, so attention is one formula.
 Blocks are shared between sequences by reference count. A full block is never written again,
 so sharing it is free; a shared partial block is copied before its first write
 (copy-on-write). Paging never changes a value: it is a memory layout, not a numerics choice.
 """
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
+from tinyloop.modelfile import unpack_int4
+
+KV_BITS = {"int8": 8, "int4": 4}     # bits a stored K or V value takes, by KV mode
+KV_QMAX = {8: 127, 4: 7}             # the Q of a K or V row (spec §2.2), by kv_bits
+
+
+class KVRowFormat(NamedTuple):
+    """How a KV mode stores one K or V row of head_dim values."""
+    qmax: int             # Q(x, qmax) of the row
+    row_bytes: int        # head_dim * kv_bits / 8
+    dtype: type           # int8 values, or uint8 bytes of two int4 values
+
+
+def kv_row_format(head_dim, kv_bits):
+    if kv_bits not in KV_QMAX:
+        raise ValueError(f"kv_bits must be 8 or 4, got {kv_bits!r}")
+    return KVRowFormat(KV_QMAX[kv_bits], head_dim * kv_bits // 8,
+                       np.int8 if kv_bits == 8 else np.uint8)
+
 
 class BlockPool:
-    """Creates blocks of one geometry and counts the bytes they hold."""
+    """Creates blocks of one geometry and KV mode (kv_bits 8 or 4) and counts the bytes they
+    hold."""
 
-    def __init__(self, block_size, n_kv_heads, head_dim):
+    def __init__(self, block_size, n_kv_heads, head_dim, kv_bits=8):
         self.block_size = block_size
-        self.shape = (block_size, n_kv_heads, head_dim)
-        self.block_nbytes = 2 * block_size * n_kv_heads * (head_dim + 4)
+        self.kv_bits = kv_bits
+        self.row_format = kv_row_format(head_dim, kv_bits)
+        self.shape = (block_size, n_kv_heads, self.row_format.row_bytes)   # of kq and vq
+        self.block_nbytes = 2 * block_size * n_kv_heads * (self.row_format.row_bytes + 4)
         self.bytes_in_use = 0
         self.n_blocks_created = 0
         # reentrant: a PrefixCache the garbage collector finalizes frees its blocks from
@@ -56,8 +84,8 @@ class KVBlock:
 
     def __init__(self, pool):
         self.pool = pool
-        self.kq = np.zeros(pool.shape, np.int8)
-        self.vq = np.zeros(pool.shape, np.int8)
+        self.kq = np.zeros(pool.shape, pool.row_format.dtype)
+        self.vq = np.zeros(pool.shape, pool.row_format.dtype)
         self.sk = np.zeros(pool.shape[:2], np.float32)
         self.sv = np.zeros(pool.shape[:2], np.float32)
         self.refs = 1
@@ -83,7 +111,8 @@ class KVCache:
         return len(self.layers)
 
     def write(self, layer, pos0, kq, sk, vq, sv):
-        """Store positions pos0 .. pos0+T-1 of one layer. kq, vq: (T, G, D); sk, sv: (T, G)."""
+        """Store positions pos0 .. pos0+T-1 of one layer. kq, vq: (T, G, R) rows as the pool
+        stores them (R bytes, int8 or packed int4); sk, sv: (T, G)."""
         blocks, bs = self.layers[layer], self.pool.block_size
         done = 0
         while done < len(kq):
@@ -101,13 +130,16 @@ class KVCache:
             done += n
 
     def read(self, layer, lo, hi):
-        """Positions lo .. hi-1 of one layer as contiguous (kq, sk, vq, sv)."""
+        """Positions lo .. hi-1 of one layer as contiguous (kq, sk, vq, sv), kq and vq
+        (hi - lo, G, D) int8 values in either KV mode."""
         bs = self.pool.block_size
         blocks = self.layers[layer][lo // bs:(hi - 1) // bs + 1]
         start = lo - (lo // bs) * bs
-        parts = [np.concatenate([getattr(b, name) for b in blocks])[start:start + hi - lo]
-                 for name in ("kq", "sk", "vq", "sv")]
-        return tuple(parts)
+        kq, sk, vq, sv = (np.concatenate([getattr(b, name) for b in blocks])[start:start + hi - lo]
+                          for name in ("kq", "sk", "vq", "sv"))
+        if self.pool.kv_bits == 4:
+            kq, vq = unpack_int4(kq), unpack_int4(vq)
+        return kq, sk, vq, sv
 
     def release_outside_window(self):
         """Drop blocks whose positions are all <= length - window (never visible again)."""

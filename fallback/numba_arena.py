@@ -1,10 +1,12 @@
 """A KV block pool whose blocks are rows of one arena, for the numba backends (spec §4.2).
 
 `ArenaBlockPool` is the numpy backend's BlockPool with every block stored as one row of four
-arena arrays: kq, vq (n_rows, block_size, G, D) int8 and sk, sv (n_rows, block_size, G)
-float32. The KV cache's paging, sharing and copy-on-write are unchanged (fallback/kvcache.py
-writes through `store`); attention kernels read the keys in place through a block table of
-arena rows instead of gathering them. The arena doubles when full (into new arrays); freed rows
+arena arrays: kq, vq (n_rows, block_size, G, R) as the pool's KV mode stores a row (R = D
+int8, or R = D/2 uint8 packed int4, kvcache.py) and sk, sv (n_rows, block_size, G) float32.
+The KV cache's paging, sharing and copy-on-write are unchanged (fallback/kvcache.py writes
+through `store`); attention kernels read the keys in place through a block table of
+arena rows instead of gathering them (an int4 arena's visible rows: numba_cpu unpacks them
+first, numba_cuda reads their nibbles in place). The arena doubles when full (into new arrays); freed rows
 are reused. Growing, writing and copying a block all hold the pool's lock, so a write racing a
 growth on another thread cannot land in the arena being replaced and be lost; a reader may keep
 an old arena, which still holds every row written before it was replaced (its own sequence's
@@ -43,8 +45,8 @@ class ArenaBlockPool(BlockPool):
     """BlockPool of ArenaBlocks in host memory; subclasses place the arena elsewhere."""
     initial_rows = 4
 
-    def __init__(self, block_size, n_kv_heads, head_dim):
-        super().__init__(block_size, n_kv_heads, head_dim)
+    def __init__(self, block_size, n_kv_heads, head_dim, kv_bits=8):
+        super().__init__(block_size, n_kv_heads, head_dim, kv_bits)
         self.arena = {}
         self.free_rows = []
         self._grow(self.initial_rows)
@@ -66,7 +68,8 @@ class ArenaBlockPool(BlockPool):
     def _grow(self, n_rows):
         old = self.arena
         n_old = len(old["kq"]) if old else 0
-        shapes = {"kq": (self.shape, np.int8), "vq": (self.shape, np.int8),
+        row_type = self.row_format.dtype
+        shapes = {"kq": (self.shape, row_type), "vq": (self.shape, row_type),
                   "sk": (self.shape[:2], np.float32), "sv": (self.shape[:2], np.float32)}
         self.arena = {name: self.empty((n_rows,) + shape, dtype)
                       for name, (shape, dtype) in shapes.items()}

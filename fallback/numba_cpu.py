@@ -14,7 +14,9 @@ bit-identical to the numpy reference (tests/test_numba*.py):
   kernel uses fastmath, and LLVM does not contract a*b+c into an FMA without it (checked on
   the compiled assembly by tests/test_numba_cpu.py);
 - attention keeps each query's score row, so the exact max is known before the exponentials,
-  and reads the KV cache in place (numba_arena.py), never gathering it.
+  and reads the int8 KV cache in place (numba_arena.py), never gathering it; an int4 cache's
+  visible blocks are unpacked to int8 values first (one pass over them), then read the same
+  way.
 
 Kernels are compiled on first use and cached on disk (`cache=True`, NUMBA_CACHE_DIR to move
 the cache). numba's cache is keyed by each function's own source file: after editing
@@ -37,7 +39,8 @@ from tinyloop.modelfile import unpack_int4
 from . import numba_dot, numba_scalar
 from .attention import key_range
 from .forward import NumpyKernels
-from .numba_arena import ArenaBlockPool
+from .kvcache import kv_row_format
+from .numba_arena import ARRAYS as ARENA_ARRAYS, ArenaBlockPool
 from .numerics import LOG2E
 from .sampling import NumericError, apply_repetition_penalty, rng
 from .weights import integer_weights
@@ -94,8 +97,8 @@ def _f32_from_bits(i):
 S = numba_scalar.build(scalar, SimpleNamespace(
     mul=_mul, add=_add, sub=_sub, rint=_rint, floor=_floor, sqrt=_sqrt,
     f32_from_bits=_f32_from_bits))
-quantize_row, rms_scale, rms_norm_row, linear_out = (
-    S.quantize_row, S.rms_scale, S.rms_norm_row, S.linear_out)
+quantize_row, store_kv_row, rms_scale, rms_norm_row, linear_out = (
+    S.quantize_row, S.store_kv_row, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times, exp2s = S.rope_pair, S.silu_times, S.exp2s
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
@@ -332,25 +335,29 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
 
 
 @njit(parallel=True, cache=True)
-def split_heads_kernel(z, cos, sin, n_heads, n_kv, qh, kq, sk, vq, sv):
-    """RoPE of the Q and K heads, Q8 of K and V per kv head (forward.split_heads).
+def split_heads_kernel(z, cos, sin, n_heads, n_kv, qmax, qh, kq, sk, vq, sv):
+    """RoPE of the Q and K heads, Q(., qmax) of K and V per kv head as the KV cache stores
+    them (forward.split_heads).
 
-    z: (T, (H + 2G) * D); cos, sin: (T, D/2) -> qh (T, H, D); kq, vq (T, G, D); sk, sv (T, G).
+    z: (T, (H + 2G) * D); cos, sin: (T, D/2) -> qh (T, H, D); kq, vq (T, G, R): int8 (R = D)
+    or packed int4 uint8 (R = D/2); sk, sv (T, G).
     """
     head_dim = qh.shape[2]
     half = head_dim // 2
     for t in prange(z.shape[0]):
-        kh = np.empty(head_dim, F32)
+        kh, q = np.empty(head_dim, F32), np.empty(head_dim, np.int8)
         for h in range(n_heads + n_kv):
             x = z[t, h * head_dim:(h + 1) * head_dim]
             dst = qh[t, h] if h < n_heads else kh
             for i in range(half):
                 dst[i], dst[i + half] = rope_pair(x[i], x[i + half], cos[t, i], sin[t, i])
             if h >= n_heads:
-                sk[t, h - n_heads] = quantize_row(kh, kq[t, h - n_heads], numba_scalar.QMAX8)
+                sk[t, h - n_heads] = quantize_row(kh, q, qmax)
+                store_kv_row(q, kq[t, h - n_heads])
         for g in range(n_kv):
             col = (n_heads + n_kv + g) * head_dim
-            sv[t, g] = quantize_row(z[t, col:col + head_dim], vq[t, g], numba_scalar.QMAX8)
+            sv[t, g] = quantize_row(z[t, col:col + head_dim], q, qmax)
+            store_kv_row(q, vq[t, g])
 
 
 @njit(parallel=True, cache=True)
@@ -455,25 +462,31 @@ class NumbaKernels(NumpyKernels):
         self.launch(rms_norm_kernel, self.threads_for(x.size), x, gain, F32(eps), y)
         return y
 
-    def split_heads(self, z, cos, sin, config):
+    def split_heads(self, z, cos, sin, config, kv_bits):
         n_tok, H, G, D = len(z), config.n_heads, config.n_kv_heads, config.head_dim
+        qmax, row_bytes, row_type = kv_row_format(D, kv_bits)
         qh = np.empty((n_tok, H, D), F32)
-        kq, vq = np.empty((n_tok, G, D), np.int8), np.empty((n_tok, G, D), np.int8)
+        kq, vq = (np.empty((n_tok, G, row_bytes), row_type) for _ in range(2))
         sk, sv = np.empty((n_tok, G), F32), np.empty((n_tok, G), F32)
-        self.launch(split_heads_kernel, self.threads_for(z.size), z, cos, sin, H, G, qh, kq, sk,
-                    vq, sv)
+        self.launch(split_heads_kernel, self.threads_for(z.size), z, cos, sin, H, G, F32(qmax),
+                    qh, kq, sk, vq, sv)
         return qh, (kq, sk, vq, sv)
 
     def attend(self, qh, cache, layer, pos0):
         lo, hi = key_range(pos0, len(qh), cache.window)
-        table, shift = cache.pool.block_table(cache, layer, lo, hi)
+        pool = cache.pool
+        table, shift = pool.block_table(cache, layer, lo, hi)
+        arena = pool.arena              # one arena: a growing thread may replace it
+        kq, sk, vq, sv = (arena[name] for name in ARENA_ARRAYS)
+        if pool.kv_bits == 4:           # the visible blocks' int8 values, as rows 0, 1, ...
+            kq, sk, vq, sv = (unpack_int4(kq[table]), sk[table], unpack_int4(vq[table]),
+                              sv[table])
+            table = np.arange(len(table), dtype=np.int32)
         out = np.empty(qh.shape, F32)
-        arena = cache.pool.arena
         threads = self.threads_for(qh.size * (hi - lo))
         parts = min(threads, qh.shape[1]) if len(qh) < threads else 1   # split a lone query
-        self.launch(attend_kernel, threads, qh, arena["kq"], arena["sk"], arena["vq"],
-                    arena["sv"], table, shift, cache.pool.block_size, pos0, lo, cache.window,
-                    parts, out)
+        self.launch(attend_kernel, threads, qh, kq, sk, vq, sv, table, shift, pool.block_size,
+                    pos0, lo, cache.window, parts, out)
         return out.reshape(len(qh), -1)
 
     def swiglu(self, gu):

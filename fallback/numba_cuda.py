@@ -27,6 +27,7 @@ from numba import config, cuda
 from . import numba_cpu, numba_scalar
 from .attention import key_range
 from .forward import NumpyKernels
+from .kvcache import kv_row_format
 from .numba_arena import ArenaBlockPool
 from .weights import integer_weights
 
@@ -55,8 +56,8 @@ def _float_ops():
 OPS = _float_ops()
 S = numba_scalar.build(cuda.jit(device=True), OPS)
 fmul, fadd, fsqrt, dmul, dadd = OPS.mul, OPS.add, OPS.sqrt, OPS.dmul, OPS.dadd
-quantize_row, rms_scale, rms_norm_row, linear_out = (
-    S.quantize_row, S.rms_scale, S.rms_norm_row, S.linear_out)
+quantize_row, store_kv_row, kv_value, rms_scale, rms_norm_row, linear_out = (
+    S.quantize_row, S.store_kv_row, S.kv_value, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times = S.rope_pair, S.silu_times
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
@@ -145,18 +146,22 @@ def rope_kernel(z, cos, sin, qh, kh):
 
 
 @cuda.jit(fastmath=False)
-def quantize_kv_kernel(kh, z, v_col, kq, sk, vq, sv):
-    """Q8 per kv head of K (kh (T, G, D)) and of V (z[t, v_col + g*D ...]) into the cache rows."""
+def quantize_kv_kernel(kh, z, v_col, qmax, kq, sk, vq, sv):
+    """Q(., qmax) per kv head of K (kh (T, G, D)) and of V (z[t, v_col + g*D ...]) into the
+    cache rows kq, vq (T, G, R): int8 (R = D) or packed int4 uint8 (R = D/2)."""
     i = cuda.grid(1)
     n_kv, head_dim = kh.shape[1], kh.shape[2]
+    q = cuda.local.array(MAX_HEAD_DIM, np.int8)
     if i < kh.shape[0] * n_kv * 2:
         t, rest = i // (2 * n_kv), i % (2 * n_kv)
         g = rest // 2
         if rest % 2 == 0:
-            sk[t, g] = quantize_row(kh[t, g], kq[t, g], numba_scalar.QMAX8)
+            sk[t, g] = quantize_row(kh[t, g], q[:head_dim], qmax)
+            store_kv_row(q[:head_dim], kq[t, g])
         else:
             col = v_col + g * head_dim
-            sv[t, g] = quantize_row(z[t, col:col + head_dim], vq[t, g], numba_scalar.QMAX8)
+            sv[t, g] = quantize_row(z[t, col:col + head_dim], q[:head_dim], qmax)
+            store_kv_row(q[:head_dim], vq[t, g])
 
 
 # -- linear ---------------------------------------------------------------------------------
@@ -241,7 +246,8 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
     """spec §4.1; one block per (query t, head h) of n threads, n a power of two <= 32 and
     n >= D or n = 32. Thread i visits keys i, i + n, ... and output dims i, i + n, ...
 
-    qh: (T, H, D) float32; kq, vq: (blocks, block_size, G, D) int8 arena; sk, sv: (blocks,
+    qh: (T, H, D) float32; kq, vq: (blocks, block_size, G, R) arena, int8 (R = D) or packed
+    int4 uint8 (R = D/2, read a nibble at a time, kv_value); sk, sv: (blocks,
     block_size, G) float32; table: arena indices of the blocks holding positions lo ..;
     position j is in table[(j - shift) // block_size] with shift = first block * block_size.
     out: (T, H * D) float32.
@@ -249,6 +255,7 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
     t, h, tid, n_thr = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
     n_heads, head_dim = qh.shape[1], qh.shape[2]
     g = h // (n_heads // kq.shape[2])
+    packed = kq.shape[3] != head_dim
     qq = cuda.shared.array(MAX_HEAD_DIM, np.int8)
     red = cuda.shared.array(ATTN_THREADS, np.float32)
     red2 = cuda.shared.array(ATTN_THREADS, np.float32)
@@ -267,7 +274,7 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
     svmax = NEG_INF
     for j in range(first + tid, pos + 1, n_thr):
         b, row = _key(table, j - shift, block_size)
-        score = _score(qq, kq, sk, b, row, g, head_dim, c)
+        score = _score(qq, kq, sk, b, row, g, head_dim, packed, c)
         m = score if score > m else m
         svmax = sv[b, row, g] if sv[b, row, g] > svmax else svmax
     red[tid] = m
@@ -285,17 +292,18 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
             u_chunk[tid] = 0
             if j <= pos:
                 b, row = _key(table, j - shift, block_size)
-                e_int, u = attention_weights(_score(qq, kq, sk, b, row, g, head_dim, c), m,
-                                             sv[b, row, g], kappa)
+                e_int, u = attention_weights(_score(qq, kq, sk, b, row, g, head_dim, packed, c),
+                                             m, sv[b, row, g], kappa)
                 den = dadd(den, np.float64(e_int))
                 u_chunk[tid] = u
             cuda.syncthreads()
             for jj in range(min(n_thr, pos + 1 - base)):
                 b, row = _key(table, base + jj - shift, block_size)
                 u64 = np.float64(u_chunk[jj])
+                values = vq[b, row, g]
                 for i in range(n_mine):
                     d = tid + i * n_thr
-                    num[i] = dadd(num[i], dmul(u64, np.float64(vq[b, row, g, d])))
+                    num[i] = dadd(num[i], dmul(u64, np.float64(kv_value(values, d, packed))))
             cuda.syncthreads()
     den_part[tid] = den
     stride = n_thr // 2
@@ -312,11 +320,12 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
 
 
 @cuda.jit(device=True)
-def _score(qq, kq, sk, b, row, g, head_dim, c):
-    """S_j of the key in arena block b, row `row`, kv head g."""
+def _score(qq, kq, sk, b, row, g, head_dim, packed, c):
+    """S_j of the key in arena block b, row `row`, kv head g (packed: an int4 arena)."""
+    key = kq[b, row, g]
     dot = I32(0)
     for d in range(head_dim):
-        dot = I32(dot + I32(qq[d]) * I32(kq[b, row, g, d]))
+        dot = I32(dot + I32(qq[d]) * kv_value(key, d, packed))
     return attention_score(dot, c, sk[b, row, g])
 
 
@@ -399,14 +408,14 @@ class CudaKernels(NumpyKernels):
         return twin
 
     @staticmethod
-    def split_heads(z, cos, sin, config):
+    def split_heads(z, cos, sin, config, kv_bits):
         n_tok, H, G, D = z.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
+        qmax, row_bytes, row_type = kv_row_format(D, kv_bits)
         qh, kh = cuda.device_array((n_tok, H, D), F32), cuda.device_array((n_tok, G, D), F32)
         rope_kernel[_grid(n_tok * (H + G) * D // 2)](z, cos, sin, qh, kh)
-        kq, vq = (cuda.device_array((n_tok, G, D), np.int8) for _ in range(2))
+        kq, vq = (cuda.device_array((n_tok, G, row_bytes), row_type) for _ in range(2))
         sk, sv = cuda.device_array((n_tok, G), F32), cuda.device_array((n_tok, G), F32)
-        quantize_kv_kernel[_grid(n_tok * G * 2)](kh, z, (H + G) * D,
-                                                                  kq, sk, vq, sv)
+        quantize_kv_kernel[_grid(n_tok * G * 2)](kh, z, (H + G) * D, F32(qmax), kq, sk, vq, sv)
         return qh, (kq, sk, vq, sv)
 
     @staticmethod

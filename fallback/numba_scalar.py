@@ -90,6 +90,26 @@ def build(jit, ops):
         return amax / qmax
 
     @jit
+    def store_kv_row(q, dst):
+        """A quantized K or V row q (D,) int8 into its KV cache row dst: (D,) int8 as it is,
+        or (D/2,) uint8 in the int4 mode, element 2i in the low nibble of byte i."""
+        if dst.shape[0] == q.shape[0]:
+            for i in range(q.shape[0]):
+                dst[i] = q[i]
+        else:
+            for i in range(dst.shape[0]):
+                dst[i] = (np.int32(q[2 * i]) & 15) | ((np.int32(q[2 * i + 1]) & 15) << 4)
+
+    @jit
+    def kv_value(row, d, packed):
+        """Element d of a KV cache row as int32: row[d] (int8), or, packed (int4 mode),
+        the two's complement nibble d of the row's bytes."""
+        if not packed:
+            return np.int32(row[d])
+        nibble = (np.int32(row[d >> 1]) >> ((d & 1) * 4)) & 15
+        return nibble - 16 if nibble >= 8 else nibble
+
+    @jit
     def rms(ss, s, n, eps):
         """spec §2.3 / §2.7 step 3: t from the exact ss = Σ q_i², the scale s and length n."""
         t = mul(F32(ss), s)
@@ -151,7 +171,8 @@ def build(jit, ops):
         return mul(F32(num) / F32(den), svmax)
 
     return SimpleNamespace(clamp=clamp, exp2s=exp2s, silu_times=silu_times,
-                           quantize_row=quantize_row, rms_scale=rms_scale,
+                           quantize_row=quantize_row, store_kv_row=store_kv_row,
+                           kv_value=kv_value, rms_scale=rms_scale,
                            rms_norm_row=rms_norm_row, linear_out=linear_out,
                            rope_pair=rope_pair, attention_score=attention_score,
                            attention_weights=attention_weights, attention_out=attention_out)

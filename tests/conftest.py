@@ -85,11 +85,21 @@ def pytest_report_header(config):
             f"tinyloop: native models run {path}"]
 
 
-@pytest.fixture(scope="module", params=TEST_BACKENDS)
-def backend(request):
-    """Each backend under test (TINYLOOP_TEST_BACKENDS), skipped only when it cannot run here."""
-    require_backend(request.param)
-    return request.param
+def backend_fixture(names):
+    """A module-scoped `backend` fixture over `names`, each skipped only when it cannot run
+    here. A suite comparing backends with the numpy reference defines its own as
+    `backend = backend_fixture(COMPARED_BACKENDS)`."""
+    @pytest.fixture(scope="module", params=names, name="backend")
+    def fixture(request):
+        require_backend(request.param)
+        return request.param
+    return fixture
+
+
+# Each backend under test (TINYLOOP_TEST_BACKENDS).
+backend = backend_fixture(TEST_BACKENDS)
+# The backends under test but the numpy reference they are compared with.
+COMPARED_BACKENDS = [name for name in TEST_BACKENDS if name != "numpy"]
 
 
 def simulated(backend):

@@ -63,6 +63,13 @@ def drawn_model(data, zoo, backend, v1_like=False):
     return zoo.open(data.draw(shapes, "shape"), backend, **data.draw(engine_settings(), "engine"))
 
 
+def logits_requests():
+    """Model.logits keyword arguments: a depth, a window (most often none), a chunk size."""
+    return st.fixed_dictionaries(dict(loops=st.integers(1, 4),
+                                      cache_window=st.sampled_from([0, 0, 1, 3, 7]),
+                                      prefill_chunk=st.integers(1, 40)))
+
+
 @st.composite
 def prompts(draw, vocab, min_size=1, max_size=24):
     return draw(st.lists(st.integers(0, vocab - 1), min_size=min_size, max_size=max_size))

@@ -20,18 +20,16 @@ from tinyloop.quantize import quantize_model
 from tinyloop.quickbench import backend_kwargs
 from tinyloop.random_model import random_config, random_float_weights
 
-from conftest import TEST_BACKENDS, assert_same_bits, backend_given, require_backend
-from strategies import drawn_model, long_prompts, prompts, sampling
+from conftest import (COMPARED_BACKENDS, assert_same_bits, backend_fixture, backend_given,
+                      require_backend)
+from strategies import drawn_model, logits_requests, long_prompts, prompts, sampling
 
 # A longer context than MODEL_SHAPES: 64-wide heads, many cache blocks, long windows.
 LONG_SHAPE = dict(vocab_size=700, d_model=96, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=160,
                   n_pre_blocks=1, default_loops=2, max_seq_len=320)
 
 
-@pytest.fixture(scope="module", params=[name for name in TEST_BACKENDS if name != "numpy"])
-def backend(request):
-    require_backend(request.param)
-    return request.param
+backend = backend_fixture(COMPARED_BACKENDS)
 
 
 def reference(model):
@@ -60,9 +58,7 @@ def test_native_models_run_the_isa_path_tinyloop_isa_names(backend, model_files)
 def test_logits_match_numpy(backend, zoo, data):
     with drawn_model(data, zoo, backend) as got, reference(got) as ref:
         prompt = data.draw(long_prompts(ref.config()["vocab_size"], backend))
-        kw = dict(loops=data.draw(st.integers(1, 4)),
-                  cache_window=data.draw(st.sampled_from([0, 0, 1, 3, 7])),
-                  prefill_chunk=data.draw(st.integers(1, 40)))
+        kw = data.draw(logits_requests())
         assert_same_bits(got.logits(prompt, **kw), ref.logits(prompt, **kw))
 
 

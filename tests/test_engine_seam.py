@@ -37,7 +37,7 @@ def test_the_protocol_declares_the_whole_interface():
     assert PROTOCOL_METHODS == sorted([
         "build_prefix", "cache_stats", "clear_prefix_cache", "close", "extend_prefix",
         "generate", "generate_batch", "generate_from_prefix", "logits", "new_scheduler",
-        "runtime"])
+        "prefix_from_bytes", "runtime"])
     assert PROTOCOL_ATTRIBUTES == ["config"]
 
 

@@ -201,6 +201,7 @@ def kernel_signatures():
     from numba import types as t
     f1, f2, f3 = t.float32[::1], t.float32[:, ::1], t.float32[:, :, ::1]
     i8_2, i8_3, i8_4, n = t.int8[:, ::1], t.int8[:, :, ::1], t.int8[:, :, :, ::1], t.int64
+    kv_rows = [(i8_3, i8_4), (t.uint8[:, :, ::1], t.uint8[:, :, :, ::1])]   # int8, int4 KV
     return {
         "embed_kernel": [(t.int32[::1], i8_2, f1, t.float32, f2)],
         "add_kernel": [(f2, f2, f2)],
@@ -209,10 +210,10 @@ def kernel_signatures():
         "rms_quantize_kernel": [(f2, t.float32, i8_2, f1)],
         "rms_norm_kernel": [(f2, f1, t.float32, f2)],
         "rope_kernel": [(f2, f2, f2, f3, f3)],
-        "quantize_kv_kernel": [(f3, f2, n, i8_3, f2, i8_3, f2)],
+        "quantize_kv_kernel": [(f3, f2, n, t.float32, kv, f2, kv, f2) for kv, _ in kv_rows],
         "linear_kernel": [(i8_2, f1, w, f1, f1, f2) for w in (i8_2, t.int16[:, ::1])],
-        "attend_kernel": [(f3, i8_4, t.float32[:, :, ::1], i8_4, t.float32[:, :, ::1],
-                           t.int32[::1], n, n, n, n, n, f2)],
+        "attend_kernel": [(f3, kv, t.float32[:, :, ::1], kv, t.float32[:, :, ::1],
+                           t.int32[::1], n, n, n, n, n, f2) for _, kv in kv_rows],
     }
 
 

@@ -11,7 +11,7 @@ _source_tree.install_fallback_finder()   # a checkout: tinyloop.fallback is <roo
 from ._version import __version__
 from .backends import backend_available, backend_info, native_memory_stats
 from .config import ModelConfig
-from .errors import ModelFormatError
+from .errors import ModelFormatError, PrefixFormatError
 from .hf import convert
 from .model import Model, PrefixCache
 from .modelfile import load_model, save_model
@@ -20,8 +20,9 @@ from .random_model import random_model
 from .scheduler import Scheduler, SchedulerEvent
 
 __all__ = ["Model", "ModelConfig", "ModelFormatError", "PrefixCache", "PrefixCacheManager",
-           "Scheduler", "SchedulerEvent", "__version__", "backend", "backend_available", "backend_features", "backend_info", "convert",
-           "load_model", "native_memory_stats", "random_model", "save_model"]
+           "PrefixFormatError", "Scheduler", "SchedulerEvent", "__version__", "backend",
+           "backend_available", "backend_features", "backend_info", "convert", "load_model",
+           "native_memory_stats", "random_model", "save_model"]
 
 
 def __getattr__(name: str) -> Any:

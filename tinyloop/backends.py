@@ -228,9 +228,10 @@ def native_memory_stats(reset_peak: bool = False) -> dict[str, int]:
 
 def open_engine(backend: str, path: str | os.PathLike[str], *, block_size: int,
                 threads: int | None, prefix_cache_bytes: int = 0,
-                device: str = "auto") -> Engine[Any]:
-    """Open the model file at `path` with `backend` on `device`; its `runtime()` says which
-    backend and device it runs on. device="cuda" needs the native backend (backend "auto" or
+                device: str = "auto", kv_mode: str = "int8") -> Engine[Any]:
+    """Open the model file at `path` with `backend` on `device`, its KV cache in `kv_mode`
+    ("int8" or "int4", as Model checked it); its `runtime()` says which backend and device
+    it runs on. device="cuda" needs the native backend (backend "auto" or
     "native") and a usable GPU."""
     requested, device = placement(backend, device)
     name = resolve_backend_name(requested)
@@ -242,10 +243,11 @@ def open_engine(backend: str, path: str | os.PathLike[str], *, block_size: int,
     if name == "native":
         from .native import NativeEngine
         return NativeEngine(native_library(), path, block_size=block_size, threads=threads,
-                            prefix_cache_bytes=prefix_cache_bytes, device=device)
+                            prefix_cache_bytes=prefix_cache_bytes, device=device,
+                            kv_mode=kv_mode)
     from .fallback import Engine as PythonEngine
-    from .modelfile import load_model
-    config, tensors = load_model(path)
+    from .modelfile import load_identified_model
+    config, tensors, identity = load_identified_model(path)
     if name == "numba":
         from .fallback.numba_cpu import NumbaKernels
         kernels = NumbaKernels(threads)
@@ -255,5 +257,6 @@ def open_engine(backend: str, path: str | os.PathLike[str], *, block_size: int,
     else:
         from .fallback.forward import NumpyKernels
         kernels = NumpyKernels
-    engine: Engine[Any] = PythonEngine(config, tensors, block_size, kernels, prefix_cache_bytes)
+    engine: Engine[Any] = PythonEngine(config, tensors, block_size, kernels, prefix_cache_bytes,
+                                        model_identity=identity, kv_mode=kv_mode)
     return engine

@@ -26,7 +26,7 @@ from .chat import Chat
 from .config import ModelConfig
 from .demo import demo_model_path, run_demo
 from .hf import convert
-from .model import DEFAULT_PREFIX_CACHE_BYTES
+from .model import DEFAULT_PREFIX_CACHE_BYTES, KV_MODES
 from .modelfile import read_meta
 from .quickbench import SHAPES, bench_model, describe, shared_prefix, speed
 from .tokenizer import TextStream
@@ -107,7 +107,8 @@ def token_ids(what, text):
 
 # -- the commands ---------------------------------------------------------------------------
 def _open(args, **kwargs):
-    return Model(args.model, backend=args.backend, threads=args.threads, device=args.device, **kwargs)
+    return Model(args.model, backend=args.backend, threads=args.threads, device=args.device,
+                 kv_mode=args.kv_mode, **kwargs)
 
 
 def run_generate(args, out):
@@ -210,7 +211,7 @@ def run_serve(args, out):
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch,
                      step_tokens=args.step_tokens, kv_budget_bytes=args.kv_budget,
                      prefix_cache_bytes=args.prefix_cache_bytes, backend=args.backend,
-                     threads=args.threads, device=args.device)
+                     threads=args.threads, device=args.device, kv_mode=args.kv_mode)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -248,7 +249,7 @@ def run_info(args, out):
         runtime = model.runtime()
         threads = f"{runtime['threads']} thread{'s' if runtime['threads'] != 1 else ''}"
         print(f"{'runtime':>16}: {runtime['isa']} kernels, {threads}, "
-              f"KV blocks of {runtime['kv_block_size']}", file=out)
+              f"{runtime['kv_mode']} KV in blocks of {runtime['kv_block_size']}", file=out)
         print(f"{'device':>16}: {runtime['device_name']}", file=out)
     print(f"{'backend':>16}: {info['chosen']} ({info['reason'] or 'requested'})", file=out)
     library = f"{info['library']} {info['library_version']}" if info["library"] else "none"
@@ -309,7 +310,7 @@ def run_bench(args, out):
         path = args.model or bench_model("quick", args.format, directory, progress=stage)
         stage(f"opening {path}")
         with Model(path, backend=args.backend, threads=args.threads, prefix_cache_bytes=0,
-                   device=args.device) as model:
+                   device=args.device, kv_mode=args.kv_mode) as model:
             cfg = model.config()
             check_lengths(cfg["max_seq_len"])
             source = path if args.model else "random weights, the quick shape"
@@ -356,6 +357,10 @@ def build_parser():
         p.add_argument("--device", default="auto", choices=DEVICES,
                        help="where the native backend runs; auto: the CPU for now "
                             "(default: %(default)s)")
+        p.add_argument("--kv-mode", default=None, choices=KV_MODES,
+                       help="how the KV cache stores keys and values: int8, or int4 at about "
+                            "half the bytes (default: int4 when TINYLOOP_KV_INT4 is set, else "
+                            "int8)")
         p.set_defaults(run=run)
         return p
 

@@ -21,7 +21,7 @@ tinyloop.model, tinyloop.backends or the CLI.
 """
 from dataclasses import dataclass
 from typing import (Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar,
-                    runtime_checkable)
+                    Union, runtime_checkable)
 
 import numpy as np
 
@@ -38,7 +38,7 @@ CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_block
                     "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes")
 # The keys of Engine.runtime(), every engine alike (docs/api.md, "Backends").
 RUNTIME_KEYS = ("backend", "device", "device_name", "isa", "threads", "kv_block_size",
-                "weight_bytes", "device_weight_bytes")
+                "weight_bytes", "device_weight_bytes", "kv_mode")
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,10 @@ class EnginePrefix(Protocol):
     def nbytes(self) -> int:
         """Bytes it holds (KV blocks and the rest; docs/api.md counts them per backend)."""
 
+    def to_bytes(self) -> bytes:
+        """The prefix blob (docs/spec.md §7): the same bytes on every engine for the same
+        prefix (model, KV mode, block size, window); safe beside extend_prefix of it."""
+
     def free(self) -> None:
         """Release its memory; idempotent. Generations already started from it are unaffected."""
 
@@ -171,7 +175,8 @@ class Engine(Protocol[PrefixT]):
         """How this model runs here: a dict with exactly RUNTIME_KEYS: `backend` (its name in
         tinyloop.backends.BACKENDS), `device` ("cpu" or "cuda"), `device_name` (e.g.
         "cpu (avx2)"), `isa` (the kernel path), `threads`, `kv_block_size`, `weight_bytes`
-        (weights held in host memory) and `device_weight_bytes` (in device memory)."""
+        (weights held in host memory), `device_weight_bytes` (in device memory) and `kv_mode`
+        ("int8" or "int4", how the KV cache stores keys and values)."""
 
     def generate(self, prompt: np.ndarray, params: GenerationParams, want_logits: bool = False,
                  callbacks: Callbacks = NO_CALLBACKS) -> Generated:
@@ -190,6 +195,13 @@ class Engine(Protocol[PrefixT]):
         built at `loops`. A no-op when loops <= prefix.loops; RuntimeError "loops mismatch"
         for a prefix built without warm start. Generations already running from it keep
         their KV; safe beside concurrent generations from it."""
+
+    def prefix_from_bytes(self, blob: Union[bytes, bytearray, memoryview]) -> PrefixT:
+        """The prefix whose to_bytes() (on any engine of this model file and KV mode) gave
+        `blob` (C-contiguous): every generation from it is the original's, and its to_bytes()
+        is `blob` again when this engine's block size is the saver's.
+        tinyloop.errors.PrefixFormatError naming the field for a corrupted blob or one of
+        another model or KV mode."""
 
     def generate_from_prefix(self, prefix: PrefixT, suffix: np.ndarray,
                              params: GenerationParams, want_logits: bool = False,

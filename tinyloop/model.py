@@ -20,7 +20,7 @@ from .engine import NO_CALLBACKS, Callbacks, Engine, EnginePrefix, loops_mismatc
 from .modelfile import read_meta
 from .tokenizer import Tokenizer, open_tokenizer
 
-KV_MODE_VARIABLES = ("TINYLOOP_KV_H_MODE", "TINYLOOP_KV_INT4")
+KV_MODES = ("int8", "int4")
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 # Token ids as the API takes them: a sequence of ints or a 1-D integer array.
@@ -31,16 +31,23 @@ REQUEST_ARGUMENTS = ("max_tokens", "loops", "temperature", "top_k", "top_p", "ca
                      "draft_loops", "n_draft", "draft_stats")
 
 
+def _env_flag(var):
+    return os.environ.get(var, "0") not in ("", "0")
+
+
 def _check_kv_mode(kv_mode):
-    """Only the int8 KV cache exists; the seed's other modes are refused, never ignored."""
+    """The KV mode a Model runs in: kv_mode itself ("int8" or "int4"), or for None "int4"
+    when TINYLOOP_KV_INT4 is set (not "" or "0"), else "int8". The seed's hidden-state modes
+    (TINYLOOP_KV_H_MODE) are refused, never ignored."""
+    if _env_flag("TINYLOOP_KV_H_MODE"):
+        raise ValueError(f"TINYLOOP_KV_H_MODE={os.environ['TINYLOOP_KV_H_MODE']!r}: the "
+                         "hidden-state KV modes are not built yet; unset it or set it to 0 "
+                         f"(KV modes: {', '.join(KV_MODES)})")
     if kv_mode is None:
-        for var in KV_MODE_VARIABLES:
-            if os.environ.get(var, "0") not in ("", "0"):
-                raise ValueError(f"{var}={os.environ[var]!r}: only the int8 KV cache is "
-                                 "implemented; unset it or set it to 0")
-        return "int8"
-    if kv_mode != "int8":
-        raise ValueError(f"kv_mode {kv_mode!r} is not supported; the only KV mode is 'int8'")
+        return "int4" if _env_flag("TINYLOOP_KV_INT4") else "int8"
+    if kv_mode not in KV_MODES:
+        raise ValueError(f"kv_mode {kv_mode!r} is not supported; use one of "
+                         f"{', '.join(map(repr, KV_MODES))}")
     return kv_mode
 
 
@@ -143,6 +150,13 @@ class PrefixCache:
             with _out_of_memory_as_runtime_error():
                 engine.extend_prefix(self._state, loops, chunk)
 
+    def to_bytes(self) -> bytes:
+        """The prefix as bytes (docs/spec.md §7; docs/api.md, "Saving prefixes"), for
+        Model.prefix_from_bytes in this or another process, on any backend of the same model
+        file and kv_mode. Safe beside generations from it and its extension."""
+        self._model._live_engine()
+        return self._state.to_bytes()
+
     def __del__(self):
         state, self._state = getattr(self, "_state", None), None
         if state is not None:
@@ -154,7 +168,9 @@ class Model:
 
     Model(path=None, *, backend="auto", threads=None, kv_mode=None, block_size=16,
           prefill_chunk=512, prefix_cache_bytes=256 MiB, device="auto"). `path=None` loads the
-    bundled demo model; `prefix_cache_bytes=0` switches the automatic prefix cache off;
+    bundled demo model; `kv_mode` "int8" or "int4" is how the KV cache stores keys and values
+    (None: "int4" when TINYLOOP_KV_INT4 is set, else "int8"; `self.kv_mode` the one chosen);
+    `prefix_cache_bytes=0` switches the automatic prefix cache off;
     `device="cuda"` runs the native backend's forward pass on an NVIDIA GPU ("auto" and "cpu":
     the CPU). `backend` and `device` say what it runs on, `runtime()` how.
     """
@@ -174,7 +190,7 @@ class Model:
         self.path = path
         self._engine: Engine | None = open_engine(backend, path, block_size=self._block_size,
                                                   threads=threads, prefix_cache_bytes=cache_bytes,
-                                                  device=device)
+                                                  device=device, kv_mode=self.kv_mode)
         runtime = self._engine.runtime()
         self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
@@ -216,7 +232,7 @@ class Model:
 
     def runtime(self) -> dict[str, Any]:
         """How the model runs here (docs/api.md): backend, device, device_name, isa (the
-        kernel path), threads, kv_block_size, weight_bytes, device_weight_bytes."""
+        kernel path), threads, kv_block_size, weight_bytes, device_weight_bytes, kv_mode."""
         return self._live_engine().runtime()
 
     def __repr__(self) -> str:
@@ -359,6 +375,20 @@ class Model:
         with _out_of_memory_as_runtime_error():
             return PrefixCache(self, engine.build_prefix(tokens, depth, window, chunk,
                                                          warm_start=bool(warm_start)))
+
+    def prefix_from_bytes(self, blob: bytes | bytearray | memoryview) -> PrefixCache:
+        """The PrefixCache whose to_bytes() gave `blob`, saved by a model of the same file and
+        kv_mode on any backend: every generation from it is the original's, bit for bit.
+        PrefixFormatError (a ValueError) naming the field for a corrupted blob or one saved
+        from another model or kv_mode."""
+        engine = self._live_engine()
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise ValueError("blob must be bytes, bytearray or memoryview, got "
+                             f"{type(blob).__name__}")
+        if isinstance(blob, memoryview) and not blob.c_contiguous:
+            raise ValueError("blob: a memoryview must be C-contiguous (its bytes in order)")
+        with _out_of_memory_as_runtime_error():
+            return PrefixCache(self, engine.prefix_from_bytes(blob))
 
     def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = 32,
                                    loops: int | None = None, temperature: float = 0.0,

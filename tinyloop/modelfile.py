@@ -143,8 +143,16 @@ def load_model(path):
     The file is read once and never again: it may be rewritten, truncated or deleted afterwards
     (a mapping would let that change validated weights under a running model, or fault).
     """
+    return load_identified_model(path)[:2]
+
+
+def load_identified_model(path):
+    """load_model's (config, tensors) and, from the same one read, the file's identity: its
+    header checksum and file_bytes, what a prefix blob names its model by (docs/spec.md §7)."""
     with open(path, "rb") as f:
-        return decode_model(f.read())
+        buf = f.read()
+    config, tensors = decode_model(buf)
+    return config, tensors, (struct.unpack_from("<I", buf, CHECKSUM_AT)[0], len(buf))
 
 
 def decode_model(buf):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .config import ModelConfig
-from .errors import ModelFormatError
+from .errors import ModelFormatError, PrefixFormatError
 from .engine import (CACHE_STAT_NAMES, FINISH_REASONS, NO_CALLBACKS, SCHED_STAT_NAMES, Callbacks,
                      Generated, GenerationParams, Request, SchedulerEvent)
 
@@ -62,6 +62,18 @@ class NativePrefix:
     @property
     def nbytes(self) -> int:
         return self._info()[1]
+
+    def to_bytes(self) -> bytes:
+        """tl_prefix_save: a size query, then the blob; again if an extension grew it between."""
+        ffi, lib = self._engine.ffi, self._engine.lib
+        size = ffi.new("size_t*")
+        self._engine._check(lib.tl_prefix_save(self.handle, ffi.NULL, 0, size))
+        while True:
+            buf = bytearray(size[0])
+            status = lib.tl_prefix_save(self.handle, ffi.from_buffer(buf), len(buf), size)
+            if status != lib.TL_ERR_INVALID_ARGUMENT or size[0] <= len(buf):
+                self._engine._check(status)
+                return bytes(memoryview(buf)[:size[0]])     # one copy of a large blob
 
     def free(self) -> None:
         if self.handle is not None:
@@ -130,7 +142,7 @@ class NativeEngine:
 
     def __init__(self, loaded: tuple[Any, Any, Path, str], path: str | os.PathLike[str], *,
                  block_size: int, threads: int | None, prefix_cache_bytes: int = 0,
-                 device: str = "auto") -> None:
+                 device: str = "auto", kv_mode: str = "int8") -> None:
         self.ffi, self.lib, self.library_path, self.library_origin = loaded
         self._errors = _error_types(self.lib)
         params = self.ffi.new("tl_model_params*", self.lib.tl_model_params_default())
@@ -139,6 +151,7 @@ class NativeEngine:
         params.prefix_cache_bytes = prefix_cache_bytes
         params.device = {"auto": self.lib.TL_DEVICE_AUTO, "cpu": self.lib.TL_DEVICE_CPU,
                          "cuda": self.lib.TL_DEVICE_CUDA}[device]
+        params.kv_mode = self._kv_modes()[kv_mode]
         out = self.ffi.new("tl_model**")
         self._check(self.lib.tl_model_open(str(path).encode(), params, out))
         self.model = self._owned(out, "tl_model_free")
@@ -176,6 +189,9 @@ class NativeEngine:
             injection=bool(c.injection), step_norm=bool(c.step_norm),
             embed_scale=c.embed_scale, coda_norm=bool(c.coda_norm))
 
+    def _kv_modes(self) -> dict[str, int]:
+        return {"int8": self.lib.TL_KV_INT8, "int4": self.lib.TL_KV_INT4}
+
     def runtime(self) -> dict[str, Any]:
         r = self.ffi.new("tl_model_runtime*")
         r.size = self.ffi.sizeof("tl_model_runtime")
@@ -185,7 +201,8 @@ class NativeEngine:
         return {"backend": "native", "device": device,
                 "device_name": self.ffi.string(r.device_name).decode("utf-8", "replace"),
                 "isa": isa, "threads": r.n_threads, "kv_block_size": r.kv_block_size,
-                "weight_bytes": r.weight_bytes, "device_weight_bytes": r.device_weight_bytes}
+                "weight_bytes": r.weight_bytes, "device_weight_bytes": r.device_weight_bytes,
+                "kv_mode": {v: k for k, v in self._kv_modes().items()}[r.kv_mode]}
 
     def _tokens(self, tokens: Any) -> tuple[np.ndarray, Any]:
         tokens = np.ascontiguousarray(tokens, np.int32)
@@ -296,6 +313,20 @@ class NativeEngine:
         self._check(self.lib.tl_prefix_build_ex(self.model, buf, len(prompt), loops, window, chunk,
                                                 flags, out))
         return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), window)
+
+    def prefix_from_bytes(self, blob: bytes | bytearray | memoryview) -> NativePrefix:
+        out = self.ffi.new("tl_prefix**")
+        view = memoryview(blob).cast("B")
+        status = self.lib.tl_prefix_load(self.model, self.ffi.from_buffer(view), view.nbytes, out)
+        if status == self.lib.TL_ERR_BAD_FILE:      # the blob's fault, not a model file's
+            message = self.ffi.string(self.lib.tl_last_error()).decode("utf-8", "replace")
+            raise PrefixFormatError(message)
+        self._check(status)
+        handle = self._owned(out, "tl_prefix_free")
+        n, window = self.ffi.new("size_t*"), self.ffi.new("uint32_t*")
+        tokens = self.ffi.buffer(self.lib.tl_prefix_tokens(handle, n), 4 * n[0])
+        self.lib.tl_prefix_info(handle, self.ffi.NULL, self.ffi.NULL, window, self.ffi.NULL)
+        return NativePrefix(self, handle, np.frombuffer(tokens, np.int32).copy(), int(window[0]))
 
     def extend_prefix(self, prefix: NativePrefix, loops: int, chunk: int) -> None:
         self._check(self.lib.tl_prefix_extend(prefix.handle, loops, chunk))
