@@ -276,7 +276,8 @@ def run_convert(args, out):
             print(line, file=sys.stderr, flush=True)
 
     config = convert(args.src, args.out, args.format, loops=args.loops, core=args.core,
-                     max_seq_len=args.max_seq_len, group_size=args.group_size, progress=progress)
+                     max_seq_len=args.max_seq_len, group_size=args.group_size, progress=progress,
+                     gptq=args.gptq, calibration=args.calibration)
     print(f"wrote {args.out}: {config.name}, {config.weight_format}, prelude "
           f"{config.n_pre_blocks} + core {config.n_core_blocks} x {config.default_loops} + coda "
           f"{config.n_coda_blocks}, vocab {config.vocab_size}, tokenizer {config.tokenizer}",
@@ -463,6 +464,12 @@ def build_parser():
                            "prelude, those after the coda (default: all layers are the core)")
     conv.add_argument("--max-seq-len", type=integer(1), default=None,
                       help="positions (default: the checkpoint's max_position_embeddings)")
+    conv.add_argument("--gptq", action="store_true",
+                      help="int4: quantize by GPTQ, calibrated on a text, docs/models.md "
+                           "(default: round-to-nearest)")
+    conv.add_argument("--calibration", default=None, metavar="FILE",
+                      help="with --gptq: the UTF-8 calibration text (default: a few KB of "
+                           "English prose shipped with tinyloop)")
     conv.set_defaults(run=run_convert)
 
     bench = command("bench", run_bench, "a quick speed run (bench/ has the full suite)",

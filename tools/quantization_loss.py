@@ -3,13 +3,17 @@
 Contract:
     python tools/quantization_loss.py [--model PATH | --ouro FOLDER] [--loops L] [--windows N]
                                       [--seq-len T] [--group-sizes 32 64] [--backend native]
-                                      [--workdir DIR]
+                                      [--calibration FILE] [--json PATH] [--workdir DIR]
         prints, as markdown, held-out bits per byte and the perplexity loss against the float
-        model, for: the float model; TinyLoop int8 and int4 (one row per group size) files
-        converted from its checkpoint folder by tinyloop.convert; and, for --model, that file
-        itself. Exits nonzero (with the reason on stderr) when the measurement is inconsistent:
-        a bpb that is not finite, the two float forwards disagreeing (--model), the int8
-        reconversion not matching --model, or int8 losing more than INT8_MAX_LOSS_BPB.
+        model, for: the float model; TinyLoop int8, and int4 by round-to-nearest (RTN) and by
+        GPTQ (two rows per group size) files converted from its checkpoint folder by
+        tinyloop.convert; and, for --model, that file itself; then, per group size, the share
+        of RTN's perplexity loss that GPTQ removes. --calibration is GPTQ's calibration text
+        (default: tinyloop's built-in one, which is not the held-out text's kind: modern prose,
+        not KJV verse); --json also writes the rows there. Exits nonzero (with the reason on
+        stderr) when the measurement is inconsistent: a bpb that is not finite, the two float
+        forwards disagreeing (--model), the int8 reconversion not matching --model, or int8
+        losing more than INT8_MAX_LOSS_BPB.
 
 --model (default: the bundled demo model, docs/demo_model.md, the only trained weights here) is
 an int8 file of pre-norm blocks with one core block and no coda. Its linears are dequantized
@@ -70,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--group-sizes", type=int, nargs="*", default=[32, 64],
                    help="int4 group sizes, one row each")
     p.add_argument("--backend", default="native", help="TinyLoop backend for the file rows")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="GPTQ calibration text (default: tinyloop's built-in one)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON")
     p.add_argument("--workdir", default=None,
                    help="where the checkpoint folder and converted files go (default: a temp dir)")
     return p.parse_args(argv)
@@ -194,18 +201,38 @@ def held_out_windows(args):
 
 
 def converted_rows(folder, workdir, windows, loops, args, core=None):
-    """[(label, bpb)] of TinyLoop int8 and int4 (each of args.group_sizes) files converted from
-    the checkpoint folder, written into workdir as int8.tinyloop, int4-g<G>.tinyloop."""
+    """[(label, bpb)] of TinyLoop int8 and int4 RTN and GPTQ (each of args.group_sizes) files
+    converted from the checkpoint folder, written into workdir as int8.tinyloop,
+    int4-g<G>.tinyloop and int4-gptq-g<G>.tinyloop."""
     rows = []
-    for weight_format, group in [("int8", None)] + [("int4", g) for g in args.group_sizes]:
-        label = weight_format if group is None else f"{weight_format}-g{group}"
+    kinds = [("int8", None, False)] + [("int4", g, gptq) for g in args.group_sizes
+                                       for gptq in (False, True)]
+    for weight_format, group, gptq in kinds:
+        label = weight_format if group is None else (
+            f"{weight_format}{'-gptq' if gptq else ''}-g{group}")
         out = os.path.join(workdir, f"{label}.tinyloop")
         tinyloop.convert(folder, out, weight_format=weight_format, core=core, loops=loops,
-                         group_size=group)
-        name = f"TinyLoop {weight_format}" + ("" if group is None else f", group size {group}")
+                         group_size=group, gptq=gptq,
+                         calibration=args.calibration if gptq else None)
+        name = f"TinyLoop {weight_format}" + ("" if group is None else
+                                              f" {'GPTQ' if gptq else 'RTN'}, group size {group}")
         rows.append((f"{name} ({os.path.getsize(out):,} bytes)",
                      _finite(label, tinyloop_bpb(out, windows, loops, args.backend))))
     return rows
+
+
+def gap_closed(rows):
+    """Lines "group size G: GPTQ removes X% of RTN's perplexity loss", from the rows of
+    converted_rows (each RTN row followed by its GPTQ row)."""
+    float_bpb, lines = rows[0][1], []
+    for (label, rtn), (_, gptq) in zip(rows, rows[1:]):
+        if " RTN, group size " in label:
+            group = label.split(" RTN, group size ")[1].split(" ")[0]
+            rtn_loss, gptq_loss = 2 ** (rtn - float_bpb) - 1, 2 ** (gptq - float_bpb) - 1
+            lines.append(f"group size {group}: GPTQ removes "
+                         f"{100 * (rtn_loss - gptq_loss) / rtn_loss:.0f}% of RTN's perplexity "
+                         f"loss ({100 * rtn_loss:+.2f}% -> {100 * gptq_loss:+.2f}%)")
+    return lines
 
 
 def check_int8(rows):
@@ -311,10 +338,21 @@ def main(argv=None):
             print(f"quantization_loss: inconsistent: {exc}", file=sys.stderr)
             return 1
     model = args.ouro or os.path.basename(args.model)
+    calibration = args.calibration or "tinyloop's built-in text"
     print(f"{model} at depth L = {loops}, {len(windows) * args.seq_len:,} held-out bytes "
-          f"({len(windows)} windows of {args.seq_len}), TinyLoop backend {args.backend}")
+          f"({len(windows)} windows of {args.seq_len}), TinyLoop backend {args.backend}, "
+          f"GPTQ calibrated on {calibration}")
     print(table(rows))
     print(note)
+    closed = gap_closed(rows)
+    print("\n".join(closed))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model, "loops": loops,
+                       "held_out_bytes": len(windows) * args.seq_len,
+                       "backend": args.backend, "calibration": calibration,
+                       "rows": [{"model": label, "bpb": bpb} for label, bpb in rows],
+                       "gptq_vs_rtn": closed, "note": note}, f, indent=2)
     return 0
 
 

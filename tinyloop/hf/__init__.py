@@ -7,7 +7,9 @@ mapper (architectures.py), which reads config.json and says how every float weig
 from checkpoint tensors; those tensors' presence and shapes are checked before any data is
 read, then tinyloop.quantize quantizes the weights one at a time as it looks them up (the
 checkpoint stays memory-mapped), and the file is written with the tokenizer and the
-architecture name as meta.* texts (docs/spec.md §6.3).
+architecture name as meta.* texts (docs/spec.md §6.3). With gptq, a float forward over the
+calibration text (tinyloop.calibrate, tokenized by the model's tokenizer) first records each
+linear's input Gram matrix, and the int4 linears are quantized by GPTQ.
 
 Not here: the numerics (quantize.py), the file layout (modelfile.py), tokenizing at run time.
 """
@@ -20,26 +22,34 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Set, Tuple, Uni
 
 import numpy as np
 
+from ..calibrate import input_grams, token_windows
 from ..config import NAME_MAX_BYTES, WEIGHT_FORMATS, ModelConfig
 from ..modelfile import meta_tensor, save_model
 from ..quantize import quantize_model
+from ..tokenizer import open_tokenizer
 from .architectures import MAPPERS, Options, Plan, Source, plan_for
 from .safetensors_reader import Checkpoint, ConvertError, read_json
 
 DEFAULT_INT4_GROUP = 32
+DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   "data", "calibration.txt")
 Progress = Callable[[int, int, str], None]     # (done, total, what) per float weight
 Path = Union[str, "os.PathLike[str]"]
 
-__all__ = ["MAPPERS", "ConvertError", "DEFAULT_INT4_GROUP", "convert"]
+__all__ = ["MAPPERS", "ConvertError", "DEFAULT_CALIBRATION", "DEFAULT_INT4_GROUP", "convert"]
 
 
 def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optional[int] = None,
             core: Optional[Sequence[int]] = None, max_seq_len: Optional[int] = None,
-            group_size: Optional[int] = None, progress: Optional[Progress] = None
-            ) -> ModelConfig:
+            group_size: Optional[int] = None, progress: Optional[Progress] = None,
+            gptq: bool = False, calibration: Optional[Path] = None) -> ModelConfig:
     """Convert the Hugging Face model folder `src` into the .tinyloop file `out`.
 
     weight_format: "int8" or "int4" (group_size: int4 weights per multiplier, default 32).
+    gptq (int4 only): quantize the linears by GPTQ, calibrated on the UTF-8 text file
+    `calibration` (default: DEFAULT_CALIBRATION, a few KB of English prose shipped with the
+    package), tokenized by the model's tokenizer (its UTF-8 bytes as ids for a model without
+    one, when vocab_size >= 256).
     loops: the default depth L (default: the checkpoint's, 1 for a plain LLaMA-family model).
     core: (start, end) for a LLaMA-family model: layers [0, start) become the prelude,
     [start, end) the looped core, [end, n) the coda (default: all layers are the core).
@@ -52,6 +62,7 @@ def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optiona
     options = Options(weight_format=weight_format,
                       group_size=_group_size(weight_format, group_size), loops=loops,
                       core=None if core is None else _core(core), max_seq_len=max_seq_len)
+    text = _calibration_text(weight_format, gptq, calibration)
     src = os.fspath(src)
     with Checkpoint(src) as checkpoint:
         architecture, plan = plan_for(checkpoint.config, options)
@@ -64,7 +75,12 @@ def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optiona
             eos_id=_token_id(checkpoint.config, "eos_token_id"))
         config.validate()
         weights = LazyWeights(checkpoint, plan.recipe, progress)
-        config, tensors = quantize_model(config, weights, inv_freq=plan.inv_freq)
+        hessians = None
+        if text is not None:
+            windows = token_windows(_calibration_tokens(text, config, meta), config.max_seq_len)
+            hessians = input_grams(config, weights, windows, plan.inv_freq)
+        config, tensors = quantize_model(config, weights, inv_freq=plan.inv_freq,
+                                         hessians=hessians)
     tensors.update({name: meta_tensor(text) for name, text in meta.items()})
     save_model(out, config, tensors)
     return config
@@ -145,6 +161,48 @@ def _meta_texts(src: str, architecture: str) -> Dict[str, str]:
     if tokenizer_config is not None:
         meta["meta.tokenizer_config"] = tokenizer_config
     return meta
+
+
+def _calibration_text(weight_format: str, gptq: bool, calibration: Optional[Path]
+                      ) -> Optional[str]:
+    """The calibration text of a GPTQ conversion (None without gptq), checked before any
+    weight is read."""
+    if not gptq:
+        if calibration is not None:
+            raise ConvertError("a calibration file applies to gptq only (--gptq)")
+        return None
+    if weight_format != "int4":
+        raise ConvertError(f"gptq applies to int4 weights only (--format int4), not "
+                           f"{weight_format!r}")
+    path = DEFAULT_CALIBRATION if calibration is None else os.fspath(calibration)
+    try:
+        text = _text(path)
+    except OSError as exc:                          # a folder, no permission, ...
+        raise ConvertError(f"calibration file {path}: {exc.strerror}") from None
+    if text is None:
+        raise ConvertError(f"calibration file {path} does not exist")
+    if not text.strip():
+        raise ConvertError(f"calibration file {path} is empty")
+    return text
+
+
+def _calibration_tokens(text: str, config: ModelConfig, meta: Dict[str, str]) -> np.ndarray:
+    """The calibration text's token ids: by the model's tokenizer, or its UTF-8 bytes for a
+    model without one."""
+    if config.tokenizer == "none":
+        if config.vocab_size < 256:
+            raise ConvertError(f"gptq: the model has no tokenizer and {config.vocab_size} "
+                               "token ids, too few for the calibration text's bytes")
+        ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+    else:
+        ids = np.asarray(open_tokenizer(config, meta).encode(text), np.int64)
+    if len(ids) == 0:
+        raise ConvertError("gptq: the calibration text gives no tokens")
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise ConvertError(f"gptq: the tokenizer gives token ids {int(ids.min())} .. "
+                           f"{int(ids.max())} for the calibration text, outside the "
+                           f"vocabulary (0 .. {config.vocab_size - 1})")
+    return ids
 
 
 def _text(path: str) -> Optional[str]:
