@@ -372,12 +372,27 @@ static void batch_mixed(tl_model* m, uint64_t seed) {
     tl_prefix_free(prefix);
 }
 
+/* The prompt decoded plainly by the engine's own backend (*plain), then, with gp's drafts set
+ * to draft_loops loops and n_draft a round, through the backend interface `swapped` (*spec). */
+static void plain_then_drafted(tl_model* m, tl_engine* e, const tl_backend_iface* swapped, tl_gen_params* gp,
+                               uint32_t draft_loops, uint32_t n_draft, outcome* plain, outcome* spec) {
+    const uint32_t V = V_of(m);
+    outcome_init(plain, V, 0);
+    outcome_init(spec, V, 0);
+    generate(m, NULL, prompt, PROMPT, gp, plain);
+    gp->draft_loops = draft_loops;
+    gp->n_draft = n_draft;
+    const tl_backend_iface* own = e->backend->iface;
+    e->backend->iface = swapped;
+    generate(m, NULL, prompt, PROMPT, gp, spec);
+    e->backend->iface = own;
+}
+
 /* A backend without a part pass decodes plainly: identical tokens, nothing drafted. */
 static void no_part_pass(tl_model* m) {
     tl_engine* e;
     CHECK_OK(tl_model_acquire(m, &e));
-    const tl_backend_iface* own = e->backend->iface;
-    tl_backend_iface without = *own;
+    tl_backend_iface without = *e->backend->iface;
     without.forward_part = NULL;
     const uint32_t V = V_of(m);
     tl_gen_params gp = tl_gen_params_default();
@@ -386,14 +401,7 @@ static void no_part_pass(tl_model* m) {
     gp.temperature = 0.8f;
     gp.seed = 5;
     outcome plain, spec;
-    outcome_init(&plain, V, 0);
-    outcome_init(&spec, V, 0);
-    generate(m, NULL, prompt, PROMPT, &gp, &plain);
-    gp.draft_loops = 1;
-    gp.n_draft = 4;
-    e->backend->iface = &without;
-    generate(m, NULL, prompt, PROMPT, &gp, &spec);
-    e->backend->iface = own;
+    plain_then_drafted(m, e, &without, &gp, 1, 4, &plain, &spec);
     CHECK(spec.st == TL_OK && spec.n == plain.n && memcmp(spec.tokens, plain.tokens, plain.n * sizeof(int32_t)) == 0 &&
               tu_same_bits(spec.logits, plain.logits, (size_t)MAX_NEW * V),
           "without a part pass: output differs from plain decoding");
@@ -430,15 +438,8 @@ static void unsampleable_drafts(tl_model* m) {
         gp.max_tokens = MAX_NEW;
         gp.temperature = greedy ? 0.0f : 1.0f;
         outcome plain, spec;
-        outcome_init(&plain, V, 0);
-        outcome_init(&spec, V, 0);
-        generate(m, NULL, prompt, PROMPT, &gp, &plain);
-        gp.draft_loops = 2;
-        gp.n_draft = 8;
-        e->backend->iface = &poisoned;
         drafts_run = 0;
-        generate(m, NULL, prompt, PROMPT, &gp, &spec);
-        e->backend->iface = own;
+        plain_then_drafted(m, e, &poisoned, &gp, 2, 8, &plain, &spec);
         check_same(&plain, &spec, &gp, V, "NaN drafts");
         CHECK(drafts_run >= 3, "no draft was poisoned");
         free(plain.logits);

@@ -240,7 +240,7 @@ TL_API tl_status tl_model_runtime_get(const tl_model* model, tl_model_runtime* o
     const size_t host_weight_bytes = info.host_weight_bytes + tl_file_held_bytes(&e->file);
     tl_model_runtime full = {sizeof full, e->isa, tl_pool_threads(e->pool), e->kv_geom.block_size,
                              host_weight_bytes, info.device, info.device_weight_bytes, {0},
-                             e->kv_geom.kv_bits == 4 ? TL_KV_INT4 : TL_KV_INT8};
+                             tl_kv_geom_mode(&e->kv_geom)};
     snprintf(full.device_name, sizeof full.device_name, "%s", info.name);
     tl_copy_versioned(out, &full, sizeof full);
     tl_engine_unref(e);

@@ -32,7 +32,6 @@ typedef struct layout {
 } layout;
 
 static const char* mode_name(uint32_t kv_mode) { return kv_mode == TL_KV_INT4 ? "int4" : "int8"; }
-static uint32_t engine_kv_mode(const tl_engine* e) { return e->kv_geom.kv_bits == 4 ? TL_KV_INT4 : TL_KV_INT8; }
 
 /* Fills the offsets of l (its counts set) for a model of kv heads G and width d; false when a
  * size passes 2^64 bytes. */
@@ -83,7 +82,7 @@ static tl_status stage_new(const tl_kv_geom* g, const char* direction, void** st
 static layout prefix_layout(const tl_prefix* p) {
     const tl_engine* e = p->engine;
     const tl_config* c = tl_engine_config(e);
-    layout l = {.kv_mode = engine_kv_mode(e), .loops = p->loops, .window = p->window, .n = p->n};
+    layout l = {.kv_mode = tl_kv_geom_mode(&e->kv_geom), .loops = p->loops, .window = p->window, .n = p->n};
     l.flags = (p->warm_start ? FLAG_WARM_START : 0) | (p->states ? FLAG_STATES : 0);
     l.n_layers = (uint32_t)tl_n_layers(c, l.loops);
     const tl_kv_table* t = &p->kv; /* window 1 releases every block: then nothing is stored */
@@ -206,9 +205,9 @@ static tl_status check_header(const tl_engine* e, const uint8_t* b, layout* l) {
                   .flags = rd_u32(b + 52), .n = rd_u64(b + 56), .kv_start = rd_u64(b + 64), .n_layers = rd_u32(b + 72)};
     if (l->kv_mode != TL_KV_INT8 && l->kv_mode != TL_KV_INT4)
         return bad("kv_mode: unknown %u (0 = int8, 1 = int4)", l->kv_mode);
-    if (l->kv_mode != engine_kv_mode(e))
+    if (l->kv_mode != tl_kv_geom_mode(&e->kv_geom))
         return bad("this prefix was saved with kv_mode %s; this model runs %s", mode_name(l->kv_mode),
-                   mode_name(engine_kv_mode(e)));
+                   mode_name(tl_kv_geom_mode(&e->kv_geom)));
     const uint32_t geometry[3] = {c->n_kv_heads, c->head_dim, c->d_model};
     static const char* const names[3] = {"n_kv_heads", "head_dim", "d_model"};
     for (int i = 0; i < 3; i++)

@@ -69,6 +69,9 @@ typedef struct tl_kv_mark {
 /* Host-memory geometry; set .device afterwards to place block data on a device. */
 tl_kv_geom tl_kv_geom_make(uint32_t block_size, uint32_t n_kv_heads, uint32_t head_dim, uint32_t kv_bits);
 
+/* The KV mode (tinyloop.h) a geometry stores. */
+static inline tl_kv_mode tl_kv_geom_mode(const tl_kv_geom* g) { return g->kv_bits == 4 ? TL_KV_INT4 : TL_KV_INT8; }
+
 /* The table's current extent, to roll back to after later reservations. */
 tl_kv_mark tl_kv_mark_now(const tl_kv_table* t);
 /* Make room for positions n .. n+T-1 in n_layers layers. On failure (out of memory) the
