@@ -64,7 +64,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import SHAPES, exit_text, model_file, tinyloop_isas, tinyloop_model, write_results
+from common import (SHAPES, cpu_description, exit_text, model_file, tinyloop_isas, tinyloop_model,
+                    write_results)
 from tinyloop.config import ModelConfig
 from tinyloop.quickbench import speed
 
@@ -75,16 +76,6 @@ MIB = 2 ** 20
 
 
 # --- the machine ------------------------------------------------------------------------------
-
-def cpu_description():
-    """(lscpu's model name, the set of its CPU flags); ("unknown (why)", set()) without lscpu."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        return f"unknown (lscpu: {err})", set()
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return fields.get("Model name", "unknown").strip(), set(fields.get("Flags", "").split())
-
 
 def stream_bandwidth(threads, repeats=3):
     """Streaming read GB/s of `threads` Python threads, each reducing its part of 1 GiB."""

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,16 @@ NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 DEFAULT_LLAMA_DIR = Path.home() / ".cache" / "tinyloop-bench"
 LLAMA_QUANT = {"int8": "Q8_0", "int4": "Q4_0"}    # TinyLoop weight format -> llama.cpp type
 WEIGHT_STD = 0.02
+
+
+def cpu_description():
+    """(lscpu's model name, the set of its CPU flags); ("unknown (why)", set()) without lscpu."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        return f"unknown (lscpu: {err})", set()
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return fields.get("Model name", "unknown").strip(), set(fields.get("Flags", "").split())
 
 
 def machine():

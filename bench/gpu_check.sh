@@ -16,9 +16,10 @@
 #     (bench_prefix_cache.py --full) on CUDA, and the achieved fraction of the GPU's peaks;
 #  4. the cross-backend suite again with TINYLOOP_CUDA_GRAPHS=0 (plain launches, no graphs);
 #     the native suites (batched decode, automatic prefix cache, windows, paths, int4 KV,
-#     prefix blobs) with TINYLOOP_DEVICE=cuda, so every native model of those tests runs on the GPU;
+#     prefix blobs, hidden-state prefixes, the prefix cache's disk tier) with
+#     TINYLOOP_DEVICE=cuda, so every native model of those tests runs on the GPU;
 #  5. the numba-cuda kernels on the real device (tests/test_numba_cuda.py and the cross-backend,
-#     int4 KV and prefix blob suites with backend "numba-cuda");
+#     int4 KV, prefix blob, hidden-state prefix and disk tier suites with backend "numba-cuda");
 #  6. compute-sanitizer memcheck over the long-context cross-backend test (tensor-core, int4
 #     and multi-block attention paths).
 # The checkout's Python side is copied to a temporary folder, the working directory and on
@@ -115,10 +116,10 @@ step cross_backend_cuda_no_graphs 60 env TINYLOOP_CUDA_GRAPHS=0 TINYLOOP_TEST_BA
 step native_suites_on_cuda 120 env TINYLOOP_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_batch.py tests/test_auto_prefix_cache.py \
     tests/test_window.py tests/test_paths.py tests/test_speculative.py tests/test_warm_start.py \
-    tests/test_kv_int4.py tests/test_prefix_blob.py
+    tests/test_kv_int4.py tests/test_prefix_blob.py tests/test_hidden_prefix.py tests/test_prefix_disk.py
 step numba_cuda 80 env TINYLOOP_TEST_BACKENDS=numba-cuda TINYLOOP_REQUIRE_BACKENDS=numba-cuda \
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_numba_cuda.py tests/test_cross_backend.py \
-    tests/test_kv_int4.py tests/test_prefix_blob.py
+    tests/test_kv_int4.py tests/test_prefix_blob.py tests/test_hidden_prefix.py tests/test_prefix_disk.py
 step memcheck 60 env TINYLOOP_TEST_BACKENDS=native-cuda TINYLOOP_REQUIRE_BACKENDS=native-cuda \
     compute-sanitizer --tool memcheck --error-exitcode 1 \
     python3 -m pytest -q -p no:cacheprovider -x tests/test_cross_backend.py -k long_context

@@ -14,9 +14,10 @@ import numpy as np
 
 from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, loops_mismatch, stop_reached
 
-from . import prefix_blob
+from . import hidden_prefix, prefix_blob
 from .forward import NumpyKernels, forward_chunk, forward_part, head_logits, on_host
 from .kvcache import KV_BITS, KVCache
+from .pcache_disk import DiskTier
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .speculate import speculative_round
@@ -29,28 +30,36 @@ class Prefix:
     token's final state (the head's input) at every depth 1 .. loops (docs/spec.md §5.4).
     A warm-start prefix also keeps every token's state after iteration loops-1 and, with
     injection, its injected term, so that Engine.extend_prefix can deepen it; one loaded from
-    the blob of a backend without a part pass has no states, and is rebuilt to deepen it."""
+    the blob of a backend without a part pass has no states, and is rebuilt to deepen it.
+    A hidden-state prefix (§5.4.1) holds no KV (cache None) but each layer's input rows
+    (hidden), from which every sequence starting from it rebuilds its own KV."""
     engine: "Engine" = field(repr=False)    # the engine that built or loaded it
     tokens: np.ndarray          # (n,) int32
     loops: int
     cache_window: int
-    cache: KVCache
+    cache: Optional[KVCache]    # None for an h prefix
     loop_states: list = field(repr=False)   # depth 1 .. loops: (1, d) f32, the kernels' arrays
     warm_start: bool = False
     states: Optional[np.ndarray] = field(default=None, repr=False)     # warm start: (n, d) f32
     injected: Optional[np.ndarray] = field(default=None, repr=False)   # and injection: (n, d) f32
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # extend vs fork
+    hidden: Optional[hidden_prefix.HiddenRows] = field(default=None, repr=False)   # h prefix
+
+    @property
+    def storage(self):
+        return "kv" if self.hidden is None else self.hidden.storage
 
     @property
     def nbytes(self):
-        """KV blocks held, plus the loop states, the token copy and a warm start's states
-        (docs/api.md)."""
+        """KV blocks held (an h prefix: its rows instead), plus the loop states, the token
+        copy and a warm start's states (docs/api.md)."""
         kept = sum(a.nbytes for a in (self.states, self.injected) if a is not None)
-        return (self.cache.nbytes + 4 * self.loops * self.loop_states[0].shape[1]
-                + 4 * len(self.tokens) + kept)
+        held = self.cache.nbytes if self.hidden is None else self.hidden.nbytes
+        return held + 4 * self.loops * self.loop_states[0].shape[1] + 4 * len(self.tokens) + kept
 
     def free(self):
-        self.cache.free()
+        if self.cache is not None:
+            self.cache.free()
 
     def to_bytes(self):
         """The prefix blob (docs/spec.md §7), safe beside an extension of this prefix."""
@@ -60,12 +69,15 @@ class Prefix:
 
 class Engine:
     """A model's weights and KV pool, run by one kernel set (NumpyKernels by default), with an
-    automatic prefix cache of `prefix_cache_bytes` (0: none); kv_mode "int8" or "int4" is
+    automatic prefix cache of `prefix_cache_bytes` (0: none), backed by the disk tier in
+    `prefix_cache_dir` (None: none; checked by the caller) under `prefix_cache_disk_bytes`
+    (0: no limit); kv_mode "int8" or "int4" is
     how the pool stores keys and values; model_identity is the model file's (header checksum,
     file_bytes), what its prefix blobs name it by."""
 
     def __init__(self, config, tensors, block_size=16, kernels=NumpyKernels, prefix_cache_bytes=0,
-                 kv_mode="int8", *, model_identity):
+                 kv_mode="int8", *, model_identity, prefix_cache_dir=None,
+                 prefix_cache_disk_bytes=0):
         self.config = config
         self.model_identity = model_identity
         self.kernels = kernels
@@ -73,7 +85,11 @@ class Engine:
         self.weights = Weights(config, tensors, kernels.linear, kernels.table)
         self.pool = kernels.new_pool(block_size, config.n_kv_heads, config.head_dim,
                                      KV_BITS[kv_mode])
-        self.prefix_cache = PrefixCache(self.pool, prefix_cache_bytes) if prefix_cache_bytes else None
+        disk = None if prefix_cache_dir is None else DiskTier(
+            prefix_cache_dir, prefix_cache_disk_bytes, config, self.pool, kernels.to_host,
+            model_identity)
+        self.prefix_cache = (PrefixCache(self.pool, prefix_cache_bytes, disk)
+                             if prefix_cache_bytes else None)
 
     def runtime(self):
         """tinyloop.engine.RUNTIME_KEYS, from the kernel set (its name, device and kernel
@@ -88,17 +104,18 @@ class Engine:
         return KVCache(self.pool, self.config.n_layers(loops), window)
 
     def prefill(self, cache, tokens, chunk, depth_states=None, all_logits=False, release=True,
-                on_chunk=None, kept=None):
+                on_chunk=None, kept=None, capture=None):
         """Feed tokens in chunks; returns logits (V,) of the last token, or (n, V) of all.
         depth_states: a list to receive the last token's final state at every depth, and the
         coda's KV of every depth (a prefix build, forward_chunk); release=False keeps the
         blocks a window no longer sees (for the prefix cache); on_chunk(tokens done in this
-        call) runs after each chunk; kept: a list to receive each chunk's Rows."""
+        call) runs after each chunk; kept: a list to receive each chunk's Rows; capture: an h
+        prefix build's recorder of every layer's input (forward_part)."""
         outputs = []
         for start in range(0, len(tokens), chunk):
             piece = tokens[start:start + chunk]
             states = [] if depth_states is not None else None
-            rows = forward_chunk(self.kernels, self.weights, cache, piece, states)
+            rows = forward_chunk(self.kernels, self.weights, cache, piece, states, capture)
             x = rows.hidden
             if kept is not None:
                 kept.append(rows)
@@ -176,15 +193,27 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def build_prefix(self, prompt, loops, window, chunk, warm_start=False):
+    def build_prefix(self, prompt, loops, window, chunk, warm_start=False, storage="kv"):
+        """A prefix of `storage` "kv", "h8" or "h4" (docs/spec.md §5.4.1; ValueError when the
+        storage cannot be built: hidden_prefix.check_storage)."""
+        hidden_prefix.check_storage(self.config, self.pool.kv_bits, storage, warm_start)
         cache = self.new_cache(loops, window)
         states, kept = [], [] if warm_start else None
+        hidden = capture = None
+        if storage != "kv":
+            hidden = hidden_prefix.HiddenRows.empty(storage, cache.n_layers, self.config.d_model,
+                                                    len(prompt), window)
+            capture = hidden_prefix.recorder(hidden, self.kernels, self.config.rms_eps)
         try:
-            self.prefill(cache, prompt, chunk, depth_states=states, kept=kept)
+            self.prefill(cache, prompt, chunk, depth_states=states, kept=kept, capture=capture)
         except BaseException:
             cache.free()
             raise
-        prefix = Prefix(self, prompt.copy(), loops, window, cache, states, warm_start)
+        if hidden is not None:
+            cache.free()                 # at rest an h prefix keeps its rows, not its KV
+            cache = None
+        prefix = Prefix(self, prompt.copy(), loops, window, cache, states, warm_start,
+                        hidden=hidden)
         if warm_start:
             prefix.states = on_host(self.kernels, [rows.state for rows in kept])
             if self.config.injection:
@@ -244,10 +273,16 @@ class Engine:
 
     def generate_from_prefix(self, prefix, suffix, params, want_logits=False, callbacks=NO_CALLBACKS):
         """Feed `suffix` (possibly empty) after a prefix, then decode, at depth
-        params.loops <= prefix.loops (checked by the caller)."""
-        with prefix.lock:
-            cache = prefix.cache.fork(self.config.n_layers(params.loops))
+        params.loops <= prefix.loops (checked by the caller). An h prefix's KV is rebuilt
+        into the sequence's own cache (its rows never change: no lock)."""
+        if prefix.hidden is not None:
+            cache = hidden_prefix.rebuild(self, prefix.hidden, params.loops, prefix.cache_window,
+                                          params.prefill_chunk)
             loop_state = prefix.loop_states[params.loops - 1]
+        else:
+            with prefix.lock:
+                cache = prefix.cache.fork(self.config.n_layers(params.loops))
+                loop_state = prefix.loop_states[params.loops - 1]
         n = len(prefix.tokens)
         try:
             if len(suffix):
@@ -295,5 +330,7 @@ class Engine:
             cache.free()
 
     def close(self):
-        self.clear_prefix_cache()
+        """Spill the prefix cache to its disk tier, if any, and release the model."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
         self.weights = None

@@ -12,7 +12,9 @@ is the whole pass at the cache's depth L (its n_layers(L) slots, §1) over the c
 positions, advancing its length. A prefix build (or extension) also runs the coda after each
 earlier iteration, on a copy of the state, writing the coda slots of every depth it reaches
 (§5.4). Nothing here releases a block: the caller drops blocks a window no longer sees once its
-call is done.
+call is done. A hidden-state prefix build (§5.4.1) hands a pass a `capture`, called by every
+layer with its input rows; `write_kv` is the K/V of a layer from its NQ rows, which the pass
+and an h prefix's rebuild (fallback/hidden_prefix.py) share.
 
 The orchestration here is shared by every Python backend; the arithmetic comes from a *kernel
 set*, an object with the attributes of `NumpyKernels` (the reference, the spec in numpy).
@@ -126,15 +128,26 @@ def residual(kernels, weights, x, y, gain):
     return kernels.rms_norm(kernels.add(x, y), gain, eps)
 
 
-def attention_block(kernels, weights, block, cache, slot, x, pos0):
-    """x: (T, d) -> residual(x, attention output), writing slot's KV at pos0 .. pos0+T-1."""
+def write_kv(kernels, weights, block, cache, slot, q, a, pos0):
+    """The layer's input rows as NQ gives them, q (T, d) int8 and a (T,) f32 -> its query
+    heads qh (T, H, D) after RoPE, writing slot's KV at pos0 .. pos0+T-1 (§4). A hidden-state
+    prefix rebuilds its KV through this too (fallback/hidden_prefix.py)."""
     cfg = weights.config
-    q, a = kernels.rms_quantize(x, cfg.rms_eps)
     z = block.attn_qkv(q, a)                                   # (T, (H + 2G) * D), + bias
     rows = slice(pos0, pos0 + len(z))
     qh, kv = kernels.split_heads(z, weights.rope_cos[rows], weights.rope_sin[rows], cfg,
                                  cache.pool.kv_bits)
     cache.write(slot, pos0, *kv)
+    return qh
+
+
+def attention_block(kernels, weights, block, cache, slot, x, pos0, capture=None):
+    """x: (T, d) -> residual(x, attention output), writing slot's KV at pos0 .. pos0+T-1;
+    capture(slot, pos0, x, q, a), when given, records the rows and their NQ (q, a)."""
+    q, a = kernels.rms_quantize(x, weights.config.rms_eps)
+    if capture is not None:
+        capture(slot, pos0, x, q, a)
+    qh = write_kv(kernels, weights, block, cache, slot, q, a, pos0)
     o = kernels.attend(qh, cache, slot, pos0)                  # (T, H * D)
     q, s = kernels.quantize_rows(o)
     return residual(kernels, weights, x, block.attn_out(q, s), block.attn_post_norm)
@@ -148,19 +161,19 @@ def mlp_block(kernels, weights, block, x):
     return residual(kernels, weights, x, block.ffn_down(q, s), block.ffn_post_norm)
 
 
-def run_block(kernels, weights, block, cache, slot, x, pos0):
-    """One layer: block's weights, its KV at cache slot `slot`."""
-    x = attention_block(kernels, weights, block, cache, slot, x, pos0)
+def run_block(kernels, weights, block, cache, slot, x, pos0, capture=None):
+    """One layer: block's weights, its KV at cache slot `slot` (capture: attention_block)."""
+    x = attention_block(kernels, weights, block, cache, slot, x, pos0, capture)
     return mlp_block(kernels, weights, block, x)
 
 
-def coda(kernels, weights, cache, loops, x, pos0):
+def coda(kernels, weights, cache, loops, x, pos0, capture=None):
     """The coda norm, then the coda blocks writing the coda slots of depth `loops`."""
     cfg = weights.config
     if cfg.coda_norm:
         x = kernels.rms_norm(x, weights.coda_norm, cfg.rms_eps)
     for c, block in enumerate(weights.coda_blocks):
-        x = run_block(kernels, weights, block, cache, cfg.coda_slot(loops, c), x, pos0)
+        x = run_block(kernels, weights, block, cache, cfg.coda_slot(loops, c), x, pos0, capture)
     return x
 
 
@@ -172,7 +185,7 @@ class Rows(NamedTuple):
 
 
 def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth=None,
-                 coda_depth=None, state=None, injected=None, depth_states=None):
+                 coda_depth=None, state=None, injected=None, depth_states=None, capture=None):
     """Rows at positions pos0 .. pos0+T-1 through core iterations first_iter .. depth-1
     (depth: the cache's by default) and the coda in the coda slots of depth `coda_depth`
     (depth's own by default). first_iter == 0 starts from `tokens` (T,) int32 (embedding,
@@ -183,14 +196,15 @@ def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth
     If `depth_states` is a list (a prefix build or extension, §5.4), the coda also runs after
     every iteration i < depth-1, on a copy of the state, writing the coda slots of depth i + 1,
     and the last row's final state at each depth first_iter+1 .. depth is appended to it as a
-    (1, d) row.
+    (1, d) row. `capture` (a hidden-state prefix build, §5.4.1) is called by every layer it
+    runs with that layer's input rows (attention_block).
     """
     cfg = weights.config
     depth = cache_depth(cfg, cache.n_layers) if depth is None else depth
     if first_iter == 0:
         x = kernels.embed(weights, tokens)
         for b, block in enumerate(weights.pre_blocks):
-            x = run_block(kernels, weights, block, cache, b, x, pos0)
+            x = run_block(kernels, weights, block, cache, b, x, pos0, capture)
         if cfg.injection:              # the adapter's injected half is the same every iteration
             injected = weights.adapter_inject(*kernels.quantize_rows(x))
             x = kernels.table(np.zeros((len(tokens), cfg.d_model), F32))     # §4.4: state zero
@@ -202,20 +216,21 @@ def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth
         if cfg.injection:
             x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x)), injected)
         for j, block in enumerate(weights.core_blocks):
-            x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0)
+            x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0, capture)
         if depth_states is not None and i < depth - 1:
-            out = coda(kernels, weights, cache, i + 1, kernels.copy(x), pos0)
+            out = coda(kernels, weights, cache, i + 1, kernels.copy(x), pos0, capture)
             depth_states.append(kernels.last_row(out))
-    hidden = coda(kernels, weights, cache, coda_depth or depth, x, pos0)
+    hidden = coda(kernels, weights, cache, coda_depth or depth, x, pos0, capture)
     if depth_states is not None:
         depth_states.append(kernels.last_row(hidden))
     return Rows(hidden, x, injected if cfg.injection else None)
 
 
-def forward_chunk(kernels, weights, cache, tokens, depth_states=None):
+def forward_chunk(kernels, weights, cache, tokens, depth_states=None, capture=None):
     """Run tokens (T,) int32 at the cache's next T positions through the whole model at the
     cache's depth, and advance cache.length past them; returns their Rows (forward_part)."""
-    rows = forward_part(kernels, weights, cache, cache.length, tokens, depth_states=depth_states)
+    rows = forward_part(kernels, weights, cache, cache.length, tokens, depth_states=depth_states,
+                        capture=capture)
     cache.length += len(tokens)
     return rows
 

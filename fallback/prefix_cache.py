@@ -9,18 +9,25 @@ other depths; counted in no byte total) and serves any request of its tree needi
 layers or fewer. Unreferenced leaves are evicted least recently used first when an insert would
 pass the byte budget; every node a call touches carries that call's tick and is safe from that
 call's evictions. Each lookup and each insert is one tick.
+
+With a disk tier (fallback/pcache_disk.py, §4.3.1) an evicted node is spilled to its file, and
+so is every node still cached at `close`; a lookup whose walk finds no node serving the request
+reads the block's file and, when valid, adds it as a node (evicting to fit), then walks on.
 """
 import threading
+
+import numpy as np
 
 from tinyloop.engine import CACHE_STAT_NAMES
 
 
 class _Node:
-    __slots__ = ("parent", "key", "blocks", "children", "last_used")
+    __slots__ = ("parent", "key", "blocks", "children", "last_used", "index")
 
     def __init__(self, parent, key, blocks):
         self.parent = parent
-        self.key = key              # the block's tokens (a tuple); None for a root
+        self.index = -1 if parent is None else parent.index + 1     # its block's; a root -1
+        self.key = key              # the block's tokens (a tuple); a root: its tree key
         self.blocks = blocks        # [n_layers] KVBlock or None (unwritten); None for a root
         self.children = {}
         self.last_used = 0
@@ -33,12 +40,22 @@ class _Node:
         """The KV blocks the node holds (every written slot's)."""
         return [b for b in self.blocks if b is not None]
 
+    def chain(self):
+        """(tree key, (positions,) int32 tokens of every block from the root's to this one)."""
+        keys, node = [], self
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return node.key, np.array([t for key in reversed(keys) for t in key], np.int32)
+
 
 class PrefixCache:
-    """An index over a BlockPool's full blocks, with a budget of `budget_bytes`."""
+    """An index over a BlockPool's full blocks, with a budget of `budget_bytes`, backed by
+    `disk` (a pcache_disk.DiskTier, or None)."""
 
-    def __init__(self, pool, budget_bytes):
+    def __init__(self, pool, budget_bytes, disk=None):
         self.pool = pool
+        self.disk = disk
         self.block_size = pool.block_size
         self.budget = budget_bytes
         self._roots = {}            # tree key -> root node
@@ -49,35 +66,70 @@ class PrefixCache:
 
     def stats(self):
         with self._lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+            if self.disk is not None:
+                stats.update(self.disk.stats())
+            return stats
 
     def _node_bytes(self, node):
         return len(node.held()) * self.pool.block_nbytes
 
     # -- lookup ------------------------------------------------------------------------------
     def lookup(self, tree, cache, tokens):
-        """Share into the empty `cache` the longest cached chain of tokens' blocks that serves
-        cache.n_layers, leaving at least one token; returns the positions shared."""
+        """Share into the empty `cache` the longest chain of tokens' blocks, cached or on disk,
+        that serves cache.n_layers, leaving at least one token; returns the positions
+        shared."""
         bs, need = self.block_size, cache.n_layers
         with self._lock:
             self._tick += 1
             self._stats["lookups"] += 1
             node = self._roots.get(tree)
+            if node is None and self.disk is not None:
+                node = self._roots[tree] = _Node(None, tree, None)
+            names = self.disk.names(tree, tokens) if self.disk is not None else None
             k = 0
-            while node is not None and k < (len(tokens) - 1) // bs:
-                child = node.children.get(tuple(tokens[k * bs:(k + 1) * bs].tolist()))
-                if child is None or child.n_layers < need:
-                    break
-                for layer, blocks in enumerate(cache.layers):
-                    if child.blocks[layer] is not None:     # else a slot it never writes
-                        self.pool.retain(child.blocks[layer])
-                        blocks.append(child.blocks[layer])
-                child.last_used = self._tick
+            while k < (len(tokens) - 1) // bs:
+                key = tuple(tokens[k * bs:(k + 1) * bs].tolist())
+                name = next(names) if names is not None else None
+                child = node.children.get(key) if node is not None else None
+                if child is not None and child.n_layers >= need:
+                    self._share(cache, child.blocks)
+                    child.last_used = self._tick
+                else:
+                    read = self.disk.read(name, tree, tokens, k, need) if name else None
+                    if read is None:
+                        break
+                    child = self._adopt(node, key, child, read)
+                    self._share(cache, read)
+                    for b in read:              # the reader's references
+                        if b is not None:
+                            self.pool.release(b)
                 node, k = child, k + 1
             cache.length = k * bs
             self._stats["hit_tokens"] += k * bs
             self._stats["prefilled_tokens"] += len(tokens) - k * bs
+            self._drop_childless_roots()
         return k * bs
+
+    def _share(self, cache, blocks):
+        for layer, held in enumerate(cache.layers):
+            if blocks[layer] is not None:           # else a slot the request never writes
+                self.pool.retain(blocks[layer])
+                held.append(blocks[layer])
+
+    def _adopt(self, parent, key, shallower, blocks):
+        """Cache the blocks read from disk as insert would (replacing the shallower node when
+        the extra bytes fit, else adding a node when they fit); returns the node the walk goes
+        on under (None: off the tree)."""
+        if shallower is not None:
+            shallower.last_used = self._tick
+            if self._make_room((len(blocks) - shallower.n_layers) * self.pool.block_nbytes):
+                self._replace(shallower, blocks)
+            return shallower
+        if parent is None or not self._make_room(
+                sum(b is not None for b in blocks) * self.pool.block_nbytes):
+            return None
+        return self._add(parent, key, blocks, inserted=False)
 
     # -- insert ------------------------------------------------------------------------------
     def insert(self, tree, cache, tokens):
@@ -86,7 +138,7 @@ class PrefixCache:
         bs = self.block_size
         with self._lock:
             self._tick += 1
-            parent = self._roots.setdefault(tree, _Node(None, None, None))
+            parent = self._roots.setdefault(tree, _Node(None, tree, None))
             for i in range(len(tokens) // bs):
                 mine = [blocks[i] if blocks else None for blocks in cache.layers]
                 if any(blocks and blocks[i] is None for blocks in cache.layers):
@@ -105,7 +157,7 @@ class PrefixCache:
                     break
             self._drop_childless_roots()
 
-    def _add(self, parent, key, blocks):
+    def _add(self, parent, key, blocks, inserted=True):
         node = _Node(parent, key, blocks)
         for b in node.held():
             self.pool.retain(b)
@@ -113,7 +165,7 @@ class PrefixCache:
         parent.children[key] = node
         self._stats["blocks"] += 1
         self._stats["bytes_in_use"] += self._node_bytes(node)
-        self._stats["inserted_blocks"] += 1
+        self._stats["inserted_blocks"] += inserted
         return node
 
     def _replace(self, node, deeper):
@@ -147,7 +199,10 @@ class PrefixCache:
             victims = [n for n in self._nodes() if self._evictable(n)]
             if not victims:
                 return False
-            self._remove(min(victims, key=lambda n: n.last_used))
+            victim = min(victims, key=lambda n: n.last_used)
+            if self.disk is not None:
+                self.disk.spill(*victim.chain(), victim.blocks)
+            self._remove(victim)
             self._stats["evicted_blocks"] += 1
         return True
 
@@ -162,11 +217,26 @@ class PrefixCache:
         for key in [k for k, root in self._roots.items() if not root.children]:
             del self._roots[key]
 
+    def close(self):
+        """Spill every cached node, then drop them all: a later process on the disk tier's
+        directory starts warm. The order is libtinyloop's use list: least recently used
+        first and, among the nodes of one tick (one chain), the deepest first, so that under a
+        tight disk budget the shallow blocks, the ones a lookup's walk needs first, are the
+        files written last and kept."""
+        with self._lock:            # one step: no insert between the spills and the drop
+            if self.disk is not None:
+                for node in sorted(self._nodes(), key=lambda n: (n.last_used, -n.index)):
+                    self.disk.spill(*node.chain(), node.blocks)
+            self._drop_all()
+
     def clear(self):
         """Drop every node (blocks in use elsewhere live on there); the counters stay."""
         with self._lock:
-            for node in list(self._nodes()):
-                for b in node.held():
-                    self.pool.release(b)
-            self._roots.clear()
-            self._stats["blocks"] = self._stats["bytes_in_use"] = 0
+            self._drop_all()
+
+    def _drop_all(self):
+        for node in list(self._nodes()):
+            for b in node.held():
+                self.pool.release(b)
+        self._roots.clear()
+        self._stats["blocks"] = self._stats["bytes_in_use"] = 0

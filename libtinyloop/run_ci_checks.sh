@@ -10,8 +10,9 @@
 #   3. ThreadSanitizer build (-O2 -g) + the multi-threaded tests: the worker crew (test_pool),
 #      models sharing it (test_threads), many threads on one model (test_model), racing
 #      requests on the prefix cache (test_prefix_cache), generations from a prefix while it is
-#      extended (test_prefix_warm), saves of a prefix while it is extended (test_prefix_blob);
-#      about a minute
+#      extended (test_prefix_warm), saves of a prefix while it is extended (test_prefix_blob),
+#      racing requests on a prefix cache with a disk tier (test_pcache_disk), generations from
+#      one hidden-state prefix on many threads (test_hidden_prefix); about a minute
 #   4. install into a temporary prefix, then build the C example against it twice: with
 #      find_package(tinyloop) and with pkg-config; run it on a small generated model.
 # usage: libtinyloop/run_ci_checks.sh [WORK_DIR]   (default: a fresh temporary directory)
@@ -48,8 +49,10 @@ ctest --test-dir "$work/sanitize-amx" --output-on-failure -j "$jobs" -R '^(test_
 echo "== 3/4 ThreadSanitizer build + multi-threaded tests"
 cmake -S "$here" -B "$work/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTINYLOOP_SANITIZE_THREAD=ON -DTINYLOOP_CUDA=OFF \
     "${golden[@]}" >/dev/null
-cmake --build "$work/tsan" -j "$jobs" --target test_pool test_threads test_model test_prefix_cache test_prefix_warm test_prefix_blob
-ctest --test-dir "$work/tsan" --output-on-failure -j "$jobs" -R '^(test_pool|test_threads|test_model|test_prefix_cache|test_prefix_warm|test_prefix_blob)$'
+cmake --build "$work/tsan" -j "$jobs" --target test_pool test_threads test_model test_prefix_cache test_prefix_warm test_prefix_blob \
+    test_pcache_disk test_hidden_prefix
+ctest --test-dir "$work/tsan" --output-on-failure -j "$jobs" \
+    -R '^(test_pool|test_threads|test_model|test_prefix_cache|test_prefix_warm|test_prefix_blob|test_pcache_disk|test_hidden_prefix)$'
 
 echo "== 4/4 install + example"
 cmake --install "$work/release" --prefix "$work/prefix" >/dev/null

@@ -108,15 +108,6 @@ def test_context_manager_closes(model_files):
     assert model.closed
 
 
-@pytest.mark.parametrize("variable", ["TINYLOOP_KV_H_MODE"])   # TINYLOOP_KV_INT4: test_kv_int4.py
-def test_unimplemented_kv_modes_are_refused(model_files, monkeypatch, variable):
-    monkeypatch.setenv(variable, "1")
-    with pytest.raises(ValueError, match=variable):
-        tinyloop.Model(model_files["int8-gqa"], backend="numpy")
-    monkeypatch.setenv(variable, "0")
-    tinyloop.Model(model_files["int8-gqa"], backend="numpy").close()
-
-
 def test_kv_mode_argument(model_files):
     with pytest.raises(ValueError, match="kv_mode"):
         tinyloop.Model(model_files["int8-gqa"], kv_mode="fp16")

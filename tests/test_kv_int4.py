@@ -8,7 +8,8 @@ and values quantized with Q4 (qmax 7) and packed two a byte, attention unchanged
   nesting), batches, speculative decoding, warm start, automatic prefix cache hits and misses;
 - int4 differs from int8 but is close; its KV blocks take about half the bytes;
 - the mode is chosen by kv_mode or TINYLOOP_KV_INT4, reported by runtime(), and the CLI takes
-  --kv-mode; bad values and TINYLOOP_KV_H_MODE are refused, naming what was wrong.
+  --kv-mode; bad values are refused, naming what was wrong (TINYLOOP_KV_H_MODE, the
+  hidden-state prefixes: test_hidden_prefix.py).
 
 Backends: TINYLOOP_TEST_BACKENDS but numpy (conftest.py), as in test_cross_backend.py; the
 numba-cuda simulator runs in its own process (NUMBA_ENABLE_CUDASIM=1) on tiny shapes.
@@ -234,14 +235,6 @@ def test_every_backend_reports_its_kv_mode(backend, model_files):
 def test_unknown_kv_modes_are_refused_naming_the_accepted_ones(model_files, bad):
     with pytest.raises(ValueError, match=r"kv_mode .* use one of 'int8', 'int4'"):
         tinyloop.Model(model_files["int8-gqa"], backend="numpy", kv_mode=bad)
-
-
-def test_hidden_state_modes_are_refused_as_not_built(model_files, monkeypatch):
-    monkeypatch.setenv("TINYLOOP_KV_H_MODE", "h4")
-    for mode in (None, "int4"):
-        with pytest.raises(ValueError, match="TINYLOOP_KV_H_MODE='h4': the hidden-state KV "
-                                             "modes are not built yet"):
-            tinyloop.Model(model_files["int8-gqa"], backend="numpy", kv_mode=mode)
 
 
 def test_cli_kv_mode(model_files, capsys):

@@ -12,10 +12,7 @@ template (tests/tiny_hf.py) serves the chats.
 import asyncio
 import contextlib
 import json
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -31,10 +28,10 @@ import tinyloop                                               # noqa: E402
 from tinyloop.cli import main                                 # noqa: E402
 from tinyloop.serve import EngineLoop, create_app             # noqa: E402
 from tinyloop.serve.handler import StopText                   # noqa: E402
+from serve_process import START_TIMEOUT, healthy, serve_process  # noqa: E402
 from tiny_hf import hf_model                                  # noqa: E402
 
 DEMO = "tinyloop-demo"
-START_TIMEOUT = 60          # seconds for a server to load its model and answer /health
 ENGINE_TIMEOUT = 60         # seconds an EngineLoop test may run (a dead engine thread hangs)
 SLOW_LOOPS = 64             # a depth that makes a long reply take seconds: time to cancel it
 PROMPTS = ["And God said", "In the beginning", "Blessed are they", "And Jesus answered",
@@ -63,17 +60,10 @@ def serving(model=None, **options):
     """A server of `model` (create_app's arguments), once its model has loaded."""
     with running(create_app(model, **options)) as url:
         deadline = time.monotonic() + START_TIMEOUT
-        while not _healthy(url):
+        while not healthy(url):
             assert time.monotonic() < deadline, "the server did not become healthy"
             time.sleep(0.05)
         yield url
-
-
-def _healthy(url):
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -615,7 +605,7 @@ def test_the_server_survives_a_barrage_of_bad_requests(demo, client, reference):
                 assert http.post("/v1/completions", json=body).status_code == status
             for content in (b"{", b"null", b'{"model": "tinyloop-demo", "prompt": NaN}'):
                 assert http.post("/v1/completions", content=content).status_code == 400
-    assert _healthy(demo)
+    assert healthy(demo)
     check_completion(client, reference, SAMPLINGS[2])
 
 
@@ -657,33 +647,9 @@ def test_cli_checks_the_scheduler_flags_before_serving(capsys):
 
 def test_cli_serves_until_interrupted(tmp_path):
     """`tinyloop serve` in a process of its own: it serves, and Ctrl-C stops it with code 0."""
-    with socket.socket() as probe:            # a free port (released for the server to take)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "serve.log", "w+") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tinyloop", "serve", "--port", str(port), "--model-name", "kjv",
-             "--max-batch", "4", "--step-tokens", "64"], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + START_TIMEOUT
-            while not _healthy(url):
-                assert process.poll() is None and time.monotonic() < deadline, log_text(log)
-                time.sleep(0.1)
-            reply = httpx.post(url + "/v1/completions",
-                               json=dict(model="kjv", prompt=PROMPTS[0], max_tokens=3)).json()
-            assert reply["usage"]["completion_tokens"] == 3
-        finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                code = process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                raise
-        assert code == 0, log_text(log)
-        assert "Uvicorn running on" in log_text(log)
-
-
-def log_text(log):
-    log.seek(0)
-    return log.read()
+    with serve_process(["--model-name", "kjv", "--max-batch", "4", "--step-tokens", "64"],
+                       tmp_path / "serve.log") as url:
+        reply = httpx.post(url + "/v1/completions",
+                           json=dict(model="kjv", prompt=PROMPTS[0], max_tokens=3)).json()
+        assert reply["usage"]["completion_tokens"] == 3
+    assert "Uvicorn running on" in (tmp_path / "serve.log").read_text()

@@ -228,9 +228,13 @@ def native_memory_stats(reset_peak: bool = False) -> dict[str, int]:
 
 def open_engine(backend: str, path: str | os.PathLike[str], *, block_size: int,
                 threads: int | None, prefix_cache_bytes: int = 0,
-                device: str = "auto", kv_mode: str = "int8") -> Engine[Any]:
+                device: str = "auto", kv_mode: str = "int8",
+                prefix_cache_dir: str | None = None,
+                prefix_cache_disk_bytes: int = 0) -> Engine[Any]:
     """Open the model file at `path` with `backend` on `device`, its KV cache in `kv_mode`
-    ("int8" or "int4", as Model checked it); its `runtime()` says which backend and device
+    ("int8" or "int4", as Model checked it), its prefix cache backed by the disk tier in
+    `prefix_cache_dir` (None: none) under `prefix_cache_disk_bytes` (0: no limit; both checked
+    by Model: a dir only with prefix_cache_bytes > 0); its `runtime()` says which backend and device
     it runs on. device="cuda" needs the native backend (backend "auto" or
     "native") and a usable GPU."""
     requested, device = placement(backend, device)
@@ -244,7 +248,8 @@ def open_engine(backend: str, path: str | os.PathLike[str], *, block_size: int,
         from .native import NativeEngine
         return NativeEngine(native_library(), path, block_size=block_size, threads=threads,
                             prefix_cache_bytes=prefix_cache_bytes, device=device,
-                            kv_mode=kv_mode)
+                            kv_mode=kv_mode, prefix_cache_dir=prefix_cache_dir,
+                            prefix_cache_disk_bytes=prefix_cache_disk_bytes)
     from .fallback import Engine as PythonEngine
     from .modelfile import load_identified_model
     config, tensors, identity = load_identified_model(path)
@@ -258,5 +263,7 @@ def open_engine(backend: str, path: str | os.PathLike[str], *, block_size: int,
         from .fallback.forward import NumpyKernels
         kernels = NumpyKernels
     engine: Engine[Any] = PythonEngine(config, tensors, block_size, kernels, prefix_cache_bytes,
-                                        model_identity=identity, kv_mode=kv_mode)
+                                        model_identity=identity, kv_mode=kv_mode,
+                                        prefix_cache_dir=prefix_cache_dir,
+                                        prefix_cache_disk_bytes=prefix_cache_disk_bytes)
     return engine

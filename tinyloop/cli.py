@@ -25,6 +25,7 @@ from .backends import BACKENDS, DEVICES, backend_features, backend_info
 from .chat import Chat
 from .config import ModelConfig
 from .demo import demo_model_path, run_demo
+from .engine import PREFIX_STORAGES
 from .hf import convert
 from .model import DEFAULT_PREFIX_CACHE_BYTES, KV_MODES
 from .modelfile import read_meta
@@ -201,6 +202,8 @@ def run_serve(args, out):
     if args.step_tokens < args.max_batch:        # the Scheduler's rule, checked before serving
         raise ValueError(f"--step-tokens {args.step_tokens} is less than --max-batch "
                          f"{args.max_batch}: every running request decodes a token per step")
+    if args.prefix_cache_dir is not None and not args.prefix_cache_bytes:     # Model's rule
+        raise ValueError("--prefix-cache-dir needs --prefix-cache-bytes > 0")
     try:
         import uvicorn
 
@@ -211,7 +214,9 @@ def run_serve(args, out):
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch,
                      step_tokens=args.step_tokens, kv_budget_bytes=args.kv_budget,
                      prefix_cache_bytes=args.prefix_cache_bytes, backend=args.backend,
-                     threads=args.threads, device=args.device, kv_mode=args.kv_mode)
+                     threads=args.threads, device=args.device, kv_mode=args.kv_mode,
+                     prefix_cache_dir=args.prefix_cache_dir,
+                     prefix_cache_disk_bytes=args.prefix_cache_disk_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -365,8 +370,9 @@ def build_parser():
         p.set_defaults(run=run)
         return p
 
-    demo = command("demo", lambda a, out: run_demo(lambda budget: _open(a, prefix_cache_bytes=budget),
-                                                   a.max_tokens, a.temperature, a.seed, out),
+    demo = command("demo", lambda a, out: run_demo(
+        lambda budget: _open(a, prefix_cache_bytes=budget, prefix_storage=a.prefix_storage),
+        a.max_tokens, a.temperature, a.seed, out),
                    "shared-prefix requests with and without prefix caching")
     demo.add_argument("--max-tokens", type=integer(1), default=80,
                       help="tokens each answer has at most (default: %(default)s)")
@@ -374,6 +380,10 @@ def build_parser():
                       help="sampling temperature, 0 = greedy (default: %(default)s)")
     demo.add_argument("--seed", type=integer(0, (1 << 64) - 1), default=1,
                       help="the sampling seed of every request (default: %(default)s)")
+    demo.add_argument("--prefix-storage", default=None, choices=PREFIX_STORAGES,
+                      help="what the explicit PrefixCache keeps: its KV, or each layer's input "
+                           "row, int8 (h8, the same tokens) or int4 (h4, an approximation) "
+                           "(default: kv, or TINYLOOP_KV_H_MODE's)")
 
     def sampling(p, max_tokens):
         p.add_argument("--max-tokens", type=integer(1), default=max_tokens,
@@ -441,6 +451,13 @@ def build_parser():
                             "preempted and recomputed later, 0 = no limit (default: %(default)s)")
     serve.add_argument("--prefix-cache-bytes", type=integer(0), default=DEFAULT_PREFIX_CACHE_BYTES,
                        help="budget of the automatic prefix cache, 0 = off "
+                            "(default: %(default)s)")
+    serve.add_argument("--prefix-cache-dir", default=None,
+                       help="back the prefix cache with block files in this directory (created "
+                            "if missing): evicted blocks and, at shutdown, every cached one are "
+                            "written there, so a server restarted on it starts warm")
+    serve.add_argument("--prefix-cache-disk-bytes", type=integer(0), default=0,
+                       help="budget of the files in --prefix-cache-dir, 0 = no limit "
                             "(default: %(default)s)")
 
     command("info", run_info, "model configuration, architecture and the backend chosen")

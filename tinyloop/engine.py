@@ -35,7 +35,10 @@ SCHED_STAT_NAMES = ("running", "waiting", "steps", "prompt_tokens", "cached_toke
                     "kv_bytes", "kv_budget_bytes", "drafted_tokens", "accepted_tokens")
 # Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
 CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
-                    "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes")
+                    "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes",
+                    "spilled_blocks", "disk_hit_blocks", "disk_bytes", "disk_budget_bytes")
+# What a prefix keeps at rest (docs/spec.md §5.4.1): its KV, or each layer's input row.
+PREFIX_STORAGES = ("kv", "h8", "h4")
 # The keys of Engine.runtime(), every engine alike (docs/api.md, "Backends").
 RUNTIME_KEYS = ("backend", "device", "device_name", "isa", "threads", "kv_block_size",
                 "weight_bytes", "device_weight_bytes", "kv_mode")
@@ -85,6 +88,19 @@ def finish_reason(emitted: Sequence[int], params: GenerationParams, eos_id: int)
     return "length" if len(emitted) >= params.max_tokens else None
 
 
+def check_prefix_storage(storage: object, name: str = "storage", warm_start: bool = False) -> str:
+    """`storage` itself when it is one of PREFIX_STORAGES, else ValueError naming them (and
+    the argument, `name`); an h storage with `warm_start` is refused too (docs/spec.md
+    §5.4.1: an h prefix has no warm start), with the same words on every backend."""
+    if not isinstance(storage, str) or storage not in PREFIX_STORAGES:
+        raise ValueError(f"{name} {storage!r} is not supported; use one of "
+                         f"{', '.join(map(repr, PREFIX_STORAGES))}")
+    if warm_start and storage != "kv":
+        raise ValueError(f"a hidden-state prefix ({storage}) has no warm start: drop "
+                         "warm_start or use the kv storage")
+    return storage
+
+
 def loops_mismatch(built: int, requested: int) -> str:
     """The refusal of a prefix asked for a depth past its own (docs/api.md, "Warm start")."""
     return (f"loops mismatch: prefix built at loops={built}, requested {requested} (a prefix "
@@ -111,6 +127,10 @@ class EnginePrefix(Protocol):
     @property
     def warm_start(self) -> bool:
         """Whether it keeps what Engine.extend_prefix needs (built with warm_start=True)."""
+
+    @property
+    def storage(self) -> str:
+        """What it keeps at rest, one of PREFIX_STORAGES (docs/spec.md §5.4.1)."""
 
     @property
     def nbytes(self) -> int:
@@ -184,10 +204,13 @@ class Engine(Protocol[PrefixT]):
         chunks), then sample until stop_reached."""
 
     def build_prefix(self, prompt: np.ndarray, loops: int, window: int,
-                     chunk: int, warm_start: bool = False) -> PrefixT:
+                     chunk: int, warm_start: bool = False, storage: str = "kv") -> PrefixT:
         """Prefill `prompt` at depth `loops` with attention window `window` (0 = none);
         `warm_start` also keeps every token's state after the last iteration (and its
-        injected term), what extend_prefix needs (docs/spec.md §5.4)."""
+        injected term), what extend_prefix needs (docs/spec.md §5.4). `storage` (one of
+        PREFIX_STORAGES) "h8" / "h4" keeps each layer's input row instead of the KV (§5.4.1);
+        ValueError naming the reason where it cannot (with warm_start, or rows as large as
+        the KV)."""
 
     def extend_prefix(self, prefix: PrefixT, loops: int, chunk: int) -> None:
         """Deepen a warm-start prefix to `loops` in place (prefix.loops becomes loops),

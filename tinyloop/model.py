@@ -16,7 +16,8 @@ import numpy as np
 
 from . import params as P
 from .backends import open_engine
-from .engine import NO_CALLBACKS, Callbacks, Engine, EnginePrefix, loops_mismatch
+from .engine import (NO_CALLBACKS, Callbacks, Engine, EnginePrefix, check_prefix_storage,
+                     loops_mismatch)
 from .modelfile import read_meta
 from .tokenizer import Tokenizer, open_tokenizer
 
@@ -37,18 +38,31 @@ def _env_flag(var):
 
 def _check_kv_mode(kv_mode):
     """The KV mode a Model runs in: kv_mode itself ("int8" or "int4"), or for None "int4"
-    when TINYLOOP_KV_INT4 is set (not "" or "0"), else "int8". The seed's hidden-state modes
-    (TINYLOOP_KV_H_MODE) are refused, never ignored."""
-    if _env_flag("TINYLOOP_KV_H_MODE"):
-        raise ValueError(f"TINYLOOP_KV_H_MODE={os.environ['TINYLOOP_KV_H_MODE']!r}: the "
-                         "hidden-state KV modes are not built yet; unset it or set it to 0 "
-                         f"(KV modes: {', '.join(KV_MODES)})")
+    when TINYLOOP_KV_INT4 is set (not "" or "0"), else "int8"."""
     if kv_mode is None:
         return "int4" if _env_flag("TINYLOOP_KV_INT4") else "int8"
     if kv_mode not in KV_MODES:
         raise ValueError(f"kv_mode {kv_mode!r} is not supported; use one of "
                          f"{', '.join(map(repr, KV_MODES))}")
     return kv_mode
+
+
+def _check_prefix_storage(prefix_storage, kv_mode):
+    """What a Model's prefixes keep by default (docs/api.md, "Hidden-state prefixes"):
+    prefix_storage itself ("kv", "h8" or "h4"), or for None the seed's TINYLOOP_KV_H_MODE:
+    unset, "" or "0" "kv"; "1" the smallest, "h4" in the int4 KV mode, else "h8"; "h8" or
+    "h4" that one."""
+    if prefix_storage is not None:
+        return check_prefix_storage(prefix_storage, "prefix_storage")
+    mode = os.environ.get("TINYLOOP_KV_H_MODE", "")
+    if mode in ("", "0"):
+        return "kv"
+    if mode == "1":
+        return "h4" if kv_mode == "int4" else "h8"
+    if mode in ("h8", "h4"):
+        return mode
+    raise ValueError(f"TINYLOOP_KV_H_MODE={mode!r} is not supported; use 0 (kv), 1 (the "
+                     "smallest: h4 with int4 KV, else h8), h8 or h4")
 
 
 @contextlib.contextmanager
@@ -88,8 +102,8 @@ class _DraftTally:
 class PrefixCache:
     """A prompt prefix whose KV is computed once and shared by many generations.
 
-    Opaque: exposes `prompt` (a read-only copy), `loops`, `cache_window`, `warm_start` and
-    `nbytes`. Its tokens never change; a warm-start prefix may be deepened in place (`extend`).
+    Opaque: exposes `prompt` (a read-only copy), `loops`, `cache_window`, `warm_start`,
+    `storage` ("kv", "h8" or "h4": docs/api.md, "Hidden-state prefixes") and `nbytes`. Its tokens never change; a warm-start prefix may be deepened in place (`extend`).
     It keeps its model alive and is freed by the garbage collector; it has no close().
     """
 
@@ -120,6 +134,11 @@ class PrefixCache:
         return self._state.warm_start
 
     @property
+    def storage(self) -> str:
+        """What it keeps at rest: its KV ("kv"), or each layer's input row ("h8", "h4")."""
+        return self._state.storage
+
+    @property
     def nbytes(self) -> int:
         return self._state.nbytes
 
@@ -129,7 +148,7 @@ class PrefixCache:
     def __repr__(self) -> str:
         return (f"PrefixCache(tokens={len(self)}, loops={self.loops}, "
                 f"cache_window={self.cache_window}, warm_start={self.warm_start}, "
-                f"nbytes={self.nbytes})")
+                f"storage={self.storage!r}, nbytes={self.nbytes})")
 
     def extend(self, loops: int, prefill_chunk: int | None = None) -> None:
         """Deepen a warm-start prefix to depth `loops`, in place: only the iterations past its
@@ -167,10 +186,18 @@ class Model:
     """A looped language model loaded from a .tinyloop file.
 
     Model(path=None, *, backend="auto", threads=None, kv_mode=None, block_size=16,
-          prefill_chunk=512, prefix_cache_bytes=256 MiB, device="auto"). `path=None` loads the
+          prefill_chunk=512, prefix_cache_bytes=256 MiB, device="auto", prefix_storage=None,
+          prefix_cache_dir=None, prefix_cache_disk_bytes=0).
+    `path=None` loads the
     bundled demo model; `kv_mode` "int8" or "int4" is how the KV cache stores keys and values
     (None: "int4" when TINYLOOP_KV_INT4 is set, else "int8"; `self.kv_mode` the one chosen);
+    `prefix_storage` what build_prefix_cache keeps by default, "kv", "h8" or "h4" (None: from
+    TINYLOOP_KV_H_MODE, docs/api.md "Hidden-state prefixes"; `self.prefix_storage`);
     `prefix_cache_bytes=0` switches the automatic prefix cache off;
+    `prefix_cache_dir` backs it with block files in that directory (created if missing, one
+    level), kept under `prefix_cache_disk_bytes` (0: no limit): evicted blocks, and at close
+    every cached one, are written there and read back by later requests and processes
+    (docs/api.md "Disk tier"; needs prefix_cache_bytes > 0);
     `device="cuda"` runs the native backend's forward pass on an NVIDIA GPU ("auto" and "cpu":
     the CPU). `backend` and `device` say what it runs on, `runtime()` how.
     """
@@ -179,18 +206,31 @@ class Model:
                  threads: int | None = None, kv_mode: str | None = None, block_size: int = 16,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 device: str = "auto") -> None:
+                 device: str = "auto", prefix_storage: str | None = None,
+                 prefix_cache_dir: str | os.PathLike[str] | None = None,
+                 prefix_cache_disk_bytes: int = 0) -> None:
         self.kv_mode = _check_kv_mode(kv_mode)
+        self.prefix_storage = _check_prefix_storage(prefix_storage, self.kv_mode)
         self._block_size = P.check_int("block_size", block_size, 1, P.MAX_BLOCK_SIZE)
         self._prefill_chunk = P.check_int("prefill_chunk", prefill_chunk, 1)
         cache_bytes = P.check_int("prefix_cache_bytes", prefix_cache_bytes, 0)
+        disk_bytes = P.check_int("prefix_cache_disk_bytes", prefix_cache_disk_bytes, 0)
+        if prefix_cache_dir is not None:
+            if not isinstance(prefix_cache_dir, (str, bytes, os.PathLike)):
+                raise ValueError("prefix_cache_dir must be a path (str, bytes or os.PathLike), "
+                                 f"got {type(prefix_cache_dir).__name__}")
+            prefix_cache_dir = os.fsdecode(prefix_cache_dir)
+            if not cache_bytes:
+                raise ValueError("prefix_cache_dir needs prefix_cache_bytes > 0")
         if threads is not None:
             P.check_int("threads", threads, 1, P.MAX_THREADS)
         path = _default_model_path() if path is None else os.fspath(path)
         self.path = path
         self._engine: Engine | None = open_engine(backend, path, block_size=self._block_size,
                                                   threads=threads, prefix_cache_bytes=cache_bytes,
-                                                  device=device, kv_mode=self.kv_mode)
+                                                  device=device, kv_mode=self.kv_mode,
+                                                  prefix_cache_dir=prefix_cache_dir,
+                                                  prefix_cache_disk_bytes=disk_bytes)
         runtime = self._engine.runtime()
         self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
@@ -362,19 +402,26 @@ class Model:
 
     def build_prefix_cache(self, prompt: TokenIds, loops: int | None = None, cache_window: int = 0,
                            prefill_chunk: int | None = None,
-                           warm_start: bool = False) -> PrefixCache:
+                           warm_start: bool = False, storage: str | None = None) -> PrefixCache:
         """Prefill `prompt` once at depth `loops`; the result serves any depth <= loops.
         warm_start=True also keeps every token's state after the last iteration (4 * d_model
         bytes a token, twice that with injection), so that a deeper request extends the
-        prefix in place instead of failing (PrefixCache.extend)."""
+        prefix in place instead of failing (PrefixCache.extend). `storage` (None: the
+        model's prefix_storage) "h8" or "h4" keeps each layer's input row instead of the KV,
+        rebuilding the KV for every generation from it (docs/api.md, "Hidden-state
+        prefixes"); ValueError naming the reason where it cannot (with warm_start, or where
+        the rows take as many bytes as the KV)."""
         engine = self._live_engine()
         args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)
         if not isinstance(warm_start, (bool, np.bool_)):
             raise ValueError(f"warm_start must be a bool, got {type(warm_start).__name__}")
+        storage = check_prefix_storage(self.prefix_storage if storage is None else storage,
+                                       warm_start=bool(warm_start))
         tokens, depth, window, chunk = args
         with _out_of_memory_as_runtime_error():
             return PrefixCache(self, engine.build_prefix(tokens, depth, window, chunk,
-                                                         warm_start=bool(warm_start)))
+                                                         warm_start=bool(warm_start),
+                                                         storage=storage))
 
     def prefix_from_bytes(self, blob: bytes | bytearray | memoryview) -> PrefixCache:
         """The PrefixCache whose to_bytes() gave `blob`, saved by a model of the same file and

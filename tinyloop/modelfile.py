@@ -10,7 +10,8 @@ a file another reader already validated. Writer and reader apply the same tensor
 reader checks every rule of §6 in one fixed order and raises ModelFormatError naming the first
 rule broken, whatever the input bytes: sizes and offsets are Python ints (no overflow), and no
 byte outside the buffer is read or allocated for.
-`pack_int4` / `unpack_int4` convert int4 weights to and from their stored form.
+`pack_int4` / `unpack_int4` convert int4 weights to and from their stored form; `checksum` is
+the CRC-32 of §6.1, which the prefix blob (§7.1) and the spilled block file (§7.6) share.
 Not here: quantization, or any interpretation of the weights.
 """
 import math
@@ -51,6 +52,13 @@ V2_FIELDS_AT = 184
 # §6.2: name, dtype, ndim, dims[4], offset.
 ENTRY = struct.Struct("<48sII4QQ")
 assert HEADER.size == HEADER_BYTES and ENTRY.size == ENTRY_BYTES
+
+
+def checksum(buf):
+    """CRC-32 of `buf` (any buffer) with its 4 bytes at CHECKSUM_AT read as zero: a model
+    file's (§6.1), a prefix blob's (§7.1) or a spilled block file's (§7.6) checksum field."""
+    mv = memoryview(buf).cast("B")
+    return zlib.crc32(mv[CHECKSUM_AT + 4:], zlib.crc32(bytes(4), zlib.crc32(mv[:CHECKSUM_AT])))
 
 
 # ---- writer ------------------------------------------------------------------------------
@@ -169,7 +177,7 @@ def decode_model(buf):
     if size < HEADER_BYTES:
         raise ModelFormatError(f"file too small: {size} bytes < {HEADER_BYTES}-byte header")
     version, fields = _parse_header_start(mv, size)
-    crc = zlib.crc32(mv[CHECKSUM_AT + 4:], zlib.crc32(bytes(4), zlib.crc32(mv[:CHECKSUM_AT])))
+    crc = checksum(mv)
     if crc != fields["checksum"]:
         raise ModelFormatError(f"checksum mismatch: header 0x{fields['checksum']:08x}, "
                                f"computed 0x{crc:08x}")

@@ -46,6 +46,9 @@ class NativePrefix:
         self.tokens = tokens          # (n,) int32 copy
         self.cache_window = window
         self.warm_start = bool(engine.lib.tl_prefix_warm_start(handle))
+        lib = engine.lib
+        self.storage = {lib.TL_STORE_KV: "kv", lib.TL_STORE_H8: "h8",
+                        lib.TL_STORE_H4: "h4"}[lib.tl_prefix_storage_get(handle)]
         self._engine = engine
 
     def _info(self) -> tuple[int, int]:
@@ -142,7 +145,8 @@ class NativeEngine:
 
     def __init__(self, loaded: tuple[Any, Any, Path, str], path: str | os.PathLike[str], *,
                  block_size: int, threads: int | None, prefix_cache_bytes: int = 0,
-                 device: str = "auto", kv_mode: str = "int8") -> None:
+                 device: str = "auto", kv_mode: str = "int8",
+                 prefix_cache_dir: str | None = None, prefix_cache_disk_bytes: int = 0) -> None:
         self.ffi, self.lib, self.library_path, self.library_origin = loaded
         self._errors = _error_types(self.lib)
         params = self.ffi.new("tl_model_params*", self.lib.tl_model_params_default())
@@ -152,6 +156,11 @@ class NativeEngine:
         params.device = {"auto": self.lib.TL_DEVICE_AUTO, "cpu": self.lib.TL_DEVICE_CPU,
                          "cuda": self.lib.TL_DEVICE_CUDA}[device]
         params.kv_mode = self._kv_modes()[kv_mode]
+        # the library copies the string; `directory` keeps it alive until then
+        directory = (self.ffi.NULL if prefix_cache_dir is None
+                     else self.ffi.new("char[]", os.fsencode(prefix_cache_dir)))
+        params.prefix_cache_dir = directory
+        params.prefix_cache_disk_bytes = prefix_cache_disk_bytes
         out = self.ffi.new("tl_model**")
         self._check(self.lib.tl_model_open(str(path).encode(), params, out))
         self.model = self._owned(out, "tl_model_free")
@@ -306,10 +315,11 @@ class NativeEngine:
             params, want_logits, callbacks)
 
     def build_prefix(self, prompt: np.ndarray, loops: int, window: int, chunk: int,
-                     warm_start: bool = False) -> NativePrefix:
+                     warm_start: bool = False, storage: str = "kv") -> NativePrefix:
         prompt, buf = self._tokens(prompt)
         out = self.ffi.new("tl_prefix**")
-        flags = self.lib.TL_PREFIX_WARM_START if warm_start else 0
+        store = {"kv": 0, "h8": self.lib.TL_PREFIX_STORE_H8, "h4": self.lib.TL_PREFIX_STORE_H4}
+        flags = (self.lib.TL_PREFIX_WARM_START if warm_start else 0) | store[storage]
         self._check(self.lib.tl_prefix_build_ex(self.model, buf, len(prompt), loops, window, chunk,
                                                 flags, out))
         return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), window)

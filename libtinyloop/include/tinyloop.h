@@ -155,6 +155,12 @@ typedef struct tl_model_params {
     tl_kv_mode kv_mode;     /* how the KV cache stores keys and values (docs/spec.md §4):
                                TL_KV_INT8 (default) or TL_KV_INT4; a caller built before this
                                field passes a smaller size and gets TL_KV_INT8                */
+    const char* prefix_cache_dir; /* the automatic prefix cache's disk tier (docs/spec.md
+                               §4.3.1): evicted blocks (and, at close, the cached ones) are
+                               written there and read back on a hit; NULL = none. Needs
+                               prefix_cache_bytes > 0; created (one level) when missing;
+                               not a directory / cannot be created: TL_ERR_IO. Copied.     */
+    size_t prefix_cache_disk_bytes; /* budget of the files of that tier; 0 = no limit      */
 } tl_model_params;
 
 /* Defaults: all cores, blocks of 16, automatic ISA, no automatic prefix cache, device auto,
@@ -236,6 +242,10 @@ typedef struct tl_prefix_cache_stats {
     size_t blocks;             /* blocks held now                                             */
     size_t bytes_in_use;       /* bytes of those blocks (each block's whole allocation)       */
     size_t budget_bytes;       /* tl_model_params.prefix_cache_bytes                          */
+    uint64_t spilled_blocks;   /* blocks written to the disk tier (docs/spec.md §4.3.1)       */
+    uint64_t disk_hit_blocks;  /* blocks lookups read back from it                           */
+    size_t disk_bytes;         /* bytes of the tier's files now                               */
+    size_t disk_budget_bytes;  /* tl_model_params.prefix_cache_disk_bytes (0: no limit)       */
 } tl_prefix_cache_stats;
 
 /* Snapshot of the counters. Thread-safe. TL_ERR_CLOSED after tl_model_close. */
@@ -304,7 +314,13 @@ TL_API void tl_seq_free(tl_seq* seq);
  * Holds a reference to the model's weights; shareable between threads. */
 typedef struct tl_prefix tl_prefix;
 
-enum { TL_PREFIX_WARM_START = 1 }; /* tl_prefix_build_ex flag: keep what tl_prefix_extend needs */
+/* tl_prefix_build_ex flags: TL_PREFIX_WARM_START keeps what tl_prefix_extend needs;
+ * TL_PREFIX_STORE_H8 / TL_PREFIX_STORE_H4 make a hidden-state prefix (docs/spec.md §5.4.1). */
+enum { TL_PREFIX_WARM_START = 1, TL_PREFIX_STORE_H8 = 2, TL_PREFIX_STORE_H4 = 4 };
+
+/* What a prefix keeps at rest (docs/spec.md §5.4.1): its KV blocks, or each layer's input row
+ * (int8 or int4), from which a sequence starting from it rebuilds its KV. */
+typedef enum tl_prefix_storage { TL_STORE_KV = 0, TL_STORE_H8 = 1, TL_STORE_H4 = 2 } tl_prefix_storage;
 
 /* Run tokens[0..n) (n >= 1, copied) at depth `loops` (0 = default) with window `cache_window`,
  * prefilling in chunks of `chunk` tokens (0 = all at once). *out owned by the caller
@@ -315,7 +331,10 @@ TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t 
 /* As tl_prefix_build (which is this with flags 0); flags TL_PREFIX_WARM_START also keeps every
  * token's state after the last core iteration (4 * d_model bytes per token, twice that with
  * injection; none on a backend without a part pass, whose tl_prefix_extend rebuilds), so
- * tl_prefix_extend can deepen the prefix. Unknown flags: TL_ERR_INVALID_ARGUMENT. */
+ * tl_prefix_extend can deepen the prefix. TL_PREFIX_STORE_H8 or TL_PREFIX_STORE_H4 keeps each
+ * layer's input row instead of the KV (docs/spec.md §5.4.1); refused (TL_ERR_INVALID_ARGUMENT)
+ * with the other, with TL_PREFIX_WARM_START, or where the rows would take as many bytes as the
+ * KV (the message says both sizes). Unknown flags: TL_ERR_INVALID_ARGUMENT. */
 TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
                                     uint32_t cache_window, size_t chunk, uint32_t flags, tl_prefix** out);
 /* Deepen a warm-start prefix to depth `loops` in place, computing only iterations L_b ..
@@ -330,8 +349,11 @@ TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size
 TL_API tl_status tl_prefix_extend(tl_prefix* prefix, uint32_t loops, size_t chunk);
 /* 1 if the prefix was built with TL_PREFIX_WARM_START, else 0 (NULL included). */
 TL_API int tl_prefix_warm_start(const tl_prefix* prefix);
+/* What the prefix keeps at rest (TL_STORE_KV for NULL). */
+TL_API tl_prefix_storage tl_prefix_storage_get(const tl_prefix* prefix);
 /* Facts about a prefix; any output pointer may be NULL. nbytes = the bytes of the KV blocks
- * it holds (each block's whole allocation, docs/c-api.md) + 4 * loops * d_model (its hidden
+ * it holds (each block's whole allocation, docs/c-api.md; for a hidden-state prefix instead
+ * its rows, n_layers * (n - h_start) * (d_model + 4), or d_model / 2 + 4 for h4) + 4 * loops * d_model (its hidden
  * states) + 4 * n_tokens * d_model (warm start: its tokens' states; twice that with
  * injection) + 4 * n_tokens (its token copy). Thread-safe. */
 TL_API void tl_prefix_info(const tl_prefix* prefix, size_t* n_tokens, uint32_t* loops,
@@ -352,7 +374,9 @@ TL_API tl_status tl_prefix_save(const tl_prefix* prefix, void* buf, size_t cap, 
 TL_API tl_status tl_prefix_load(tl_model* model, const void* buf, size_t n, tl_prefix** out);
 /* A sequence continuing the prefix at depth `loops` (0 = the prefix's; must be <= the
  * prefix's, else TL_ERR_LOOPS_MISMATCH) with the prefix's window. Shares every prefix block;
- * copies none. *out owned by the caller. Thread-safe (the prefix is only read). */
+ * copies none (a hidden-state prefix: the sequence gets its own blocks, the KV of the slots
+ * depth `loops` reads rebuilt from the rows, docs/spec.md §5.4.1). *out owned by the caller.
+ * Thread-safe (the prefix is only read). */
 TL_API tl_status tl_seq_from_prefix(const tl_prefix* prefix, uint32_t loops, tl_seq** out);
 
 /* ===== Generation =========================================================================== */

@@ -12,7 +12,9 @@ nested depths) into OUT_DIR, with OUT_DIR/manifest.txt listing the cases one per
 
     <kind> key=value ...
 
-kind is logits | generate | prefix (a prefix case's chunk is the prefix build's). Arrays are
+kind is logits | generate | prefix | hprefix (a prefix case's chunk is the prefix build's; an
+hprefix case is a hidden-state prefix, storage 1 h8 or 2 h4, with its blob, docs/spec.md §5.4.1
+and §7, in *.bin). Arrays are
 raw little-endian files: token ids int32 (*.i32), logits float32 bit patterns (*.f32). Float
 parameters are written as the hex bits of their float32 value so that C reads exactly the
 value numpy used. Every generate/prefix case stores only the emitted tokens (the prompt is in
@@ -74,6 +76,12 @@ class Writer:
         name = f"{stem}.{'i32' if dtype == np.int32 else 'f32'}"
         np.ascontiguousarray(np.asarray(values, dtype=dtype)).astype(
             np.dtype(dtype).newbyteorder("<")).tofile(os.path.join(self.out_dir, name))
+        return name
+
+    def bytes(self, stem, data):
+        name = stem + ".bin"
+        with open(os.path.join(self.out_dir, name), "wb") as f:
+            f.write(data)
         return name
 
     def case(self, kind, **fields):
@@ -161,6 +169,26 @@ def model_cases(w, name, seed, overrides):
                 w.case("prefix", model=name + ".tinyloop", prefix_loops=L + 1, loops=loops,
                        window=window, prompt=h_file,
                        expect=w.array(stem + ".expect", out[len(head):], np.int32), **fields)
+
+    # hidden-state prefixes (where the model allows the storage): the blob, and generations
+    for storage in ("h8", "h4"):
+        for window, chunk in ((0, 0), (7, 4)):
+            try:
+                prefix = model.build_prefix_cache(head, loops=L, cache_window=window,
+                                                  prefill_chunk=chunk or None, storage=storage)
+            except ValueError:  # rows as large as the KV (few kv heads)
+                continue
+            stem = f"{name}.{storage}.W{window}"
+            blob = w.bytes(stem, prefix.to_bytes())
+            for loops in sorted({1, L}):
+                fields = gen_fields(w, f"{stem}.L{loops}", 10, chunk=chunk, temperature=0.9,
+                                    top_k=0, seed=loops * 31 + 1)
+                out = model.generate_from_prefix_cache(prefix, loops=loops, cache_window=window,
+                                                       **kwargs_of(fields, ()))
+                w.case("hprefix", model=name + ".tinyloop", prefix_loops=L, loops=loops,
+                       window=window, storage=1 if storage == "h8" else 2, prompt=h_file, blob=blob,
+                       expect=w.array(f"{stem}.L{loops}.expect", out[len(head):], np.int32),
+                       **fields)
 
 
 def eos_cases(w, name, seed, overrides):

@@ -81,6 +81,32 @@ static tl_status op_prefix(tl_model* m) {
     return st;
 }
 
+/* A hidden-state prefix (h4, windowed): built, a sequence and a generation from it (each
+ * rebuilding its KV from the rows), saved and loaded back (a version-2 blob). */
+static tl_status op_hidden_prefix(tl_model* m) {
+    tl_prefix* p = NULL;
+    tl_prefix* q = NULL;
+    tl_seq* s = NULL;
+    int32_t out[8];
+    size_t n = 0;
+    uint8_t* bytes = NULL;
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 4;
+    gp.cache_window = 6;
+    tl_status st = tl_prefix_build_ex(m, prompt, 15, 2, 6, 4, TL_PREFIX_STORE_H4, &p);
+    if (st == TL_OK) st = tl_seq_from_prefix(p, 1, &s);
+    if (st == TL_OK) st = tl_generate_from_prefix(p, prompt + 15, 3, &gp, out, &n, NULL);
+    if (st == TL_OK) st = tl_prefix_save(p, NULL, 0, &n);
+    if (st == TL_OK && !(bytes = malloc(n))) st = TL_ERR_OUT_OF_MEMORY;
+    if (st == TL_OK) st = tl_prefix_save(p, bytes, n, &n);
+    if (st == TL_OK) st = tl_prefix_load(m, bytes, n, &q);
+    free(bytes);
+    tl_prefix_free(q);
+    tl_seq_free(s);
+    tl_prefix_free(p);
+    return st;
+}
+
 static uint8_t* blob; /* of a warm-start prefix with a window, saved in main */
 static size_t blob_bytes;
 
@@ -272,6 +298,7 @@ int main(void) {
     sweep("prefill+decode", op_prefill_decode, m);
     sweep("fork", op_fork, m);
     sweep("prefix", op_prefix, m);
+    sweep("hidden-state prefix", op_hidden_prefix, m);
     tl_prefix* saved = NULL;
     CHECK_OK(tl_prefix_build_ex(m, prompt, 15, 2, 6, 0, TL_PREFIX_WARM_START, &saved));
     CHECK_OK(tl_prefix_save(saved, NULL, 0, &blob_bytes));

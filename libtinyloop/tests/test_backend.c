@@ -4,8 +4,8 @@
  * the core reaches the pass only through the seam (every entry point is counted), block data
  * comes from the backend's allocator and all of it goes back, an allocator failure leaves the
  * sequence unchanged, a prefix build hands every chunk's pass its loop_states (so each chunk
- * writes every depth's coda slots), and the logits are bit-identical to the same model run
- * plainly. */
+ * writes every depth's coda slots), a hidden-state prefix is refused on a backend without
+ * kv_from_rows, and the logits are bit-identical to the same model run plainly. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -70,7 +70,8 @@ static void rec_release(void* ctx, void* data) {
     free(data);
 }
 
-static const tl_backend_iface rec_iface = {rec_forward, rec_forward_batch, rec_head_logits, rec_info, rec_free, NULL};
+static const tl_backend_iface rec_iface = {rec_forward, rec_forward_batch, rec_head_logits, rec_info, rec_free,
+                                           NULL, NULL};
 
 /* Every live block of s has its data outside its header: it came from the allocator. */
 static int blocks_on_device(const tl_seq* s, const recorder* r) {
@@ -180,6 +181,13 @@ int main(void) {
     tl_seq_free(from);
     tl_seq_free(fresh);
     tl_prefix_free(prefix);
+
+    /* this backend has no kv_from_rows: a hidden-state prefix is refused, naming why */
+    prefix = (tl_prefix*)&prefix;
+    CHECK_STATUS(tl_prefix_build_ex(seam, prompt, PROMPT, 2, 0, CHUNK, TL_PREFIX_STORE_H4, &prefix),
+                 TL_ERR_INVALID_ARGUMENT);
+    CHECK(prefix == NULL && strstr(tl_last_error(), "h4 prefixes need a backend that rebuilds the KV from rows"),
+          "message: %s", tl_last_error());
 
     tl_seq_free(s);
     tl_seq_free(sf);

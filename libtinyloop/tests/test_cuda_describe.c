@@ -2,6 +2,8 @@
  *  - how tl_cuda_describe turns sequences (span tables, windows, reserved positions) into the
  *    rows and KV spans the device reads: two sequences, one windowed, several blocks, some
  *    released;
+ *  - how tl_cuda_describe_writes turns positions of a sequence into the rows of a K/V write from
+ *    layer inputs (a hidden-state prefix's rebuild), or refuses positions outside its live blocks;
  *  - the pass schedule of cuda/pass.h (which rows run which step, on which state, writing which
  *    cache slot), recorded per row and compared with docs/spec.md §1 / §4 / §5.4 written out
  *    independently: the slot table's formulas, not tl_slot_at. */
@@ -33,6 +35,30 @@ static tl_seq* prefilled(tl_engine* e, uint32_t loops, uint32_t window, size_t n
     CHECK_OK(tl_seq_prefill(s, tokens, n, 3, NULL));
     CHECK_OK(tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, reserve));
     return s;
+}
+
+/* tl_cuda_describe_writes of every range pos0 .. pos0+T-1 around s's reserved positions: the
+ * rows when span_of finds every position, each row where its K/V goes; else false, rows kept. */
+static void check_writes(const char* what, const tl_seq* s, size_t reserved) {
+    enum { MAX_T = 6 };
+    for (size_t pos0 = 0; pos0 < reserved + 2; pos0++)
+        for (size_t T = 1; T <= MAX_T; T++) {
+            bool live = true;
+            for (size_t p = pos0; p < pos0 + T; p++) live = live && span_of(s, p) != NULL;
+            tl_cuda_row rows[MAX_T], kept;
+            memset(rows, 0xab, sizeof rows);
+            memcpy(&kept, &rows[0], sizeof kept);
+            const bool got = tl_cuda_describe_writes(s, pos0, T, rows);
+            CHECK(got == live, "%s: positions %zu .. %zu described: %d, live: %d", what, pos0, pos0 + T - 1, got, live);
+            if (!got) CHECK(memcmp(&rows[0], &kept, sizeof kept) == 0, "%s: a refused range wrote rows", what);
+            for (size_t t = 0; got && t < T; t++) {
+                const tl_cuda_row* r = &rows[t];
+                const tl_kv_span* w = span_of(s, pos0 + t);
+                CHECK(r->token == 0 && r->pos == pos0 + t && r->loops == s->loops && r->window == s->window &&
+                          r->n_spans == 0 && r->write_data == w->block->data && r->write_slot == pos0 + t - w->start,
+                      "%s: position %zu's row", what, pos0 + t);
+            }
+        }
 }
 
 static void test_describe(void) {
@@ -87,6 +113,8 @@ static void test_describe(void) {
     for (size_t i = 1; i < live_a; i++)
         CHECK(spans[i].start == spans[i - 1].start + spans[i - 1].count, "a's spans are not in order");
     CHECK(spans[rows[3].first_span].start > 0, "b's released blocks were described");
+    check_writes("a", a, N_A + 3);
+    check_writes("b, windowed", b, N_B + 1);
 
     tl_seq_free(a);
     tl_seq_free(b);

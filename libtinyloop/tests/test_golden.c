@@ -3,7 +3,8 @@
  * usage: test_golden GOLDEN_DIR
  * Runs every case of GOLDEN_DIR/manifest.txt on every kernel path this CPU has (scalar with
  * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and
- * compares logits by bit pattern and tokens exactly. */
+ * compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
+ * numpy's blob byte for byte, and that blob loads and generates the same tokens. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -82,6 +83,32 @@ static tl_gen_params gen_params(const fields* f, int32_t** stops, size_t** lengt
     return gp;
 }
 
+/* An hprefix case: the prefix built here saves numpy's blob, which loads into a prefix that
+ * generates what the built one does; got[*n_got] = the built one's tokens. */
+static void hidden_prefix_case(const fields* f, tl_model* m, const int32_t* prompt, size_t n_prompt,
+                               const tl_gen_params* gp, int32_t* got, size_t* n_got, const char* where) {
+    size_t n_blob, n_saved = 0, n_again = 0;
+    uint8_t* blob = load(get(f, "blob"), 1, &n_blob);
+    const uint32_t flags = get_u64(f, "storage") == 1 ? TL_PREFIX_STORE_H8 : TL_PREFIX_STORE_H4;
+    tl_prefix* p = NULL;
+    tl_prefix* q = NULL;
+    CHECK_OK(tl_prefix_build_ex(m, prompt, n_prompt, (uint32_t)get_u64(f, "prefix_loops"), gp->cache_window,
+                                gp->prefill_chunk, flags, &p));
+    uint8_t* saved = malloc(n_blob);
+    CHECK(tl_prefix_save(p, saved, n_blob, &n_saved) == TL_OK && n_saved == n_blob && !memcmp(saved, blob, n_blob),
+          "%s: %s: the prefix built here saves %zu other bytes (numpy: %zu): %s", where, get(f, "blob"), n_saved,
+          n_blob, tl_last_error());
+    CHECK_OK(tl_generate_from_prefix(p, NULL, 0, gp, got, n_got, NULL));
+    CHECK_OK(tl_prefix_load(m, blob, n_blob, &q));
+    int32_t* again = calloc(gp->max_tokens, sizeof(int32_t));
+    CHECK_OK(tl_generate_from_prefix(q, NULL, 0, gp, again, &n_again, NULL));
+    CHECK(n_again == *n_got && memcmp(again, got, n_again * sizeof(int32_t)) == 0,
+          "%s: %s: the loaded blob generates other tokens than the prefix built here", where, get(f, "blob"));
+    free(again), free(saved), free(blob);
+    tl_prefix_free(q);
+    tl_prefix_free(p);
+}
+
 static void run_case(const char* kind, const fields* f, tl_model* m, const char* where) {
     size_t n_prompt, n_expect;
     int32_t* prompt = load(get(f, "prompt"), sizeof(int32_t), &n_prompt);
@@ -110,6 +137,8 @@ static void run_case(const char* kind, const fields* f, tl_model* m, const char*
         size_t n_got = 0;
         if (strcmp(kind, "generate") == 0) {
             CHECK_OK(tl_generate(m, prompt, n_prompt, &gp, got, &n_got, NULL));
+        } else if (strcmp(kind, "hprefix") == 0) {
+            hidden_prefix_case(f, m, prompt, n_prompt, &gp, got, &n_got, where);
         } else {
             tl_prefix* p = NULL;
             CHECK_OK(tl_prefix_build(m, prompt, n_prompt, (uint32_t)get_u64(f, "prefix_loops"), gp.cache_window,

@@ -29,47 +29,6 @@ static int32_t prompt[N_PROMPT + N_SUFFIX]; /* the prefix's tokens, then a suffi
 static const int32_t* const suffix = prompt + N_PROMPT;
 static uint32_t V;
 
-typedef struct blob {
-    uint8_t* bytes;
-    size_t n;
-} blob;
-
-static uint32_t get_u32(const uint8_t* p) {
-    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t* p) { return get_u32(p) | (uint64_t)get_u32(p + 4) << 32; }
-static void put_u32(uint8_t* p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i);
-}
-static void put_u64(uint8_t* p, uint64_t v) {
-    put_u32(p, (uint32_t)v);
-    put_u32(p + 4, (uint32_t)(v >> 32));
-}
-
-/* Recompute the checksum (offset 24) of an edited blob: the CRC-32 with the field read as zero. */
-static void fix_checksum(uint8_t* b, size_t n) {
-    put_u32(b + 24, 0);
-    put_u32(b + 24, tu_crc32(b, n));
-}
-
-static blob save(const tl_prefix* p) {
-    blob b = {NULL, 0};
-    CHECK_OK(tl_prefix_save(p, NULL, 0, &b.n));
-    b.bytes = malloc(b.n);
-    size_t n = 0;
-    CHECK_OK(tl_prefix_save(p, b.bytes, b.n, &n));
-    CHECK(n == b.n, "save wrote %zu bytes, the size query said %zu", n, b.n);
-    return b;
-}
-
-static int same_blob(blob a, blob b) { return a.n == b.n && memcmp(a.bytes, b.bytes, a.n) == 0; }
-
-static tl_prefix* load(tl_model* m, blob b) {
-    tl_prefix* p = NULL;
-    CHECK_OK(tl_prefix_load(m, b.bytes, b.n, &p));
-    return p;
-}
-
 static tl_prefix* build(tl_model* m, uint32_t loops, uint32_t window, uint32_t flags) {
     tl_prefix* p = NULL;
     CHECK_OK(tl_prefix_build_ex(m, prompt, N_PROMPT, loops, window, 4, flags, &p));
@@ -103,13 +62,14 @@ static void check_generations(tl_model* m, const tl_prefix* got, const tl_prefix
 
 /* A blob without the kept states (as a backend without a part pass saves a warm-start prefix):
  * flags bit 1 cleared, the states and injected terms cut off. */
-static blob without_states(blob b, uint32_t d, int injection) {
-    CHECK(get_u32(b.bytes + 52) == 3, "a warm-start blob from the CPU has states (flags %u)", get_u32(b.bytes + 52));
-    blob out = {malloc(b.n), b.n - (size_t)N_PROMPT * d * 4 * (injection ? 2 : 1)};
+static tu_blob without_states(tu_blob b, uint32_t d, int injection) {
+    CHECK(tu_get_u32(b.bytes + 52) == 3, "a warm-start blob from the CPU has states (flags %u)",
+          tu_get_u32(b.bytes + 52));
+    tu_blob out = {malloc(b.n), b.n - (size_t)N_PROMPT * d * 4 * (injection ? 2 : 1)};
     memcpy(out.bytes, b.bytes, out.n);
-    put_u32(out.bytes + 52, 1);
-    put_u64(out.bytes + 16, out.n);
-    fix_checksum(out.bytes, out.n);
+    tu_put_u32(out.bytes + 52, 1);
+    tu_put_u64(out.bytes + 16, out.n);
+    tu_fix_checksum(out.bytes, out.n);
     return out;
 }
 
@@ -120,40 +80,40 @@ static void check_round_trip(tl_model* m, tl_model* other, const tu_spec* spec, 
     char what[96];
     snprintf(what, sizeof what, "loops %u window %u%s", L_b, W, flags ? " warm" : "");
     tl_prefix* p = build(m, L_b, W, flags);
-    blob b = save(p);
-    tl_prefix* q = load(m, b);
+    tu_blob b = tu_save(p);
+    tl_prefix* q = tu_load(m, b);
     check_generations(m, q, p, what);
     CHECK(tl_prefix_warm_start(q) == tl_prefix_warm_start(p), "%s: warm start lost", what);
     size_t nq, np;
     tl_prefix_info(q, NULL, NULL, NULL, &nq);
     tl_prefix_info(p, NULL, NULL, NULL, &np);
     CHECK(nq == np, "%s: loaded nbytes %zu, saved %zu", what, nq, np);
-    blob again = save(q);
-    CHECK(same_blob(again, b), "%s: saving the loaded prefix gives other bytes", what);
+    tu_blob again = tu_save(q);
+    CHECK(tu_same_blob(again, b), "%s: saving the loaded prefix gives other bytes", what);
 
-    tl_prefix* r = load(other, b); /* paged into other blocks: the same generations */
+    tl_prefix* r = tu_load(other, b); /* paged into other blocks: the same generations */
     char other_what[128];
     snprintf(other_what, sizeof other_what, "%s, other block size", what);
     check_generations(other, r, p, other_what);
-    blob from_other = save(r);
-    tl_prefix* back = load(m, from_other);
+    tu_blob from_other = tu_save(r);
+    tl_prefix* back = tu_load(m, from_other);
     check_generations(m, back, p, other_what);
     tl_prefix_free(back);
     free(from_other.bytes);
 
     if (flags & TL_PREFIX_WARM_START) {
         const uint32_t L = L_b + 2;
-        blob bare = without_states(b, spec->d, spec->injection);
-        tl_prefix* rebuilt = load(m, bare);
+        tu_blob bare = without_states(b, spec->d, spec->injection);
+        tl_prefix* rebuilt = tu_load(m, bare);
         CHECK(tl_prefix_warm_start(rebuilt), "%s: a blob without states loads as warm start", what);
-        blob bare_again = save(rebuilt);
-        CHECK(same_blob(bare_again, bare), "%s: a blob without states saves back differently", what);
+        tu_blob bare_again = tu_save(rebuilt);
+        CHECK(tu_same_blob(bare_again, bare), "%s: a blob without states saves back differently", what);
         CHECK_OK(tl_prefix_extend(p, L, 3));
         CHECK_OK(tl_prefix_extend(q, L, 5));
         CHECK_OK(tl_prefix_extend(r, L, 0));
         CHECK_OK(tl_prefix_extend(rebuilt, L, 0));
-        blob want = save(p), got = save(q);
-        CHECK(same_blob(got, want), "%s: the loaded prefix extended differs from the saved one extended", what);
+        tu_blob want = tu_save(p), got = tu_save(q);
+        CHECK(tu_same_blob(got, want), "%s: the loaded prefix extended differs from the saved one extended", what);
         snprintf(other_what, sizeof other_what, "%s, extended", what);
         check_generations(m, q, p, other_what);
         check_generations(other, r, p, other_what);
@@ -182,7 +142,7 @@ static void check_bad(tl_model* m, const uint8_t* bytes, size_t n, const char* w
 
 static void test_arguments(tl_model* m, const char* path) {
     tl_prefix* p = build(m, 2, 0, 0);
-    blob b = save(p);
+    tu_blob b = tu_save(p);
     size_t size = 0;
     CHECK_STATUS(tl_prefix_save(NULL, NULL, 0, &size), TL_ERR_INVALID_ARGUMENT);
     CHECK_STATUS(tl_prefix_save(p, NULL, 0, NULL), TL_ERR_INVALID_ARGUMENT);
@@ -213,13 +173,13 @@ static void test_arguments(tl_model* m, const char* path) {
 /* A blob of another model (other weights: another checksum), of the other KV mode. */
 static void test_identity(tl_model* m8, tl_model* m4, tl_model* other_weights) {
     tl_prefix* p = build(m8, 2, 6, TL_PREFIX_WARM_START);
-    blob b = save(p);
+    tu_blob b = tu_save(p);
     check_bad(other_weights, b.bytes, b.n, "this prefix was saved from another model (checksum 0x", "other weights");
     check_bad(m4, b.bytes, b.n, "saved with kv_mode int8; this model runs int4", "int8 blob, int4 model");
     tl_prefix* p4 = build(m4, 2, 6, TL_PREFIX_WARM_START);
-    blob b4 = save(p4);
-    CHECK(get_u32(b4.bytes + 40) == 1 && b4.n < b.n, "an int4 blob: kv_mode %u, %zu bytes (int8: %zu)",
-          get_u32(b4.bytes + 40), b4.n, b.n);
+    tu_blob b4 = tu_save(p4);
+    CHECK(tu_get_u32(b4.bytes + 40) == 1 && b4.n < b.n, "an int4 blob: kv_mode %u, %zu bytes (int8: %zu)",
+          tu_get_u32(b4.bytes + 40), b4.n, b.n);
     check_bad(m8, b4.bytes, b4.n, "saved with kv_mode int4; this model runs int8", "int4 blob, int8 model");
     free(b4.bytes);
     free(b.bytes);
@@ -229,66 +189,26 @@ static void test_identity(tl_model* m8, tl_model* m4, tl_model* other_weights) {
 
 /* ---- the loader under mutation -------------------------------------------------------------- */
 
-/* A load that may fail, only ever as TL_ERR_BAD_FILE naming the prefix blob. */
-static int try_load(tl_model* m, const uint8_t* bytes, size_t n, const char* what, size_t at) {
-    tl_prefix* p = NULL;
-    const tl_status st = tl_prefix_load(m, bytes, n, &p);
-    CHECK(st == TL_OK || (st == TL_ERR_BAD_FILE && strstr(tl_last_error(), "bad prefix blob: ")),
-          "%s at %zu: status %d (%s)", what, at, st, tl_last_error());
-    CHECK((st == TL_OK) == (p != NULL), "%s at %zu: status %d with prefix %p", what, at, st, (void*)p);
-    tl_prefix_free(p);
-    return st == TL_OK;
-}
-
-typedef struct field_case {
-    size_t at, width; /* where; 1, 4 or 8 bytes */
-    uint64_t value;
-    const char* message;
-} field_case;
-
 /* b: a warm-start blob with states of the injection model: 9 tokens, window 6, loops 1, so
  * kv_start > 0. */
-static void test_mutations(tl_model* m, blob b, uint32_t d) {
-    uint8_t* x = malloc(b.n);
-    int loaded = 0;
-    for (size_t len = 0; len < b.n; len++) { /* every truncation, as it is and made consistent */
-        memcpy(x, b.bytes, len);
-        CHECK(!try_load(m, x, len, "truncation", len), "a truncation to %zu bytes loaded", len);
-        if (len < HEADER) continue;
-        put_u64(x + 16, len);
-        fix_checksum(x, len);
-        CHECK(!try_load(m, x, len, "consistent truncation", len), "a consistent truncation to %zu bytes loaded", len);
-    }
-    uint64_t rng = 5;
-    for (size_t at = 0; at < b.n; at++) { /* a flip of every byte */
-        memcpy(x, b.bytes, b.n);
-        x[at] ^= (uint8_t)(1 + tu_next(&rng) % 255);
-        CHECK(!try_load(m, x, b.n, "flip", at), "a flip at %zu loaded without its checksum", at);
-        if (at < 24 || at >= 28) {
-            fix_checksum(x, b.n);
-            loaded += try_load(m, x, b.n, "flip with checksum", at);
-        }
-    }
-    for (int k = 0; k < 2000; k++) { /* random damage of 2 .. 9 bytes, checksum fixed */
-        memcpy(x, b.bytes, b.n);
-        for (int j = 2 + (int)(tu_next(&rng) % 8); j > 0; j--) x[tu_next(&rng) % b.n] = (uint8_t)tu_next(&rng);
-        fix_checksum(x, b.n);
-        loaded += try_load(m, x, b.n, "damage", (size_t)k);
-    }
+static void test_mutations(tl_model* m, tu_blob b, uint32_t d) {
+    const int loaded = tu_mutate(tu_try_load, m, b.bytes, b.n, 5, 2000);
     printf("mutations of a %zu-byte blob: %d of the checksum-fixed ones still load\n", b.n, loaded);
 
-    const uint32_t n = get_u32(b.bytes + 56), n_layers = get_u32(b.bytes + 72), G = get_u32(b.bytes + 76);
-    const uint32_t kv_start = get_u32(b.bytes + 64), R = get_u32(b.bytes + 80); /* int8: R = D */
-    const size_t kv_at = HEADER + 4 * (size_t)n + 4 * (size_t)get_u32(b.bytes + 44) * d;
+    const uint32_t n = tu_get_u32(b.bytes + 56), n_layers = tu_get_u32(b.bytes + 72), G = tu_get_u32(b.bytes + 76);
+    const uint32_t kv_start = tu_get_u32(b.bytes + 64), R = tu_get_u32(b.bytes + 80); /* int8: R = D */
+    const size_t kv_at = HEADER + 4 * (size_t)n + 4 * (size_t)tu_get_u32(b.bytes + 44) * d;
     const size_t last_record = kv_at + ((size_t)n_layers * (n - kv_start) * G - 1) * (2 * R + 8);
     CHECK(kv_start > 0, "the mutation blob has kv_start %u", kv_start);
-    const field_case cases[] = {
+    uint8_t* x = malloc(b.n);
+    const tu_field cases[] = {
         {0, 1, (uint8_t)~"TLPREFIX"[0], "bad magic"},
-        {8, 4, 2, "version: unsupported 2"},
+        {8, 4, 3, "version: unsupported 3"},
+        {8, 4, 2, "has no warm start"}, /* version 2 is a hidden-state prefix */
         {12, 4, 95, "header_bytes"},
         {16, 8, b.n + 1, "blob_bytes: header says"},
-        {28, 4, get_u32(b.bytes + 28) ^ 1, "saved from another model (checksum"},
-        {32, 8, get_u64(b.bytes + 32) + 64, "saved from another model (file_bytes"},
+        {28, 4, tu_get_u32(b.bytes + 28) ^ 1, "saved from another model (checksum"},
+        {32, 8, tu_get_u64(b.bytes + 32) + 64, "saved from another model (file_bytes"},
         {40, 4, 7, "kv_mode: unknown 7"},
         {76, 4, G + 1, "n_kv_heads"},
         {80, 4, R + 2, "head_dim"},
@@ -315,43 +235,41 @@ static void test_mutations(tl_model* m, blob b, uint32_t d) {
         {last_record + 2 * R + 4, 4, 0x7fc00000u, "the value scale is nan"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        const field_case* c = &cases[i];
+        const tu_field* c = &cases[i];
         memcpy(x, b.bytes, b.n);
-        if (c->width == 8) put_u64(x + c->at, c->value);
-        else if (c->width == 4) put_u32(x + c->at, (uint32_t)c->value);
-        else x[c->at] = (uint8_t)c->value;
-        if (c->at != 16) fix_checksum(x, b.n);
+        tu_set_field(x, c);
+        if (c->at != 16) tu_fix_checksum(x, b.n);
         char what[48];
         snprintf(what, sizeof what, "field at %zu", c->at);
         check_bad(m, x, b.n, c->message, what);
     }
     memcpy(x, b.bytes, b.n); /* a record's rows are checked before its scales (§7.4) */
-    put_u32(x + last_record + 2 * R, 0xbf800000u);
+    tu_put_u32(x + last_record + 2 * R, 0xbf800000u);
     x[last_record + R] = 0x80;
-    fix_checksum(x, b.n);
+    tu_fix_checksum(x, b.n);
     check_bad(m, x, b.n, "the value row holds -128", "a bad key scale and a bad value row");
     memcpy(x, b.bytes, b.n); /* +inf scales are allowed (a row of infinities) */
-    put_u32(x + last_record + 2 * R, 0x7f800000u);
-    fix_checksum(x, b.n);
-    CHECK(try_load(m, x, b.n, "+inf scale", 0), "a +inf scale was refused: %s", tl_last_error());
+    tu_put_u32(x + last_record + 2 * R, 0x7f800000u);
+    tu_fix_checksum(x, b.n);
+    CHECK(tu_try_load(m, x, b.n, "+inf scale", 0), "a +inf scale was refused: %s", tl_last_error());
     free(x);
 }
 
 /* The same rules on int4 rows: the nibble -8 in either half of a byte is refused. */
 static void test_int4_nibbles(tl_model* m4) {
     tl_prefix* p = build(m4, 1, 0, 0);
-    blob b = save(p);
-    const size_t kv_at = HEADER + 4 * (size_t)N_PROMPT + 4 * (size_t)get_u32(b.bytes + 84); /* loops 1 */
+    tu_blob b = tu_save(p);
+    const size_t kv_at = HEADER + 4 * (size_t)N_PROMPT + 4 * (size_t)tu_get_u32(b.bytes + 84); /* loops 1 */
     const uint8_t bad_bytes[2] = {0x08, 0x80};
     for (int k = 0; k < 2; k++) {
         uint8_t* x = malloc(b.n);
         memcpy(x, b.bytes, b.n);
         x[kv_at + 2] = bad_bytes[k];
-        fix_checksum(x, b.n);
+        tu_fix_checksum(x, b.n);
         check_bad(m4, x, b.n, "the key row holds the nibble -8", "int4 nibble");
         x[kv_at + 2] = 0x77; /* 7, 7: fine */
-        fix_checksum(x, b.n);
-        CHECK(try_load(m4, x, b.n, "int4 nibbles 7", 0), "int4 nibbles 7 refused: %s", tl_last_error());
+        tu_fix_checksum(x, b.n);
+        CHECK(tu_try_load(m4, x, b.n, "int4 nibbles 7", 0), "int4 nibbles 7 refused: %s", tl_last_error());
         free(x);
     }
     free(b.bytes);
@@ -362,7 +280,7 @@ static void test_int4_nibbles(tl_model* m4) {
 
 typedef struct saver {
     tl_prefix* prefix;
-    blob before, after; /* the blobs of the prefix at L_b and at L */
+    tu_blob before, after; /* the blobs of the prefix at L_b and at L */
     atomic_int started, done;
     int runs, wrong, retries;
 } saver;
@@ -383,8 +301,8 @@ static void* save_while_extending(void* arg) {
             n = got;
         }
         CHECK_OK(st);
-        const blob b = {bytes, got};
-        s->wrong += !same_blob(b, s->before) && !same_blob(b, s->after);
+        const tu_blob b = {bytes, got};
+        s->wrong += !tu_same_blob(b, s->before) && !tu_same_blob(b, s->after);
         free(bytes);
     }
     return NULL;
@@ -394,7 +312,7 @@ static void test_concurrent(tl_model* m) {
     enum { L_B = 2, L = 40 };
     tl_prefix* want = build(m, L, 0, TL_PREFIX_WARM_START);
     tl_prefix* p = build(m, L_B, 0, TL_PREFIX_WARM_START);
-    saver s = {.prefix = p, .before = save(p), .after = save(want)};
+    saver s = {.prefix = p, .before = tu_save(p), .after = tu_save(want)};
     pthread_t thread;
     CHECK(pthread_create(&thread, NULL, save_while_extending, &s) == 0, "pthread_create");
     while (!atomic_load(&s.started)) sched_yield();
@@ -443,7 +361,7 @@ static void test_model(const char* name, const tu_spec* spec, int full) {
         test_arguments(m, path);
         tl_prefix* p = NULL; /* of 9 tokens: the sweep is quadratic in the blob's size */
         CHECK_OK(tl_prefix_build_ex(m, prompt, 9, 1, 6, 0, TL_PREFIX_WARM_START, &p));
-        blob b = save(p);
+        tu_blob b = tu_save(p);
         test_mutations(m, b, spec->d);
         free(b.bytes);
         tl_prefix_free(p);

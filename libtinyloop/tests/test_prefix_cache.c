@@ -20,14 +20,6 @@ enum { N_SYSTEM = 23, MAX_NEW = 6 };
 static int32_t system_prompt[N_SYSTEM];
 static uint32_t V;
 
-static tl_prefix_cache_stats stats_of(tl_model* m) {
-    tl_prefix_cache_stats s;
-    memset(&s, 0, sizeof s);
-    s.size = sizeof s;
-    CHECK_OK(tl_model_prefix_cache_stats(m, &s));
-    return s;
-}
-
 /* A workload of prompts sharing the system prompt, varied depth, window, salt and sampling:
  * every result equals the cache-less model's, at a large and at a tiny budget. */
 static void test_results_unchanged(const char* path, size_t budget) {
@@ -53,10 +45,10 @@ static void test_results_unchanged(const char* path, size_t budget) {
         CHECK(tu_same_result(&got, &want), "cached: tokens or logits differ");
         tu_result_free(&got);
         tu_result_free(&want);
-        const tl_prefix_cache_stats s = stats_of(cached);
+        const tl_prefix_cache_stats s = tu_cache_stats(cached);
         CHECK(s.bytes_in_use <= budget, "%zu bytes cached over a budget of %zu", s.bytes_in_use, budget);
     }
-    const tl_prefix_cache_stats s = stats_of(cached);
+    const tl_prefix_cache_stats s = tu_cache_stats(cached);
     CHECK(s.lookups == 40 && s.hit_tokens > 0, "lookups %llu, hits %llu", (unsigned long long)s.lookups,
           (unsigned long long)s.hit_tokens);
     if (budget < 20000) CHECK(s.evicted_blocks > 0, "a tiny budget evicted nothing");
@@ -71,16 +63,17 @@ static void test_counters_salts_clear(const char* path) {
     int32_t out[1];
     size_t n;
     CHECK_OK(tl_generate(m, system_prompt, N_SYSTEM, &gp, out, &n, NULL));
-    tl_prefix_cache_stats s = stats_of(m);
+    tl_prefix_cache_stats s = tu_cache_stats(m);
     CHECK(s.blocks == 5 && s.inserted_blocks == 5 && s.hit_tokens == 0 && s.prefilled_tokens == N_SYSTEM,
           "first request: %zu blocks", s.blocks);
     CHECK_OK(tl_generate(m, system_prompt, N_SYSTEM, &gp, out, &n, NULL));
-    CHECK(stats_of(m).hit_tokens == 20, "repeat: %llu hit tokens", (unsigned long long)stats_of(m).hit_tokens);
+    CHECK(tu_cache_stats(m).hit_tokens == 20, "repeat: %llu hit tokens",
+          (unsigned long long)tu_cache_stats(m).hit_tokens);
     gp.cache_salt = "tenant";
     CHECK_OK(tl_generate(m, system_prompt, N_SYSTEM, &gp, out, &n, NULL));
-    CHECK(stats_of(m).hit_tokens == 20, "another salt shared blocks");
+    CHECK(tu_cache_stats(m).hit_tokens == 20, "another salt shared blocks");
     CHECK_OK(tl_model_prefix_cache_clear(m));
-    s = stats_of(m);
+    s = tu_cache_stats(m);
     CHECK(s.blocks == 0 && s.bytes_in_use == 0 && s.lookups == 3, "clear: %zu blocks", s.blocks);
     tl_model_close(m);
     CHECK_STATUS(tl_model_prefix_cache_stats(m, &s), TL_ERR_CLOSED);
@@ -175,11 +168,11 @@ static void test_depth_trees(const char* path, int coda) {
     tu_result want_deep = tu_generate(plain, system_prompt, N_SYSTEM, &gp, V);
     CHECK(tu_same_result(&deep, &want_deep), "depth 3: tokens or logits differ");
     gp.loops = 2;
-    const tl_prefix_cache_stats before = stats_of(m);
+    const tl_prefix_cache_stats before = tu_cache_stats(m);
     tu_result shallow = tu_generate(m, system_prompt, N_SYSTEM, &gp, V);
     tu_result want = tu_generate(plain, system_prompt, N_SYSTEM, &gp, V);
     CHECK(tu_same_result(&shallow, &want), "depth 2 after depth 3: tokens or logits differ");
-    const tl_prefix_cache_stats after = stats_of(m);
+    const tl_prefix_cache_stats after = tu_cache_stats(m);
     CHECK(after.hit_tokens - before.hit_tokens == (coda ? 0u : 20u),
           "coda %d: depth 2 reused %llu tokens of depth 3", coda,
           (unsigned long long)(after.hit_tokens - before.hit_tokens));
@@ -236,12 +229,6 @@ static void* generate_through_close(void* arg) {
     return NULL;
 }
 
-static size_t bytes_in_use(void) {
-    tl_memory_stats st = {.size = sizeof st};
-    CHECK_OK(tl_memory_stats_get(&st));
-    return st.bytes_in_use;
-}
-
 /* A sequence keeps the closed model's engine (and its cache) alive; the request that ran
  * through the close must not have put its blocks back into the cache: every byte it took is
  * returned when it ends. */
@@ -255,7 +242,7 @@ static void test_no_insert_after_close(const char* path) {
     size_t n;
     CHECK_OK(tl_generate(m, system_prompt, N_SYSTEM, &gp, out, &n, NULL)); /* warm, then empty */
     CHECK_OK(tl_model_prefix_cache_clear(m));
-    const size_t baseline = bytes_in_use();
+    const size_t baseline = tu_memory().bytes_in_use;
     rendezvous r = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, m, TL_OK};
     pthread_t thread;
     CHECK(pthread_create(&thread, NULL, generate_through_close, &r) == 0, "pthread_create");
@@ -264,7 +251,7 @@ static void test_no_insert_after_close(const char* path) {
     advance(&r, 2);
     pthread_join(thread, NULL);
     CHECK(r.status == TL_OK || r.status == TL_ERR_CLOSED, "the request ended with status %d", r.status);
-    const size_t after = bytes_in_use();
+    const size_t after = tu_memory().bytes_in_use;
     CHECK(after == baseline, "%zu bytes still held after the request ended (blocks cached after close)",
           after - baseline);
     tl_seq_free(keeper);
@@ -455,7 +442,7 @@ static void test_lru_matches_reference(uint64_t seed) {
     const tl_kv_geom g = tl_kv_geom_make(BS, 1, 4, 8);
     ref_cache* r = calloc(1, sizeof *r);
     r->budget = 1500; /* 5 .. 11 blocks of 1 .. 3 layers */
-    tl_pcache* c = tl_pcache_new(&g, r->budget);
+    tl_pcache* c = tl_pcache_new(&g, r->budget, NULL);
     /* the last two are per-depth trees (a model with a coda): blocks of one layer count each,
      * apart from the depth-nested trees of the same salt and window */
     const char* salts[N_KEYS] = {NULL, NULL, "t", "t", NULL, "t"};
@@ -534,7 +521,7 @@ static tl_pcache* filled_cache(const tl_kv_geom* g, int n, int h, tl_kv_table* h
     memset(held, 0, (size_t)h * sizeof *held);
     memset(t, 0, sizeof *t);
     CHECK_OK(tl_kv_reserve(t, g, 1, 0, BS));
-    tl_pcache* c = tl_pcache_new(g, (size_t)n * t->spans[0].block->bytes);
+    tl_pcache* c = tl_pcache_new(g, (size_t)n * t->spans[0].block->bytes, NULL);
     for (int32_t id = 0; id < n; id++) insert_one(c, g, id, id < h ? &held[id] : t);
     return c;
 }

@@ -159,8 +159,8 @@ static void test_refusals(tl_model* m) {
     tl_prefix_free(cold);
 
     tl_prefix* p = (tl_prefix*)1;
-    CHECK_STATUS(tl_prefix_build_ex(m, prompt, N_PROMPT, 2, 0, 0, 2, &p), TL_ERR_INVALID_ARGUMENT);
-    CHECK(p == NULL && strstr(tl_last_error(), "unknown prefix flags 0x2") != NULL, "message: %s", tl_last_error());
+    CHECK_STATUS(tl_prefix_build_ex(m, prompt, N_PROMPT, 2, 0, 0, 8, &p), TL_ERR_INVALID_ARGUMENT);
+    CHECK(p == NULL && strstr(tl_last_error(), "unknown prefix flags 0x8") != NULL, "message: %s", tl_last_error());
     CHECK_STATUS(tl_prefix_build_ex(m, prompt, N_PROMPT, 2, 0, 0, TL_PREFIX_WARM_START, NULL), TL_ERR_INVALID_ARGUMENT);
 }
 
@@ -264,18 +264,6 @@ static void test_concurrent(tl_model* m) {
 
 /* ---- allocation failures ------------------------------------------------------------------ */
 
-static size_t in_use(void) {
-    tl_memory_stats st = {.size = sizeof st};
-    tl_memory_stats_get(&st);
-    return st.bytes_in_use;
-}
-
-static size_t total_allocs(void) {
-    tl_memory_stats st = {.size = sizeof st};
-    tl_memory_stats_get(&st);
-    return st.total_allocs;
-}
-
 static void check_oom(tl_status st, const char* what, size_t k) {
     CHECK(st == TL_ERR_OUT_OF_MEMORY, "%s, k=%zu: status %d: %s", what, k, st, tl_last_error());
     CHECK(strstr(tl_last_error(), "out of memory") != NULL, "%s, k=%zu: message %s", what, k, tl_last_error());
@@ -286,35 +274,37 @@ static void check_oom(tl_status st, const char* what, size_t k) {
  * is generated from it); then the extension succeeds and equals a build. */
 static void test_alloc_failures(tl_model* m, uint32_t W) {
     enum { L_B = 2, L = 4 };
-    size_t baseline = in_use(), before = total_allocs();
+    size_t baseline = tu_memory().bytes_in_use, before = tu_memory().total_allocs;
     tl_prefix_free(build(m, L_B, W, 5, TL_PREFIX_WARM_START));
-    size_t n_allocs = total_allocs() - before;
+    size_t n_allocs = tu_memory().total_allocs - before;
     for (size_t k = 0; k < n_allocs; k++) {
         tl_prefix* p = NULL;
         tl_alloc_fail_after((int64_t)k);
         const tl_status st = tl_prefix_build_ex(m, prompt, N_PROMPT, L_B, W, 5, TL_PREFIX_WARM_START, &p);
         tl_alloc_fail_after(-1);
         check_oom(st, "warm build", k);
-        CHECK(p == NULL && in_use() == baseline, "warm build, k=%zu: %zu bytes leaked", k, in_use() - baseline);
+        CHECK(p == NULL && tu_memory().bytes_in_use == baseline, "warm build, k=%zu: %zu bytes leaked", k,
+              tu_memory().bytes_in_use - baseline);
     }
     printf("warm build (window %u): %zu allocations, each failed in turn\n", W, n_allocs);
 
     tl_prefix* p = build(m, L_B, W, 5, TL_PREFIX_WARM_START);
     tl_prefix* probe = build(m, L_B, W, 5, TL_PREFIX_WARM_START);
-    before = total_allocs();
+    before = tu_memory().total_allocs;
     CHECK_OK(tl_prefix_extend(probe, L, 3));
-    n_allocs = total_allocs() - before;
+    n_allocs = tu_memory().total_allocs - before;
     tl_prefix_free(probe);
     const tl_gen_params gp = tu_gen_params(MAX_NEW, L_B, W, 1, SEED);
     tu_result want = tu_from_prefix(p, suffix, N_SUFFIX, &gp, V);
     const size_t nbytes = nbytes_of(p);
-    baseline = in_use();
+    baseline = tu_memory().bytes_in_use;
     for (size_t k = 0; k < n_allocs; k++) {
         tl_alloc_fail_after((int64_t)k);
         const tl_status st = tl_prefix_extend(p, L, 3);
         tl_alloc_fail_after(-1);
         check_oom(st, "extension", k);
-        CHECK(in_use() == baseline, "extension, k=%zu: %zu bytes leaked", k, in_use() - baseline);
+        CHECK(tu_memory().bytes_in_use == baseline, "extension, k=%zu: %zu bytes leaked", k,
+              tu_memory().bytes_in_use - baseline);
         CHECK(p->loops == L_B && nbytes_of(p) == nbytes, "extension, k=%zu: the prefix changed", k);
         tu_result got = tu_from_prefix(p, suffix, N_SUFFIX, &gp, V);
         CHECK(tu_same_result(&got, &want), "extension, k=%zu: generation from the prefix changed", k);

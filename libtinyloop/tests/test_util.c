@@ -293,6 +293,90 @@ void tu_fix_checksum(uint8_t* bytes, size_t n) {
     put32(bytes + 24, tu_crc32(bytes, n));
 }
 
+static int mutated(tu_reader read, void* ctx, const uint8_t* x, size_t n, const char* what, size_t at) {
+    uint8_t* copy = malloc(n ? n : 1);
+    if (!copy) exit(2);
+    memcpy(copy, x, n);
+    const int accepted = read(ctx, copy, n, what, at);
+    free(copy);
+    return accepted;
+}
+
+int tu_mutate(tu_reader read, void* ctx, const uint8_t* bytes, size_t n, uint64_t seed, int damage) {
+    uint8_t* x = malloc(n);
+    if (!x) exit(2);
+    int accepted = 0;
+    for (size_t len = 0; len < n; len++) {
+        memcpy(x, bytes, len);
+        CHECK(!mutated(read, ctx, x, len, "truncation", len), "a truncation to %zu bytes was accepted", len);
+        if (len < 96) continue;
+        tu_put_u64(x + 16, len);
+        tu_fix_checksum(x, len);
+        CHECK(!mutated(read, ctx, x, len, "consistent truncation", len),
+              "a consistent truncation to %zu bytes was accepted", len);
+    }
+    uint64_t rng = seed;
+    for (size_t at = 0; at < n; at++) {
+        memcpy(x, bytes, n);
+        x[at] ^= (uint8_t)(1 + tu_next(&rng) % 255);
+        CHECK(!mutated(read, ctx, x, n, "flip", at), "a flip at %zu was accepted without its checksum", at);
+        if (at < 24 || at >= 28) {
+            tu_fix_checksum(x, n);
+            accepted += mutated(read, ctx, x, n, "flip with checksum", at);
+        }
+    }
+    for (int k = 0; k < damage; k++) {
+        memcpy(x, bytes, n);
+        for (int j = 2 + (int)(tu_next(&rng) % 8); j > 0; j--) x[tu_next(&rng) % n] = (uint8_t)tu_next(&rng);
+        tu_fix_checksum(x, n);
+        accepted += mutated(read, ctx, x, n, "damage", (size_t)k);
+    }
+    free(x);
+    return accepted;
+}
+
+void tu_set_field(uint8_t* bytes, const tu_field* f) {
+    if (f->width == 8) tu_put_u64(bytes + f->at, f->value);
+    else if (f->width == 4) tu_put_u32(bytes + f->at, (uint32_t)f->value);
+    else bytes[f->at] = (uint8_t)f->value;
+}
+
+tu_blob tu_save(const tl_prefix* p) {
+    tu_blob b = {NULL, 0};
+    CHECK_OK(tl_prefix_save(p, NULL, 0, &b.n));
+    b.bytes = malloc(b.n);
+    if (!b.bytes) exit(2);
+    size_t n = 0;
+    CHECK_OK(tl_prefix_save(p, b.bytes, b.n, &n));
+    CHECK(n == b.n, "save wrote %zu bytes, the size query said %zu", n, b.n);
+    return b;
+}
+
+tl_prefix* tu_load(tl_model* m, tu_blob b) {
+    tl_prefix* p = NULL;
+    CHECK_OK(tl_prefix_load(m, b.bytes, b.n, &p));
+    return p;
+}
+
+int tu_same_blob(tu_blob a, tu_blob b) { return a.n == b.n && memcmp(a.bytes, b.bytes, a.n) == 0; }
+
+int tu_try_load(void* m, const uint8_t* bytes, size_t n, const char* what, size_t at) {
+    tl_prefix* p = NULL;
+    const tl_status st = tl_prefix_load(m, bytes, n, &p);
+    CHECK(st == TL_OK || (st == TL_ERR_BAD_FILE && strstr(tl_last_error(), "bad prefix blob: ")),
+          "%s at %zu: status %d (%s)", what, at, st, tl_last_error());
+    CHECK((st == TL_OK) == (p != NULL), "%s at %zu: status %d with prefix %p", what, at, st, (void*)p);
+    tl_prefix_free(p);
+    return st == TL_OK;
+}
+
+uint32_t tu_get_u32(const uint8_t* p) {
+    return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+uint64_t tu_get_u64(const uint8_t* p) { return tu_get_u32(p) | (uint64_t)tu_get_u32(p + 4) << 32; }
+void tu_put_u32(uint8_t* p, uint32_t v) { put32(p, v); }
+void tu_put_u64(uint8_t* p, uint64_t v) { put64(p, v); }
+
 const char* tu_write_file(const char* name, const uint8_t* bytes, size_t n) {
     const char* dir = getenv("TMPDIR");
     char path[512];
@@ -343,6 +427,20 @@ tl_model* tu_open_cached(const char* path, size_t cache_bytes) {
     tl_status st = tl_model_open(path, &p, &m);
     CHECK(st == TL_OK, "tl_model_open(%s): %s", path, tl_last_error());
     return m;
+}
+
+tl_prefix_cache_stats tu_cache_stats(tl_model* m) {
+    tl_prefix_cache_stats s;
+    memset(&s, 0, sizeof s);
+    s.size = sizeof s;
+    CHECK_OK(tl_model_prefix_cache_stats(m, &s));
+    return s;
+}
+
+tl_memory_stats tu_memory(void) {
+    tl_memory_stats st = {.size = sizeof st};
+    CHECK_OK(tl_memory_stats_get(&st));
+    return st;
 }
 
 int tu_same_bits(const float* a, const float* b, size_t n) { return memcmp(a, b, n * sizeof *a) == 0; }

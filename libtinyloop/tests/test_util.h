@@ -73,8 +73,42 @@ tu_spec tu_spec_coda(void);
 /* The bytes of a valid model file (malloc'd), *n its size; exits with status 2 on a spec that
  * version 1 cannot express. */
 uint8_t* tu_model_bytes(const tu_spec* spec, size_t* n);
-/* Recompute the header checksum after editing bytes. */
+/* Recompute the header checksum after editing bytes (a model file's, or a prefix blob's: both
+ * at offset 24, the CRC-32 with the field read as zero). */
 void tu_fix_checksum(uint8_t* bytes, size_t n);
+/* A reader of the 96-byte-header formats (prefix blob, spilled block file) under test: 1 when
+ * it accepts bytes[0 .. n), 0 when it refuses them (checking itself how it refused). */
+typedef int (*tu_reader)(void* ctx, const uint8_t* bytes, size_t n, const char* what, size_t at);
+/* `read` under mutation of bytes[0 .. n): every truncation (from the header on also made
+ * consistent: size field at 16 and checksum), a flip of every byte (without the checksum fixed,
+ * then, outside it, with), and `damage` random damages of 2 .. 9 bytes with the checksum fixed.
+ * Each copy has exactly its bytes (ASan sees a read past them). Truncations and flips without
+ * the checksum must be refused; returns how many of the checksum-fixed ones were accepted. */
+int tu_mutate(tu_reader read, void* ctx, const uint8_t* bytes, size_t n, uint64_t seed, int damage);
+/* One field set to a value (width 1, 4 or 8 bytes, little-endian) in bytes being edited. */
+typedef struct tu_field {
+    size_t at, width;
+    uint64_t value;
+    const char* message; /* the error it must give; NULL: accepted */
+} tu_field;
+void tu_set_field(uint8_t* bytes, const tu_field* f);
+/* A saved prefix: tl_prefix_save's bytes (malloc'd) and their count. */
+typedef struct tu_blob {
+    uint8_t* bytes;
+    size_t n;
+} tu_blob;
+/* p saved, and the saved bytes loaded into m (failures are failed checks). */
+tu_blob tu_save(const tl_prefix* p);
+tl_prefix* tu_load(tl_model* m, tu_blob b);
+int tu_same_blob(tu_blob a, tu_blob b);
+/* A tu_reader: tl_prefix_load into the model `m`, which may fail only as TL_ERR_BAD_FILE naming
+ * the prefix blob, and returns a prefix exactly when it succeeds. */
+int tu_try_load(void* m, const uint8_t* bytes, size_t n, const char* what, size_t at);
+/* Little-endian fields of bytes being read or edited. */
+uint32_t tu_get_u32(const uint8_t* p);
+uint64_t tu_get_u64(const uint8_t* p);
+void tu_put_u32(uint8_t* p, uint32_t v);
+void tu_put_u64(uint8_t* p, uint64_t v);
 /* Write bytes to $TMPDIR/tltest-<pid>-<name> (replacing an earlier one of that name);
  * returns its path (valid until tu_finish, which deletes the file). */
 const char* tu_write_file(const char* name, const uint8_t* bytes, size_t n);
@@ -83,6 +117,9 @@ const char* tu_write_model(const char* name, const tu_spec* spec);
 tl_model* tu_open(const char* path, uint32_t threads, tl_isa isa, uint32_t block_size);
 /* Open with 2 threads, blocks of 4 and an automatic prefix cache of cache_bytes (0: none). */
 tl_model* tu_open_cached(const char* path, size_t cache_bytes);
+/* m's prefix cache counters (a failure is counted as a failed check); the library's memory. */
+tl_prefix_cache_stats tu_cache_stats(tl_model* m);
+tl_memory_stats tu_memory(void);
 
 /* Exact comparison of float arrays by bit pattern. */
 int tu_same_bits(const float* a, const float* b, size_t n);

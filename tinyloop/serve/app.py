@@ -99,15 +99,22 @@ def create_app(model: ModelSource = None, *,
                model_name: Optional[str] = None, max_batch: int = 32, step_tokens: int = 512,
                kv_budget_bytes: int = 0, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                backend: str = "auto", threads: Optional[int] = None,
-               device: str = "auto", kv_mode: Optional[str] = None) -> Starlette:
+               device: str = "auto", kv_mode: Optional[str] = None,
+               prefix_cache_dir: Optional[str] = None,
+               prefix_cache_disk_bytes: int = 0) -> Starlette:
     """The server of one model: a .tinyloop path (None: the bundled demo model), opened with
-    backend/threads/device/kv_mode and the automatic prefix cache of prefix_cache_bytes, or an open
-    Model (the caller keeps owning it; those options are then unused). `model_name` is the id
+    backend/threads/device/kv_mode and the automatic prefix cache of prefix_cache_bytes, backed
+    by the disk tier in prefix_cache_dir under prefix_cache_disk_bytes (the model is closed at
+    shutdown, so its cached blocks are spilled there and a server restarted on the same
+    directory starts warm), or an open Model (the caller keeps owning it; those options are
+    then unused). `model_name` is the id
     requests name (default: the model's name, else its file name). max_batch, step_tokens and
     kv_budget_bytes are the Scheduler's."""
     server = _Server(model, model_name,
                      dict(backend=backend, threads=threads, device=device, kv_mode=kv_mode,
-                          prefix_cache_bytes=prefix_cache_bytes),
+                          prefix_cache_bytes=prefix_cache_bytes,
+                          prefix_cache_dir=prefix_cache_dir,
+                          prefix_cache_disk_bytes=prefix_cache_disk_bytes),
                      dict(max_batch=max_batch, step_tokens=step_tokens,
                           kv_budget_bytes=kv_budget_bytes))
 

@@ -41,6 +41,10 @@ ENGINE_COUNTERS = (
     ("tinyloop_prefix_cache_queries", "Prefix-cache lookups", "cache.lookups"),
     ("tinyloop_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
      "cache.hit_tokens"),
+    ("tinyloop_prefix_cache_spilled_blocks", "Prefix-cache blocks written to the disk tier",
+     "cache.spilled_blocks"),
+    ("tinyloop_prefix_cache_disk_hit_blocks", "Prefix-cache blocks read back from the disk tier",
+     "cache.disk_hit_blocks"),
 )
 
 

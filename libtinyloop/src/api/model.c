@@ -138,6 +138,8 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
                        p->kv_block_size);
     if (p->kv_mode != TL_KV_INT8 && p->kv_mode != TL_KV_INT4)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "kv_mode must be 0 (int8) or 1 (int4), got %d", (int)p->kv_mode);
+    if (p->prefix_cache_dir && p->prefix_cache_bytes == 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefix_cache_dir needs prefix_cache_bytes > 0");
     tl_status st = resolve_isa(&p->isa);
     if (st != TL_OK) return st;
     st = tl_device_check(p->device);
@@ -151,6 +153,19 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
                            (int)p->device_index, n_devices);
     }
     return TL_OK;
+}
+
+/* The automatic prefix cache and, with a prefix_cache_dir, its disk tier. */
+static tl_status prefix_cache_create(tl_engine* e, const tl_model_params* p) {
+    const tl_config* c = &e->file.cfg;
+    tl_pdisk* disk = NULL;
+    if (p->prefix_cache_dir) {
+        const tl_block_model m = {e->file.checksum, e->file.file_bytes, c->max_seq_len, c->vocab_size, e->kv_geom};
+        const tl_status st = tl_pdisk_open(p->prefix_cache_dir, p->prefix_cache_disk_bytes, &m, &disk);
+        if (st != TL_OK) return st;
+    }
+    e->pcache = tl_pcache_new(&e->kv_geom, p->prefix_cache_bytes, disk);
+    return e->pcache ? TL_OK : tl_fail_oom("prefix cache");
 }
 
 static tl_status engine_create(const char* path, const tl_model_params* p, tl_engine** out) {
@@ -173,10 +188,7 @@ static tl_status engine_create(const char* path, const tl_model_params* p, tl_en
         st = p->device == TL_DEVICE_CUDA ? tl_backend_cuda_new(e, p->device_index, &e->backend)
                                          : tl_backend_cpu_new(e, &e->backend);
     if (st == TL_OK) e->kv_geom.device = e->backend->kv;
-    if (st == TL_OK && p->prefix_cache_bytes) {
-        e->pcache = tl_pcache_new(&e->kv_geom, p->prefix_cache_bytes);
-        if (!e->pcache) st = tl_fail_oom("prefix cache");
-    }
+    if (st == TL_OK && p->prefix_cache_bytes) st = prefix_cache_create(e, p);
     if (st != TL_OK) {
         engine_destroy(e);
         return st;
@@ -276,7 +288,7 @@ TL_API void tl_model_close(tl_model* model) {
     model->engine = NULL;
     if (e) atomic_store(&e->closed, true);
     pthread_mutex_unlock(&model->lock);
-    if (e && e->pcache) tl_pcache_close(e->pcache); /* cached blocks go now, and none comes back */
+    if (e && e->pcache) tl_pcache_close(e->pcache); /* cached blocks are spilled and go now; none comes back */
     tl_engine_unref(e);
 }
 

@@ -14,6 +14,10 @@
  * window at the end, as a build does. A backend without a part pass keeps no states: its
  * extension rebuilds the prefix from its tokens (same result, full cost).
  *
+ * Hidden-state storage (TL_PREFIX_STORE_H8 / _H4, docs/spec.md §5.4.1): the build's sequence
+ * captures every layer's input rows (core/hidden.h), the prefix keeps those instead of the KV
+ * blocks, and each sequence started from it rebuilds its own KV from them.
+ *
  * Concurrency: core/seq.h (struct tl_prefix). */
 #include <string.h>
 
@@ -25,6 +29,7 @@
 bool tl_prefix_can_resume(const tl_engine* e) { return tl_has_part_pass(e) && !e->kv_geom.device; }
 
 static void free_buffers(tl_prefix* p) {
+    tl_hidden_free(p->hidden);
     tl_free(p->tokens);
     tl_free(p->loop_states);
     tl_free(p->states);
@@ -94,14 +99,47 @@ static tl_status run_keeping_states(tl_seq* s, const int32_t* tokens, size_t chu
     return st == TL_OK ? run_chunks(s, tokens, p->n, chunk, &whole) : st;
 }
 
+tl_status tl_prefix_check_storage(const tl_engine* e, tl_prefix_storage storage) {
+    if (storage == TL_STORE_KV) return TL_OK;
+    const tl_config* c = tl_engine_config(e);
+    const char* name = storage == TL_STORE_H8 ? "h8" : "h4";
+    if (!e->backend->iface->kv_from_rows)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "%s prefixes need a backend that rebuilds the KV from rows, and this "
+                       "model's has none: use the kv storage", name);
+    if (storage == TL_STORE_H4 && c->d_model % 2)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "h4 prefixes need an even d_model, this model's is %u: use h8 or kv",
+                       c->d_model);
+    const size_t rows = (storage == TL_STORE_H8 ? c->d_model : c->d_model / 2) + sizeof(float);
+    const size_t kv = 2 * (size_t)c->n_kv_heads * (tl_kv_row_bytes(&e->kv_geom) + sizeof(float));
+    if (rows < kv) return TL_OK;
+    return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                   "%s prefixes take %zu bytes per layer and position, the KV %zu (%u kv heads of %u): use the kv "
+                   "storage", name, rows, kv, c->n_kv_heads, c->head_dim);
+}
+
+/* The storage flags ask for, or TL_ERR_INVALID_ARGUMENT naming what is wrong with them. */
+static tl_status flags_storage(uint32_t flags, tl_prefix_storage* out) {
+    const uint32_t known = TL_PREFIX_WARM_START | TL_PREFIX_STORE_H8 | TL_PREFIX_STORE_H4;
+    if (flags & ~known) return tl_fail(TL_ERR_INVALID_ARGUMENT, "unknown prefix flags 0x%x", flags & ~known);
+    const bool h8 = flags & TL_PREFIX_STORE_H8, h4 = flags & TL_PREFIX_STORE_H4;
+    if (h8 && h4)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "TL_PREFIX_STORE_H8 and TL_PREFIX_STORE_H4 exclude each other");
+    if ((h8 || h4) && (flags & TL_PREFIX_WARM_START))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "a hidden-state prefix (TL_PREFIX_STORE_%s) has no warm start: "
+                       "drop TL_PREFIX_WARM_START or use the kv storage", h8 ? "H8" : "H4");
+    *out = h8 ? TL_STORE_H8 : h4 ? TL_STORE_H4 : TL_STORE_KV;
+    return TL_OK;
+}
+
 TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
                                     uint32_t cache_window, size_t chunk, uint32_t flags, tl_prefix** out) {
     if (!out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL");
     *out = NULL;
-    if (flags & ~(uint32_t)TL_PREFIX_WARM_START)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "unknown prefix flags 0x%x", flags & ~(uint32_t)TL_PREFIX_WARM_START);
+    tl_prefix_storage storage = TL_STORE_KV;
+    tl_status st = flags_storage(flags, &storage);
+    if (st != TL_OK) return st;
     tl_engine* e;
-    tl_status st = tl_model_acquire(model, &e);
+    st = tl_model_acquire(model, &e);
     if (st != TL_OK) return st;
     const tl_config* c = tl_engine_config(e);
     tl_seq* s = NULL;
@@ -111,11 +149,16 @@ TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size
     if (st == TL_OK && !tokens) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "tokens is NULL");
     if (st == TL_OK && n > c->max_seq_len) /* before the copy of n tokens is allocated */
         st = tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", n, c->max_seq_len);
+    if (st == TL_OK) st = tl_prefix_check_storage(e, storage);
     if (st == TL_OK) st = tl_seq_new(e, loops, cache_window, &s);
     if (st == TL_OK) {
         const bool warm_start = flags & TL_PREFIX_WARM_START;
         p = tl_prefix_new(e, n, loops, cache_window, warm_start, warm_start && tl_prefix_can_resume(e));
         if (!p) st = tl_fail_oom("prefix");
+    }
+    if (st == TL_OK && storage != TL_STORE_KV) {
+        s->capture = p->hidden = tl_hidden_new(storage, s->n_layers, c->d_model, n, cache_window, c->rms_eps);
+        if (!p->hidden) st = tl_fail_oom("hidden-state rows");
     }
     if (st == TL_OK) {
         const tl_run_opts opts = {.loop_states = p->loop_states};
@@ -123,8 +166,10 @@ TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size
     }
     if (st == TL_OK) {
         memcpy(p->tokens, tokens, n * sizeof(int32_t));
-        p->kv = s->kv; /* the blocks move from the temporary sequence */
-        memset(&s->kv, 0, sizeof s->kv);
+        if (!p->hidden) {
+            p->kv = s->kv; /* the blocks move from the temporary sequence; an h prefix drops them */
+            memset(&s->kv, 0, sizeof s->kv);
+        }
         *out = p;
         p = NULL;
     }
@@ -221,6 +266,10 @@ TL_API tl_status tl_prefix_extend(tl_prefix* p, uint32_t loops, size_t chunk) {
 
 TL_API int tl_prefix_warm_start(const tl_prefix* p) { return p && p->warm_start; }
 
+TL_API tl_prefix_storage tl_prefix_storage_get(const tl_prefix* p) {
+    return p && p->hidden ? p->hidden->storage : TL_STORE_KV;
+}
+
 TL_API void tl_prefix_info(const tl_prefix* p, size_t* n_tokens, uint32_t* loops, uint32_t* cache_window,
                            size_t* nbytes) {
     if (n_tokens) *n_tokens = p ? p->n : 0;
@@ -235,7 +284,8 @@ TL_API void tl_prefix_info(const tl_prefix* p, size_t* n_tokens, uint32_t* loops
     if (loops) *loops = p->loops;
     if (nbytes) {
         const size_t rows = p->loops + (p->states ? p->n : 0) + (p->injects ? p->n : 0);
-        *nbytes = tl_kv_bytes(&p->kv) + sizeof(float) * rows * d + sizeof(int32_t) * p->n;
+        *nbytes = tl_kv_bytes(&p->kv) + (p->hidden ? tl_hidden_bytes(p->hidden) : 0) + sizeof(float) * rows * d +
+                  sizeof(int32_t) * p->n;
     }
     read_unlock(p);
 }
@@ -265,7 +315,7 @@ TL_API tl_status tl_seq_from_prefix(const tl_prefix* p, uint32_t loops, tl_seq**
     tl_seq* s = NULL;
     st = tl_prefix_check_loops(p, loops);
     if (st == TL_OK) st = tl_seq_new(p->engine, loops, p->window, &s);
-    if (st == TL_OK) st = tl_kv_share(&s->kv, &p->kv);
+    if (st == TL_OK) st = p->hidden ? tl_hidden_rebuild(p->hidden, s) : tl_kv_share(&s->kv, &p->kv);
     if (st == TL_OK) {
         const size_t d = tl_engine_config(p->engine)->d_model;
         s->n = p->n;

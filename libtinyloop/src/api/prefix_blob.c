@@ -6,41 +6,56 @@
  * whatever blocks hold them; load pages them into blocks of this model's kv_block_size laid out
  * as a build lays them out (block i from position i * block_size, those outside the window
  * released; the positions of a kept block before kv_start are zero, never visible), so the
- * loaded prefix generates, extends and saves again as the saved one does.
+ * loaded prefix generates, extends and saves again as the saved one does. A hidden-state prefix
+ * (docs/spec.md §5.4.1) is a version-2 blob: its layer input rows (q, a) per slot and position
+ * from h_start in place of the KV records; it loads as a hidden-state prefix.
  *
  * Load checks every rule of §7 on the caller's bytes, in the spec's order, before it allocates
  * anything sized by them; all size arithmetic is overflow-checked and no read goes past
- * buf[0 .. n). Device blocks (kvcache.h's allocator) go through its download / upload hooks,
- * one cache slot of one block at a time. */
+ * buf[0 .. n). The records themselves (and device blocks' staging) are kv_records.h's. */
 #include <string.h>
 
 #include "base/alloc.h"
-#include "base/crc32.h"
 #include "base/errors.h"
+#include "base/frame.h"
 #include "base/le.h"
+#include "core/kv_records.h"
 #include "core/seq.h"
 
-enum { HEADER_BYTES = 96, VERSION = 1, CHECKSUM_AT = 24 };
+enum { HEADER_BYTES = TL_FRAME_HEADER_BYTES, VERSION_KV = 1, VERSION_HIDDEN = 2, STORAGE_AT = 88 };
+
+static const tl_frame frame = {"prefix blob", "blob", "blob_bytes", "TLPREFIX", VERSION_KV, VERSION_HIDDEN};
 enum { FLAG_WARM_START = 1, FLAG_STATES = 2 };
 
 /* Where everything is in a blob, from its header fields (or a prefix's). */
 typedef struct layout {
     uint32_t kv_mode, loops, window, flags, n_layers;
+    uint32_t storage;    /* tl_prefix_storage: TL_STORE_KV (version 1), h8 or h4 (version 2) */
     uint64_t n, kv_start;
-    size_t R, record;    /* bytes of a kq / vq row; of one (slot, position, kv head) record */
+    size_t R, record;    /* kv: bytes of a kq / vq row; of one (slot, position, kv head) record.
+                            hidden: bytes of a row q; of one (slot, position) record (R + 4)  */
+    uint32_t heads;      /* records per (slot, position): G (kv) or 1 (hidden)              */
     uint64_t loop_states_at, kv_at, states_at, injects_at, bytes;
 } layout;
 
+/* The record sizes of a blob of that storage for geometry g (model width d). */
+static void set_records(layout* l, const tl_kv_geom* g, size_t d) {
+    const bool hidden = l->storage != TL_STORE_KV;
+    l->R = !hidden ? tl_kv_row_bytes(g) : l->storage == TL_STORE_H4 ? d / 2 : d;
+    l->record = hidden ? l->R + sizeof(float) : tl_kv_record_bytes(g);
+    l->heads = hidden ? 1 : g->n_kv_heads;
+}
+
 static const char* mode_name(uint32_t kv_mode) { return kv_mode == TL_KV_INT4 ? "int4" : "int8"; }
 
-/* Fills the offsets of l (its counts set) for a model of kv heads G and width d; false when a
- * size passes 2^64 bytes. */
-static bool place(layout* l, uint64_t G, uint64_t d, bool injection) {
+/* Fills the offsets of l (its counts and records set) for a model of width d; false when a size
+ * passes 2^64 bytes. */
+static bool place(layout* l, uint64_t d, bool injection) {
     const uint64_t rows = l->n - l->kv_start;
     uint64_t tokens, loop_states, records, kv, states = 0;
     bool over = __builtin_mul_overflow(l->n, 4, &tokens) ||
                 __builtin_mul_overflow((uint64_t)l->loops * 4, d, &loop_states) ||
-                __builtin_mul_overflow((uint64_t)l->n_layers * G, rows, &records) ||
+                __builtin_mul_overflow((uint64_t)l->n_layers * l->heads, rows, &records) ||
                 __builtin_mul_overflow(records, (uint64_t)l->record, &kv);
     if (l->flags & FLAG_STATES) over = over || __builtin_mul_overflow(tokens, d, &states);
     over = over || __builtin_add_overflow(HEADER_BYTES, tokens, &l->loop_states_at) ||
@@ -51,29 +66,9 @@ static bool place(layout* l, uint64_t G, uint64_t d, bool injection) {
     return !over;
 }
 
-/* The blob's record of (slot, position, kv head). */
-static uint64_t record_at(const layout* l, uint32_t G, uint32_t slot, uint64_t pos, uint32_t h) {
-    return l->kv_at + (((uint64_t)slot * (l->n - l->kv_start) + (pos - l->kv_start)) * G + h) * l->record;
-}
-
-/* Slot `layer` of block b (its n_kv_heads (kq, vq, sk, sv) arrays, kvcache.h's layout) as a
- * one-layer block in host memory: b's own data, or `stage` for a device block. */
-static tl_kv_block slot_view(const tl_kv_geom* g, tl_kv_block* b, uint32_t layer, void* stage) {
-    void* data = b->device ? stage : (void*)tl_kv_keys(g, b, layer, 0);
-    return (tl_kv_block){.start = b->start, .n_layers = 1, .data = data};
-}
-
-static size_t slot_bytes(const tl_kv_geom* g) { return (size_t)g->n_kv_heads * g->head_bytes; }
-
-/* A staging buffer for one slot of a device block (NULL and TL_OK for host blocks). */
-static tl_status stage_new(const tl_kv_geom* g, const char* direction, void** stage) {
-    *stage = NULL;
-    if (!g->device) return TL_OK;
-    if (!g->device->download || !g->device->upload)
-        return tl_fail(TL_ERR_UNSUPPORTED, "prefix %s: this backend's KV blocks cannot be copied to the host",
-                       direction);
-    *stage = tl_alloc(slot_bytes(g));
-    return *stage ? TL_OK : tl_fail_oom("prefix blob staging");
+/* The blob's record of (slot, position, kv head h; h = 0 for a hidden one). */
+static uint64_t record_at(const layout* l, uint32_t slot, uint64_t pos, uint32_t h) {
+    return l->kv_at + (((uint64_t)slot * (l->n - l->kv_start) + (pos - l->kv_start)) * l->heads + h) * l->record;
 }
 
 /* ---- save ----------------------------------------------------------------------------------- */
@@ -85,11 +80,11 @@ static layout prefix_layout(const tl_prefix* p) {
     layout l = {.kv_mode = tl_kv_geom_mode(&e->kv_geom), .loops = p->loops, .window = p->window, .n = p->n};
     l.flags = (p->warm_start ? FLAG_WARM_START : 0) | (p->states ? FLAG_STATES : 0);
     l.n_layers = (uint32_t)tl_n_layers(c, l.loops);
+    l.storage = p->hidden ? p->hidden->storage : TL_STORE_KV;
     const tl_kv_table* t = &p->kv; /* window 1 releases every block: then nothing is stored */
-    l.kv_start = t->first_live < t->n_spans ? t->spans[t->first_live].start : p->n;
-    l.R = tl_kv_row_bytes(&e->kv_geom);
-    l.record = 2 * l.R + 8;
-    place(&l, c->n_kv_heads, c->d_model, p->injects != NULL); /* no overflow: it is what p holds */
+    l.kv_start = p->hidden ? p->hidden->start : t->first_live < t->n_spans ? t->spans[t->first_live].start : p->n;
+    set_records(&l, &e->kv_geom, c->d_model);
+    place(&l, c->d_model, p->injects != NULL); /* no overflow: it is what p holds */
     return l;
 }
 
@@ -101,38 +96,32 @@ static void write_f32s(uint8_t* out, const float* x, size_t n) {
 static tl_status write_kv(const tl_prefix* p, const layout* l, uint8_t* blob) {
     const tl_kv_geom* g = &p->engine->kv_geom;
     void* stage;
-    tl_status st = stage_new(g, "save", &stage);
+    tl_status st = tl_kv_stage_new(g, "prefix save", &stage);
     for (size_t i = p->kv.first_live; st == TL_OK && i < p->kv.n_spans; i++) {
         const tl_kv_span* s = &p->kv.spans[i];
         const uint64_t from = s->start > l->kv_start ? s->start : l->kv_start, to = (uint64_t)s->start + s->count;
-        for (uint32_t slot = 0; st == TL_OK && slot < l->n_layers; slot++) {
-            tl_kv_block v = slot_view(g, s->block, slot, stage);
-            if (stage && g->device->download(g->device->ctx, stage, tl_kv_keys(g, s->block, slot, 0), slot_bytes(g)))
-                st = tl_fail(TL_ERR_INTERNAL, "prefix save: copying a KV block from the device failed");
-            for (uint64_t pos = from; st == TL_OK && pos < to; pos++) {
-                const size_t t = pos - s->block->start;
-                for (uint32_t h = 0; h < g->n_kv_heads; h++) {
-                    uint8_t* r = blob + record_at(l, g->n_kv_heads, slot, pos, h);
-                    memcpy(r, tl_kv_keys(g, &v, 0, h) + t * l->R, l->R);
-                    memcpy(r + l->R, tl_kv_values(g, &v, 0, h) + t * l->R, l->R);
-                    wr_f32(r + 2 * l->R, tl_kv_key_scales(g, &v, 0, h)[t]);
-                    wr_f32(r + 2 * l->R + 4, tl_kv_value_scales(g, &v, 0, h)[t]);
-                }
-            }
-        }
+        for (uint32_t slot = 0; st == TL_OK && slot < l->n_layers; slot++)
+            st = tl_kv_records_write(g, s->block, slot, from, to, stage, blob + record_at(l, slot, from, 0),
+                                     "prefix save");
     }
     tl_free(stage);
     return st;
 }
 
+/* The hidden records: row (slot, p) of the prefix's rows is the blob's record (slot, p). */
+static void write_hidden(const tl_hidden_rows* h, const layout* l, uint8_t* blob) {
+    const size_t rows = (size_t)h->n_layers * (h->n - h->start);
+    for (size_t i = 0; i < rows; i++) {
+        uint8_t* r = blob + l->kv_at + i * l->record;
+        memcpy(r, h->q + i * h->row_bytes, h->row_bytes);
+        wr_f32(r + h->row_bytes, h->a[i]);
+    }
+}
+
 static tl_status write_blob(const tl_prefix* p, const layout* l, uint8_t* blob) {
     const tl_engine* e = p->engine;
     const tl_config* c = tl_engine_config(e);
-    memset(blob, 0, HEADER_BYTES);
-    memcpy(blob, "TLPREFIX", 8);
-    wr_u32(blob + 8, VERSION);
-    wr_u32(blob + 12, HEADER_BYTES);
-    wr_u64(blob + 16, l->bytes);
+    tl_frame_begin(&frame, blob, l->storage == TL_STORE_KV ? VERSION_KV : VERSION_HIDDEN, l->bytes);
     wr_u32(blob + 28, e->file.checksum);
     wr_u64(blob + 32, e->file.file_bytes);
     wr_u32(blob + 40, l->kv_mode);
@@ -145,13 +134,16 @@ static tl_status write_blob(const tl_prefix* p, const layout* l, uint8_t* blob) 
     wr_u32(blob + 76, c->n_kv_heads);
     wr_u32(blob + 80, c->head_dim);
     wr_u32(blob + 84, c->d_model);
+    wr_u32(blob + STORAGE_AT, l->storage);
     for (size_t i = 0; i < l->n; i++) wr_u32(blob + HEADER_BYTES + 4 * i, (uint32_t)p->tokens[i]);
     write_f32s(blob + l->loop_states_at, p->loop_states, (size_t)l->loops * c->d_model);
-    tl_status st = write_kv(p, l, blob);
+    tl_status st = TL_OK;
+    if (p->hidden) write_hidden(p->hidden, l, blob);
+    else st = write_kv(p, l, blob);
     if (st != TL_OK) return st;
     if (p->states) write_f32s(blob + l->states_at, p->states, l->n * c->d_model);
     if (p->injects) write_f32s(blob + l->injects_at, p->injects, l->n * c->d_model);
-    wr_u32(blob + CHECKSUM_AT, tl_crc32(0, blob, l->bytes)); /* summed with the field still zero */
+    tl_frame_seal(blob, l->bytes);
     return TL_OK;
 }
 
@@ -173,24 +165,7 @@ TL_API tl_status tl_prefix_save(const tl_prefix* p, void* buf, size_t cap, size_
 
 /* ---- load: the checks ----------------------------------------------------------------------- */
 
-#define bad(...) tl_fail_bad_file("prefix blob", __VA_ARGS__)
-
-/* magic .. checksum: the blob is whole. */
-static tl_status check_frame(const uint8_t* b, size_t n) {
-    if (n < HEADER_BYTES) return bad("too small: %zu bytes < the %d-byte header", n, HEADER_BYTES);
-    if (memcmp(b, "TLPREFIX", 8) != 0) return bad("bad magic, expected \"TLPREFIX\"");
-    if (rd_u32(b + 8) != VERSION) return bad("version: unsupported %u, expected %d", rd_u32(b + 8), VERSION);
-    if (rd_u32(b + 12) != HEADER_BYTES) return bad("header_bytes: must be %d, got %u", HEADER_BYTES, rd_u32(b + 12));
-    if (rd_u64(b + 16) != n)
-        return bad("blob_bytes: header says %llu, blob has %zu bytes", (unsigned long long)rd_u64(b + 16), n);
-    const uint8_t zero[4] = {0};
-    uint32_t crc = tl_crc32(0, b, CHECKSUM_AT);
-    crc = tl_crc32(crc, zero, sizeof zero);
-    crc = tl_crc32(crc, b + CHECKSUM_AT + 4, n - CHECKSUM_AT - 4);
-    if (crc != rd_u32(b + CHECKSUM_AT))
-        return bad("checksum mismatch: header 0x%08x, computed 0x%08x", rd_u32(b + CHECKSUM_AT), crc);
-    return TL_OK;
-}
+#define bad(...) tl_fail_bad_file(frame.what, __VA_ARGS__)
 
 /* model identity, kv_mode, geometry, then the ranges: *l from the header. */
 static tl_status check_header(const tl_engine* e, const uint8_t* b, layout* l) {
@@ -222,6 +197,8 @@ static tl_status check_header(const tl_engine* e, const uint8_t* b, layout* l) {
         return bad("flags: unknown bits 0x%x", l->flags & ~(uint32_t)(FLAG_WARM_START | FLAG_STATES));
     if ((l->flags & FLAG_STATES) && !(l->flags & FLAG_WARM_START))
         return bad("flags: states (bit 1) without warm start (bit 0)");
+    const bool hidden = rd_u32(b + 8) == VERSION_HIDDEN;
+    if (hidden && l->flags) return bad("flags: 0x%x, a hidden-state prefix (version 2) has no warm start", l->flags);
     if (l->n < 1 || l->n > c->max_seq_len)
         return bad("n_tokens: %llu, must be 1 .. max_seq_len %u", (unsigned long long)l->n, c->max_seq_len);
     /* a window W keeps positions >= n - W + 1 visible: those must be stored */
@@ -229,26 +206,23 @@ static tl_status check_header(const tl_engine* e, const uint8_t* b, layout* l) {
     if (l->kv_start > kv_max)
         return bad("kv_start: %llu, must be <= %llu (n_tokens %llu, window %u)", (unsigned long long)l->kv_start,
                    (unsigned long long)kv_max, (unsigned long long)l->n, l->window);
-    for (int k = 88; k < HEADER_BYTES; k++)
-        if (b[k]) return bad("reserved: header bytes 88 .. %d must be zero", HEADER_BYTES - 1);
-    l->R = tl_kv_row_bytes(&e->kv_geom);
-    l->record = 2 * l->R + 8;
+    if (hidden && l->kv_start != kv_max)
+        return bad("kv_start: %llu, a hidden-state prefix stores from h_start %llu (n_tokens %llu, window %u)",
+                   (unsigned long long)l->kv_start, (unsigned long long)kv_max, (unsigned long long)l->n, l->window);
+    l->storage = hidden ? rd_u32(b + STORAGE_AT) : TL_STORE_KV;
+    if (hidden && l->storage != TL_STORE_H8 && l->storage != TL_STORE_H4)
+        return bad("storage: unknown %u (1 = h8, 2 = h4)", l->storage);
+    for (int k = hidden ? STORAGE_AT + 4 : STORAGE_AT; k < HEADER_BYTES; k++)
+        if (b[k]) return bad("reserved: header bytes %d .. %d must be zero", hidden ? STORAGE_AT + 4 : STORAGE_AT,
+                             HEADER_BYTES - 1);
+    set_records(l, &e->kv_geom, c->d_model);
     const bool injection = (l->flags & FLAG_STATES) && c->injection;
-    if (!place(l, c->n_kv_heads, c->d_model, injection))
+    if (!place(l, c->d_model, injection))
         return bad("blob_bytes: n_tokens, loops, kv_start and flags make more than 2^64 bytes");
     if (l->bytes != rd_u64(b + 16))
         return bad("blob_bytes: %llu, but n_tokens, loops, kv_start and flags make %llu",
                    (unsigned long long)rd_u64(b + 16), (unsigned long long)l->bytes);
     return TL_OK;
-}
-
-/* Why a stored key or value row breaks §7 (NULL when it does not). */
-static const char* bad_row(const uint8_t* q, size_t R, bool int4) {
-    for (size_t i = 0; i < R; i++) {
-        if (!int4 && q[i] == 0x80) return "holds -128";
-        if (int4 && ((q[i] & 0x0f) == 0x08 || (q[i] & 0xf0) == 0x80)) return "holds the nibble -8";
-    }
-    return NULL;
 }
 
 /* tokens, then every KV record. */
@@ -259,24 +233,22 @@ static tl_status check_values(const tl_engine* e, const uint8_t* b, const layout
         if (t < 0 || (uint32_t)t >= c->vocab_size)
             return bad("tokens[%llu]: %d, outside 0 .. %u", (unsigned long long)i, t, c->vocab_size - 1);
     }
-    static const char* const what[2] = {"key", "value"};
+    char why[64];
     for (uint32_t slot = 0; slot < l->n_layers; slot++)
-        for (uint64_t pos = l->kv_start; pos < l->n; pos++)
-            for (uint32_t h = 0; h < c->n_kv_heads; h++) {
-                const uint8_t* r = b + record_at(l, c->n_kv_heads, slot, pos, h);
-                for (int k = 0; k < 2; k++) { /* §7.4: kq, vq, then the scales */
-                    const char* why = bad_row(r + k * l->R, l->R, l->kv_mode == TL_KV_INT4);
-                    if (why)
-                        return bad("kv: slot %u, position %llu, kv head %u: the %s row %s", slot,
-                                   (unsigned long long)pos, h, what[k], why);
-                }
-                for (int k = 0; k < 2; k++) {
-                    const float scale = rd_f32(r + 2 * l->R + 4 * k);
-                    if (!(scale >= 0.0f))
-                        return bad("kv: slot %u, position %llu, kv head %u: the %s scale is %g, must be >= 0", slot,
-                                   (unsigned long long)pos, h, what[k], (double)scale);
-                }
+        for (uint64_t pos = l->kv_start; pos < l->n; pos++) {
+            if (l->storage != TL_STORE_KV) { /* q, then a: never negative (NaN and +inf pass) */
+                const uint8_t* r = b + record_at(l, slot, pos, 0);
+                const char* row = tl_kv_row_bad(r, l->R, l->storage == TL_STORE_H4);
+                if (row) return bad("hidden: slot %u, position %llu: the row %s", slot, (unsigned long long)pos, row);
+                if (rd_f32(r + l->R) < 0.0f)
+                    return bad("hidden: slot %u, position %llu: the scale is %g", slot, (unsigned long long)pos,
+                               (double)rd_f32(r + l->R));
+                continue;
             }
+            for (uint32_t h = 0; h < c->n_kv_heads; h++)
+                if (tl_kv_record_bad(b + record_at(l, slot, pos, h), l->R, l->kv_mode == TL_KV_INT4, why, sizeof why))
+                    return bad("kv: slot %u, position %llu, kv head %u: %s", slot, (unsigned long long)pos, h, why);
+        }
     return TL_OK;
 }
 
@@ -297,29 +269,31 @@ static tl_status load_kv(tl_prefix* p, const uint8_t* b, const layout* l) {
         tl_kv_release_outside(&p->kv, p->n, p->window);
     }
     void* stage = NULL;
-    if (st == TL_OK) st = stage_new(g, "load", &stage);
+    if (st == TL_OK) st = tl_kv_stage_new(g, "prefix load", &stage);
     for (size_t i = p->kv.first_live; st == TL_OK && i < p->kv.n_spans; i++) {
         const tl_kv_span* s = &p->kv.spans[i];
         const uint64_t from = s->start > l->kv_start ? s->start : l->kv_start, to = (uint64_t)s->start + s->count;
-        for (uint32_t slot = 0; st == TL_OK && slot < l->n_layers; slot++) {
-            tl_kv_block v = slot_view(g, s->block, slot, stage);
-            memset(v.data, 0, slot_bytes(g));
-            for (uint64_t pos = from; pos < to; pos++) {
-                const size_t t = pos - s->block->start;
-                for (uint32_t h = 0; h < g->n_kv_heads; h++) {
-                    const uint8_t* r = b + record_at(l, g->n_kv_heads, slot, pos, h);
-                    memcpy(tl_kv_keys(g, &v, 0, h) + t * l->R, r, l->R);
-                    memcpy(tl_kv_values(g, &v, 0, h) + t * l->R, r + l->R, l->R);
-                    tl_kv_key_scales(g, &v, 0, h)[t] = rd_f32(r + 2 * l->R);
-                    tl_kv_value_scales(g, &v, 0, h)[t] = rd_f32(r + 2 * l->R + 4);
-                }
-            }
-            if (stage && g->device->upload(g->device->ctx, tl_kv_keys(g, s->block, slot, 0), stage, slot_bytes(g)))
-                st = tl_fail(TL_ERR_INTERNAL, "prefix load: copying a KV block to the device failed");
-        }
+        for (uint32_t slot = 0; st == TL_OK && slot < l->n_layers; slot++)
+            st = tl_kv_records_read(g, s->block, slot, from, to, stage, b + record_at(l, slot, from, 0),
+                                    "prefix load");
     }
     tl_free(stage);
     return st;
+}
+
+/* p's rows from the hidden records of a checked blob. */
+static tl_status load_hidden(tl_prefix* p, const uint8_t* b, const layout* l) {
+    const tl_config* c = tl_engine_config(p->engine);
+    tl_hidden_rows* h = tl_hidden_new(l->storage, l->n_layers, c->d_model, p->n, p->window, c->rms_eps);
+    if (!h) return tl_fail_oom("hidden-state rows");
+    const size_t rows = (size_t)h->n_layers * (h->n - h->start); /* h->start == l->kv_start: checked */
+    for (size_t i = 0; i < rows; i++) {
+        const uint8_t* r = b + l->kv_at + i * l->record;
+        memcpy(h->q + i * h->row_bytes, r, h->row_bytes);
+        h->a[i] = rd_f32(r + h->row_bytes);
+    }
+    p->hidden = h;
+    return TL_OK;
 }
 
 /* The prefix of a checked blob. Kept states need a backend that resumes from them; elsewhere
@@ -334,7 +308,7 @@ static tl_status build(tl_engine* e, const uint8_t* b, const layout* l, tl_prefi
     read_f32s(p->loop_states, b + l->loop_states_at, (size_t)l->loops * d);
     if (p->states) read_f32s(p->states, b + l->states_at, p->n * d);
     if (p->injects) read_f32s(p->injects, b + l->injects_at, p->n * d);
-    const tl_status st = load_kv(p, b, l);
+    const tl_status st = l->storage != TL_STORE_KV ? load_hidden(p, b, l) : load_kv(p, b, l);
     if (st != TL_OK) {
         tl_prefix_free(p);
         return st;
@@ -351,9 +325,10 @@ TL_API tl_status tl_prefix_load(tl_model* model, const void* buf, size_t n, tl_p
     tl_status st = tl_model_acquire(model, &e);
     if (st != TL_OK) return st;
     layout l;
-    st = check_frame(buf, n);
+    st = tl_frame_check(&frame, buf, n);
     if (st == TL_OK) st = check_header(e, buf, &l);
     if (st == TL_OK) st = check_values(e, buf, &l);
+    if (st == TL_OK) st = tl_prefix_check_storage(e, l.storage); /* a valid blob this model cannot rebuild from */
     if (st == TL_OK) st = build(e, buf, &l, out);
     tl_engine_unref(e);
     return st;

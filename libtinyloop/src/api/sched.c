@@ -372,7 +372,7 @@ static bool fits(const tl_sched* s, const sched_req* r, size_t used) {
 static tl_status admit(tl_sched* s) {
     tl_engine* e = s->engine;
     const bool budgeted = s->params.kv_budget_bytes != 0;
-    const size_t used = budgeted ? kv_alone(s, NULL) : 0;
+    size_t used = budgeted ? kv_alone(s, NULL) : 0;
     if (s->head_refused && s->running.n && used >= s->refused_at) return TL_OK;
     s->head_refused = false;
     while (s->waiting.head && s->running.n < s->params.max_batch) {
@@ -388,13 +388,17 @@ static tl_status admit(tl_sched* s) {
             q->n = hit;
         }
         r->stream.seq = q;
-        if (!fits(s, r, used)) {  /* admitting allocates no block: `used` holds */
+        /* admitting allocates no block but those read from the prefix cache's disk tier that
+         * the cache had no room for: the request holds them alone */
+        const size_t own = budgeted ? tl_kv_alone_bytes(&q->kv, NULL) : 0;
+        if (!fits(s, r, used + own)) {
             tl_seq_free(q);
             r->stream.seq = NULL;
             s->head_refused = true;
             s->refused_at = used;
             break;
         }
+        used += own;
         r->prefill_end = n;
         s->stats.cached_tokens += hit;
         list_remove(&s->waiting, r);

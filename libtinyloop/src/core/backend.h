@@ -57,6 +57,12 @@ typedef struct tl_backend_iface {
      * (then speculative requests decode plainly and tl_prefix_extend rebuilds the prefix). */
     tl_status (*forward_part)(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
                               const tl_part* part);
+    /* The KV of cache slot `slot` at positions pos0 .. pos0+T-1 of s (reserved) from those
+     * positions' layer input rows (q [T][d] i8, a [T] f32: NQ's output, or h4's, docs/spec.md
+     * §5.4.1): linear(attn_qkv of the slot's block; q, a), RoPE, QK, written as the pass writes
+     * them. Fails like tl_forward. */
+    tl_status (*kv_from_rows)(tl_backend* b, tl_seq* s, uint32_t slot, size_t pos0, size_t T, const int8_t* q,
+                              const float* a);
 } tl_backend_iface;
 
 /* Embedded as the first member of each backend's own state. */

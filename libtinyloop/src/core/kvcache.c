@@ -28,6 +28,7 @@ static tl_kv_block* block_new(const tl_kv_geom* g, uint32_t n_layers, uint32_t s
         tl_free(b);
         return NULL;
     }
+    if (!g->device) memset(b->data, 0, data_bytes); /* as device data: slots a pass never writes read as zero */
     atomic_init(&b->refs, 1);
     b->start = start;
     b->n_layers = n_layers;

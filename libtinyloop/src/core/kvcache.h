@@ -10,6 +10,8 @@
  * tables by reference count; a table writes only into a block it holds alone (refs == 1), so
  * a shared block is immutable and forking or continuing a prefix copies no block: the new
  * position simply opens a fresh block. Block memory is released when the last table drops it.
+ * A new block's values are all zero, so the slots a pass never writes (with a coda, those of
+ * shallower depths' codas) hold zeros when the block is saved or spilled (docs/spec.md §7.6).
  * Paging never changes a value: attention reads exactly the (kq, sk, vq, sv) that were written. */
 #ifndef TL_KVCACHE_H
 #define TL_KVCACHE_H

@@ -97,6 +97,39 @@ static inline TL_HD int64_t tl_to_i64(float x) {
 /* NaN-ignoring max (C fmaxf semantics, without the libm call). */
 static inline TL_HD float tl_fmax(float acc, float x) { return (x > acc || acc != acc) ? x : acc; }
 
+#define TL_TINY_ROW 5.421010862427522e-20f /* 2^-64, 0x1f800000: §2.2 step 2 */
+
+/* §2.2 step 1: max_i |x_i| from 0, NaN-ignoring (a NaN never compares greater), as eight
+ * independent running maxima rather than one serial chain: the values are >= +0 and never NaN,
+ * so the order in which the maxima combine cannot change the result. */
+static inline TL_HD float tl_abs_max(const float* x, size_t n) {
+    float m[8] = {0.0f};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) m[k] = fabsf(x[i + k]) > m[k] ? fabsf(x[i + k]) : m[k];
+    for (; i < n; i++) m[0] = fabsf(x[i]) > m[0] ? fabsf(x[i]) : m[0];
+    float amax = 0.0f;
+    for (int k = 0; k < 8; k++) amax = m[k] > amax ? m[k] : amax;
+    return amax;
+}
+
+/* §2.2 Q(x, qmax) but step 4, with fq = (f32) qmax: returns the scale s, and *r the factor step
+ * 4 multiplies by. s == 0 exactly for a row below 2^-64 (step 2), whose q are all 0. */
+static inline TL_HD float tl_quantize_begin(const float* x, size_t n, float fq, float* r) {
+    const float amax = tl_abs_max(x, n);
+    if (amax < TL_TINY_ROW) {
+        *r = 0.0f;
+        return 0.0f;
+    }
+    *r = fq / amax;
+    return amax / fq;
+}
+
+/* §2.2 step 4 for one element: rint(clamp(x * r, -fq, fq)). */
+static inline TL_HD int tl_quantize_one(float x, float r, float fq) {
+    return (int)tl_rint_small(tl_clamp(x * r, -fq, fq));
+}
+
 /* §2.3 step 3 and §2.7 step 3: the root mean square t of a row of n elements from
  * ss = Σ q² (exact) and the row's quantization scale s (Q8 for NQ, Q16 for RN). */
 static inline TL_HD float tl_rms_of(int64_t ss, float s, size_t n, float eps) {

@@ -26,6 +26,11 @@
  * exact order (docs/spec.md §4.3): any held node older than the victim may have been released
  * since the last insert, which would make it the victim, and only reading its refs tells.
  * Clearing removes the list from its old end: each node is a leaf by then.
+ *
+ * The disk tier (§4.3.1). A victim is spilled just before it goes; a lookup reads a block's
+ * file where no cached child serves it, and the block it reads joins the tree as an insert's
+ * block does (offer), counted in disk_hit_blocks (not in inserted_blocks). A file's
+ * name hashes every token up to its block's end: a lookup hashes them as its walk goes on.
  */
 #include "core/prefix_cache.h"
 
@@ -62,6 +67,7 @@ struct tl_pcache {
     node* walk;           /* the insert under way: where its eviction walk is  */
     uint64_t tick;
     bool closed;          /* set by tl_pcache_close: nothing is served or added */
+    tl_pdisk* disk;       /* the disk tier; NULL = none                        */
     uint64_t eviction_visits;
     tl_prefix_cache_stats stats;
 };
@@ -207,7 +213,6 @@ static node* add_child(tl_pcache* c, node* parent, const int32_t* tokens, tl_kv_
     parent->n_children++;
     c->stats.blocks++;
     c->stats.bytes_in_use += block->bytes;
-    c->stats.inserted_blocks++;
     return x;
 }
 
@@ -222,6 +227,51 @@ static void remove_leaf(tl_pcache* c, node* x) {
     tl_kv_block_release(x->block);
     tl_free(x);
     if (--parent->n_children == 0 && !parent->block && parent != c->inserting_root) remove_root(c, parent);
+}
+
+/* ---- the disk tier ---------------------------------------------------------------------------- */
+
+/* Write block node x to its file (spilled_blocks += 1 when written): its place from its root,
+ * the tokens of its chain. Out of memory: not spilled. */
+static void spill(tl_pcache* c, const node* x) {
+    if (!c->disk) return;
+    const uint32_t bs = c->geom.block_size;
+    uint32_t index = 0;
+    const node* root = x->parent;
+    for (; root->block; root = root->parent) index++;
+    const size_t n = ((size_t)index + 1) * bs;
+    int32_t* tokens = tl_alloc(n * sizeof *tokens);
+    if (!tokens) return;
+    size_t at = n;
+    for (const node* y = x; y->block; y = y->parent) {
+        at -= bs;
+        memcpy(tokens + at, y->tokens, bs * sizeof *tokens);
+    }
+    const tl_block_place place = {root->salt, root->window, root->tree_depth, index, tokens};
+    const uint64_t start = tl_block_name_start(tl_pdisk_model(c->disk), root->salt, strlen(root->salt), root->window,
+                                               root->tree_depth);
+    if (tl_pdisk_spill(c->disk, &place, tl_block_name_more(start, tokens, n), x->block)) c->stats.spilled_blocks++;
+    tl_free(tokens);
+}
+
+/* A lookup's walk over the disk tier: the name hash of the tokens hashed so far. */
+typedef struct disk_walk {
+    uint64_t name;
+    size_t hashed; /* tokens in `name`; 0 before the key fields are */
+} disk_walk;
+
+/* Block k of the request (tokens[0 .. (k+1)*bs) under key) from its file into a new block
+ * appended to t, whose k spans end at k * bs; false on a miss. */
+static bool read_block(tl_pcache* c, const tl_pcache_key* key, const int32_t* tokens, size_t k, disk_walk* w,
+                       tl_kv_table* t) {
+    const uint32_t bs = c->geom.block_size;
+    const char* salt = salt_of(key);
+    if (!w->hashed)
+        w->name = tl_block_name_start(tl_pdisk_model(c->disk), salt, strlen(salt), key->window, key->tree_depth);
+    w->name = tl_block_name_more(w->name, tokens + w->hashed, (k + 1) * bs - w->hashed);
+    w->hashed = (k + 1) * bs;
+    const tl_block_place place = {salt, key->window, key->tree_depth, (uint32_t)k, tokens};
+    return tl_pdisk_fetch(c->disk, &place, w->name, key->n_layers, t);
 }
 
 /* ---- eviction -------------------------------------------------------------------------------- */
@@ -239,6 +289,7 @@ static bool make_room(tl_pcache* c, size_t extra) {
         }
         c->walk = x;
         if (!x || x->last_used == c->tick) return false;
+        spill(c, x);
         remove_leaf(c, x); /* moves the walk on to the next node */
         c->stats.evicted_blocks++;
     }
@@ -247,19 +298,22 @@ static bool make_room(tl_pcache* c, size_t extra) {
 
 /* ---- the interface ---------------------------------------------------------------------------- */
 
-tl_pcache* tl_pcache_new(const tl_kv_geom* g, size_t budget_bytes) {
+tl_pcache* tl_pcache_new(const tl_kv_geom* g, size_t budget_bytes, tl_pdisk* disk) {
     tl_pcache* c = tl_alloc_zeroed(1, sizeof *c);
-    if (!c) return NULL;
-    c->n_buckets = 64;
-    c->buckets = tl_alloc_zeroed(c->n_buckets, sizeof *c->buckets);
-    if (!c->buckets) {
+    node** buckets = c ? tl_alloc_zeroed(64, sizeof *buckets) : NULL;
+    if (!buckets) {
         tl_free(c);
+        tl_pdisk_free(disk);
         return NULL;
     }
+    c->n_buckets = 64;
+    c->buckets = buckets;
+    c->disk = disk;
     pthread_mutex_init(&c->lock, NULL);
     c->geom = *g;
     c->budget = budget_bytes;
     c->stats.budget_bytes = budget_bytes;
+    if (disk) c->stats.disk_budget_bytes = tl_pdisk_budget(disk);
     return c;
 }
 
@@ -278,6 +332,8 @@ void tl_pcache_clear(tl_pcache* c) {
 void tl_pcache_close(tl_pcache* c) {
     pthread_mutex_lock(&c->lock);
     c->closed = true;
+    /* least recently used first; the nodes of one tick form one chain, deepest first (see top) */
+    for (const node* x = c->oldest; x; x = x->newer) spill(c, x);
     remove_all(c);
     pthread_mutex_unlock(&c->lock);
 }
@@ -286,8 +342,31 @@ void tl_pcache_free(tl_pcache* c) {
     if (!c) return;
     remove_all(c);
     pthread_mutex_destroy(&c->lock);
+    tl_pdisk_free(c->disk);
     tl_free(c->buckets);
     tl_free(c);
+}
+
+/* Offer block b for the position under `parent` whose tokens are `tokens`, as §4.3's insert
+ * does: a child with those tokens is used (its block replaced by b when b is deeper and the
+ * extra bytes fit), else b becomes a new child when it fits (*added += 1, if added is not
+ * NULL). The node now holding the position, or NULL (b is not cached). */
+static node* offer(tl_pcache* c, node* parent, const int32_t* tokens, tl_kv_block* b, uint64_t* added) {
+    node* x = find_child(c, parent, tokens);
+    if (!x) {
+        x = make_room(c, b->bytes) ? add_child(c, parent, tokens, b) : NULL;
+        if (x && added) (*added)++;
+        return x;
+    }
+    touch(c, x); /* protected from this call's evictions */
+    tl_kv_block* theirs = x->block;
+    if (theirs->n_layers < b->n_layers && make_room(c, b->bytes - theirs->bytes)) {
+        c->stats.bytes_in_use += b->bytes - theirs->bytes; /* the deeper block serves more */
+        tl_kv_block_retain(b);
+        tl_kv_block_release(theirs);
+        x->block = b;
+    }
+    return x;
 }
 
 void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tokens, size_t n,
@@ -295,22 +374,36 @@ void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
     const uint32_t bs = c->geom.block_size;
     const size_t max_blocks = n ? (n - 1) / bs : 0;
     size_t k = 0;
+    disk_walk walk = {0, 0};
     pthread_mutex_lock(&c->lock);
     c->tick++;
     c->stats.lookups++;
-    node* parent = c->closed ? NULL : find_root(c, key);
-    while (parent && k < max_blocks) {
-        node* x = find_child(c, parent, tokens + k * bs);
-        if (!x || x->block->n_layers < key->n_layers) break;
-        if (tl_kv_push_shared(t, x->block, (uint32_t)(k * bs), bs) != TL_OK) {
-            tl_kv_clear(t);
-            k = 0;
+    node* root = c->closed ? NULL : find_root(c, key);
+    c->inserting_root = root; /* a disk hit may evict its other children */
+    c->walk = c->oldest;
+    node* parent = root; /* the node of block k - 1 (the root for k = 0); NULL off the tree */
+    while (!c->closed && k < max_blocks) {
+        node* x = parent ? find_child(c, parent, tokens + k * bs) : NULL;
+        if (x && x->block->n_layers >= key->n_layers) {
+            if (tl_kv_push_shared(t, x->block, (uint32_t)(k * bs), bs) != TL_OK) {
+                tl_kv_clear(t);
+                k = 0;
+                break;
+            }
+            touch(c, x);
+        } else if (c->disk && read_block(c, key, tokens, k, &walk, t)) {
+            if (k == 0 && !root) parent = root = c->inserting_root = make_root(c, key);
+            x = parent ? offer(c, parent, tokens + k * bs, t->spans[k].block, NULL) : NULL;
+            c->stats.disk_hit_blocks++;
+        } else {
             break;
         }
-        touch(c, x);
         parent = x;
         k++;
     }
+    c->inserting_root = NULL;
+    c->walk = NULL;
+    if (root && root->n_children == 0) remove_root(c, root);
     c->stats.hit_tokens += k * bs;
     c->stats.prefilled_tokens += n - k * bs;
     pthread_mutex_unlock(&c->lock);
@@ -340,21 +433,7 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
     node* parent = root;
     for (size_t i = 0; parent && i < n / bs; i++) {
         tl_kv_block* mine = aligned_block(t, i, bs);
-        if (!mine) break;
-        node* x = find_child(c, parent, tokens + i * bs);
-        if (x) {
-            touch(c, x);  /* protected from this call's evictions */
-            tl_kv_block* theirs = x->block;
-            if (theirs->n_layers < mine->n_layers && make_room(c, mine->bytes - theirs->bytes)) {
-                c->stats.bytes_in_use += mine->bytes - theirs->bytes;  /* the deeper block serves more */
-                tl_kv_block_retain(mine);
-                tl_kv_block_release(theirs);
-                x->block = mine;
-            }
-        } else if (make_room(c, mine->bytes)) {
-            x = add_child(c, parent, tokens + i * bs, mine);
-        }
-        parent = x;
+        parent = mine ? offer(c, parent, tokens + i * bs, mine, &c->stats.inserted_blocks) : NULL;
     }
     c->inserting_root = NULL;
     c->walk = NULL;
@@ -365,6 +444,7 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
 tl_prefix_cache_stats tl_pcache_stats(tl_pcache* c) {
     pthread_mutex_lock(&c->lock);
     tl_prefix_cache_stats stats = c->stats;
+    if (c->disk) stats.disk_bytes = tl_pdisk_bytes(c->disk);
     pthread_mutex_unlock(&c->lock);
     stats.size = sizeof stats;
     return stats;

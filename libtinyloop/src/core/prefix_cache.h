@@ -14,6 +14,10 @@
  * use list (prefix_cache.c), never a scan of the whole cache: an insert that evicts k blocks
  * visits at most k + h nodes, h the cached nodes leading to a block held elsewhere (0 when no
  * running request, prefix or fork holds a cached block).
+ *
+ * With a disk tier (pcache_disk.h, docs/spec.md §4.3.1) an evicted node's block is spilled to
+ * its file, every cached node is spilled at close, and a lookup that finds no cached child
+ * serving block i reads block i's file. That file I/O happens under the cache's mutex.
  */
 #ifndef TL_PREFIX_CACHE_H
 #define TL_PREFIX_CACHE_H
@@ -22,6 +26,7 @@
 #include <stdint.h>
 
 #include "core/kvcache.h"
+#include "core/pcache_disk.h"
 
 typedef struct tl_pcache tl_pcache;
 
@@ -34,20 +39,26 @@ typedef struct tl_pcache_key {
     uint32_t tree_depth;
 } tl_pcache_key;
 
-/* A cache with budget `budget_bytes` (> 0) for blocks of geometry g. NULL when out of memory. */
-tl_pcache* tl_pcache_new(const tl_kv_geom* g, size_t budget_bytes);
-/* Drop every node (blocks still held elsewhere live on) and free the cache. NULL: no-op. */
+/* A cache with budget `budget_bytes` (> 0) for blocks of geometry g, backed by the disk tier
+ * `disk` (NULL = none; the cache owns it, also when this fails). NULL when out of memory. */
+tl_pcache* tl_pcache_new(const tl_kv_geom* g, size_t budget_bytes, tl_pdisk* disk);
+/* Drop every node (blocks still held elsewhere live on) and free the cache and its disk tier.
+ * NULL: no-op. */
 void tl_pcache_free(tl_pcache* c);
-/* Drop every node; the counters are kept. */
+/* Drop every node, spilling none; the counters are kept. */
 void tl_pcache_clear(tl_pcache* c);
-/* Drop every node for good (the model was closed): later lookups miss and inserts add
- * nothing, so requests still running add no block that would outlive the close. */
+/* Spill every node to the disk tier (least recently used first; among the nodes last used at
+ * one tick, the deeper block first), then drop them for good (the model was closed): later
+ * lookups miss and inserts add nothing, so requests still running add no block that would
+ * outlive the close. */
 void tl_pcache_close(tl_pcache* c);
 
 /* Share into the empty table `t` the longest chain of cached blocks that are a prefix of
  * tokens[0..n) and serve key->n_layers, leaving at least one token uncached (the last token's
- * logits are always computed). *hit receives the number of positions shared, a multiple of
- * the block size. Out of memory: *hit = 0 and t stays empty (the request simply misses). */
+ * logits are always computed); where no cached block serves, the disk tier's file of the block
+ * (read into a new block, cached as an insert caches one when it fits). *hit receives the
+ * number of positions shared, a multiple of the block size. Out of memory: *hit = 0 and t
+ * stays empty (the request simply misses). */
 void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tokens, size_t n,
                       tl_kv_table* t, size_t* hit);
 /* Offer the full, block-aligned blocks of `t` that hold positions of tokens[0..n) (the

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 
 #include "core/engine.h"
+#include "core/hidden.h"
 #include "core/kvcache.h"
 
 /* Working memory of the forward pass, reused from call to call and grown (never shrunk) to the
@@ -27,6 +28,8 @@ struct tl_seq {
     float* next_hidden;     /* [d] where a run puts the new one; swapped in on success    */
     tl_scratch scratch;     /* the forward pass's working memory; one user at a time, like
                                the sequence (a batched pass uses its first sequence's)     */
+    tl_hidden_rows* capture; /* a hidden-state prefix build (docs/spec.md §5.4.1): a chunk pass
+                               hands each layer's input rows to tl_hidden_capture; else NULL */
 };
 
 /* A prefix is read by many threads at once (tl_seq_from_prefix, tl_prefix_info, under `lock`
@@ -49,6 +52,8 @@ struct tl_prefix {
                                (before the coda); NULL without warm start or on a backend
                                without a part pass (which extends by rebuilding)           */
     float* injects;         /* with states and injection: [n][d] each token's injected term */
+    tl_hidden_rows* hidden; /* a hidden-state prefix (docs/spec.md §5.4.1): its layer input
+                               rows, kv then empty; NULL for a kv prefix                   */
     pthread_rwlock_t lock;
     pthread_mutex_t extending;
 };
@@ -60,6 +65,11 @@ bool tl_prefix_can_resume(const tl_engine* e);
  * buffers: tokens, loop_states (zeroed) and, when `states`, states and (with injection)
  * injects; its kv table empty. NULL when out of memory. */
 tl_prefix* tl_prefix_new(tl_engine* e, size_t n, uint32_t loops, uint32_t window, bool warm_start, bool states);
+
+/* TL_OK when the engine can keep and use prefixes of that storage (kv always), else
+ * TL_ERR_INVALID_ARGUMENT naming the reason: the backend has no kv_from_rows, h4 with an odd
+ * d_model, or rows that would take as many bytes as the KV or more (docs/spec.md §5.4.1). */
+tl_status tl_prefix_check_storage(const tl_engine* e, tl_prefix_storage storage);
 
 /* TL_OK when the prefix serves depth `loops` (<= its own), else TL_ERR_LOOPS_MISMATCH with a
  * message saying how to get a deeper one (tl_prefix_extend, or a warm-start build). */

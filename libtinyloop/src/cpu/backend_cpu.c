@@ -30,6 +30,11 @@ static tl_status cpu_forward_part(tl_backend* b, tl_seq* s, const int32_t* token
     return tl_cpu_forward(((cpu_backend*)b)->linears, s, tokens, T, pos0, part, NULL);
 }
 
+static tl_status cpu_kv_from_rows(tl_backend* b, tl_seq* s, uint32_t slot, size_t pos0, size_t T, const int8_t* q,
+                                  const float* a) {
+    return tl_cpu_kv_from_rows(((cpu_backend*)b)->linears, s, slot, pos0, T, q, a);
+}
+
 static tl_status cpu_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
                                    float* const* logits) {
     return tl_cpu_forward_batch(((cpu_backend*)b)->linears, seqs, tokens, B, logits);
@@ -58,7 +63,8 @@ static const tl_backend_iface cpu_iface = {.forward = cpu_forward,
                                            .head_logits = cpu_head_logits,
                                            .info = cpu_info,
                                            .free = cpu_free,
-                                           .forward_part = cpu_forward_part};
+                                           .forward_part = cpu_forward_part,
+                                           .kv_from_rows = cpu_kv_from_rows};
 
 tl_status tl_backend_cpu_new(tl_engine* e, tl_backend** out) {
     *out = NULL;

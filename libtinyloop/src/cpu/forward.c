@@ -13,6 +13,9 @@
  * A chunk runs as a part pass (core/forward.h's tl_part): it may stop at a depth below the
  * sequence's (ending in another depth's coda slots) and resume from kept states, skipping the
  * embedding, the prelude and the iterations before first_iter; tl_forward is the whole part.
+ * A chunk of a hidden-state prefix build hands every layer's input rows to its sequence's
+ * capture (core/hidden.h); tl_cpu_kv_from_rows runs only a layer's attn_qkv and KV write, on
+ * the stored rows of such a prefix.
  *
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool (on AMX,
@@ -138,7 +141,11 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
 
 /* ---- per-token tasks ------------------------------------------------------------------------ */
 
-static void finish_row(fwd* f, size_t t) {
+/* acts row t holds its `cols` values and its scale: zero the rest of the row, then (SIMD paths)
+ * fill its qx. */
+static void finish_row(fwd* f, size_t t, size_t cols) {
+    int8_t* q = f->acts.q + t * f->acts.stride;
+    memset(q + cols, 0, f->acts.stride - cols);
     if (f->simd) tl_acts_finish_row(&f->acts, t);
 }
 
@@ -158,8 +165,7 @@ static void task_quantize(void* ctx, size_t t, unsigned worker) {
                                    : tl_rms_quantize_row(x, f->q_cols, f->c->rms_eps, q);
     else
         f->acts.scale[t] = q8_row(f, x, f->q_cols, q);
-    memset(q + f->q_cols, 0, f->acts.stride - f->q_cols);
-    finish_row(f, t);
+    finish_row(f, t, f->q_cols);
 }
 
 static void quantize_rows(fwd* f, const float* src, size_t src_stride, size_t cols, bool rms) {
@@ -261,8 +267,7 @@ static void task_swiglu(void* ctx, size_t t, unsigned worker) {
     else tl_swiglu_row(gate, up, F);
     int8_t* q = f->acts.q + t * f->acts.stride;
     f->acts.scale[t] = q8_row(f, gate, F, q);
-    memset(q + F, 0, f->acts.stride - F);
-    finish_row(f, t);
+    finish_row(f, t, F);
 }
 
 /* ---- the pass ------------------------------------------------------------------------------ */
@@ -276,7 +281,20 @@ static void residual(fwd* f, const tl_linear* lin, const float* gain) {
     if (f->c->block_layout != TL_LAYOUT_PRE) norm_rows(f, sandwich ? f->y : f->x, gain, sandwich);
 }
 
-/* Block `block` (file order) on the rows, as the layer of cache slot `slot`. */
+/* The KV of the rows at cache slot f->layer from acts (each row's attention input, NQ of the
+ * layer's input): qkv = linear(attn_qkv of block `block`; acts) (+ bias), then RoPE and the K
+ * and V heads into the cache. */
+static void write_kv(fwd* f, uint32_t block) {
+    const tl_block_vectors* vec = &f->e->file.blocks[block];
+    if (vec->qkv_bias) /* y + b, as b + y: one f32 addition either way */
+        for (size_t t = 0; t < f->T; t++) memcpy(f->qkv + t * f->qkv_dim, vec->qkv_bias, f->qkv_dim * sizeof(float));
+    tl_linear_run(&f->linears[tl_block_linear_index(block, TL_PART_QKV)], &f->acts, f->qkv, f->qkv_dim,
+                  vec->qkv_bias != NULL, f->e->pool);
+    tl_pool_run(f->e->pool, f->T, task_kv_write, f);
+}
+
+/* Block `block` (file order) on the rows, as the layer of cache slot `slot`. A chunk of a
+ * hidden-state prefix build first hands the layer's input rows to its capture. */
 static void run_block(fwd* f, uint32_t block, size_t slot) {
     const tl_config* c = f->c;
     const size_t d = c->d_model, F = c->ffn_dim;
@@ -285,11 +303,9 @@ static void run_block(fwd* f, uint32_t block, size_t slot) {
     const tl_block_vectors* vec = &f->e->file.blocks[block];
     f->layer = (uint32_t)slot;
 
+    if (f->chunk && f->seqs[0]->capture) tl_hidden_capture(f->seqs[0]->capture, f->layer, f->pos[0], f->T, f->x);
     quantize_rows(f, f->x, d, d, true);
-    if (vec->qkv_bias) /* y + b, as b + y: one f32 addition either way */
-        for (size_t t = 0; t < f->T; t++) memcpy(f->qkv + t * f->qkv_dim, vec->qkv_bias, f->qkv_dim * sizeof(float));
-    tl_linear_run(&part[TL_PART_QKV], &f->acts, f->qkv, f->qkv_dim, vec->qkv_bias != NULL, pool);
-    tl_pool_run(pool, f->T, task_kv_write, f);
+    write_kv(f, block);
     if (attends_on_tiles(f->e, f->chunk, f->T))
         tl_pool_run(pool, (f->T + TL_ATTN_TILE - 1) / TL_ATTN_TILE * c->n_heads, task_attention_tile, f);
     else
@@ -474,6 +490,26 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
     if (last_hidden) memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
     if (part->logits_all) head_rows(&f, f.x, part->logits_all);
     if (part->logits_last) head_last(&f, part->logits_last);
+    return TL_OK;
+}
+
+tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot, size_t pos0, size_t T,
+                              const int8_t* q, const float* a) {
+    fwd f;
+    tl_status st = begin(&f, s->engine, linears, T, 1, false, false, &s->scratch); /* no attention: no keys */
+    if (st != TL_OK) return st;
+    const size_t d = f.c->d_model;
+    f.layer = slot;
+    f.acts.n = T;
+    f.acts.stride = tl_acts_stride(d);
+    for (size_t t = 0; t < T; t++) {
+        f.seqs[t] = s;
+        f.pos[t] = pos0 + t;
+        memcpy(f.acts.q + t * f.acts.stride, q + t * d, d);
+        f.acts.scale[t] = a[t];
+        finish_row(&f, t, d);
+    }
+    write_kv(&f, tl_slot_at(f.c, slot).block);
     return TL_OK;
 }
 

@@ -14,6 +14,11 @@
  * with TL_ERR_OUT_OF_MEMORY, before touching the cache. */
 tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
                          const tl_part* part, float* last_hidden);
+/* The backend's kv_from_rows (core/backend.h) on the CPU: the KV of cache slot `slot` at
+ * positions pos0 .. pos0+T-1 of s from the rows (q [T][d], a [T]) its attn_qkv reads. Fails
+ * only with TL_ERR_OUT_OF_MEMORY, before touching the cache. */
+tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot, size_t pos0, size_t T,
+                              const int8_t* q, const float* a);
 /* tl_forward_batch on the CPU. */
 tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens, size_t B,
                                float* const* logits);

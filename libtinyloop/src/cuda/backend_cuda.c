@@ -4,7 +4,9 @@
  * data allocated on the device. Rows run deepest first (tl_sort_deepest_first); rows of one
  * sequence share one span range. The head of a saved hidden state (tl_head_logits) runs on the
  * host with the one linear the backend repacks there (cpu/forward.h): a pass computes its own
- * logits on the device. */
+ * logits on the device. A hidden-state prefix (docs/spec.md §5.4.1) is built by chunk passes
+ * that hand each block's input rows to the sequence's capture, and rebuilt through
+ * kv_from_rows, the K/V write of one slot from given rows (tl_cuda_kv_from_rows). */
 #include "cuda/backend_cuda.h"
 
 #include <stdio.h>
@@ -29,6 +31,13 @@ size_t tl_cuda_count_spans(tl_seq* const* seqs, size_t T) {
     return n;
 }
 
+/* The row of token `token` of s at position pos (reserved): where its K/V goes, and its spans. */
+static tl_cuda_row row_at(const tl_seq* s, size_t pos, int32_t token, uint32_t first_span, uint32_t n_spans) {
+    const tl_kv_span* write = &s->kv.spans[tl_kv_find(&s->kv, pos)];
+    return (tl_cuda_row){token, (uint32_t)pos, s->loops, s->window, write->block->data,
+                         (uint32_t)(pos - write->start), first_span, n_spans};
+}
+
 size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
                         tl_cuda_row* rows, tl_cuda_span* spans, uint32_t* max_keys) {
     size_t n_spans = 0, first = 0, count = 0;
@@ -43,19 +52,34 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
             }
             count = n_spans - first;
         }
-        const tl_kv_span* write = &s->kv.spans[tl_kv_find(&s->kv, pos[t])];
-        rows[t] = (tl_cuda_row){tokens[t], (uint32_t)pos[t], s->loops, s->window, write->block->data,
-                                (uint32_t)(pos[t] - write->start), (uint32_t)first, (uint32_t)count};
+        rows[t] = row_at(s, pos[t], tokens[t], (uint32_t)first, (uint32_t)count);
         if (pos[t] + 1 > *max_keys) *max_keys = (uint32_t)(pos[t] + 1);
     }
     return n_spans;
 }
 
+/* tl_cuda_batch.capture of a chunk pass of sequence ctx (rows at positions ctx->n ..): its
+ * layer inputs to the hidden-state rows it builds (docs/spec.md §5.4.1). */
+static void capture_rows(void* ctx, uint32_t slot, size_t row0, size_t n, const float* x) {
+    const tl_seq* s = ctx;
+    tl_hidden_capture(s->capture, slot, s->n + row0, n, x);
+}
+
+bool tl_cuda_describe_writes(const tl_seq* s, size_t pos0, size_t T, tl_cuda_row* rows) {
+    const tl_kv_table* kv = &s->kv; /* live spans: [first_live, n_spans), consecutive, each with its block */
+    if (kv->first_live >= kv->n_spans || kv->spans[kv->first_live].start > pos0) return false;
+    const tl_kv_span* last = &kv->spans[kv->n_spans - 1];
+    if (pos0 + T > (size_t)last->start + last->count) return false;
+    for (size_t t = 0; t < T; t++) rows[t] = row_at(s, pos0 + t, 0, 0, 0);
+    return true;
+}
+
 /* Rows t < T: token tokens[t] of seqs[t] at position pos[t] (KV reserved), deepest first.
  * Writes hidden [T][d], logits [T][V], logits_last [V] of row T-1 and, making the pass a prefix
- * build's, loop_states of row T-1 (each output but hidden may be NULL). */
+ * build's, loop_states of row T-1 (each output but hidden may be NULL); with `capture` (a chunk
+ * pass of that one sequence, positions capture->n ..), its layer inputs to capture->capture. */
 static tl_status run_rows(tl_cuda* c, tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
-                          float* hidden, float* logits, float* logits_last, float* loop_states) {
+                          float* hidden, float* logits, float* logits_last, float* loop_states, tl_seq* capture) {
     const tl_engine* e = seqs[0]->engine;
     const size_t n_spans_max = tl_cuda_count_spans(seqs, T);
     tl_cuda_row* rows = tl_alloc_zeroed(T, sizeof *rows);
@@ -68,7 +92,8 @@ static tl_status run_rows(tl_cuda* c, tl_seq* const* seqs, const size_t* pos, co
     uint32_t max_keys;
     const size_t n_spans = tl_cuda_describe(seqs, pos, tokens, T, rows, spans, &max_keys);
     const tl_cuda_batch batch = {T, rows, spans, n_spans, max_keys, e->kv_geom.block_size, e->kv_geom.head_bytes,
-                                 e->kv_geom.kv_bits, hidden, logits, logits_last, loop_states};
+                                 e->kv_geom.kv_bits, hidden, logits, logits_last, loop_states,
+                                 capture ? capture_rows : NULL, capture};
     const tl_status st = tl_cuda_forward(c, &batch);
     tl_free(rows);
     tl_free(spans);
@@ -87,7 +112,8 @@ static tl_status cuda_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, s
             seqs[t] = s;
             pos[t] = s->n + t;
         }
-        st = run_rows(((cuda_backend*)b)->c, seqs, pos, tokens, T, hidden, logits_all, logits_last, loop_states);
+        st = run_rows(((cuda_backend*)b)->c, seqs, pos, tokens, T, hidden, logits_all, logits_last, loop_states,
+                      s->capture ? s : NULL);
     }
     if (st == TL_OK) memcpy(last_hidden, hidden + (T - 1) * d, d * sizeof(float));
     tl_free(seqs);
@@ -115,7 +141,7 @@ static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const in
             pos[r] = sorted[r]->n;
             sorted_tokens[r] = tokens[order[r]];
         }
-        st = run_rows(((cuda_backend*)b)->c, sorted, pos, sorted_tokens, B, hidden, sorted_logits, NULL, NULL);
+        st = run_rows(((cuda_backend*)b)->c, sorted, pos, sorted_tokens, B, hidden, sorted_logits, NULL, NULL, NULL);
     }
     for (size_t r = 0; st == TL_OK && r < B; r++) {
         memcpy(sorted[r]->last_hidden, hidden + r * d, d * sizeof(float));
@@ -127,6 +153,26 @@ static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const in
     tl_free(sorted_tokens);
     tl_free(hidden);
     tl_free(sorted_logits);
+    return st;
+}
+
+static tl_status cuda_kv_from_rows(tl_backend* b, tl_seq* s, uint32_t slot, size_t pos0, size_t T, const int8_t* q,
+                                   const float* a) {
+    const tl_engine* e = s->engine;
+    if (T == 0) return TL_OK;
+    tl_cuda_row* rows = tl_alloc(T * sizeof *rows);
+    if (!rows) return tl_fail_oom("CUDA KV rows");
+    const tl_cuda_kv_rows batch = {T, rows, slot, e->kv_geom.block_size, e->kv_geom.head_bytes, e->kv_geom.kv_bits,
+                                   q, a};
+    tl_status st;
+    if (slot >= s->n_layers)
+        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: slot %u of a sequence of %u", slot, s->n_layers);
+    else if (!tl_cuda_describe_writes(s, pos0, T, rows))
+        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: positions %zu .. %zu are not reserved", pos0,
+                     pos0 + T - 1);
+    else
+        st = tl_cuda_kv_from_rows(((cuda_backend*)b)->c, &batch);
+    tl_free(rows);
     return st;
 }
 
@@ -162,7 +208,8 @@ static const tl_backend_iface cuda_iface = {.forward = cuda_forward,
                                             .head_logits = cuda_head_logits,
                                             .info = cuda_info,
                                             .free = cuda_free,
-                                            .forward_part = NULL};
+                                            .forward_part = NULL,
+                                            .kv_from_rows = cuda_kv_from_rows};
 
 tl_status tl_backend_cuda_new(tl_engine* e, int device, tl_backend** out) {
     *out = NULL;

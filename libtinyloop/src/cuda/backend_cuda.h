@@ -23,5 +23,10 @@ size_t tl_cuda_count_spans(tl_seq* const* seqs, size_t T);
  * the number of spans written. Pure host bookkeeping (tested on the CPU). */
 size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
                         tl_cuda_row* rows, tl_cuda_span* spans, uint32_t* max_keys);
+/* Describe positions pos0 .. pos0+T-1 of s (T >= 1) as the rows of tl_cuda_kv_from_rows: each
+ * row's position, depth, window and where its K/V goes (token 0, no spans). False, with
+ * nothing written, unless every one of those positions is in a live block of s. Pure host
+ * bookkeeping (tested on the CPU). */
+bool tl_cuda_describe_writes(const tl_seq* s, size_t pos0, size_t T, tl_cuda_row* rows);
 
 #endif

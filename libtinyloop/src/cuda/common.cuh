@@ -147,6 +147,10 @@ struct tl_cuda {
     tl_cu_buf xcopy;              /* [T][d] the state a prefix build's coda runs on         */
     tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
     tl_cu_buf host_out;           /* pinned host staging of the outputs                     */
+    tl_cu_buf host_capture;       /* pinned host [T][d]: a block's input rows (a prefix build
+                                     capturing them, docs/spec.md §5.4.1)                   */
+    cudaEvent_t captured;         /* recorded after the copy into host_capture              */
+    bool event_made;
     /* CUDA graphs of decode passes (forward.cu), guarded by `lock` */
     tl_cu_graph graphs[TL_CU_GRAPHS];
     uint64_t graph_clock;

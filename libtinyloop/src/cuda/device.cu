@@ -254,6 +254,8 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
      * would fail while it captures a graph */
     TL_CU_TRY(tl_cu_check(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
     c->stream_made = true;
+    TL_CU_TRY(tl_cu_check(cudaEventCreateWithFlags(&c->captured, cudaEventDisableTiming), "cudaEventCreate"));
+    c->event_made = true;
     const char* graphs = getenv("TINYLOOP_CUDA_GRAPHS");
     c->graphs_off = graphs && strcmp(graphs, "0") == 0;
     c->pool = make_pool(device);
@@ -349,6 +351,8 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     if (c->stream_made) cudaStreamSynchronize(c->stream); /* the pool's frees are done */
     cudaFreeHost(c->host_io.p);
     cudaFreeHost(c->host_out.p);
+    cudaFreeHost(c->host_capture.p);
+    if (c->event_made) cudaEventDestroy(c->captured);
     if (c->pool) cudaMemPoolDestroy(c->pool);
     if (c->stream_made) cudaStreamDestroy(c->stream);
     if (c->lock_made) pthread_mutex_destroy(&c->lock);

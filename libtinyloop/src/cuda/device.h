@@ -93,6 +93,12 @@ typedef struct tl_cuda_batch {
                                    every depth 1 .. loops runs its coda, writing its coda slots,
                                    and loop_states[i] = row T-1's final state (the head's input)
                                    at depth i + 1; NULL = a plain pass                         */
+    /* a hidden-state prefix build's (docs/spec.md §5.4.1): called once for every block the pass
+     * runs, with its cache slot and the rows [row0, row0 + n) of the state it runs on, x [n][d]
+     * (host memory, valid during the call): the layer input its attention's NQ reads. NULL =
+     * none (such a pass never replays a graph). */
+    void (*capture)(void* ctx, uint32_t slot, size_t row0, size_t n, const float* x);
+    void* capture_ctx;
 } tl_cuda_batch;
 
 /* Run the batch; returns once the outputs are in host memory. Calls on one tl_cuda are
@@ -101,6 +107,26 @@ typedef struct tl_cuda_batch {
  * message) before or after writing the KV of this batch's positions; the caller then rolls
  * those positions back, as on the CPU path. */
 tl_status tl_cuda_forward(tl_cuda* c, const tl_cuda_batch* batch);
+
+/* The KV of T positions in one cache slot from their layer input rows (docs/spec.md §5.4.1: a
+ * sequence from a hidden-state prefix): the part of a block that writes K and V, on rows (q, a)
+ * given instead of NQ(x). */
+typedef struct tl_cuda_kv_rows {
+    size_t T;
+    const tl_cuda_row* rows;    /* [T] host: pos, loops, write_data, write_slot (token, window
+                                   and spans unused)                                          */
+    uint32_t slot;              /* the cache slot; its block runs (tl_slot_at)                */
+    uint32_t block_size;        /* kvcache geometry, as tl_cuda_batch's                       */
+    size_t head_bytes;
+    uint32_t kv_bits;
+    const int8_t* q;            /* [T][d] host: each row's NQ values                          */
+    const float* a;             /* [T] host: each row's NQ scale                              */
+} tl_cuda_kv_rows;
+
+/* z = linear(attn_qkv; q, a) (+ bias), RoPE of the K heads at each row's position, and the
+ * K/V write into each row's cache slot, exactly as tl_cuda_forward's blocks write them;
+ * returns once written. Serialized with tl_cuda_forward; fails like it. */
+tl_status tl_cuda_kv_from_rows(tl_cuda* c, const tl_cuda_kv_rows* kv);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,8 @@
 /* forward.cu — tl_cuda_forward: one forward pass (docs/spec.md §1, §4) of a batch of rows on
  * the device, in the CPU pass's order (cpu/forward.c). One copy of rows + spans to the device,
- * then only launches on c->stream (no host round trip per layer), the outputs into pinned host
- * memory, one synchronization, and a memcpy of the outputs to the caller's buffers.
+ * then only launches on c->stream (no host round trip per layer, but a capture's), the outputs
+ * into pinned host memory, one synchronization, and a memcpy of the outputs to the caller's
+ * buffers. And tl_cuda_kv_from_rows: a block's K/V write alone, from given layer input rows.
  *
  * The embedding (times embed_scale), then the steps of cuda/pass.h (the prelude, the iterations
  * with their step norm, adapter and core blocks, each depth's coda_norm and coda), each on a
@@ -11,6 +12,9 @@
  *   -> gate_up linear -> SwiGLU + Q8 -> down linear -> residual,
  * the residual per block_layout: pre x += y; sandwich x += RN(y, g); post x = RN(x + y, g).
  * Then hidden = x, and logits = head(NQ(x)) of every row (or of the last one) when asked for.
+ * A hidden-state prefix build's pass (a batch with a capture, docs/spec.md §5.4.1) also copies
+ * each block's input rows into pinned host_capture and hands them to the capture once copied,
+ * while the block's kernels run: one wait per block, and never a graph.
  *
  * Scratch (grow-on-demand, owned by tl_cuda, guarded by its lock): x [T][d],
  * qkv [T][(H + 2G) * D], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8, ascale [T],
@@ -18,9 +22,10 @@
  * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d],
  * and as the model needs them e [T][d] (injection), sub [T][d] (sandwich), xcopy [T][d] (a
  * prefix build with a coda);
- * pinned host: host_io stages rows + spans, host_out the outputs. Device scratch comes from the
- * model's stream-ordered pool (c->pool): a buffer grows (old one freed, new one allocated, both
- * queued on c->stream) only in reserve_pass, before the pass's first launch, and that never
+ * pinned host: host_io stages rows + spans (kv_from_rows: rows, q, a), host_out the outputs,
+ * host_capture [T][d] a capture's rows. Device scratch comes from the model's stream-ordered
+ * pool (c->pool): a buffer grows (old one freed, new one allocated, both queued on c->stream)
+ * only in reserve_pass or reserve_kv_write, before the first launch, and that never
  * synchronizes the device; nothing allocates or frees between launches.
  *
  * CUDA graphs (decode, T <= TL_CU_GRAPH_MAX_T): each pass shape (tl_cu_pass_shape: row count,
@@ -47,6 +52,7 @@ enum {
     OUT_LOGITS = 1,      /* logits of every row                                               */
     OUT_LOGITS_LAST = 2, /* logits of the last row                                            */
     OUT_STATES = 4,      /* a prefix build: every depth's coda, the last row's state at each  */
+    OUT_CAPTURE = 8,     /* a hidden-state prefix build: each block's input rows (never a graph) */
     MIN_KEY_STRIDE = 64
 };
 
@@ -80,14 +86,20 @@ static tl_status reserve(tl_cuda* c, tl_cu_buf* b, size_t bytes, bool pinned_hos
     return TL_OK;
 }
 
+/* Whether row r's K/V write is one the kernels can make: a position of the model, a block and a
+ * slot in it, a depth with cache slots. */
+static bool writes_ok(const tl_config* cfg, const tl_cuda_row* r, uint32_t block_size) {
+    return r->pos < cfg->max_seq_len && r->write_data && r->write_slot < block_size && r->loops >= 1 &&
+           tl_n_layers(cfg, r->loops) <= TL_MAX_CACHE_LAYERS;
+}
+
 static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t* max_keys) {
     const tl_config* cfg = &c->cfg;
     uint32_t keys = b->max_keys;
     for (size_t t = 0; t < b->T; t++) {
         const tl_cuda_row* r = &b->rows[t];
-        if (r->token < 0 || (uint32_t)r->token >= cfg->vocab_size || r->pos >= cfg->max_seq_len || !r->write_data ||
-            r->write_slot >= b->block_size || (size_t)r->first_span + r->n_spans > b->n_spans || r->loops < 1 ||
-            tl_n_layers(cfg, r->loops) > TL_MAX_CACHE_LAYERS || (t > 0 && r->loops > b->rows[t - 1].loops) ||
+        if (r->token < 0 || (uint32_t)r->token >= cfg->vocab_size || !writes_ok(cfg, r, b->block_size) ||
+            (size_t)r->first_span + r->n_spans > b->n_spans || (t > 0 && r->loops > b->rows[t - 1].loops) ||
             (b->loop_states && r->loops != b->rows[0].loops)) /* a prefix build is one sequence */
             return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad row %zu (token %d, position %u, loops %u)", t,
                            (int)r->token, r->pos, r->loops);
@@ -119,7 +131,7 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
     s.kv_bits = b->kv_bits;
     s.loops = b->rows[0].loops;
     s.outputs = (b->logits ? OUT_LOGITS : 0) | (b->logits_last ? OUT_LOGITS_LAST : 0) |
-                (b->loop_states ? OUT_STATES : 0);
+                (b->loop_states ? OUT_STATES : 0) | (b->capture ? OUT_CAPTURE : 0);
     for (size_t t = 0; b->T <= TL_CU_GRAPH_MAX_T && t < b->T; t++) s.depth[t] = b->rows[t].loops;
     return s;
 }
@@ -150,22 +162,29 @@ static out_layout out_layout_of(const tl_cuda* c, const tl_cu_pass_shape* s) {
 /* Bytes of the rows part of io (the spans follow it). */
 static size_t rows_bytes(size_t T) { return tl_cu_round_up(T * sizeof(tl_cuda_row), 64); }
 
+/* The buffers of a K/V write of T rows (write_kv): activations, their scales, qkv, int4 sums. */
+static tl_status reserve_kv_write(tl_cuda* c, size_t T) {
+    const tl_config* cfg = &c->cfg;
+    const size_t T_pad = tl_cu_round_up(T, TL_CU_TILE_M);
+    const size_t qkv_dim = ((size_t)cfg->n_heads + 2 * (size_t)cfg->n_kv_heads) * cfg->head_dim;
+    TL_CU_TRY(reserve(c, &c->qkv, T * qkv_dim * sizeof(float), false, "qkv"));
+    TL_CU_TRY(reserve(c, &c->acts, T_pad * c->max_cols_pad, false, "activations"));
+    TL_CU_TRY(reserve(c, &c->ascale, T * sizeof(float), false, "activation scales"));
+    return reserve(c, &c->raw, T_pad * c->max_rows_pad_int4 * sizeof(int32_t), false, "int4 partial sums");
+}
+
 /* Every buffer a pass of shape s with n_spans spans uses, grown before its first launch. */
 static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_spans) {
     const tl_config* cfg = &c->cfg;
-    const size_t T = s->T, d = cfg->d_model, H = cfg->n_heads, G = cfg->n_kv_heads, D = cfg->head_dim;
+    const size_t T = s->T, d = cfg->d_model, H = cfg->n_heads, D = cfg->head_dim;
     const size_t F = cfg->ffn_dim, V = cfg->vocab_size;
-    const size_t T_pad = tl_cu_round_up(T, TL_CU_TILE_M);
     const size_t score_rows = tl_cu_attention_rows(c, T, s->key_stride);
     const size_t io_bytes = rows_bytes(T) + n_spans * sizeof(tl_cuda_span);
     const out_layout L = out_layout_of(c, s);
     TL_CU_TRY(reserve(c, &c->x, T * d * sizeof(float), false, "x"));
-    TL_CU_TRY(reserve(c, &c->qkv, T * (H + 2 * G) * D * sizeof(float), false, "qkv"));
+    TL_CU_TRY(reserve_kv_write(c, T));
     TL_CU_TRY(reserve(c, &c->o, T * H * D * sizeof(float), false, "attention output"));
     TL_CU_TRY(reserve(c, &c->gu, T * 2 * F * sizeof(float), false, "gate/up"));
-    TL_CU_TRY(reserve(c, &c->acts, T_pad * c->max_cols_pad, false, "activations"));
-    TL_CU_TRY(reserve(c, &c->ascale, T * sizeof(float), false, "activation scales"));
-    TL_CU_TRY(reserve(c, &c->raw, T_pad * c->max_rows_pad_int4 * sizeof(int32_t), false, "int4 partial sums"));
     TL_CU_TRY(reserve(c, &c->scores, score_rows * H * s->key_stride * sizeof(float), false, "attention scores"));
     TL_CU_TRY(reserve(c, &c->att_split, tl_cu_attention_split_bytes(c, T, score_rows), false,
                       "attention partial sums"));
@@ -178,6 +197,8 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     TL_CU_TRY(reserve(c, &c->xcopy, L.loops && tl_has_coda(cfg) ? T * d * sizeof(float) : 0, false,
                       "prefix build state"));
     TL_CU_TRY(reserve(c, &c->host_io, io_bytes, true, "rows and spans (host)"));
+    TL_CU_TRY(reserve(c, &c->host_capture, (s->outputs & OUT_CAPTURE) ? T * d * sizeof(float) : 0, true,
+                      "layer inputs (host)"));
     return reserve(c, &c->host_out, L.floats * sizeof(float), true, "outputs (host)");
 }
 
@@ -192,6 +213,7 @@ typedef struct pass {
     float* x;                  /* [T][d] the residual stream          */
     float* xcopy;              /* [T][d] a prefix build's coda state  */
     float* states;             /* [loops][d]                          */
+    const tl_cuda_batch* b;    /* the batch: its capture, if any      */
 } pass;
 
 static float* state_of(const pass* p, tl_cu_state on) { return on == TL_CU_ON_COPY ? p->xcopy : p->x; }
@@ -217,13 +239,24 @@ static tl_status residual(tl_cuda* c, const tl_cu_linear* L, size_t n, float* x,
     }
 }
 
+/* The K/V of rows[0 .. n) into cache slot `slot` from their activation rows in acts / ascale
+ * (NQ of the layer input): z = linear(attn_qkv; acts) (+ bias) into qkv, RoPE of the Q and K
+ * heads in place, the K/V write into each row's cache slot. */
+static tl_status write_kv(tl_cuda* c, const tl_cu_linear* attn_qkv, const tl_cuda_row* rows, size_t n, uint32_t slot,
+                          uint32_t block_size, size_t head_bytes, uint32_t kv_bits) {
+    const tl_config* cfg = &c->cfg;
+    const size_t qkv_dim = ((size_t)cfg->n_heads + 2 * (size_t)cfg->n_kv_heads) * cfg->head_dim;
+    float* qkv = (float*)c->qkv.p;
+    TL_CU_TRY(tl_cu_linear_run(c, attn_qkv, (const int8_t*)c->acts.p, (const float*)c->ascale.p, n, qkv, qkv_dim,
+                               false, (int32_t*)c->raw.p));
+    return tl_cu_rope_kv(c, rows, n, qkv, slot, block_size, head_bytes, kv_bits);
+}
+
 /* Block `block` on rows [lo, hi) of state `on`, its K/V into cache slot `slot`. */
-static tl_status step_block(void* ctx, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on) {
-    const pass* p = (const pass*)ctx;
+static tl_status run_block(const pass* p, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on) {
     tl_cuda* c = p->c;
     const tl_config* cfg = &c->cfg;
-    const size_t n = hi - lo, d = cfg->d_model, H = cfg->n_heads, G = cfg->n_kv_heads, D = cfg->head_dim;
-    const size_t qkv_dim = (H + 2 * G) * D, hd = H * D, F = cfg->ffn_dim;
+    const size_t n = hi - lo, d = cfg->d_model, hd = (size_t)cfg->n_heads * cfg->head_dim, F = cfg->ffn_dim;
     const tl_cu_linear* part = &c->lin[tl_block_linear_index(block, 0)]; /* part q at part[q] */
     const tl_cu_block* gains = &c->blocks[block];
     const tl_cuda_row* rows = p->rows + lo;
@@ -237,8 +270,7 @@ static tl_status step_block(void* ctx, uint32_t slot, uint32_t block, size_t lo,
     if (n == 0) return TL_OK;
 
     TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_QKV].cols_pad, ascale));
-    TL_CU_TRY(tl_cu_linear_run(c, &part[TL_PART_QKV], acts, ascale, n, qkv, qkv_dim, false, raw));
-    TL_CU_TRY(tl_cu_rope_kv(c, rows, n, qkv, slot, p->s->block_size, p->s->head_bytes, p->s->kv_bits));
+    TL_CU_TRY(write_kv(c, &part[TL_PART_QKV], rows, n, slot, p->s->block_size, p->s->head_bytes, p->s->kv_bits));
     TL_CU_TRY(tl_cu_attention(c, rows, p->spans, n, qkv, o, slot, p->s->block_size, p->s->head_bytes,
                               p->s->kv_bits, p->s->key_stride, (float*)c->scores.p, p->score_rows,
                               c->att_split.p));
@@ -249,6 +281,24 @@ static tl_status step_block(void* ctx, uint32_t slot, uint32_t block, size_t lo,
     TL_CU_TRY(tl_cu_linear_run(c, &part[TL_PART_GATE_UP], acts, ascale, n, gu, 2 * F, false, raw));
     TL_CU_TRY(tl_cu_swiglu_q8(c, gu, n, acts, part[TL_PART_DOWN].cols_pad, ascale));
     return residual(c, &part[TL_PART_DOWN], n, x, gains->ffn_post_norm);
+}
+
+/* run_block; in a pass with a capture, the block's input rows first go to host_capture (queued
+ * before the block, so the block's own kernels run while the host hands them to the capture). */
+static tl_status step_block(void* ctx, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on) {
+    const pass* p = (const pass*)ctx;
+    tl_cuda* c = p->c;
+    const tl_cuda_batch* b = p->b;
+    if (!b->capture || hi == lo) return run_block(p, slot, block, lo, hi, on);
+    const size_t d = c->cfg.d_model;
+    TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->host_capture.p, state_of(p, on) + lo * d, (hi - lo) * d * sizeof(float),
+                                          cudaMemcpyDeviceToHost, c->stream),
+                          "cudaMemcpyAsync (layer inputs)"));
+    TL_CU_TRY(tl_cu_check(cudaEventRecord(c->captured, c->stream), "cudaEventRecord (layer inputs)"));
+    TL_CU_TRY(run_block(p, slot, block, lo, hi, on));
+    TL_CU_TRY(tl_cu_check(cudaEventSynchronize(c->captured), "cudaEventSynchronize (layer inputs)"));
+    b->capture(b->capture_ctx, slot, lo, hi - lo, (const float*)c->host_capture.p);
+    return TL_OK;
 }
 
 /* state = RN(state, g_step or g_coda), rows [lo, hi). */
@@ -303,9 +353,10 @@ static tl_status step_state(void* ctx, uint32_t depth, size_t row, tl_cu_state o
 
 /* Every launch and copy of a pass of shape s on c->stream, in order: embedding, the steps of
  * cuda/pass.h, the head, the outputs into host_out. Its arguments come from s and c's scratch
- * only; of the host rows it reads each row's loops, which a graph shape records. Nothing here
- * allocates or synchronizes, so it may run inside a stream capture. */
-static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_row* host_rows) {
+ * only; of the batch b it reads each row's loops, which a graph shape records, and its capture
+ * (OUT_CAPTURE in the shape). Nothing here allocates, and only a pass with a capture (never a
+ * graph's) synchronizes, so any other may run inside a stream capture. */
+static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_batch* b) {
     const tl_config* cfg = &c->cfg;
     const size_t T = s->T, d = cfg->d_model, V = cfg->vocab_size;
     const out_layout L = out_layout_of(c, s);
@@ -319,9 +370,9 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
 
     TL_CU_TRY(tl_cu_embed(c, rows, T, x));
     pass p = {c, s, rows, (const tl_cuda_span*)((char*)c->io.p + rows_bytes(T)),
-              tl_cu_attention_rows(c, T, s->key_stride), x, (float*)c->xcopy.p, (float*)c->states.p};
+              tl_cu_attention_rows(c, T, s->key_stride), x, (float*)c->xcopy.p, (float*)c->states.p, b};
     const tl_cu_pass_steps steps = {&p, step_block, step_norm, step_inject, step_adapter, step_copy, step_state};
-    TL_CU_TRY(tl_cu_pass_walk(cfg, host_rows, T, (s->outputs & OUT_STATES) != 0, &steps));
+    TL_CU_TRY(tl_cu_pass_walk(cfg, b->rows, T, (s->outputs & OUT_STATES) != 0, &steps));
     if (L.n_logits) {
         const tl_cu_linear* head = &c->lin[c->n_lin - 1];
         const size_t first = T - L.n_logits; /* every row, or the last one */
@@ -351,7 +402,7 @@ static tl_cu_graph* find_graph(tl_cuda* c, const tl_cu_pass_shape* s) {
 /* launch_pass of shape s captured from c->stream into the least recently used cache slot: its
  * executable graph updated from the capture when the topology allows, else instantiated anew.
  * NULL on any failure, with nothing launched, the stream no longer capturing and the slot free. */
-static tl_cu_graph* capture_graph(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_row* host_rows) {
+static tl_cu_graph* capture_graph(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_batch* b) {
     tl_cu_graph* slot = &c->graphs[0];
     for (size_t i = 1; i < TL_CU_GRAPHS && slot->exec; i++)
         if (!c->graphs[i].exec || c->graphs[i].used < slot->used) slot = &c->graphs[i];
@@ -360,7 +411,7 @@ static tl_cu_graph* capture_graph(tl_cuda* c, const tl_cu_pass_shape* s, const t
     pthread_mutex_lock(&c->capture_lock); /* KV block calls of other threads must not land in the capture */
     bool ok = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
     if (ok) {
-        const bool launched = launch_pass(c, s, host_rows) == TL_OK;
+        const bool launched = launch_pass(c, s, b) == TL_OK;
         ok = cudaStreamEndCapture(st, &graph) == cudaSuccess && launched && graph;
         cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
         if (cudaStreamIsCapturing(st, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone) {
@@ -396,9 +447,9 @@ static tl_cu_graph* capture_graph(tl_cuda* c, const tl_cu_pass_shape* s, const t
 
 /* launch_pass of shape s as its cached graph (captured first if it is not cached). False on any
  * failure, with nothing launched; the caller then runs launch_pass itself. */
-static bool launch_graph(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_row* host_rows) {
+static bool launch_graph(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_batch* b) {
     tl_cu_graph* g = find_graph(c, s);
-    if (!g) g = capture_graph(c, s, host_rows);
+    if (!g) g = capture_graph(c, s, b);
     if (!g) return false;
     g->used = ++c->graph_clock;
     if (cudaGraphLaunch(g->exec, c->stream) == cudaSuccess) return true;
@@ -425,11 +476,11 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
                           "cudaMemcpyAsync (rows and spans)"));
 
     bool launched = false;
-    if (T <= TL_CU_GRAPH_MAX_T && !c->graphs_off) {
-        launched = launch_graph(c, &shape, b->rows);
+    if (T <= TL_CU_GRAPH_MAX_T && !c->graphs_off && !b->capture) {
+        launched = launch_graph(c, &shape, b);
         if (!launched) c->graphs_off = true; /* plain launches from now on for this model */
     }
-    if (!launched) TL_CU_TRY(launch_pass(c, &shape, b->rows));
+    if (!launched) TL_CU_TRY(launch_pass(c, &shape, b));
     TL_CU_TRY(tl_cu_check(cudaStreamSynchronize(st), "cudaStreamSynchronize (forward)"));
 
     const out_layout L = out_layout_of(c, &shape);
@@ -441,19 +492,64 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
     return TL_OK;
 }
 
-extern "C" tl_status tl_cuda_forward(tl_cuda* c, const tl_cuda_batch* batch) {
-    if (!c || !batch || (batch->T && (!batch->rows || !batch->hidden)))
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: missing batch, rows or hidden");
-    if (batch->T == 0) return TL_OK;
+/* work(c, args) on c's device under c->lock; on failure, nothing left in flight that still
+ * reads the caller's buffers or the scratch. */
+template <typename Args>
+static tl_status run_locked(tl_cuda* c, tl_status (*work)(tl_cuda*, const Args*), const Args* args) {
     const tl_cu_device_guard guard(c->device);
     if (guard.error() != cudaSuccess) return tl_cu_check(guard.error(), "cudaSetDevice");
     pthread_mutex_lock(&c->lock);
-    tl_status st = forward_locked(c, batch);
+    tl_status st = work(c, args);
     if (st != TL_OK) {
-        /* leave nothing in flight that still reads the caller's buffers or the scratch */
         cudaStreamSynchronize(c->stream);
         (void)cudaGetLastError();
     }
     pthread_mutex_unlock(&c->lock);
     return st;
+}
+
+extern "C" tl_status tl_cuda_forward(tl_cuda* c, const tl_cuda_batch* batch) {
+    if (!c || !batch || (batch->T && (!batch->rows || !batch->hidden)))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: missing batch, rows or hidden");
+    return batch->T == 0 ? TL_OK : run_locked(c, forward_locked, batch);
+}
+
+/* tl_cuda_kv_from_rows under c->lock: the rows, (q, a) as the activations NQ would leave (q rows
+ * zero-padded to the linear's cols_pad) staged in host_io and copied up, then write_kv. */
+static tl_status kv_from_rows_locked(tl_cuda* c, const tl_cuda_kv_rows* kv) {
+    const tl_config* cfg = &c->cfg;
+    const size_t T = kv->T, d = cfg->d_model;
+    for (size_t t = 0; t < T; t++)
+        if (!writes_ok(cfg, &kv->rows[t], kv->block_size) || kv->slot >= tl_n_layers(cfg, kv->rows[t].loops))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: bad row %zu (position %u, slot %u)", t,
+                           kv->rows[t].pos, kv->slot);
+    const tl_cu_linear* attn_qkv = &c->lin[tl_block_linear_index(tl_slot_at(cfg, kv->slot).block, TL_PART_QKV)];
+    const size_t lda = attn_qkv->cols_pad, rb = rows_bytes(T), qb = tl_cu_round_up(T * lda, 64);
+    TL_CU_TRY(reserve_kv_write(c, T));
+    TL_CU_TRY(reserve(c, &c->io, rb, false, "rows and spans"));
+    TL_CU_TRY(reserve(c, &c->host_io, rb + qb + T * sizeof(float), true, "rows and layer inputs (host)"));
+    cudaStream_t st = c->stream;
+
+    char* host = (char*)c->host_io.p; /* rows [T] | q [T][lda] | a [T] */
+    int8_t* q = (int8_t*)(host + rb);
+    memcpy(host, kv->rows, T * sizeof(tl_cuda_row));
+    for (size_t t = 0; t < T; t++) {
+        memcpy(q + t * lda, kv->q + t * d, d);
+        memset(q + t * lda + d, 0, lda - d);
+    }
+    memcpy(host + rb + qb, kv->a, T * sizeof(float));
+    TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->io.p, host, rb, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync (rows)"));
+    TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->acts.p, q, T * lda, cudaMemcpyHostToDevice, st),
+                          "cudaMemcpyAsync (layer inputs)"));
+    TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->ascale.p, host + rb + qb, T * sizeof(float), cudaMemcpyHostToDevice, st),
+                          "cudaMemcpyAsync (layer input scales)"));
+    TL_CU_TRY(write_kv(c, attn_qkv, (const tl_cuda_row*)c->io.p, T, kv->slot, kv->block_size, kv->head_bytes,
+                       kv->kv_bits));
+    return tl_cu_check(cudaStreamSynchronize(st), "cudaStreamSynchronize (KV from rows)");
+}
+
+extern "C" tl_status tl_cuda_kv_from_rows(tl_cuda* c, const tl_cuda_kv_rows* kv) {
+    if (!c || !kv || (kv->T && (!kv->rows || !kv->q || !kv->a)))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: missing rows or layer inputs");
+    return kv->T == 0 ? TL_OK : run_locked(c, kv_from_rows_locked, kv);
 }
