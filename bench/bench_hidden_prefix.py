@@ -9,18 +9,52 @@ generate_from_prefix_cache(max_tokens=1) from it (kv: the first logits are store
 the sequence's KV is rebuilt from the rows first), and a full prefill of the prompt
 (generate(max_tokens=1) without the automatic prefix cache), in ms. Ratios are against kv's
 bytes and against the full prefill's time. Every row checks that h8's token is kv's.
+FIDELITY: what h4's approximation costs, over 32 windows of 190 tokens (the demo model: of the
+built-in calibration text; the random model: random tokens): a prefix of the first 150 built as
+kv and as h4, the other 40 as the suffix, and the logits of the next token from each; the
+mean and minimum cosine of h4's against kv's, and how often their argmax agrees.
 """
 import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
 import tinyloop
 from common import best_of, cpu_description, model_file, write_results
 from tinyloop.demo import demo_model_path
+
+CALIBRATION = Path(tinyloop.__file__).parent / "data" / "calibration.txt"
 from tinyloop.quickbench import backend_kwargs
+
+
+WINDOWS, N_PREFIX, N_SUFFIX = 32, 150, 40
+
+
+def fidelity_windows(model, text, rng):
+    """WINDOWS token windows of N_PREFIX + N_SUFFIX: of the calibration text (text=True, for a
+    model with a tokenizer), else of random tokens."""
+    n = N_PREFIX + N_SUFFIX
+    if text:
+        ids = model.encode(CALIBRATION.read_text())
+        return [ids[i:i + n] for i in range(0, len(ids) - n + 1, (len(ids) - n) // (WINDOWS - 1))][:WINDOWS]
+    return rng.integers(0, model.config()["vocab_size"], (WINDOWS, n)).tolist()
+
+
+def h4_fidelity(model, windows):
+    """(mean cosine, min cosine, argmax agreement) of the next token's logits from an h4 prefix
+    against a kv prefix of each window's first N_PREFIX tokens, its rest the suffix."""
+    cosines, agree = [], 0
+    for w in windows:
+        kv, h4 = (model.generate_from_prefix_cache(model.build_prefix_cache(w[:N_PREFIX], storage=s),
+                                                   suffix=w[N_PREFIX:], max_tokens=1,
+                                                   return_logits=True)[1][0].astype(np.float64)
+                  for s in ("kv", "h4"))
+        cosines.append(kv @ h4 / (np.linalg.norm(kv) * np.linalg.norm(h4)))
+        agree += int(kv.argmax() == h4.argmax())
+    return float(np.mean(cosines)), float(np.min(cosines)), agree / len(windows)
 
 
 def bench(name, path, backend, n_prompt, repeats):
@@ -32,6 +66,7 @@ def bench(name, path, backend, n_prompt, repeats):
         first = {s: best_of(lambda p=p: model.generate_from_prefix_cache(p, max_tokens=1), repeats)
                  for s, p in prefixes.items()}
         prefill = best_of(lambda: model.generate(prompt, max_tokens=1), repeats)
+        fidelity = h4_fidelity(model, fidelity_windows(model, name == "demo", np.random.default_rng(1)))
     kv_bytes, t_prefill = prefixes["kv"].nbytes, prefill[1]
     heads = f"{cfg['d_model']}, {cfg['n_kv_heads']} of {cfg['head_dim']}"
     row = {"model": name, "d, kv heads": heads, "L": cfg["default_loops"], "prompt": n_prompt}
@@ -45,6 +80,8 @@ def bench(name, path, backend, n_prompt, repeats):
     for s in ("h8", "h4"):
         row[f"{s} first token / prefill"] = first[s][1] / t_prefill
     row["h8 token = kv"] = first["h8"][0] == first["kv"][0] == prefill[0]
+    row["h4 cosine mean"], row["h4 cosine min"] = (f"{c:.6f}" for c in fidelity[:2])
+    row["h4 argmax = kv"] = f"{fidelity[2]:.1%}"
     return row
 
 
