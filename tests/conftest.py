@@ -112,6 +112,10 @@ def simulated(backend):
 
 SIMULATOR_EXAMPLES = 2     # per property: a simulated example costs tens of seconds
 
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    import cudasim_shared      # the simulator's shared arrays race between a block's threads
+    cudasim_shared.install()
+
 
 def examples(backend):
     """The Hypothesis settings of a property on `backend`: the profile's, with at most
