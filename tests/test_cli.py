@@ -1,7 +1,10 @@
 """The command line: the demo (main job), generate, info and bench, exit codes for scripts, the
 checks that run before any output, and help that states every default."""
 import io
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -209,6 +212,20 @@ def test_ctrl_c_exits_130(monkeypatch, capsys):
     monkeypatch.setattr(tinyloop.Model, "generate", interrupted)
     code, _ = run("generate", "The", "--backend", "numpy")
     assert code == 130 and "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["info"], ["generate", "And God said", "--max-tokens", "4"]])
+def test_a_closed_pipe_exits_quietly(argv):
+    """`tinyloop info | head`: the reader is gone before the first write. The command exits
+    with 128 + SIGPIPE and writes no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "tinyloop", *argv, "--backend", "numpy"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 def help_entries(text):

@@ -1,7 +1,8 @@
 """The `tinyloop` command line: `demo` (the main job), `generate`, `chat`, `serve`, `info`, `convert`, `bench`.
 
 Exit codes: 0 success, 1 a runtime failure, 2 bad arguments or input (argparse convention),
-130 interrupted (Ctrl-C, also during a long prefill). Every argument is checked before any
+130 interrupted (Ctrl-C, also during a long prefill), 141 (128 + SIGPIPE) the reader of the output
+went away (`tinyloop info | head`), quietly, as command-line tools do. Every argument is checked before any
 output: a flag's value by its argparse type (the message names the flag), what depends on the
 model (token ids, lengths) right after the model opens and before the prompt is echoed.
 """
@@ -505,10 +506,26 @@ def build_parser():
     return parser
 
 
-def main(argv=None, out=sys.stdout):
-    args = build_parser().parse_args(argv)
+def _quiet_after_closed_pipe():
+    """The reader of stdout went away: point stdout at /dev/null so that the flush at exit
+    cannot raise again, and return the exit code a process killed by SIGPIPE reports."""
     try:
-        return args.run(args, out)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):   # stdout is no file descriptor (an embedding host's)
+        pass
+    return 128 + 13   # 128 + SIGPIPE
+
+
+def main(argv=None, out=sys.stdout):
+    try:
+        args = build_parser().parse_args(argv)
+        status = args.run(args, out)
+        out.flush()     # a closed pipe is reported here, not by the interpreter at exit
+        return status
+    except BrokenPipeError:
+        return _quiet_after_closed_pipe()
     except (ValueError, FileNotFoundError) as exc:
         print(f"tinyloop: error: {exc}", file=sys.stderr)
         return 2
