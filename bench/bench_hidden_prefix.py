@@ -24,7 +24,7 @@ import numpy as np
 
 import tinyloop
 from common import best_of, cpu_description, model_file, write_results
-from tinyloop.demo import demo_model_path
+from tinyloop.bundled import demo_model_path
 
 CALIBRATION = Path(tinyloop.__file__).parent / "data" / "calibration.txt"
 from tinyloop.quickbench import backend_kwargs

@@ -51,7 +51,8 @@ import numpy as np
 
 import tinyloop
 from common import DEFAULT_LLAMA_DIR, exit_text, write_results
-from tinyloop.demo import REQUESTS, SYSTEM_PROMPT, demo_model_path
+from tinyloop.bundled import demo_model_path
+from tinyloop.demo import REQUESTS, SYSTEM_PROMPT
 from tinyloop.quickbench import backend_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,7 +25,8 @@ from ._version import __version__
 from .backends import BACKENDS, DEVICES, backend_features, backend_info
 from .chat import Chat
 from .config import ModelConfig
-from .demo import demo_model_path, run_demo
+from .bundled import demo_model_path
+from .demo import run_demo
 from .engine import PREFIX_STORAGES
 from .hf import convert
 from .model import DEFAULT_PREFIX_CACHE_BYTES, KV_MODES

@@ -1,11 +1,10 @@
-"""The bundled demo model (docs/demo_model.md) and `tinyloop demo`, the main job: one shared
+"""`tinyloop demo`, the main job, on the bundled demo model (docs/demo_model.md): one shared
 system prompt and several requests, run without a prefix cache, with an explicit PrefixCache
 and with the automatic prefix cache; the answers, a table of times, the reuse, and the check
 that all three runs produced identical tokens (but with an h4 PrefixCache, an approximation:
 docs/api.md, "Hidden-state prefixes", whose tokens are only reported)."""
-from pathlib import Path
-
-DEMO_MODEL = Path(__file__).resolve().parent / "data" / "demo.tinyloop"
+from .model import DEFAULT_PREFIX_CACHE_BYTES
+from .quickbench import describe, timed
 
 SYSTEM_PROMPT = ("In the beginning God created the heaven and the earth. And the earth was "
                  "without form, and void; and darkness was upon the face of the deep.\n")
@@ -13,18 +12,10 @@ REQUESTS = ("And God said", "And the LORD spake unto Moses, saying,", "Blessed a
             "And Jesus answered and said")
 
 
-def demo_model_path():
-    if not DEMO_MODEL.is_file():
-        raise FileNotFoundError(f"the bundled demo model is missing from {DEMO_MODEL}")
-    return str(DEMO_MODEL)
-
-
 def run_demo(open_model, max_tokens, temperature, seed, out):
     """open_model(prefix_cache_bytes) -> a Model of the demo; returns the exit code. A
     max_tokens the model cannot fit after the longest prompt raises ValueError before any
     output."""
-    from .model import DEFAULT_PREFIX_CACHE_BYTES
-    from .quickbench import describe, timed
     with open_model(0) as model, open_model(DEFAULT_PREFIX_CACHE_BYTES) as auto:
         cfg = model.config()
         system = model.encode(SYSTEM_PROMPT)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import params as P
 from .backends import open_engine
+from .bundled import demo_model_path
 from .engine import (NO_CALLBACKS, Callbacks, Engine, EnginePrefix, check_prefix_storage,
                      loops_mismatch)
 from .modelfile import read_meta
@@ -72,11 +73,6 @@ def _out_of_memory_as_runtime_error():
         yield
     except MemoryError:
         raise RuntimeError("out of memory") from None
-
-
-def _default_model_path():
-    from .demo import demo_model_path
-    return demo_model_path()
 
 
 class _DraftTally:
@@ -224,7 +220,7 @@ class Model:
                 raise ValueError("prefix_cache_dir needs prefix_cache_bytes > 0")
         if threads is not None:
             P.check_int("threads", threads, 1, P.MAX_THREADS)
-        path = _default_model_path() if path is None else os.fspath(path)
+        path = demo_model_path() if path is None else os.fspath(path)
         self.path = path
         self._engine: Engine | None = open_engine(backend, path, block_size=self._block_size,
                                                   threads=threads, prefix_cache_bytes=cache_bytes,

@@ -22,6 +22,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Set, Tuple, Uni
 
 import numpy as np
 
+from ..bundled import CALIBRATION_TEXT
 from ..calibrate import input_grams, token_windows
 from ..config import NAME_MAX_BYTES, WEIGHT_FORMATS, ModelConfig
 from ..modelfile import meta_tensor, save_model
@@ -31,8 +32,7 @@ from .architectures import MAPPERS, Options, Plan, Source, plan_for
 from .safetensors_reader import Checkpoint, ConvertError, read_json
 
 DEFAULT_INT4_GROUP = 32
-DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                   "data", "calibration.txt")
+DEFAULT_CALIBRATION = str(CALIBRATION_TEXT)
 Progress = Callable[[int, int, str], None]     # (done, total, what) per float weight
 Path = Union[str, "os.PathLike[str]"]
 
