@@ -200,6 +200,32 @@ def test_cli_chat_over_piped_stdin(path, monkeypatch):
     assert hit1 == 0 and hit2 > 0 and hit2 + filled2 == prompt2 > prompt1
 
 
+def test_the_demo_model_chats_out_of_the_box(monkeypatch):
+    """`tinyloop chat` with no --model: the bundled demo model's template makes each message a
+    line of verse and its end-of-turn byte ends each reply at the end of a line; a reply is
+    what a fresh generate of the rendered conversation returns up to that byte."""
+    lines = ["In the beginning was the Word, and the Word was with God.", "Who art thou?"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    code = main(["chat", "--system", "The Gospel According to Saint John", "--max-tokens", "200",
+                 "--temperature", "0.7", "--seed", "2"], out=out)
+    assert code == 0, err.getvalue()
+    messages = [{"role": "system", "content": "The Gospel According to Saint John"}]
+    replies, ended = [], []
+    with tinyloop.Model(prefix_cache_bytes=0) as model:
+        for line in lines:
+            messages.append({"role": "user", "content": line})
+            prompt = model.apply_chat_template(messages, tokenize=True)
+            emitted = model.generate(prompt, max_tokens=200, temperature=0.7, seed=2)[len(prompt):]
+            cut = emitted.index(10) if 10 in emitted else len(emitted)
+            ended.append(cut < len(emitted))
+            replies.append(model.decode(emitted[:cut]))
+            messages.append({"role": "assistant", "content": replies[-1]})
+    assert any(ended) and all(replies)                  # a turn really ended at its newline
+    assert out.getvalue() == "".join(reply + "\n" for reply in replies)
+
+
 # The word-level tokenizer of tests/hf_folders.py knows only w0 .. w269 (w0 is its unknown);
 # bos w1 and eos w2 become added tokens, matched inside words too (w10 is w1 + unknown).
 WORD_TEMPLATE = """{% set names = {'system': 'w3', 'user': 'w4', 'assistant': 'w5'} %}

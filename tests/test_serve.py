@@ -28,6 +28,7 @@ import tinyloop                                               # noqa: E402
 from tinyloop.cli import main                                 # noqa: E402
 from tinyloop.serve import EngineLoop, create_app             # noqa: E402
 from tinyloop.serve.handler import StopText                   # noqa: E402
+from tinyloop.tokenizer import end_of_turn_stop               # noqa: E402
 from serve_process import START_TIMEOUT, healthy, serve_process  # noqa: E402
 from tiny_hf import hf_model                                  # noqa: E402
 
@@ -362,14 +363,17 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 def offline_chat(path, messages, max_tokens, seed, **kwargs):
     """The reply Model.generate gives for the rendered conversation (with Model.generate's
-    `kwargs`), stopping at the end of turn as tinyloop.Chat does."""
+    `kwargs`), stopping at the end of turn as tinyloop.Chat does, without the end of turn's
+    text (the demo model's is a newline); and its token count."""
     with tinyloop.Model(path, prefix_cache_bytes=0) as model:
         rendered = [dict(m, content=m["content"] if isinstance(m["content"], str)
                          else "".join(part["text"] for part in m["content"])) for m in messages]
         ids = model.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
-        eos = model.tokenizer.eos_id
-        stops = [[eos]] if eos is not None and eos != model.config()["eos_id"] else []
-        return offline(model, ids, max_tokens, seed, stop_sequences=stops, **kwargs)
+        end = end_of_turn_stop(model.tokenizer, model.config()["eos_id"])
+        text, n = offline(model, ids, max_tokens, seed, stop_sequences=[] if end is None else [[end]],
+                          **kwargs)
+        return (text if end is None else
+                text.removesuffix(model.decode([end], skip_special_tokens=True))), n
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -583,8 +587,38 @@ def test_bad_chat_names_the_field(chat_url, body, status, param):
     check_error(chat_url, "/v1/chat/completions", body, status, param)
 
 
-def test_chat_needs_a_chat_template(demo):
-    error = error_of(httpx.post(demo + "/v1/chat/completions", json=dict(CHAT, model=DEMO)), 400)
+DEMO_CHAT = [{"role": "system", "content": "The Gospel According to Saint John"},
+             {"role": "user", "content": "In the beginning was the Word."}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_demo_model_chats_out_of_the_box(demo, client, stream):
+    """`tinyloop serve`'s default model answers a newcomer's first chat request: one line of
+    verse, ended by its end-of-turn newline (finish_reason "stop"), which the content leaves
+    out; exactly the offline reply."""
+    want, n = offline_chat(None, DEMO_CHAT, 200, 2, temperature=0.7)
+    assert want and n < 200              # the seed gives a reply that ends at its newline
+    reply = client.chat.completions.create(model=DEMO, messages=DEMO_CHAT, seed=2,
+                                           temperature=0.7, max_tokens=200, stream=stream)
+    if stream:
+        chunks = list(reply)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert reply.usage.completion_tokens == n
+    assert (text, finish) == (want, "stop")
+    assert "\n" not in text
+
+
+def test_chat_needs_a_chat_template(tmp_path):
+    path = tmp_path / "no-template.tinyloop"
+    tinyloop.random_model(path, tokenizer="bytes", vocab_size=256, d_model=16, n_heads=2,
+                          n_kv_heads=1, head_dim=8, ffn_dim=16, n_pre_blocks=0, default_loops=1,
+                          max_seq_len=64)
+    with serving(path, model_name="plain") as url:
+        error = error_of(httpx.post(url + "/v1/chat/completions",
+                                    json=dict(CHAT, model="plain")), 400)
     assert error["param"] == "messages" and "no chat template" in error["message"]
 
 

@@ -131,14 +131,49 @@ def test_text_stream_flushes_what_never_completes():
     assert stream.flush() == "\ufffd"
 
 
-def test_byte_tokenizer_as_before():
-    with open_model(None) as model:
-        text = "naïve ✓"
-        assert model.encode(text) == list(text.encode()) == model.encode(text, False)
-        assert model.decode(list(text.encode())) == text
-        assert model.decode(list(text.encode())[:-1]) == "naïve \ufffd"
+def test_byte_tokenizer_as_before(tmp_path):
+    path = tmp_path / "bytes.tinyloop"
+    tinyloop.random_model(path, tokenizer="bytes", vocab_size=256)
+    for model_path in (None, path):                 # the demo model, and one with no meta.*
+        with open_model(model_path) as model:
+            text = "naïve ✓\n"
+            assert model.encode(text) == list(text.encode()) == model.encode(text, False)
+            assert model.decode(list(text.encode())) == text
+            assert model.decode(list(text.encode()), skip_special_tokens=True) == text
+            assert model.decode(list(text.encode())[:-2]) == "naïve \ufffd"
+    with open_model(path) as model:
+        assert model.tokenizer.end_of_turn_id is None
         with pytest.raises(ValueError, match="has no chat template"):
             model.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_the_demo_model_has_a_chat_template_and_ends_a_turn_at_a_newline():
+    """Its tokenizer_config: each message is a line (the system message is followed by a blank
+    line, as a book's title is), and the reply is the next line."""
+    with open_model(None) as model:
+        messages = [{"role": "system", "content": "The Gospel According to Saint John "},
+                    {"role": "user", "content": " In the beginning was the Word."},
+                    {"role": "assistant", "content": "And the Word was with God."}]
+        assert model.apply_chat_template(messages) == (
+            "The Gospel According to Saint John\n\nIn the beginning was the Word.\n"
+            "And the Word was with God.\n")
+        assert model.tokenizer.end_of_turn_id == ord("\n")
+        assert model.tokenizer.eos_id is None          # the header's: generate stops nowhere
+
+
+@pytest.mark.parametrize("config_text, message", [
+    (json.dumps({"eos_token": "<|end|>"}), "eos_token of a bytes tokenizer must be one byte"),
+    (json.dumps({"eos_token": "é"}), "must be one byte"),
+    (json.dumps({"chat_template": 3}), "chat_template must be a string"),
+    ("[1]", "must be a JSON object"),
+])
+def test_a_bytes_models_bad_tokenizer_config_is_refused(tmp_path, config_text, message):
+    path = tmp_path / "bad.tinyloop"
+    tinyloop.random_model(path, tokenizer="bytes", vocab_size=256,
+                          meta={"meta.tokenizer_config": config_text})
+    with open_model(path) as model:
+        with pytest.raises(tinyloop.ModelFormatError, match=message):
+            model.tokenizer
 
 
 def test_generate_on_an_hf_model_streams_the_decoded_text(hf, monkeypatch):
@@ -194,7 +229,7 @@ def test_missing_optional_packages_say_how_to_install(tmp_path, monkeypatch):
     with open_model(path) as model:
         assert model.decode(model.encode("hi")) == "<s>hi"    # no template, no jinja2 needed
         with pytest.raises(ImportError, match=r"chat templates need the 'jinja2' package: pip "
-                                              r"install 'tinyloop\[hf\]'"):
+                                              r"install jinja2"):
             model.apply_chat_template([{"role": "user", "content": "hi"}])
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from . import params as P
 from .model import REQUEST_ARGUMENTS
-from .tokenizer import TextStream
+from .tokenizer import TextStream, end_of_turn_stop
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -35,7 +35,8 @@ class Chat:
     """Chat(model, system=None, max_tokens=256, **generation): `system` (optional) is the first
     message; `generation` are Model.generate's keyword arguments for every reply (temperature,
     seed, loops, ...). The model's end-of-turn token (its tokenizer's eos_token, when the
-    header's eos_id is another one) stops a reply too. `messages` is the conversation so far."""
+    header's eos_id is another one) stops a reply too and is not part of its text. `messages`
+    is the conversation so far."""
 
     def __init__(self, model: Any, system: Optional[str] = None,
                  max_tokens: int = DEFAULT_MAX_TOKENS, **generation: Any):
@@ -48,10 +49,10 @@ class Chat:
         tokenizer = model.tokenizer           # ValueError for a model without a tokenizer
         if tokenizer.chat_template is None:
             raise ValueError(f"a chat needs a chat template; model {model.path!r} has none")
-        end_of_turn = tokenizer.eos_id
+        self._end_of_turn = end_of_turn_stop(tokenizer, model.config()["eos_id"])
         stops = [list(stop) for stop in generation.pop("stop_sequences", None) or ()]
-        if end_of_turn is not None and end_of_turn != model.config()["eos_id"]:
-            stops.append([end_of_turn])
+        if self._end_of_turn is not None:
+            stops.append([self._end_of_turn])
         self._generation = dict(generation, stop_sequences=stops,
                                 max_tokens=P.check_int("max_tokens", max_tokens, 1))
         self._decode = functools.partial(model.decode, skip_special_tokens=True)
@@ -75,13 +76,18 @@ class Chat:
             if piece and on_text is not None:
                 on_text(piece)
 
+        def on_token(token: int) -> None:
+            if token != self._end_of_turn:     # it ends the reply, and is no part of it
+                show(stream.push(token))
+
         before = self.model.cache_stats()
-        out = self.model.generate(prompt, **self._generation, on_token=(
-            None if on_text is None else lambda token: show(stream.push(token))))
+        out = self.model.generate(prompt, **self._generation,
+                                  on_token=None if on_text is None else on_token)
         after = self.model.cache_stats()
         show(stream.flush())
         emitted = out[len(prompt):]
-        reply = self._decode(emitted)
+        ended = bool(emitted) and emitted[-1] == self._end_of_turn
+        reply = self._decode(emitted[:-1] if ended else emitted)
         self.messages = messages + [{"role": "assistant", "content": reply}]
         return Turn(reply, len(prompt), after["hit_tokens"] - before["hit_tokens"],
                     after["prefilled_tokens"] - before["prefilled_tokens"], len(emitted))

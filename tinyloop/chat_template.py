@@ -5,8 +5,8 @@ tokenizer_config.json `chat_template` the way transformers' apply_chat_template 
 an ImmutableSandboxedEnvironment (a template cannot reach Python), trim_blocks and
 lstrip_blocks, the loopcontrols extension, the `{% generation %}` tag (rendered as its body),
 `raise_exception(message)`, `strftime_now(format)`, a `tojson` that does not escape HTML, and
-the special tokens (bos_token, eos_token, ...) as variables. Needs the optional `jinja2` package
-(pip install 'tinyloop[hf]'). Every failure is a ValueError naming what was wrong.
+the special tokens (bos_token, eos_token, ...) as variables. Needs `jinja2` (a dependency of
+the package, imported on the first render). Every failure is a ValueError naming what was wrong.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _jinja2() -> Any:
         return importlib.import_module("jinja2")
     except ImportError:
         raise ImportError("chat templates need the 'jinja2' package: "
-                          "pip install 'tinyloop[hf]'") from None
+                          "pip install jinja2") from None
 
 
 def check_messages(messages: Any) -> None:

@@ -1,11 +1,13 @@
 """Text to token ids and back, for the tokenizer a model's header names (docs/spec.md §6.1).
 
 `open_tokenizer(config, meta)` returns the model's `Tokenizer`: `ByteTokenizer` for "bytes"
-(ids 0..255 are the UTF-8 bytes), `HfTokenizer` for "hf" (the Hugging Face `tokenizer.json` in
-meta.tokenizer_json, with meta.tokenizer_config's special tokens, add_bos_token/add_eos_token and
-chat_template). "hf" needs the optional packages `tokenizers` and `jinja2`
+(ids 0..255 are the UTF-8 bytes; meta.tokenizer_config, when the file has one, may give it a
+chat_template and an end-of-turn byte), `HfTokenizer` for "hf" (the Hugging Face
+`tokenizer.json` in meta.tokenizer_json, with meta.tokenizer_config's special tokens,
+add_bos_token/add_eos_token and chat_template). `end_of_turn_stop` is the token a chat reply
+ends on, for `Chat` and the server alike. "hf" needs the optional package `tokenizers`
 (pip install 'tinyloop[hf]'), imported only when such a tokenizer opens: every other model works
-without them. `TextStream` turns ids, one at a time, into the text they add (streaming). Text
+without it. `TextStream` turns ids, one at a time, into the text they add (streaming). Text
 never reaches libtinyloop, which is token-in/token-out.
 """
 from __future__ import annotations
@@ -28,10 +30,13 @@ STREAM_CONTEXT = 5   # prompt tokens a TextStream decodes before the first new o
 
 
 class Tokenizer(Protocol):
-    """What a model's tokenizer does; `bos_id`/`eos_id` are None when it has no such token."""
+    """What a model's tokenizer does; `bos_id`/`eos_id` are None when it has no such token.
+    `end_of_turn_id` is the token that ends a chat turn (tokenizer_config's eos_token), None
+    when the model names none."""
 
     bos_id: Optional[int]
     eos_id: Optional[int]
+    end_of_turn_id: Optional[int]
     chat_template: Optional[ChatTemplate]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -43,7 +48,7 @@ def open_tokenizer(config: ModelConfig, meta: Mapping[str, str]) -> Tokenizer:
     """The tokenizer of a model with this config and the file's meta.* texts `meta` (read by
     "hf" only). ValueError for a model that has none (tokenizer "none")."""
     if config.tokenizer == "bytes":
-        return ByteTokenizer(config)
+        return ByteTokenizer(config, meta.get("meta.tokenizer_config"))
     if config.tokenizer == "hf":
         return HfTokenizer(meta["meta.tokenizer_json"], meta.get("meta.tokenizer_config"),
                            config)
@@ -79,14 +84,63 @@ def _header_id(value: int) -> Optional[int]:
     return value if value >= 0 else None
 
 
+def _settings(text: Optional[str]) -> dict[str, Any]:
+    """meta.tokenizer_config as a dict ({} when the file has none)."""
+    if text is None:
+        return {}
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"meta.tokenizer_config is not JSON: {exc}") from None
+    if not isinstance(settings, dict):
+        raise ModelFormatError("meta.tokenizer_config must be a JSON object, got "
+                               f"{type(settings).__name__}")
+    return settings
+
+
+def _chat_template(settings: Mapping[str, Any], special_tokens: Mapping[str, Any]
+                   ) -> Optional[ChatTemplate]:
+    """tokenizer_config's chat_template (None when it has none): a string, or transformers'
+    list of named templates, of which "default" is the chat template."""
+    template = settings.get("chat_template")
+    if template is None:
+        return None
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template
+                 if isinstance(entry, dict)}
+        template = named.get("default")
+    if not isinstance(template, str):
+        raise ModelFormatError("meta.tokenizer_config chat_template must be a string or a "
+                               "list of {name, template} with a 'default' one")
+    return ChatTemplate(template, special_tokens)
+
+
+def end_of_turn_stop(tokenizer: Tokenizer, header_eos_id: int) -> Optional[int]:
+    """The token that ends a chat reply besides the header's eos_id (which ends every
+    generation): the tokenizer's end_of_turn_id when it is another token, else None."""
+    end = tokenizer.end_of_turn_id
+    return end if end is not None and end != header_eos_id else None
+
+
 class ByteTokenizer:
     """ids 0..255 are the UTF-8 bytes of the text; the header's bos/eos ids are its special
-    tokens. encode adds none of them (the byte models never had them added)."""
+    tokens. encode adds none of them (the byte models never had them added).
 
-    def __init__(self, config: ModelConfig):
-        self.chat_template: Optional[ChatTemplate] = None
+    A meta.tokenizer_config (optional) gives the model a chat template and an end of turn:
+    its eos_token, one byte (the demo model's is "\\n": a reply is one line). That byte stays
+    text: decode never drops it, and it is not eos_id, which is the header's."""
+
+    def __init__(self, config: ModelConfig, tokenizer_config: Optional[str] = None):
+        settings = _settings(tokenizer_config)
         self.bos_id = _header_id(config.bos_id)
         self.eos_id = _header_id(config.eos_id)
+        end = _content(settings.get("eos_token"), "eos_token")
+        if end is not None and len(end.encode("utf-8")) != 1:
+            raise ModelFormatError("meta.tokenizer_config eos_token of a bytes tokenizer must "
+                                   f"be one byte, got {end!r}")
+        self.end_of_turn_id = None if end is None else end.encode("utf-8")[0]
+        self.chat_template = _chat_template(
+            settings, {} if end is None else {"eos_token": end})
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(_text(text).encode("utf-8"))
@@ -121,7 +175,7 @@ class HfTokenizer:
             self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
         except Exception as exc:  # the Rust parser raises a bare Exception
             raise ModelFormatError(f"meta.tokenizer_json is not a tokenizer.json: {exc}") from None
-        settings = self._settings(tokenizer_config)
+        settings = _settings(tokenizer_config)
         # What a chat template sees as variables: transformers' special_tokens_map.
         self.special_tokens = self._named_special_tokens(settings)
         # As in transformers, a special token that tokenizer.json does not list among its added
@@ -144,23 +198,9 @@ class HfTokenizer:
                 self.special_tokens[key] = token
         self.bos_id = self._token_id("bos_token")
         self.eos_id = self._token_id("eos_token")
+        self.end_of_turn_id = self.eos_id
         self._added = self._special_flags(settings)
-        template = settings.get("chat_template")
-        self.chat_template = (None if template is None else
-                              ChatTemplate(self._template_source(template), self.special_tokens))
-
-    @staticmethod
-    def _settings(text: Optional[str]) -> dict[str, Any]:
-        if text is None:
-            return {}
-        try:
-            settings = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ModelFormatError(f"meta.tokenizer_config is not JSON: {exc}") from None
-        if not isinstance(settings, dict):
-            raise ModelFormatError("meta.tokenizer_config must be a JSON object, got "
-                                   f"{type(settings).__name__}")
-        return settings
+        self.chat_template = _chat_template(settings, self.special_tokens)
 
     @staticmethod
     def _named_special_tokens(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -200,19 +240,6 @@ class HfTokenizer:
                 raise ModelFormatError(f"meta.tokenizer_config sets {key} but has no {name}")
             sides.append([token_id] if flags[key] and token_id is not None else [])
         return sides[0], sides[1]
-
-    @staticmethod
-    def _template_source(template: Any) -> str:
-        """tokenizer_config's chat_template: a string, or transformers' list of named
-        templates, of which "default" is the chat template."""
-        if isinstance(template, list):
-            named = {entry.get("name"): entry.get("template") for entry in template
-                     if isinstance(entry, dict)}
-            template = named.get("default")
-        if not isinstance(template, str):
-            raise ModelFormatError("meta.tokenizer_config chat_template must be a string or a "
-                                   "list of {name, template} with a 'default' one")
-        return template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._added is None or not add_special_tokens:

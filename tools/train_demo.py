@@ -3,7 +3,8 @@
 Contract:
     python tools/train_demo.py [--steps N] [--time-budget-min M] [--out PATH] ...
         trains a byte-level looped transformer on the KJV Bible (tools/demo_corpus.py), then writes
-        the int8 .tinyloop file through tinyloop.quantize.quantize_model + modelfile.save_model.
+        the int8 .tinyloop file through tinyloop.quantize.quantize_model + modelfile.save_model,
+        with the chat template of tools/demo_chat_template.py.
         Every --checkpoint-every steps it saves the float weights and optimizer state
         (--checkpoint, a torch file) and exports the model file, so an interrupted run still
         leaves a usable model. --resume PATH starts from such a checkpoint (a new schedule:
@@ -39,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
+from demo_chat_template import with_chat_template          # noqa: E402
 from demo_corpus import split_corpus                      # noqa: E402
 from tinyloop.config import ModelConfig                    # noqa: E402
 from tinyloop.modelfile import save_model                  # noqa: E402
@@ -242,10 +244,10 @@ def checkpoint(model, opt, config, args, step):
 
 
 def export(model, config, path):
-    """Float weights -> quantize_model -> save_model (int8 .tinyloop)."""
+    """Float weights -> quantize_model -> save_model (int8 .tinyloop, with the chat template)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     config, tensors = quantize_model(config, model.float_weights())
-    save_model(path, config, tensors)
+    save_model(path, config, with_chat_template(tensors))
 
 
 # ---- evaluation ------------------------------------------------------------------------------
