@@ -34,7 +34,7 @@
 #include <string.h>
 
 #include "cpu/amx_tiles.h"
-#include "cpu/attention.h"
+#include "cpu/attention_kernels.h"
 
 enum {
     TQ = TL_ATTN_TILE,              /* queries per tile (A rows of the value GEMM, B columns of the scores) */

@@ -21,9 +21,9 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "cpu/attention.h"
+#include "cpu/attention_kernels.h"
 #include "cpu/numerics_avx2.h"
-#include "cpu/quant.h"
+#include "cpu/row_kernels.h"
 
 #define INLINE_AVX2 TL_INLINE_AVX2
 #define AVX2 __attribute__((target("avx2")))

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #include "cpu/amx_tiles.h"
-#include "cpu/matmul.h"
+#include "cpu/matmul_kernels.h"
 
 enum { TR = TL_TILE_ROWS, KB = TL_TILE_BYTES, TILE_BYTES = TR * KB };
 

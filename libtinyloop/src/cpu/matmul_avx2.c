@@ -14,7 +14,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "cpu/matmul.h"
+#include "cpu/matmul_kernels.h"
 
 #define AVX2 __attribute__((target("avx2")))
 #define INLINE_AVX2 static inline __attribute__((always_inline, target("avx2")))

@@ -10,7 +10,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "cpu/matmul.h"
+#include "cpu/matmul_kernels.h"
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE_AVX512 static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni")))

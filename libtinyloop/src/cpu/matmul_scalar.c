@@ -1,7 +1,7 @@
 /* matmul_scalar.c — the portable linear kernel, reading the file's own layout. It is the
  * reference the SIMD paths are tested against: a plain exact integer dot product per
  * (token, row), in i32 (the loader proved every partial sum fits). */
-#include "cpu/matmul.h"
+#include "cpu/matmul_kernels.h"
 
 static int32_t dot_int8(const int8_t* q, const int8_t* w, size_t K) {
     int32_t acc = 0;

@@ -7,24 +7,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpu/row_kernels.h"
+
 /* §2.2 Q(x, qmax): x[n] -> q[n] in [-qmax, qmax]; returns the scale s (0 for tiny rows). */
 float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q);
 /* §2.3 NQ(x): x[n] -> q[n]; returns the matmul input scale a. */
 float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q);
-/* §2.3's scale a of NQ from the row's Q8 values q[n] and their scale s (the exact i64 sum of
- * squares, then tl_nq_scale): what both forms of tl_rms_quantize_row finish with. */
-float tl_nq_from_q8(const int8_t* q, size_t n, float s, float eps);
 /* §2.7 RN(x, g): y[i] = (x[i] / t) * gain[i], t the root mean square of x through Q16 and an
  * exact i64 sum of squares. y may be x. */
 void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, float* y);
 /* §2.5 SwiGLU in place: gate[i] = silu(gate[i]) * up[i]. */
 void tl_swiglu_row(float* gate, const float* up, size_t n);
-
-/* AVX2 forms of tl_quantize_row, tl_rms_quantize_row and tl_swiglu_row (rows_avx2.c),
- * bit-identical; call only when the CPU has AVX2. */
-float tl_quantize_row_avx2(const float* x, size_t n, int qmax, int8_t* q);
-float tl_rms_quantize_row_avx2(const float* x, size_t n, float eps, int8_t* q);
-void tl_swiglu_row_avx2(float* gate, const float* up, size_t n);
 
 /* §2.6 RoPE in place on one head x[D] with the position's table rows cos[D/2], sin[D/2]. */
 void tl_rope_head(float* x, size_t D, const float* cos, const float* sin);

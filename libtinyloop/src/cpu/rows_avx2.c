@@ -5,7 +5,7 @@
 #include <math.h>
 
 #include "cpu/numerics_avx2.h"
-#include "cpu/quant.h"
+#include "cpu/row_kernels.h"
 
 __attribute__((target("avx2"))) float tl_quantize_row_avx2(const float* x, size_t n, int qmax, int8_t* q) {
     const __m256 sign = _mm256_set1_ps(-0.0f);

@@ -9,8 +9,9 @@
  * maxima are merged into M and svmax, its partial integer sums. Merging maxima of NaN-free values
  * and adding integers are order-free, so the merged M, svmax, den and num_d are those of the
  * unsplit pass, whatever the number of splits or the order of the merge (a zero maximum may differ
- * in sign only, which no output depends on: cpu/attention.h). The output is then the unsplit
- * pass's own final step, tl_att_output. Plain C (no device intrinsics) so both sides compile it. */
+ * in sign only, which no output depends on: cpu/attention_kernels.h). The output is then the
+ * unsplit pass's own final step, tl_att_output. Plain C (no device intrinsics) so both sides
+ * compile it. */
 #ifndef TL_CUDA_ATTENTION_SPLIT_H
 #define TL_CUDA_ATTENTION_SPLIT_H
 

@@ -184,7 +184,7 @@ void tl_cu_graphs_drop(tl_cuda* c);
 
 /* Maximum of the threads' v, none NaN, combined as (x > m) ? x : m. `sh` is __shared__ [32].
  * (For NaN-free inputs this is tl_fmax's result up to the sign of a zero, which no caller's
- * output depends on: see attention.h.) */
+ * output depends on: see cpu/attention_kernels.h.) */
 static __device__ __forceinline__ float tl_cu_block_max(float v, float* sh) {
     for (int off = 16; off > 0; off >>= 1) {
         const float other = __shfl_xor_sync(0xffffffffu, v, off);

@@ -42,7 +42,7 @@ typedef struct gemm_out {
     int T, R;
 } gemm_out;
 
-/* The epilogue of matmul.h tl_emit, with the two-pass int4 modes. */
+/* The epilogue of matmul_kernels.h tl_emit, with the two-pass int4 modes. */
 static __device__ __forceinline__ void emit(const gemm_out& o, int t, int j, int acc) {
     if (o.mode == MODE_RAW) {
         o.raw[(size_t)t * o.ldr + j] = acc;
