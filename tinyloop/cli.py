@@ -6,6 +6,8 @@ went away (`tinyloop info | head`), quietly, as command-line tools do. Every arg
 output: a flag's value by its argparse type (the message names the flag), what depends on the
 model (token ids, lengths) right after the model opens and before the prompt is echoed.
 """
+from __future__ import annotations
+
 import argparse
 import functools
 import itertools
@@ -16,6 +18,7 @@ import re
 import sys
 import tempfile
 import time
+from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
 import numpy as np
 
@@ -43,12 +46,12 @@ class PrefillProgress:
     """An on_prefill callback printing "prefill done/total tokens" on stderr: rewritten in
     place on a terminal, one line per chunk otherwise (--progress always)."""
 
-    def __init__(self, mode, n_prompt, stream=None):
+    def __init__(self, mode: str, n_prompt: int, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.enabled = mode == "always" or (mode == "auto" and self.tty and n_prompt >= PROGRESS_MIN_TOKENS)
 
-    def __call__(self, done, total):
+    def __call__(self, done: int, total: int) -> None:
         if self.tty:
             end = "\r\033[K" if done == total else ""
             print(f"\rprefill {done}/{total} tokens", end=end, file=self.stream, flush=True)
@@ -57,11 +60,11 @@ class PrefillProgress:
 
 
 # -- argument types: each turns a flag's text into its value or says why it cannot ---------
-def integer(minimum, maximum=None):
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse type: a decimal integer in [minimum, maximum]."""
     rule = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
 
-    def parse(text):
+    def parse(text: str) -> int:
         if not INTEGER.fullmatch(text.strip()):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give one {rule}")
         value = int(text)
@@ -72,12 +75,13 @@ def integer(minimum, maximum=None):
     return parse
 
 
-def real(lower, lower_inclusive=True, upper=math.inf):
+def real(lower: float, lower_inclusive: bool = True,
+         upper: float = math.inf) -> Callable[[str], float]:
     """An argparse type: a finite number above `lower` (or equal when inclusive), <= upper."""
     rule = f"{'>=' if lower_inclusive else '>'} {lower:g}" + (
         f" and <= {upper:g}" if math.isfinite(upper) else "")
 
-    def parse(text):
+    def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
@@ -89,7 +93,7 @@ def real(lower, lower_inclusive=True, upper=math.inf):
     return parse
 
 
-def model_file(text):
+def model_file(text: str) -> str:
     """An argparse type: the path of an existing file (its contents are checked on open)."""
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(
@@ -98,7 +102,7 @@ def model_file(text):
     return text
 
 
-def token_ids(what, text):
+def token_ids(what: str, text: str) -> list[int]:
     """Token ids written as integers separated by commas and/or whitespace."""
     ids = text.replace(",", " ").split()
     for piece in ids:
@@ -109,12 +113,12 @@ def token_ids(what, text):
 
 
 # -- the commands ---------------------------------------------------------------------------
-def _open(args, **kwargs):
+def _open(args: argparse.Namespace, **kwargs: Any) -> Model:
     return Model(args.model, backend=args.backend, threads=args.threads, device=args.device,
                  kv_mode=args.kv_mode, **kwargs)
 
 
-def run_generate(args, out):
+def run_generate(args: argparse.Namespace, out: TextIO) -> int:
     """Stream the continuation as it is sampled, then one stats line on stderr (and one for
     self-speculative decoding with --draft-loops)."""
     with _open(args) as model:
@@ -122,7 +126,7 @@ def run_generate(args, out):
         is_text = cfg["tokenizer"] != "none" and not args.ids
         text = sys.stdin.read() if args.prompt == "-" else args.prompt
 
-        def read(what, value, add_special_tokens):
+        def read(what: str, value: str, add_special_tokens: bool) -> np.ndarray:
             tokens = (model.encode(value, add_special_tokens) if is_text
                       else token_ids(what, value))
             return P.check_tokens(what, tokens, cfg["vocab_size"])
@@ -133,9 +137,9 @@ def run_generate(args, out):
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus --max-tokens {args.max_tokens} "
                              f"exceeds the model's max_seq_len {cfg['max_seq_len']}")
         stream = TextStream(functools.partial(model.decode, skip_special_tokens=True), prompt)
-        first = []
+        first: list[float] = []
 
-        def show(token):
+        def show(token: int) -> None:
             # The prompt is echoed with the first token, after the prefill: an in-place progress
             # line on the same terminal would otherwise overwrite its last line.
             if not first:
@@ -147,7 +151,7 @@ def run_generate(args, out):
 
         progress = PrefillProgress(args.progress, len(prompt))
         hits_before = model.cache_stats()["hit_tokens"]
-        drafts = {}
+        drafts: dict[str, float] = {}
         start = time.perf_counter()
         try:
             result = model.generate(
@@ -174,7 +178,7 @@ def run_generate(args, out):
     return 0
 
 
-def run_chat(args, out):
+def run_chat(args: argparse.Namespace, out: TextIO) -> int:
     """A user message per stdin line, the reply streamed to `out`, one line per turn on stderr
     saying how much of the prompt the prefix cache served; /exit or end of input ends it."""
     with _open(args) as model:
@@ -197,9 +201,10 @@ def run_chat(args, out):
             print(f"[turn {n}: prompt {turn.prompt_tokens} tokens, {turn.cached_tokens} from the "
                   f"cache, {turn.prefilled_tokens} prefilled; {turn.new_tokens} new tokens]",
                   file=sys.stderr, flush=True)
+    raise AssertionError("not reached: itertools.count() never ends")   # for the type checker
 
 
-def run_serve(args, out):
+def run_serve(args: argparse.Namespace, out: TextIO) -> int:
     """The OpenAI-compatible server (docs/serving.md) until Ctrl-C; uvicorn logs on stderr."""
     if args.step_tokens < args.max_batch:        # the Scheduler's rule, checked before serving
         raise ValueError(f"--step-tokens {args.step_tokens} is less than --max-batch "
@@ -223,7 +228,8 @@ def run_serve(args, out):
     return 0
 
 
-def architecture_lines(cfg, meta):
+def architecture_lines(cfg: Mapping[str, Any],
+                       meta: Mapping[str, str]) -> Iterator[tuple[str, str]]:
     """(label, text) lines saying what a model is (docs/spec.md §1), from Model.config() and
     the file's meta.* texts."""
     config = ModelConfig(**cfg)
@@ -245,7 +251,7 @@ def architecture_lines(cfg, meta):
     yield "tokenizer", config.tokenizer + (", chat template" if template else "")
 
 
-def run_info(args, out):
+def run_info(args: argparse.Namespace, out: TextIO) -> int:
     info = backend_info(args.backend, args.device)
     with _open(args) as model:
         for key, value in model.config().items():
@@ -269,12 +275,12 @@ def run_info(args, out):
     return 0
 
 
-def run_convert(args, out):
+def run_convert(args: argparse.Namespace, out: TextIO) -> int:
     """Convert a Hugging Face folder, a progress line per weight on stderr (rewritten in place
     on a terminal), then one line naming what was written."""
     tty = sys.stderr.isatty()
 
-    def progress(done, total, what):
+    def progress(done: int, total: int, what: str) -> None:
         line = f"convert {done}/{total}: {what}"
         if tty:
             print(f"\r\033[K{line}", end="\r\033[K" if done == total else "", file=sys.stderr,
@@ -292,7 +298,7 @@ def run_convert(args, out):
     return 0
 
 
-def layer_span(text):
+def layer_span(text: str) -> tuple[int, int]:
     """An argparse type: START:END, two layer numbers."""
     start, sep, end = text.partition(":")
     if not sep or not INTEGER.fullmatch(start.strip()) or not INTEGER.fullmatch(end.strip()):
@@ -300,13 +306,13 @@ def layer_span(text):
     return int(start), int(end)
 
 
-def run_bench(args, out):
+def run_bench(args: argparse.Namespace, out: TextIO) -> int:
     """Prefill/decode speed and the shared-prefix table on one model (bench/ has the full
     suite); the model first, a line per stage on stderr while it runs."""
-    def stage(text):
+    def stage(text: str) -> None:
         print(f"bench: {text}", file=sys.stderr, flush=True)
 
-    def check_lengths(max_seq_len):
+    def check_lengths(max_seq_len: int) -> None:
         for flag, n in (("--prefill", args.prefill), ("--prefix", args.prefix)):
             if n + args.decode > max_seq_len:
                 raise ValueError(f"{flag} {n} plus --decode {args.decode} exceeds the model's "
@@ -339,7 +345,7 @@ def run_bench(args, out):
     return 0 if row["same tokens"] else 1
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     """The parser; every option's help ends with its default."""
     parser = argparse.ArgumentParser(
         prog="tinyloop", description=__doc__.splitlines()[0],
@@ -348,7 +354,9 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"tinyloop {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
 
-    def command(name, run, help, model_default="the bundled demo model", positional=False):
+    def command(name: str, run: Callable[[argparse.Namespace, TextIO], int], help: str,
+                model_default: str = "the bundled demo model",
+                positional: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         model_help = f"a .tinyloop file (default: {model_default})"
         if positional:        # `tinyloop serve MODEL`: the model is what the command is about
@@ -387,7 +395,7 @@ def build_parser():
                            "row, int8 (h8, the same tokens) or int4 (h4, an approximation) "
                            "(default: kv, or TINYLOOP_KV_H_MODE's)")
 
-    def sampling(p, max_tokens):
+    def sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
         p.add_argument("--max-tokens", type=integer(1), default=max_tokens,
                        help="tokens to emit at most (default: %(default)s)")
         p.add_argument("--loops", type=integer(1, P.MAX_LOOPS), default=None,
@@ -507,7 +515,7 @@ def build_parser():
     return parser
 
 
-def _quiet_after_closed_pipe():
+def _quiet_after_closed_pipe() -> int:
     """The reader of stdout went away: point stdout at /dev/null so that the flush at exit
     cannot raise again, and return the exit code a process killed by SIGPIPE reports."""
     try:
@@ -519,10 +527,10 @@ def _quiet_after_closed_pipe():
     return 128 + 13   # 128 + SIGPIPE
 
 
-def main(argv=None, out=sys.stdout):
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
     try:
         args = build_parser().parse_args(argv)
-        status = args.run(args, out)
+        status: int = args.run(args, out)
         out.flush()     # a closed pipe is reported here, not by the interpreter at exit
         return status
     except BrokenPipeError:

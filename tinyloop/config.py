@@ -7,6 +7,7 @@ file layout is `modelfile.py`'s job.
 import dataclasses
 import math
 import numbers
+from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
 
 import numpy as np
 
@@ -25,6 +26,10 @@ LINEAR_PARTS = ("attn_qkv", "attn_out", "ffn_gate_up", "ffn_down")   # per block
 META_TENSORS = ("meta.architecture", "meta.tokenizer_json", "meta.tokenizer_config")
 MAX_CACHE_LAYERS = 2**16                                              # n_layers(L) bound, §1
 NAME_MAX_BYTES = 63                                                    # char[64], one NUL kept
+# A tensor of the §6.3 set: (dtype, shape); the shape (None,) is a u8 text of any length >= 1.
+TensorSpec = Tuple[np.dtype[Any], Tuple[Optional[int], ...]]
+# The required order of §6.3 as _layout() gives it: (name, (kind, shape)).
+LayoutEntry = Tuple[str, Tuple[str, Tuple[int, ...]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +64,11 @@ class ModelConfig:
     embed_scale: float = 1.0  # the embedding's multiplier; f32-rounded, finite > 0
     coda_norm: bool = False  # RN(x, coda.input_norm) after the last iteration
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("rope_theta", "rms_eps", "embed_scale"):
             object.__setattr__(self, field, _f32(getattr(self, field)))
 
-    def validate(self, version=2):
+    def validate(self, version: int = 2) -> None:
         """Raise ModelFormatError naming the first field (in header order) that breaks §6.1.
 
         `version` 1 applies §6.5's narrower tokenizer rule (0 or 1) of a version-1 file.
@@ -113,36 +118,36 @@ class ModelConfig:
                  self.coda_norm)
         self._check_name()
 
-    def n_layers(self, loops):
+    def n_layers(self, loops: int) -> int:
         """Cache slots of a sequence at depth `loops` (§1): n_pre + L * (k + n_coda)."""
         return self.n_pre_blocks + loops * (self.n_core_blocks + self.n_coda_blocks)
 
-    def core_slot(self, iteration, j):
+    def core_slot(self, iteration: int, j: int) -> int:
         """The cache slot of core block j in iteration `iteration` (0-based), §1."""
         return self.n_pre_blocks + iteration * (self.n_core_blocks + self.n_coda_blocks) + j
 
-    def coda_slot(self, loops, c):
+    def coda_slot(self, loops: int, c: int) -> int:
         """The cache slot of coda block c at depth `loops`, §1."""
         return self.core_slot(loops - 1, self.n_core_blocks + c)
 
-    def block_prefixes(self):
+    def block_prefixes(self) -> List[str]:
         """Tensor-name prefixes of the blocks in file order: pre.*, core.*, coda.* (§6.3)."""
         return ([f"pre.{i}" for i in range(self.n_pre_blocks)]
                 + [f"core.{j}" for j in range(self.n_core_blocks)]
                 + [f"coda.{c}" for c in range(self.n_coda_blocks)])
 
-    def linear_shapes(self):
+    def linear_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """{linear name: (R, K)} for every linear of §6.3, in the required order."""
         return {name: shape for name, (kind, shape) in self._layout() if kind == "linear"}
 
-    def required_tensors(self):
+    def required_tensors(self) -> Dict[str, TensorSpec]:
         """{tensor name: (numpy dtype, shape)}: exactly the required tensors of §6.3, in the
         required order (the optional META_TENSORS are not listed; meta.tokenizer_json is
         required when tokenizer == "hf", its length being free).
 
         Only meaningful for a config that passes validate().
         """
-        tensors = {}
+        tensors: Dict[str, TensorSpec] = {}
         for name, (kind, shape) in self._layout():
             if kind in ("f32", "i8"):
                 tensors[name] = (F32 if kind == "f32" else I8, shape)
@@ -159,13 +164,13 @@ class ModelConfig:
             tensors["meta.tokenizer_json"] = (U8, (None,))              # any length >= 1
         return tensors
 
-    def _layout(self):
+    def _layout(self) -> List[LayoutEntry]:
         """[(name, (kind, shape))] in the required order of §6.3: kind "linear" with shape
         (R, K) (stored as .w, .m, .s), or "i8" / "f32" for a tensor stored as it is."""
         V, d, S, D = self.vocab_size, self.d_model, self.max_seq_len, self.head_dim
         H, G, F = self.n_heads, self.n_kv_heads, self.ffn_dim
         post = self.block_layout != "pre"
-        out = [("tok_emb.w", ("i8", (V, d))), ("tok_emb.s", ("f32", (V,))),
+        out: List[LayoutEntry] = [("tok_emb.w", ("i8", (V, d))), ("tok_emb.s", ("f32", (V,))),
                ("rope.cos", ("f32", (S, D // 2))), ("rope.sin", ("f32", (S, D // 2)))]
         for b in self.block_prefixes():
             out.append((f"{b}.attn_qkv", ("linear", ((H + 2 * G) * D, d))))
@@ -189,12 +194,12 @@ class ModelConfig:
             out.append(("head", ("linear", (V, d))))
         return out
 
-    def to_dict(self):
+    def to_dict(self) -> Dict[str, Any]:
         """The fields as a plain dict (what Model.config() returns)."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """The inverse of to_dict(), validated; unknown or missing keys raise ModelFormatError."""
         fields = dataclasses.fields(cls)
         unknown = sorted(set(d) - {f.name for f in fields})
@@ -206,19 +211,19 @@ class ModelConfig:
         config.validate()
         return config
 
-    def _positive_float(self, field):
+    def _positive_float(self, field: str) -> None:
         value = getattr(self, field)
         _require(isinstance(value, float) and math.isfinite(value) and value > 0, field,
                  "must be a finite float > 0", value)
 
-    def _int_range(self, field, lo, hi):
+    def _int_range(self, field: str, lo: int, hi: Optional[int]) -> None:
         value = getattr(self, field)
         ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         ok = ok and lo <= value and (hi is None or value <= hi)
         rule = f"must be an int >= {lo}" if hi is None else f"must be an int in {lo} .. {hi}"
         _require(ok, field, rule, value)
 
-    def _check_group_size(self):
+    def _check_group_size(self) -> None:
         if self.weight_format == "int8":
             _require(self.group_size == 0, "group_size", "must be 0 for int8", self.group_size)
             return
@@ -229,7 +234,7 @@ class ModelConfig:
             _require(k % self.group_size == 0, "group_size", f"must divide {field} ({k})",
                      self.group_size)
 
-    def _check_name(self):
+    def _check_name(self) -> None:
         ok = isinstance(self.name, str) and "\0" not in self.name
         try:
             ok = ok and len(self.name.encode("utf-8")) <= NAME_MAX_BYTES
@@ -239,18 +244,18 @@ class ModelConfig:
                  self.name)
 
 
-def _require(ok, field, rule, value):
+def _require(ok: bool, field: str, rule: str, value: object) -> None:
     if not ok:
         raise ModelFormatError(f"{field}: {rule}, got {value!r}")
 
 
-def _f32(x):
+def _f32(x: object) -> object:
     """x rounded to the nearest binary32, as the file stores it (+-inf beyond its range)."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         return x                                    # validate() rejects it
     try:
         x = float(x)
     except OverflowError:                           # an int beyond the float64 range
-        x = math.inf if x > 0 else -math.inf
+        x = math.inf if cast(int, x) > 0 else -math.inf
     with np.errstate(over="ignore"):
         return float(np.float32(x))

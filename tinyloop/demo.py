@@ -3,7 +3,11 @@ system prompt and several requests, run without a prefix cache, with an explicit
 and with the automatic prefix cache; the answers, a table of times, the reuse, and the check
 that all three runs produced identical tokens (but with an h4 PrefixCache, an approximation:
 docs/api.md, "Hidden-state prefixes", whose tokens are only reported)."""
-from .model import DEFAULT_PREFIX_CACHE_BYTES
+from __future__ import annotations
+
+from typing import Any, Callable, TextIO
+
+from .model import DEFAULT_PREFIX_CACHE_BYTES, Model
 from .quickbench import describe, timed
 
 SYSTEM_PROMPT = ("In the beginning God created the heaven and the earth. And the earth was "
@@ -12,7 +16,8 @@ REQUESTS = ("And God said", "And the LORD spake unto Moses, saying,", "Blessed a
             "And Jesus answered and said")
 
 
-def run_demo(open_model, max_tokens, temperature, seed, out):
+def run_demo(open_model: Callable[[int], Model], max_tokens: int, temperature: float, seed: int,
+             out: TextIO) -> int:
     """open_model(prefix_cache_bytes) -> a Model of the demo; returns the exit code. A
     max_tokens the model cannot fit after the longest prompt raises ValueError before any
     output."""
@@ -26,7 +31,7 @@ def run_demo(open_model, max_tokens, temperature, seed, out):
                              f"tokens) leaves room for at most {cfg['max_seq_len'] - longest} "
                              f"new tokens (max_seq_len {cfg['max_seq_len']})")
         print(f"model {describe(cfg)}, backend {model.backend}\n", file=out)
-        kw = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
         plain, t_plain = timed(lambda: [model.generate(system + r, **kw) for r in requests])
         prefix, t_build = timed(lambda: model.build_prefix_cache(system))
         explicit, t_explicit = timed(lambda: [model.generate_from_prefix_cache(prefix, suffix=r, **kw)

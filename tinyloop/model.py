@@ -10,15 +10,17 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Mapping, MutableMapping, Sequence, Union
+from typing import (Any, Callable, Iterator, List, Literal, Mapping, MutableMapping, Sequence,
+                    Tuple, Union, overload)
 
 import numpy as np
+import numpy.typing as npt
 
 from . import params as P
 from .backends import open_engine
 from .bundled import demo_model_path
-from .engine import (NO_CALLBACKS, Callbacks, Engine, EnginePrefix, check_prefix_storage,
-                     loops_mismatch)
+from .engine import (NO_CALLBACKS, Callbacks, Engine, EnginePrefix, GenerationParams,
+                     check_prefix_storage, loops_mismatch)
 from .modelfile import read_meta
 from .tokenizer import Tokenizer, open_tokenizer
 
@@ -27,17 +29,22 @@ DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 # Token ids as the API takes them: a sequence of ints or a 1-D integer array.
 TokenIds = Union[Sequence[int], np.ndarray]
+# What a generation returns with return_logits=True: the ids and the float32 logits
+# (n_emitted, vocab_size) each emitted token was sampled from.
+IdsAndLogits = Tuple[List[int], npt.NDArray[np.float32]]
+# A checked request: (all tokens, the tokens to run, its parameters).
+CheckedRequest = Tuple[np.ndarray, np.ndarray, GenerationParams]
 # The keyword arguments of a generation request (generate_batch's `params` and `per_request`).
 REQUEST_ARGUMENTS = ("max_tokens", "loops", "temperature", "top_k", "top_p", "cache_window",
                      "repetition_penalty", "stop_sequences", "seed", "prefill_chunk", "cache_salt",
                      "draft_loops", "n_draft", "draft_stats")
 
 
-def _env_flag(var):
+def _env_flag(var: str) -> bool:
     return os.environ.get(var, "0") not in ("", "0")
 
 
-def _check_kv_mode(kv_mode):
+def _check_kv_mode(kv_mode: str | None) -> str:
     """The KV mode a Model runs in: kv_mode itself ("int8" or "int4"), or for None "int4"
     when TINYLOOP_KV_INT4 is set (not "" or "0"), else "int8"."""
     if kv_mode is None:
@@ -48,7 +55,7 @@ def _check_kv_mode(kv_mode):
     return kv_mode
 
 
-def _check_prefix_storage(prefix_storage, kv_mode):
+def _check_prefix_storage(prefix_storage: str | None, kv_mode: str) -> str:
     """What a Model's prefixes keep by default (docs/api.md, "Hidden-state prefixes"):
     prefix_storage itself ("kv", "h8" or "h4"), or for None the seed's TINYLOOP_KV_H_MODE:
     unset, "" or "0" "kv"; "1" the smallest, "h4" in the int4 KV mode, else "h8"; "h8" or
@@ -67,7 +74,7 @@ def _check_prefix_storage(prefix_storage, kv_mode):
 
 
 @contextlib.contextmanager
-def _out_of_memory_as_runtime_error():
+def _out_of_memory_as_runtime_error() -> Iterator[None]:
     """The seed's contract: allocation failure is RuntimeError('out of memory')."""
     try:
         yield
@@ -112,7 +119,7 @@ class PrefixCache:
 
     @property
     def prompt(self) -> np.ndarray:
-        view = self._state.tokens.view()
+        view: np.ndarray = self._state.tokens.view()
         view.flags.writeable = False
         return view
 
@@ -172,8 +179,9 @@ class PrefixCache:
         self._model._live_engine()
         return self._state.to_bytes()
 
-    def __del__(self):
-        state, self._state = getattr(self, "_state", None), None
+    def __del__(self) -> None:
+        # None only from here on, when no other method runs: _state is typed EnginePrefix
+        state, self._state = getattr(self, "_state", None), None  # type: ignore[assignment]
         if state is not None:
             state.free()
 
@@ -222,11 +230,10 @@ class Model:
             P.check_int("threads", threads, 1, P.MAX_THREADS)
         path = demo_model_path() if path is None else os.fspath(path)
         self.path = path
-        self._engine: Engine | None = open_engine(backend, path, block_size=self._block_size,
-                                                  threads=threads, prefix_cache_bytes=cache_bytes,
-                                                  device=device, kv_mode=self.kv_mode,
-                                                  prefix_cache_dir=prefix_cache_dir,
-                                                  prefix_cache_disk_bytes=disk_bytes)
+        self._engine: Engine[Any] | None = open_engine(
+            backend, path, block_size=self._block_size, threads=threads,
+            prefix_cache_bytes=cache_bytes, device=device, kv_mode=self.kv_mode,
+            prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=disk_bytes)
         runtime = self._engine.runtime()
         self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
@@ -254,7 +261,7 @@ class Model:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _live_engine(self) -> Engine:
+    def _live_engine(self) -> Engine[Any]:
         engine = self._engine
         if engine is None:
             raise RuntimeError("model was closed")
@@ -314,9 +321,12 @@ class Model:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     # -- generation -------------------------------------------------------------------------
-    def _params(self, max_tokens=32, loops=None, temperature=0.0, top_k=50, top_p=1.0,
-                cache_window=0, repetition_penalty=1.0, stop_sequences=(), seed=None,
-                prefill_chunk=None, cache_salt=None, draft_loops=None, n_draft=None):
+    def _params(self, max_tokens: int = 32, loops: int | None = None, temperature: float = 0.0,
+                top_k: int = 50, top_p: float = 1.0, cache_window: int = 0,
+                repetition_penalty: float = 1.0, stop_sequences: Sequence[TokenIds] | None = (),
+                seed: int | None = None, prefill_chunk: int | None = None,
+                cache_salt: str | None = None, draft_loops: int | None = None,
+                n_draft: int | None = None) -> GenerationParams:
         return P.generation_params(
             self._config, max_tokens=max_tokens, loops=loops, temperature=temperature,
             top_k=top_k, top_p=top_p, cache_window=cache_window,
@@ -324,7 +334,8 @@ class Model:
             prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk, cache_salt=cache_salt,
             draft_loops=draft_loops, n_draft=n_draft)
 
-    def _request(self, prompt, prefix, kwargs):
+    def _request(self, prompt: TokenIds | None, prefix: PrefixCache | None,
+                 kwargs: Mapping[str, Any]) -> CheckedRequest:
         """Check one request: (all tokens, the tokens to run, GenerationParams). With a
         prefix, `prompt` is the suffix (None or empty allowed), loops/cache_window default
         to the prefix's, and a depth past the prefix's needs a warm-start prefix (the caller
@@ -355,6 +366,44 @@ class Model:
         P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
         return tokens, rest, params
 
+    # generate, generate_from_prefix_cache and generate_batch: the type of a result follows
+    # return_logits, ids (list[int]) or (ids, logits) (IdsAndLogits).
+    @overload
+    def generate(self, prompt: TokenIds, max_tokens: int = ..., loops: int | None = ...,
+                 temperature: float = ..., top_k: int = ..., top_p: float = ...,
+                 cache_window: int = ..., repetition_penalty: float = ...,
+                 stop_sequences: Sequence[TokenIds] | None = ..., seed: int | None = ...,
+                 prefill_chunk: int | None = ..., return_logits: Literal[False] = ...,
+                 on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
+                 on_prefill: Callable[[int, int], None] | None = ...,
+                 draft_loops: int | None = ..., n_draft: int | None = ...,
+                 draft_stats: MutableMapping[str, Any] | None = ...
+                 ) -> list[int]: ...
+
+    @overload
+    def generate(self, prompt: TokenIds, max_tokens: int = ..., loops: int | None = ...,
+                 temperature: float = ..., top_k: int = ..., top_p: float = ...,
+                 cache_window: int = ..., repetition_penalty: float = ...,
+                 stop_sequences: Sequence[TokenIds] | None = ..., seed: int | None = ...,
+                 prefill_chunk: int | None = ..., *, return_logits: Literal[True],
+                 on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
+                 on_prefill: Callable[[int, int], None] | None = ...,
+                 draft_loops: int | None = ..., n_draft: int | None = ...,
+                 draft_stats: MutableMapping[str, Any] | None = ...
+                 ) -> IdsAndLogits: ...
+
+    @overload
+    def generate(self, prompt: TokenIds, max_tokens: int = ..., loops: int | None = ...,
+                 temperature: float = ..., top_k: int = ..., top_p: float = ...,
+                 cache_window: int = ..., repetition_penalty: float = ...,
+                 stop_sequences: Sequence[TokenIds] | None = ..., seed: int | None = ...,
+                 prefill_chunk: int | None = ..., return_logits: bool = ...,
+                 on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
+                 on_prefill: Callable[[int, int], None] | None = ...,
+                 draft_loops: int | None = ..., n_draft: int | None = ...,
+                 draft_stats: MutableMapping[str, Any] | None = ...
+                 ) -> list[int] | IdsAndLogits: ...
+
     def generate(self, prompt: TokenIds, max_tokens: int = 32, loops: int | None = None,
                  temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
                  cache_window: int = 0, repetition_penalty: float = 1.0,
@@ -363,7 +412,8 @@ class Model:
                  on_token: Callable[[int], None] | None = None, cache_salt: str | None = None,
                  on_prefill: Callable[[int, int], None] | None = None,
                  draft_loops: int | None = None, n_draft: int | None = None,
-                 draft_stats: MutableMapping[str, Any] | None = None) -> Any:
+                 draft_stats: MutableMapping[str, Any] | None = None
+                 ) -> list[int] | IdsAndLogits:
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
 
         on_token(id), if given, is called with each emitted id as soon as it is sampled
@@ -433,6 +483,54 @@ class Model:
         with _out_of_memory_as_runtime_error():
             return PrefixCache(self, engine.prefix_from_bytes(blob))
 
+    @overload
+    def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = ...,
+                                   loops: int | None = ..., temperature: float = ...,
+                                   top_k: int = ..., top_p: float = ...,
+                                   cache_window: int | None = ...,
+                                   repetition_penalty: float = ...,
+                                   stop_sequences: Sequence[TokenIds] | None = ...,
+                                   seed: int | None = ..., suffix: TokenIds | None = ...,
+                                   prefill_chunk: int | None = ...,
+                                   return_logits: Literal[False] = ...,
+                                   on_token: Callable[[int], None] | None = ...,
+                                   on_prefill: Callable[[int, int], None] | None = ...,
+                                   draft_loops: int | None = ..., n_draft: int | None = ...,
+                                   draft_stats: MutableMapping[str, Any] | None = ...
+                                   ) -> list[int]: ...
+
+    @overload
+    def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = ...,
+                                   loops: int | None = ..., temperature: float = ...,
+                                   top_k: int = ..., top_p: float = ...,
+                                   cache_window: int | None = ...,
+                                   repetition_penalty: float = ...,
+                                   stop_sequences: Sequence[TokenIds] | None = ...,
+                                   seed: int | None = ..., suffix: TokenIds | None = ...,
+                                   prefill_chunk: int | None = ...,
+                                   *, return_logits: Literal[True],
+                                   on_token: Callable[[int], None] | None = ...,
+                                   on_prefill: Callable[[int, int], None] | None = ...,
+                                   draft_loops: int | None = ..., n_draft: int | None = ...,
+                                   draft_stats: MutableMapping[str, Any] | None = ...
+                                   ) -> IdsAndLogits: ...
+
+    @overload
+    def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = ...,
+                                   loops: int | None = ..., temperature: float = ...,
+                                   top_k: int = ..., top_p: float = ...,
+                                   cache_window: int | None = ...,
+                                   repetition_penalty: float = ...,
+                                   stop_sequences: Sequence[TokenIds] | None = ...,
+                                   seed: int | None = ..., suffix: TokenIds | None = ...,
+                                   prefill_chunk: int | None = ...,
+                                   return_logits: bool = ...,
+                                   on_token: Callable[[int], None] | None = ...,
+                                   on_prefill: Callable[[int, int], None] | None = ...,
+                                   draft_loops: int | None = ..., n_draft: int | None = ...,
+                                   draft_stats: MutableMapping[str, Any] | None = ...
+                                   ) -> list[int] | IdsAndLogits: ...
+
     def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = 32,
                                    loops: int | None = None, temperature: float = 0.0,
                                    top_k: int = 50, top_p: float = 1.0,
@@ -444,7 +542,8 @@ class Model:
                                    on_token: Callable[[int], None] | None = None,
                                    on_prefill: Callable[[int, int], None] | None = None,
                                    draft_loops: int | None = None, n_draft: int | None = None,
-                                   draft_stats: MutableMapping[str, Any] | None = None) -> Any:
+                                   draft_stats: MutableMapping[str, Any] | None = None
+                                   ) -> list[int] | IdsAndLogits:
         """Decode from a PrefixCache. `loops=None` and `cache_window=None` mean the prefix's.
 
         `suffix` (optional token ids) is fed after the prefix before decoding: the usual shared
@@ -470,9 +569,28 @@ class Model:
             tally.report()
         return self._result(tokens, emitted, logits, return_logits)
 
+    @overload
+    def generate_batch(self, prompts: Sequence[TokenIds], *, prefix: PrefixCache | None = ...,
+                       per_request: Sequence[Mapping[str, Any]] | None = ...,
+                       return_logits: Literal[False] = ..., **params: Any
+                       ) -> list[list[int]]: ...
+
+    @overload
+    def generate_batch(self, prompts: Sequence[TokenIds], *, prefix: PrefixCache | None = ...,
+                       per_request: Sequence[Mapping[str, Any]] | None = ...,
+                       return_logits: Literal[True], **params: Any
+                       ) -> list[IdsAndLogits]: ...
+
+    @overload
+    def generate_batch(self, prompts: Sequence[TokenIds], *, prefix: PrefixCache | None = ...,
+                       per_request: Sequence[Mapping[str, Any]] | None = ...,
+                       return_logits: bool = ..., **params: Any
+                       ) -> list[list[int] | IdsAndLogits]: ...
+
     def generate_batch(self, prompts: Sequence[TokenIds], *, prefix: PrefixCache | None = None,
                        per_request: Sequence[Mapping[str, Any]] | None = None,
-                       return_logits: bool = False, **params: Any) -> list[Any]:
+                       return_logits: bool = False, **params: Any
+                       ) -> Sequence[list[int] | IdsAndLogits]:
         """Generate for many requests at once; returns one result per prompt, each exactly
         what generate (or, with `prefix`, generate_from_prefix_cache with that suffix) returns.
 
@@ -490,7 +608,7 @@ class Model:
         overrides = [{}] * len(prompts) if per_request is None else list(per_request)
         if len(overrides) != len(prompts):
             raise ValueError(f"per_request has {len(overrides)} entries for {len(prompts)} prompts")
-        checked: list[Any] = []
+        checked: list[tuple[np.ndarray, np.ndarray, GenerationParams, Callbacks]] = []
         tallies: dict[int, _DraftTally] = {}  # one per distinct draft_stats mapping
         for i, (prompt, extra) in enumerate(zip(prompts, overrides)):
             kwargs = {**params, **extra}
@@ -536,7 +654,8 @@ class Model:
         with _out_of_memory_as_runtime_error():
             return engine.logits(*args)
 
-    def _prompt_run(self, prompt, loops, cache_window, prefill_chunk):
+    def _prompt_run(self, prompt: TokenIds, loops: int | None, cache_window: int,
+                    prefill_chunk: int | None) -> tuple[np.ndarray, int, int, int]:
         """Checked (tokens, loops, window, chunk) for running a prompt without decoding."""
         tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
         loops = P.check_loops(loops, self._config.default_loops)
@@ -546,8 +665,10 @@ class Model:
         return tokens, loops, window, chunk
 
     @staticmethod
-    def _result(tokens, emitted, logits, return_logits):
-        out = tokens.tolist() + list(emitted)
+    def _result(tokens: np.ndarray, emitted: Sequence[int], logits: Sequence[np.ndarray] | None,
+                return_logits: bool) -> list[int] | IdsAndLogits:
+        out: list[int] = tokens.tolist() + list(emitted)
         if return_logits:
+            assert logits is not None     # an engine asked for logits returns them
             return out, np.stack(logits).astype(np.float32, copy=False)
         return out

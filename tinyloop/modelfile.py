@@ -14,17 +14,25 @@ byte outside the buffer is read or allocated for.
 the CRC-32 of §6.1, which the prefix blob (§7.1) and the spilled block file (§7.6) share.
 Not here: quantization, or any interpretation of the weights.
 """
+from __future__ import annotations
+
 import math
 import os
 import secrets
 import struct
 import zlib
+from typing import (TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence, Tuple, TypedDict,
+                    cast)
 
 import numpy as np
 
-from .config import BLOCK_LAYOUTS as LAYOUT_NAMES, META_TENSORS, ModelConfig
+from .config import BLOCK_LAYOUTS as LAYOUT_NAMES, META_TENSORS, ModelConfig, TensorSpec
 from .config import TOKENIZERS as TOKENIZER_NAMES
 from .errors import ModelFormatError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    from typing_extensions import Buffer
 
 MAGIC = b"TINYLOOP"
 VERSION = 2
@@ -33,7 +41,8 @@ HEADER_BYTES = 256
 ENTRY_BYTES = 96
 ALIGN = 64
 MAX_NDIM = 4
-DTYPES = {1: np.dtype("<f4"), 2: np.dtype("i1"), 3: np.dtype("u1")}   # §6.2 dtype codes
+DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype("<f4"), 2: np.dtype("i1"),
+                                    3: np.dtype("u1")}                # §6.2 dtype codes
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}                                # §6.1 codes
 TOKENIZERS = dict(enumerate(TOKENIZER_NAMES))                          # §6.1 codes
@@ -52,9 +61,25 @@ V2_FIELDS_AT = 184
 # §6.2: name, dtype, ndim, dims[4], offset.
 ENTRY = struct.Struct("<48sII4QQ")
 assert HEADER.size == HEADER_BYTES and ENTRY.size == ENTRY_BYTES
+# A table entry as the reader keeps it: (dtype, shape, offset).
+TableEntry = Tuple[np.dtype[Any], Tuple[int, ...], int]
 
 
-def checksum(buf):
+class HeaderFields(TypedDict):
+    """The header fields _parse_header_start returns, `config` the 25 config fields in
+    ModelConfig's order (a version-1 header's last 8 the §6.5 values)."""
+    checksum: int
+    n_tensors: int
+    table_offset: int
+    data_offset: int
+    file_bytes: int
+    flags: int
+    config: Tuple[Any, ...]
+    name: bytes
+    reserved: bytes
+
+
+def checksum(buf: Buffer) -> int:
     """CRC-32 of `buf` (any buffer) with its 4 bytes at CHECKSUM_AT read as zero: a model
     file's (§6.1), a prefix blob's (§7.1) or a spilled block file's (§7.6) checksum field."""
     mv = memoryview(buf).cast("B")
@@ -63,12 +88,13 @@ def checksum(buf):
 
 # ---- writer ------------------------------------------------------------------------------
 
-def encode_model(config: ModelConfig, tensors: dict) -> bytes:
+def encode_model(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> bytes:
     """The .tinyloop bytes of a model; raises ModelFormatError if it breaks §6."""
     return b"".join(_file_parts(config, tensors))
 
 
-def save_model(path, config: ModelConfig, tensors: dict) -> None:
+def save_model(path: str | os.PathLike[str], config: ModelConfig,
+               tensors: Mapping[str, np.ndarray]) -> None:
     """Write the model to `path` atomically (a temp file beside it, then os.replace)."""
     parts = _file_parts(config, tensors)
     path = os.fspath(path)
@@ -92,7 +118,7 @@ def meta_tensor(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8)
 
 
-def _file_parts(config, tensors):
+def _file_parts(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> list[Buffer]:
     """Check a model, then lay it out: header, table sorted by name, 64-byte aligned data.
 
     Returns the file as a list of bytes-like parts with the checksum filled in.
@@ -109,13 +135,16 @@ def _file_parts(config, tensors):
 
     table_end = HEADER_BYTES + ENTRY_BYTES * len(names)
     data_offset = _align(table_end)
+    table: list[bytes]
+    data: list[Buffer]
     table, data, end = [], [], data_offset
     for name in names:
         a = tensors[name]
         offset = _align(end)
         dims = a.shape + (0,) * (MAX_NDIM - a.ndim)
         table.append(ENTRY.pack(name.encode("ascii"), DTYPE_CODES[a.dtype], a.ndim, *dims, offset))
-        data += [bytes(offset - end), np.ascontiguousarray(a).reshape(-1).view(np.uint8)]
+        data += [bytes(offset - end),   # numpy's stubs make an ndarray a Buffer from 3.12 on
+                 cast("Buffer", np.ascontiguousarray(a).reshape(-1).view(np.uint8))]
         end = offset + a.nbytes
 
     c = config
@@ -127,7 +156,7 @@ def _file_parts(config, tensors):
         c.rms_eps, 0, c.name.encode("utf-8"),
         c.n_core_blocks, c.n_coda_blocks, _code(BLOCK_LAYOUTS, c.block_layout), int(c.qkv_bias),
         int(c.injection), int(c.step_norm), c.embed_scale, int(c.coda_norm), bytes(40)))
-    parts = [header, *table, bytes(data_offset - table_end), *data]
+    parts: list[Buffer] = [header, *table, bytes(data_offset - table_end), *data]
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
@@ -135,17 +164,17 @@ def _file_parts(config, tensors):
     return parts
 
 
-def _code(codes, value):
+def _code(codes: Mapping[int, str], value: str) -> int:
     return next(code for code, v in codes.items() if v == value)
 
 
-def _align(n):
+def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
 # ---- reader ------------------------------------------------------------------------------
 
-def load_model(path):
+def load_model(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, tensors) of the file at `path`, tensors viewing a private copy of its bytes.
 
     The file is read once and never again: it may be rewritten, truncated or deleted afterwards
@@ -154,7 +183,8 @@ def load_model(path):
     return load_identified_model(path)[:2]
 
 
-def load_identified_model(path):
+def load_identified_model(path: str | os.PathLike[str]
+                          ) -> tuple[ModelConfig, dict[str, np.ndarray], tuple[int, int]]:
     """load_model's (config, tensors) and, from the same one read, the file's identity: its
     header checksum and file_bytes, what a prefix blob names its model by (docs/spec.md §7)."""
     with open(path, "rb") as f:
@@ -163,7 +193,7 @@ def load_identified_model(path):
     return config, tensors, (struct.unpack_from("<I", buf, CHECKSUM_AT)[0], len(buf))
 
 
-def decode_model(buf):
+def decode_model(buf: Buffer) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, {name: read-only array viewing buf}) of .tinyloop bytes (any buffer object).
 
     Checks, in order (§6.3): size, magic, version, header_bytes, file_bytes, checksum, the
@@ -187,7 +217,7 @@ def decode_model(buf):
     required, optional = _tensor_set(config, version)
     _check_layout(required, optional,
                   {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()})
-    found = {}
+    found: dict[str, np.ndarray] = {}
     for name in _value_order(required, entries):
         dtype, shape, offset = entries[name]
         a = np.frombuffer(mv, dtype, math.prod(shape), offset).reshape(shape)
@@ -202,7 +232,7 @@ def decode_model(buf):
     return config, {_v2_name(name) if version == 1 else name: a for name, a in found.items()}
 
 
-def read_meta(path) -> dict:
+def read_meta(path: str | os.PathLike[str]) -> dict[str, str]:
     """{name: text} of the meta.* tensors of the file at `path` (§6.3), in table order.
 
     Reads only the header, the tensor table and those tensors' bytes: no checksum pass, no
@@ -223,7 +253,7 @@ def read_meta(path) -> dict:
             table = f.read(ENTRY_BYTES * n)
         entries = _parse_table(memoryview(head + table), n, table_offset,
                                fields["data_offset"], fields["file_bytes"])
-        texts = {}
+        texts: dict[str, str] = {}
         for name, (dtype, shape, offset) in entries.items():
             if name.startswith("meta."):
                 f.seek(offset)
@@ -231,7 +261,7 @@ def read_meta(path) -> dict:
         return texts
 
 
-def _parse_header_start(mv, size):
+def _parse_header_start(mv: memoryview, size: int) -> tuple[int, HeaderFields]:
     """(version, {header field: value}) after checking magic, version, header_bytes and
     file_bytes (step 1 of §6.3 but the checksum). A version-1 header's bytes 184 .. 255 are
     all reserved and its version-2 fields take the §6.5 values."""
@@ -246,6 +276,7 @@ def _parse_header_start(mv, size):
         raise ModelFormatError(f"header_bytes: must be {HEADER_BYTES}, got {header_bytes}")
     if file_bytes != size:
         raise ModelFormatError(f"file_bytes: header says {file_bytes}, file has {size} bytes")
+    v2_fields: Sequence[float]
     if version == 1:
         v2_fields = (1, 0, 0, 0, 0, 0, 1.0, 0)
         reserved = bytes(mv[V2_FIELDS_AT:HEADER_BYTES])
@@ -257,7 +288,7 @@ def _parse_header_start(mv, size):
                          reserved=reserved)
 
 
-def _parse_config(version, fields):
+def _parse_config(version: int, fields: HeaderFields) -> ModelConfig:
     """A validated ModelConfig from the header's config fields (the name's bytes checked first).
 
     Unknown codes (weight_format, the 0-or-1 fields, tokenizer, block_layout) pass through for
@@ -280,7 +311,7 @@ def _parse_config(version, fields):
     return config
 
 
-def _header_name(field):
+def _header_name(field: bytes) -> str:
     raw = _nul_padded(field, "name")
     try:
         return raw.decode("utf-8")
@@ -288,7 +319,8 @@ def _header_name(field):
         raise ModelFormatError(f"name: not valid UTF-8: {raw!r}") from None
 
 
-def _parse_table(mv, n_tensors, table_offset, data_offset, file_bytes):
+def _parse_table(mv: memoryview, n_tensors: int, table_offset: int, data_offset: int,
+                 file_bytes: int) -> dict[str, TableEntry]:
     """{name: (dtype, shape, offset)} of the tensor table, every §6.2 rule checked.
 
     Entries are read from `mv` at table_offset; the data bounds are checked against
@@ -304,7 +336,8 @@ def _parse_table(mv, n_tensors, table_offset, data_offset, file_bytes):
     if data_offset < table_end:
         raise ModelFormatError(f"data_offset: must be >= {table_end} (end of the tensor "
                                f"table), got {data_offset}")
-    entries, spans = {}, []
+    entries: dict[str, TableEntry] = {}
+    spans: list[tuple[int, int, str]] = []
     for i in range(n_tensors):
         raw_name, code, ndim, *dims, offset = ENTRY.unpack_from(mv, table_offset + i * ENTRY_BYTES)
         raw = _nul_padded(raw_name, f"tensor {i} name")
@@ -338,7 +371,7 @@ def _parse_table(mv, n_tensors, table_offset, data_offset, file_bytes):
     return entries
 
 
-def _nul_padded(field, what):
+def _nul_padded(field: bytes, what: str) -> bytes:
     """The bytes before the first NUL of a NUL-padded field (at least one NUL, zeros after)."""
     end = field.find(b"\0")
     if end < 0:
@@ -348,17 +381,18 @@ def _nul_padded(field, what):
     return field[:end]
 
 
-def _v1_name(name):
+def _v1_name(name: str) -> str:
     return V1_CORE + name[len(V2_CORE):] if name.startswith(V2_CORE) else name
 
 
-def _v2_name(name):
+def _v2_name(name: str) -> str:
     return V2_CORE + name[len(V1_CORE):] if name.startswith(V1_CORE) else name
 
 
 # ---- checks shared by writer and reader --------------------------------------------------
 
-def _tensor_set(config, version):
+def _tensor_set(config: ModelConfig, version: int
+                ) -> tuple[dict[str, TensorSpec], tuple[str, ...]]:
     """(required {file name: (dtype, shape)} in the required order, optional names) of §6.3
     for a file of `version`: version 1 names the core block `loop` and has no meta.* texts;
     meta.tokenizer_json is required with tokenizer "hf" and allowed with no other."""
@@ -369,7 +403,8 @@ def _tensor_set(config, version):
                            if name not in required and name != "meta.tokenizer_json")
 
 
-def _check_layout(required, optional, found):
+def _check_layout(required: Mapping[str, TensorSpec], optional: Collection[str],
+                  found: Mapping[str, tuple[np.dtype[Any], tuple[int, ...]]]) -> None:
     """found {name: (dtype, shape)} is exactly the required set with its dtypes and shapes,
     plus optional meta.* texts (u8 [n]); a required shape (None,) is any length >= 1."""
     for name, (dtype, shape) in found.items():
@@ -392,14 +427,14 @@ def _check_layout(required, optional, found):
             raise ModelFormatError(f"missing tensor '{name}'")
 
 
-def _value_order(required, names):
+def _value_order(required: Iterable[str], names: Iterable[str]) -> list[str]:
     """The file's tensor names (table order) in §6.3's required order: the required tensors
     but the meta.* texts, then the meta.* texts in table order."""
     return [*(n for n in required if not n.startswith("meta.")),
             *(n for n in names if n.startswith("meta."))]
 
 
-def _check_values(config, tensors):
+def _check_values(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
     """§6.3 value rules, tensor by tensor in `tensors`' order (_value_order): scales finite
     and >= 0, RoPE tables finite with |v| <= 1, biases and gains finite, meta.* texts valid
     UTF-8, and the int4 accumulator bound of §3 (int8's 127 * 128 * K bound holds for every
@@ -423,7 +458,7 @@ def _check_values(config, tensors):
                     f"127 * 8 * {K} * {m} > 2^31 - 1")
 
 
-def _meta_text(name, raw):
+def _meta_text(name: str, raw: bytes) -> str:
     """The text of a meta.* tensor's bytes; ModelFormatError if they are not valid UTF-8."""
     try:
         return raw.decode("utf-8")
@@ -431,7 +466,7 @@ def _meta_text(name, raw):
         raise ModelFormatError(f"tensor '{name}': not valid UTF-8 (byte {exc.start})") from None
 
 
-def _require_all(name, a, ok, rule):
+def _require_all(name: str, a: np.ndarray, ok: npt.NDArray[np.bool_], rule: str) -> None:
     if not ok.all():
         raise ModelFormatError(f"tensor '{name}': {rule}, found {a[~ok][0]}")
 

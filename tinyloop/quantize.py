@@ -27,10 +27,14 @@ per row, GPTQ's updates included, so the blocking changes no value), so a multi-
 model quantizes in about the size of its largest float tensor plus the output; GPTQ adds its
 K x K float64 factor (K the linear's input width) per linear.
 """
+from __future__ import annotations
+
 import dataclasses
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
+from .config import ModelConfig
 from .modelfile import pack_int4
 
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
@@ -40,7 +44,8 @@ GPTQ_DAMPING = 0.01                         # added to H's diagonal, times its m
 GPTQ_BATCH_COLUMNS = 128                    # lazy batch: columns whose updates are deferred
 
 
-def _best_by_error(w, scales_per_ratio, qmax):
+def _best_by_error(w: np.ndarray, scales_per_ratio: Iterable[np.ndarray],
+                   qmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Pick, per row of w (..., n), the candidate scale with the least squared error."""
     best_q, best_s, best_err = None, None, None
     for scale in scales_per_ratio:                           # scale: (...,) float64
@@ -50,14 +55,16 @@ def _best_by_error(w, scales_per_ratio, qmax):
         if best_err is None:
             best_q, best_s, best_err = q, scale.copy(), err
         else:
+            assert best_q is not None and best_s is not None    # set with best_err
             better = err < best_err
             best_q = np.where(better[..., None], q, best_q)
             best_s = np.where(better, scale, best_s)
             best_err = np.where(better, err, best_err)
+    assert best_q is not None and best_s is not None    # scales_per_ratio is never empty
     return best_q, best_s
 
 
-def _row_blocks(w, gain):
+def _row_blocks(w: np.ndarray, gain: np.ndarray | None) -> Iterator[tuple[slice, np.ndarray]]:
     """(row slice, float64 rows * gain) over w (R, K) in blocks of about BLOCK_ELEMENTS."""
     rows, cols = w.shape
     step = max(1, BLOCK_ELEMENTS // max(cols, 1))
@@ -66,7 +73,7 @@ def _row_blocks(w, gain):
         yield slice(r, r + step), block if gain is None else block * gain
 
 
-def quantize_int8(w, gain=None):
+def quantize_int8(w: np.ndarray, gain: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """w: (R, K) float, times the column gain (K,) if given -> (int8 (R, K), f32 scales (R,))."""
     q, s = np.empty(w.shape, np.int8), np.empty(w.shape[0], np.float32)
     for rows, block in _row_blocks(w, gain):
@@ -76,7 +83,8 @@ def quantize_int8(w, gain=None):
     return q, s
 
 
-def quantize_int4(w, group_size, gain=None, hessian=None):
+def quantize_int4(w: np.ndarray, group_size: int, gain: np.ndarray | None = None,
+                  hessian: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w: (R, K) float, times the column gain (K,) if given -> (packed uint8 (R, K/2),
     multipliers uint8 (R, K/g), f32 scales (R,)); by GPTQ when `hessian`, the (K, K) Gram
     matrix of the linear's inputs (gain not applied: the gain is folded into w), is given."""
@@ -99,7 +107,7 @@ def quantize_int4(w, group_size, gain=None, hessian=None):
     return packed, mult, row_scale
 
 
-def _group_scales(wg, unit, m_max):
+def _group_scales(wg: np.ndarray, unit: np.ndarray, m_max: int) -> tuple[np.ndarray, np.ndarray]:
     """(q, effective scales m * unit) of the groups wg (rows, groups, gs): per group, the
     clipping ratio whose multiplier m in 1 .. m_max (of the row's unit (rows, 1)) rounds the
     group with the least squared error."""
@@ -109,7 +117,7 @@ def _group_scales(wg, unit, m_max):
     return _best_by_error(wg, candidates, 7)
 
 
-def _gptq_factor(hessian, cols):
+def _gptq_factor(hessian: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """(U, dead) for GPTQ: U the upper Cholesky factor of the inverse of the Gram matrix H
     (cols, cols) dampened by GPTQ_DAMPING of its mean diagonal (H^-1 = U^T U); `dead` marks
     the inputs that were always zero (their weights are set to zero, their diagonal to 1)."""
@@ -127,7 +135,8 @@ def _gptq_factor(hessian, cols):
     return lower.T, dead
 
 
-def _gptq(block, factor, group_size, unit, m_max):
+def _gptq(block: np.ndarray, factor: tuple[np.ndarray, np.ndarray], group_size: int,
+          unit: np.ndarray, m_max: int) -> tuple[np.ndarray, np.ndarray]:
     """(q (rows, K), effective group scales (rows, K/g)) of the float64 rows `block` by GPTQ:
     columns in natural order, in lazy batches of whole groups; each group's scale is picked
     (_group_scales) from the error-updated weights when its first column comes up."""
@@ -152,7 +161,8 @@ def _gptq(block, factor, group_size, unit, m_max):
     return q, eff
 
 
-def rope_angles(max_seq_len, head_dim, theta, inv_freq=None):
+def rope_angles(max_seq_len: int, head_dim: int, theta: float,
+                inv_freq: np.ndarray | None = None) -> np.ndarray:
     """The RoPE angles p * freq_i, (max_seq_len, head_dim/2) float64; `inv_freq` (head_dim/2
     float64 frequencies, e.g. a scaled RoPE's) replaces theta's."""
     if inv_freq is None:
@@ -160,14 +170,16 @@ def rope_angles(max_seq_len, head_dim, theta, inv_freq=None):
     return np.arange(max_seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
 
 
-def rope_tables(max_seq_len, head_dim, theta, inv_freq=None):
+def rope_tables(max_seq_len: int, head_dim: int, theta: float,
+                inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: (max_seq_len, head_dim/2) float32 of rope_angles, evaluated in float64 and
     rounded once."""
     angles = rope_angles(max_seq_len, head_dim, theta, inv_freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def _linear_tensors(name, w, config, gain=None, hessian=None):
+def _linear_tensors(name: str, w: np.ndarray, config: ModelConfig, gain: np.ndarray | None = None,
+                    hessian: np.ndarray | None = None) -> dict[str, np.ndarray]:
     if config.weight_format == "int8":
         q, s = quantize_int8(w, gain)
         return {f"{name}.w": q, f"{name}.s": s}
@@ -175,7 +187,11 @@ def _linear_tensors(name, w, config, gain=None, hessian=None):
     return {f"{name}.w": packed, f"{name}.m": m, f"{name}.s": s}
 
 
-def quantize_model(config, weights, progress=None, inv_freq=None, hessians=None):
+def quantize_model(config: ModelConfig, weights: Mapping[str, np.ndarray],
+                   progress: Callable[[str], None] | None = None,
+                   inv_freq: np.ndarray | None = None,
+                   hessians: Mapping[str, np.ndarray] | None = None
+                   ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Returns (config, tensors) in the required order of §6.3; `progress(name)` (if given) is
     called as each output tensor is made. A tied config is untied if the final norm gain is
     not 1 (§6.4). `inv_freq` (D/2 float64, e.g. a scaled RoPE's) replaces the rope_theta
@@ -190,18 +206,18 @@ def quantize_model(config, weights, progress=None, inv_freq=None, hessians=None)
     head_key = "tok_emb" if config.tied_head else "head"       # an untied tied head: tok_emb
     if config.tied_head and not np.all(final_norm == 1):
         config = dataclasses.replace(config, tied_head=False)
-    tensors = {}
+    tensors: dict[str, np.ndarray] = {}
 
-    def put(parts):
+    def put(parts: Mapping[str, np.ndarray]) -> None:
         for name, array in parts.items():
             tensors[name] = array
             if progress is not None:
                 progress(name)
 
-    def linear(name, w, gain=None):
+    def linear(name: str, w: np.ndarray, gain: np.ndarray | None = None) -> None:
         put(_linear_tensors(name, w, config, gain, hessians.get(name)))
 
-    def vector(name, *keys):                 # f32 as stored; several keys are concatenated
+    def vector(name: str, *keys: str) -> None:   # f32 as stored; several keys are concatenated
         put({name: np.concatenate([np.asarray(weights[k], np.float32) for k in keys])})
 
     emb_q, emb_s = quantize_int8(weights["tok_emb"])

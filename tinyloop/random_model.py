@@ -6,19 +6,26 @@ depth: fan-in scaled projections, residual branches scaled by 1/sqrt(2 * layers)
 (folded or stored) near 1, small biases, an adapter that keeps its input's scale, an embedding
 whose product with embed_scale is about 1, logits with a standard deviation of about 3.
 """
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
 import numpy as np
 
 from .config import ModelConfig
 from .modelfile import meta_tensor, save_model
 from .quantize import quantize_model
 
-DEFAULT_CONFIG = dict(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
-                      ffn_dim=128, n_pre_blocks=1, default_loops=4, max_seq_len=256,
-                      weight_format="int8", group_size=0, tied_head=False, name="random")
+# ModelConfig's keyword arguments (of several types: Any)
+DEFAULT_CONFIG: dict[str, Any] = dict(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=2,
+                                      head_dim=16, ffn_dim=128, n_pre_blocks=1, default_loops=4,
+                                      max_seq_len=256, weight_format="int8", group_size=0,
+                                      tied_head=False, name="random")
 DEFAULT_INT4_GROUP = 32
 
 
-def random_config(**overrides):
+def random_config(**overrides: Any) -> ModelConfig:
     """A ModelConfig from DEFAULT_CONFIG and overrides (int4 gets a default group size)."""
     fields = {**DEFAULT_CONFIG, **overrides}
     if fields["weight_format"] == "int4" and not fields.get("group_size"):
@@ -28,17 +35,17 @@ def random_config(**overrides):
     return config
 
 
-def random_float_weights(config, seed=0):
+def random_float_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Float32 weights in the layout tinyloop.quantize.quantize_model expects."""
     rng = np.random.default_rng(seed)
     d, H, G, D, F, V = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                         config.ffn_dim, config.vocab_size)
     residual = 1.0 / np.sqrt(2.0 * config.n_layers(config.default_loops))
 
-    def normal(shape, std):
+    def normal(shape: int | tuple[int, ...], std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    def gain():
+    def gain() -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
 
     w = {"tok_emb": normal((V, d), 1.0 / config.embed_scale)}
@@ -70,7 +77,8 @@ def random_float_weights(config, seed=0):
     return w
 
 
-def random_model(path, seed=0, meta=None, **overrides):
+def random_model(path: str | os.PathLike[str], seed: int = 0, meta: Mapping[str, str] | None = None,
+                 **overrides: Any) -> ModelConfig:
     """Write a random model to `path`; returns its ModelConfig. Overrides are config fields;
     `meta` maps meta.* tensor names (docs/spec.md §6.3) to their texts."""
     config = random_config(**overrides)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 from types import ModuleType
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 from . import params as P
 from .chat_template import ChatTemplate
@@ -265,7 +265,7 @@ class TextStream:
     space) sees the new text in place. flush() emits what is still held back.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int] = ()):
+    def __init__(self, decode: Callable[[Sequence[int]], str], context: Iterable[int] = ()):
         self._decode = decode
         self._ids = list(context)[-STREAM_CONTEXT:]   # the window; earlier ids are done
         self._shown = len(self._ids)                  # the window's ids whose text was emitted
