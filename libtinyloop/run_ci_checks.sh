@@ -26,7 +26,7 @@ jobs=${JOBS:-2}
 mkdir -p "$work"
 echo "== libtinyloop CI in $work"
 
-echo "== 1/4 release build + tests"
+echo "== 1/4 release build + tests (at ${SECONDS} s)"
 # golden tests need the tinyloop Python package installed for this python3 (see tests/)
 python=$(command -v python3)
 golden=(-DPython3_EXECUTABLE="$python" -DTINYLOOP_REQUIRE_GOLDEN="${TINYLOOP_REQUIRE_GOLDEN:-OFF}")
@@ -36,7 +36,7 @@ cmake -S "$here" -B "$work/release" -DCMAKE_BUILD_TYPE=Release "${golden[@]}" "$
 cmake --build "$work/release" -j "$jobs"
 ctest --test-dir "$work/release" --output-on-failure -j "$jobs"
 
-echo "== 2/4 sanitizer build (ASan + UBSan) + tests"
+echo "== 2/4 sanitizer build (ASan + UBSan) + tests (at ${SECONDS} s)"
 cmake -S "$here" -B "$work/sanitize" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SANITIZE=ON -DTINYLOOP_CUDA=OFF \
     "${golden[@]}" >/dev/null
 cmake --build "$work/sanitize" -j "$jobs"
@@ -46,7 +46,7 @@ cmake -S "$here" -B "$work/sanitize-amx" -DCMAKE_BUILD_TYPE=Debug -DTINYLOOP_SAN
 cmake --build "$work/sanitize-amx" -j "$jobs" --target test_primitives test_attention_tiles
 ctest --test-dir "$work/sanitize-amx" --output-on-failure -j "$jobs" -R '^(test_primitives|test_attention_tiles)$'
 
-echo "== 3/4 ThreadSanitizer build + multi-threaded tests"
+echo "== 3/4 ThreadSanitizer build + multi-threaded tests (at ${SECONDS} s)"
 cmake -S "$here" -B "$work/tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTINYLOOP_SANITIZE_THREAD=ON -DTINYLOOP_CUDA=OFF \
     "${golden[@]}" >/dev/null
 cmake --build "$work/tsan" -j "$jobs" --target test_pool test_threads test_model test_prefix_cache test_prefix_warm test_prefix_blob \
@@ -54,7 +54,7 @@ cmake --build "$work/tsan" -j "$jobs" --target test_pool test_threads test_model
 ctest --test-dir "$work/tsan" --output-on-failure -j "$jobs" \
     -R '^(test_pool|test_threads|test_model|test_prefix_cache|test_prefix_warm|test_prefix_blob|test_pcache_disk|test_hidden_prefix)$'
 
-echo "== 4/4 install + example"
+echo "== 4/4 install + example (at ${SECONDS} s)"
 cmake --install "$work/release" --prefix "$work/prefix" >/dev/null
 "$work/release/tests/make_test_model" "$work/model.tinyloop"
 cmake -S "$repo/examples/c" -B "$work/example" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
@@ -66,4 +66,4 @@ libdir=$(PKG_CONFIG_PATH="$pc_dir" pkg-config --variable=libdir tinyloop)
 cc -std=c11 -O2 -o "$work/prefix_threads_pc" "$repo/examples/c/prefix_threads.c" \
    $(PKG_CONFIG_PATH="$pc_dir" pkg-config --cflags --libs tinyloop) -pthread -Wl,-rpath,"$libdir"
 "$work/prefix_threads_pc" "$work/model.tinyloop" 4 >/dev/null
-echo "== libtinyloop CI checks passed"
+echo "== libtinyloop CI checks passed (${SECONDS} s)"

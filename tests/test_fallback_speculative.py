@@ -22,17 +22,14 @@ from hypothesis import strategies as st
 from tinyloop.engine import Callbacks, GenerationParams, stop_reached
 from tinyloop.fallback import speculate
 
-from conftest import assert_same_bits, backend_given, require_backend, simulated
+from conftest import TEST_BACKENDS, assert_same_bits, backend_fixture, backend_given, simulated
 from strategies import model_shapes, prompts, sampling
 
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module", params=["numpy", "numba", "numba-cuda"])
-def backend(request):
-    """The backends the Python engine runs (this module's, not conftest's: native is not one)."""
-    require_backend(request.param)
-    return request.param
+# The backends under test that run the Python engine (native is not one).
+backend = backend_fixture([name for name in TEST_BACKENDS if name in ("numpy", "numba", "numba-cuda")])
 
 
 def request_params(**fields):
