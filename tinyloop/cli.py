@@ -534,6 +534,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
         out.flush()     # a closed pipe is reported here, not by the interpreter at exit
         return status
     except BrokenPipeError:
+        if out is not sys.stdout:        # not our reader: someone else's pipe broke
+            raise
         return _quiet_after_closed_pipe()
     except (ValueError, FileNotFoundError) as exc:
         print(f"tinyloop: error: {exc}", file=sys.stderr)
