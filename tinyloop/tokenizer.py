@@ -45,8 +45,9 @@ class Tokenizer(Protocol):
 
 
 def open_tokenizer(config: ModelConfig, meta: Mapping[str, str]) -> Tokenizer:
-    """The tokenizer of a model with this config and the file's meta.* texts `meta` (read by
-    "hf" only). ValueError for a model that has none (tokenizer "none")."""
+    """The tokenizer of a model with this config and the file's meta.* texts `meta` (its
+    tokenizer.json and tokenizer_config). ValueError for a model that has none (tokenizer
+    "none")."""
     if config.tokenizer == "bytes":
         return ByteTokenizer(config, meta.get("meta.tokenizer_config"))
     if config.tokenizer == "hf":
