@@ -301,6 +301,7 @@ class Engine:
         speculative rounds (docs/spec.md §5.6), each reported to callbacks.on_draft. Returns
         (emitted ids, [(V,) logits per emitted id]); frees the cache."""
         emitted, step_logits = [], []
+        stop_ids = self.config.stop_token_ids()
 
         def emit(token, z):
             step_logits.append(z)
@@ -308,7 +309,7 @@ class Engine:
             emitted.append(token)
             if callbacks.on_token is not None:
                 callbacks.on_token(token)
-            return stop_reached(emitted, params, self.config.eos_id)
+            return stop_reached(emitted, params, stop_ids)
 
         k, w = self.kernels, self.weights
         try:
@@ -319,7 +320,7 @@ class Engine:
                                                params.max_tokens - len(emitted))
                     if callbacks.on_draft is not None:
                         callbacks.on_draft(*counts)
-                    done = stop_reached(emitted, params, self.config.eos_id)
+                    done = stop_reached(emitted, params, stop_ids)
                 else:
                     x = forward_chunk(k, w, cache, np.array(history[-1:], np.int32)).hidden
                     cache.release_outside_window()

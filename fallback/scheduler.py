@@ -272,12 +272,12 @@ class Scheduler:
         """r's round of K' = r.round positions, its events appended to `events` as they are
         emitted, so none is lost if the round then fails (a NumericError ends r with an
         "error" event, as _sample does)."""
-        eos = self.engine.config.eos_id
+        stop_ids = self.engine.config.stop_token_ids()
 
         def emit(token, logits):
             r.input.append(token)
             self.counters["generated_tokens"] += 1
-            events.append((r.id, token, finish_reason(r.emitted, r.params, eos)))
+            events.append((r.id, token, finish_reason(r.emitted, r.params, stop_ids)))
             return events[-1][2] is not None
 
         e = self.engine
@@ -302,7 +302,7 @@ class Scheduler:
             return (r.id, -1, "error")
         r.input.append(token)
         self.counters["generated_tokens"] += 1
-        why = finish_reason(r.emitted, r.params, self.engine.config.eos_id)
+        why = finish_reason(r.emitted, r.params, self.engine.config.stop_token_ids())
         if why is not None:
             self._finish(r)
         return (r.id, token, why)

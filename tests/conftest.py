@@ -190,7 +190,7 @@ def assert_same_generation(got, want):
 
 
 # Small models covering the shape space: GQA or not, n_pre 0..2, int8 / int4, tied head,
-# odd vocabularies, eos ids. Keyed by a short name used in test ids.
+# odd vocabularies, eos and stop ids. Keyed by a short name used in test ids.
 MODEL_SHAPES = {
     "int8-gqa": dict(vocab_size=263, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                      ffn_dim=48, n_pre_blocks=1, default_loops=3, max_seq_len=96),
@@ -202,7 +202,7 @@ MODEL_SHAPES = {
                             tied_head=True),
     "int4-eos": dict(vocab_size=129, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8,
                      ffn_dim=32, n_pre_blocks=1, default_loops=2, max_seq_len=96,
-                     weight_format="int4", group_size=16, eos_id=7),
+                     weight_format="int4", group_size=16, eos_id=7, stop_ids=(11, 40)),
     # version-2 layouts (docs/spec.md §1): Huginn's (prelude, adapter, coda, post norms, biases,
     # embedding scale) and Ouro's (a sandwich core with the step norm), small
     "int8-v2-coda": dict(vocab_size=270, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,

@@ -19,7 +19,8 @@ LONG_PROMPT_ONE_IN = 5         # one drawn prompt in 5 may be up to MAX_PROMPT t
 @st.composite
 def model_shapes(draw, tiny=False, v1_like=False):
     """A small valid config: H = G * (heads per kv head), even head_dim, ffn, n_pre, loops,
-    int8 or int4 with an even group size dividing every K, tied head or not, an eos id or none,
+    int8 or int4 with an even group size dividing every K, tied head or not, an eos id or none
+    (and up to 3 more stop ids, a version-3 option, unless `v1_like`),
     and the version-2 layout (docs/spec.md §1, §4): k = 1 .. 3 core blocks, 0 .. 2 coda blocks,
     block placement, qkv bias, injection, step and coda norms, an embedding scale.
     `tiny`: the smallest widths (for numba's CUDA simulator). `v1_like`: the version-2 fields
@@ -41,6 +42,8 @@ def model_shapes(draw, tiny=False, v1_like=False):
     if draw(st.booleans()):
         shape.update(weight_format="int4", group_size=draw(st.sampled_from(groups)))
     if not v1_like:
+        stop_ids = draw(st.lists(st.integers(0, vocab_size - 1), unique=True, max_size=3))
+        shape.update(stop_ids=tuple(i for i in stop_ids if i != shape["eos_id"]))
         shape.update(n_core_blocks=draw(st.integers(1, 2 if tiny else 3)),
                      n_coda_blocks=draw(st.integers(0, 1 if tiny else 2)),
                      block_layout=draw(st.sampled_from(["pre", "sandwich", "post"])),

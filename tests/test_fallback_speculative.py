@@ -203,7 +203,7 @@ def test_a_failed_round_leaves_the_sequence_as_it_was(backend, zoo, monkeypatch)
         def emit(token, z):
             history.append(token)
             emitted.append(z)
-            return stop_reached(history[len(prompt):], params, engine.config.eos_id)
+            return stop_reached(history[len(prompt):], params, engine.config.stop_token_ids())
 
         with pytest.raises(MemoryError, match="injected"):
             speculate.speculative_round(engine.kernels, engine.weights, cache, history, params, emit, 4)
@@ -211,7 +211,7 @@ def test_a_failed_round_leaves_the_sequence_as_it_was(backend, zoo, monkeypatch)
         assert ([list(blocks) for blocks in cache.layers], cache.length,
                 engine.pool.bytes_in_use) == before
         monkeypatch.setattr(speculate, "forward_part", real)
-        while not stop_reached(history[len(prompt):], params, engine.config.eos_id):
+        while not stop_reached(history[len(prompt):], params, engine.config.stop_token_ids()):
             speculate.speculative_round(engine.kernels, engine.weights, cache, history, params, emit,
                                         MAX_NEW - (len(history) - len(prompt)))
         cache.free()

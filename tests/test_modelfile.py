@@ -41,7 +41,7 @@ V1_RESERVED = (184, "72s")                  # §6.5: in version 1 the version-2 
 ENTRY = {"name": (0, "48s"), "dtype": (48, "<I"), "ndim": (52, "<I"), "dims": (56, "<4Q"),
          "offset": (88, "<Q")}
 ENTRY_FORMAT = "<48sII4QQ"
-ITEMSIZE = {1: 4, 2: 1, 3: 1}
+ITEMSIZE = {1: 4, 2: 1, 3: 1, 4: 4}
 
 
 # ---- building valid models ---------------------------------------------------------------
@@ -96,7 +96,8 @@ CONFIGS = {"int8": small_config(), "int8-tied": small_config(tied_head=True),
            "v2-int4-sandwich": int4_config(n_pre_blocks=0, n_core_blocks=3, n_coda_blocks=2,
                                            block_layout="sandwich", step_norm=True,
                                            tied_head=True, embed_scale=0.5),
-           "hf": v2_config(tokenizer="hf", block_layout="pre", qkv_bias=False)}
+           "hf": v2_config(tokenizer="hf", block_layout="pre", qkv_bias=False),
+           "v3-stop-ids": v2_config(stop_ids=(5, 299, 0))}
 # Version-1 files of the version-2 kinds that version 1 can express (§6.5).
 V1_KINDS = {"v1-int8": "int8", "v1-int4-tied": "int4-tied", "v1-no-pre": "no-pre"}
 CONFIGS.update({v1: CONFIGS[v2] for v1, v2 in V1_KINDS.items()})
@@ -248,6 +249,42 @@ def test_round_trip_through_a_file_is_bit_exact(tmp_path, kind):
     loaded = load_model(path)
     assert_same_model(loaded, (config, tensors))
     assert encode_model(*loaded) == path.read_bytes()
+
+
+def test_stop_ids_make_a_version_3_file_and_read_back_into_the_config():
+    buf = valid_file("v3-stop-ids")
+    assert header(buf, "version") == 3
+    assert entry(buf, "stop_ids", "dtype") == (4,) and entry(buf, "stop_ids", "ndim") == (1,)
+    (offset,) = entry(buf, "stop_ids", "offset")
+    assert struct.unpack_from("<3i", buf, offset) == (5, 299, 0)
+    config, tensors = decode_model(buf)
+    assert config.stop_ids == (5, 299, 0) and "stop_ids" not in tensors
+    assert config.stop_token_ids() == {2, 5, 299, 0}
+    # without stop ids a writer writes version 2, which older readers still read
+    assert header(valid_file("v2"), "version") == 2
+
+
+def test_stop_ids_are_written_from_the_config_only():
+    with pytest.raises(ModelFormatError, match="written from ModelConfig.stop_ids"):
+        encode_model(CONFIGS["v2"], {**kind_tensors("v2"), "stop_ids": np.array([5], "<i4")})
+
+
+@pytest.mark.parametrize("stop_ids, version, message", [
+    ((5, 5), None, "ids must not repeat, found 5 twice"),
+    ((2,), None, "ids must differ from eos_id, found 2"),
+    ((True,), None, "ids must be in 0 .. 299, found True"),
+    (tuple(range(3, 20)), None, "at most 16 ids, got 17"),
+    ((5,), 2, "stop_ids: need a version-3 file"),
+    ("5", None, "stop_ids: must be a tuple of token ids"),
+])
+def test_config_stop_ids_rules(stop_ids, version, message):
+    with pytest.raises(ModelFormatError, match=message):
+        small_config(stop_ids=stop_ids).validate(version)
+
+
+def test_a_json_list_of_stop_ids_is_a_tuple():
+    config = ModelConfig.from_dict({**small_config().to_dict(), "stop_ids": [7, 8]})
+    assert config.stop_ids == (7, 8) and config.file_version == 3
 
 
 def test_layout_matches_the_spec():
@@ -520,7 +557,7 @@ NAN = float("nan")
 HOSTILE = [
     # header, in validation order
     ("magic", "int8", lambda b: set_header(b, "magic", b"TINYLOOQ"), "bad magic"),
-    ("version 3", "int8", lambda b: set_header(b, "version", 3), "version: unsupported 3"),
+    ("version 4", "int8", lambda b: set_header(b, "version", 4), "version: unsupported 4"),
     ("version 0", "int8", lambda b: set_header(b, "version", 0), "version"),
     ("header_bytes", "int8", lambda b: set_header(b, "header_bytes", 255), "header_bytes"),
     ("file_bytes +1", "int8", lambda b: set_header(b, "file_bytes", len(b) + 1), "file_bytes"),
@@ -608,7 +645,8 @@ HOSTILE = [
      "no NUL"),
     ("duplicate name", "int8",
      lambda b: set_entry(b, "core.0.attn_out.s", "name", b"core.0.attn_out.w"), "duplicate name"),
-    ("dtype code 4", "int8", lambda b: set_entry(b, "tok_emb.w", "dtype", 4), "dtype code"),
+    ("dtype code 5", "int8", lambda b: set_entry(b, "tok_emb.w", "dtype", 5),
+     "dtype code must be 1, 2, 3 or 4, got 5"),
     ("dtype code 0", "int8", lambda b: set_entry(b, "tok_emb.w", "dtype", 0), "dtype code"),
     ("ndim 0", "int8", lambda b: set_entry(b, "tok_emb.w", "ndim", 0), "ndim"),
     ("ndim 5", "int8", lambda b: set_entry(b, "tok_emb.w", "ndim", 5), "ndim"),
@@ -708,6 +746,28 @@ HOSTILE = [
      "tensor 'coda.input_norm': values must be finite, found inf"),
     ("adapter scale -1", "v2", lambda b: set_value(b, "core.adapter_state.s", "<f", -1.0),
      "tensor 'core.adapter_state.s': scales must be finite and >= 0"),
+    ("stop id past the vocabulary", "v3-stop-ids", lambda b: set_value(b, "stop_ids", "<i", 300, 1),
+     "tensor 'stop_ids': ids must be in 0 .. 299, found 300"),
+    ("negative stop id", "v3-stop-ids", lambda b: set_value(b, "stop_ids", "<i", -1, 2),
+     "tensor 'stop_ids': ids must be in 0 .. 299, found -1"),
+    ("stop id equal to eos_id", "v3-stop-ids", lambda b: set_value(b, "stop_ids", "<i", 2),
+     "tensor 'stop_ids': ids must differ from eos_id, found 2"),
+    ("stop id repeated", "v3-stop-ids", lambda b: set_value(b, "stop_ids", "<i", 5, 2),
+     "tensor 'stop_ids': ids must not repeat, found 5 twice"),
+    ("17 stop ids", "v3-stop-ids",
+     lambda b: rebuild(b, drop=["stop_ids"], extra=[("stop_ids", 4, (17,),
+                                                     np.arange(10, 27, dtype="<i4").tobytes())]),
+     "tensor 'stop_ids': at most 16 ids, got 17"),
+    ("stop ids before the coda norm's values", "v3-stop-ids",
+     lambda b: set_value(set_value(b, "stop_ids", "<i", 300), "coda.input_norm", "<f", NAN),
+     "tensor 'coda.input_norm'"),
+    ("stop ids in version 2", "v3-stop-ids", lambda b: set_header(b, "version", 2),
+     "unexpected tensor 'stop_ids'"),
+    ("stop ids as int8", "v3-stop-ids", lambda b: set_entry(b, "stop_ids", "dtype", 2),
+     "tensor 'stop_ids': dtype int8 != expected int32"),
+    ("stop ids 2-D", "v3-stop-ids", lambda b: set_entry(set_entry(b, "stop_ids", "ndim", 2),
+                                                        "stop_ids", "dims", 1, 3, 0, 0),
+     "tensor 'stop_ids': shape (1, 3)"),
     ("meta not UTF-8", "hf", lambda b: set_value(b, "meta.tokenizer_json", "<B", 0xFF, 3),
      "tensor 'meta.tokenizer_json': not valid UTF-8 (byte 3)"),
     ("meta surrogate", "hf",

@@ -165,16 +165,20 @@ def test_stop_sequence_stays_in_the_output(on_backend):
     assert len(stopped) == first + 1
 
 
-def test_eos_stops_generation_and_is_kept(on_backend):
+def test_every_stop_id_stops_generation_and_is_kept(on_backend):
+    """eos_id and each of stop_ids (docs/spec.md §5.3) end a sampled run, as its last token."""
     model = on_backend["int4-eos"]
-    eos = model.config()["eos_id"]
-    for seed in range(40):
-        out = model.generate([1, 2], max_tokens=30, temperature=1.0, top_k=0, seed=seed)
-        emitted = out[2:]
-        if eos in emitted:
-            assert emitted.index(eos) == len(emitted) - 1
+    stops = {model.config()["eos_id"], *model.config()["stop_ids"]}
+    assert len(stops) == 3
+    ended_by = set()
+    for seed in range(80):
+        emitted = model.generate([1, 2], max_tokens=30, temperature=1.0, top_k=0, seed=seed)[2:]
+        hits = [i for i, token in enumerate(emitted) if token in stops]
+        assert hits in ([], [len(emitted) - 1])
+        ended_by.update(emitted[i] for i in hits)
+        if ended_by == stops:
             return
-    raise AssertionError("no sampled run produced the eos token; pick another model seed")
+    raise AssertionError(f"sampled runs ended only by {ended_by} of {stops}; pick another seed")
 
 
 class StopStreaming(Exception):

@@ -21,7 +21,7 @@ import tinyloop
 from tinyloop import modelfile, native
 from tinyloop import params as P
 from tinyloop._library import ABI_VERSION, cdef_from_header
-from tinyloop.config import ModelConfig
+from tinyloop.config import MAX_STOP_IDS, ModelConfig
 from tinyloop.fallback import numerics
 
 from conftest import require_backend
@@ -110,11 +110,13 @@ def test_file_format_numbers_are_the_same():
     magic = re.search(r'memcmp\(\w+, "(\w+)", (\d+)\)', loader)
     assert magic and magic.group(1).encode() == modelfile.MAGIC
     assert int(magic.group(2)) == len(modelfile.MAGIC)
-    versions = re.search(r"version != (\d+) && version != (\d+)", loader)
-    assert versions and tuple(map(int, versions.groups())) == modelfile.VERSIONS
-    dtypes = {"DT_F32": "<f4", "DT_I8": "i1", "DT_U8": "u1"}
+    versions = re.search(r"version < (\d+) \|\| version > (\d+)", loader)
+    assert versions
+    assert tuple(range(int(versions[1]), int(versions[2]) + 1)) == modelfile.VERSIONS
+    dtypes = {"DT_F32": "<f4", "DT_I8": "i1", "DT_U8": "u1", "DT_I32": "<i4"}
     codes = {c_integer(name, [LOADER]): np.dtype(kind) for name, kind in dtypes.items()}
     assert codes == modelfile.DTYPES
+    assert c_integer("TL_MAX_STOP_IDS", [HEADER]) == MAX_STOP_IDS
 
 
 def codes_in(text):
@@ -140,8 +142,10 @@ def test_file_codes_are_the_same(field, python):
 def test_shared_structs_have_the_python_fields(header_ffi):
     assert struct_fields(header_ffi, "tl_prefix_cache_stats") == list(P.CACHE_STAT_NAMES)
     config_fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    # tl_model_config also reports the file's format version, which a ModelConfig does not hold
-    assert [f for f in struct_fields(header_ffi, "tl_model_config") if f != "version"] == config_fields
+    # tl_model_config also reports the file's format version, which a ModelConfig does not
+    # hold, and its stop_ids array carries their count beside it
+    struct = struct_fields(header_ffi, "tl_model_config")
+    assert [f for f in struct if f not in ("version", "n_stop_ids")] == config_fields
 
 
 def exp2_coefficients(source, function):

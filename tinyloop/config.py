@@ -1,13 +1,14 @@
 """Model configuration: the model fields of the `.tinyloop` header (docs/spec.md §1, §6.1, §6.3).
 
-`ModelConfig.validate()` checks exactly the header rules of §6.1 and `required_tensors()` lists
-the tensor set of §6.3 that a file with this config holds. Nothing here knows about bytes: the
-file layout is `modelfile.py`'s job.
+`ModelConfig.validate()` checks exactly the header rules of §6.1 (and the value rules of the
+`stop_ids` tensor, which the config carries too) and `required_tensors()` lists the tensor set
+of §6.3 that a file with this config holds. Nothing here knows about bytes: the file layout is
+`modelfile.py`'s job.
 """
 import dataclasses
 import math
 import numbers
-from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from .errors import ModelFormatError
 F32 = np.dtype("<f4")
 I8 = np.dtype("i1")
 U8 = np.dtype("u1")
+I32 = np.dtype("<i4")
 
 WEIGHT_FORMATS = ("int8", "int4")
 TOKENIZERS = ("none", "bytes", "hf")
@@ -26,6 +28,7 @@ LINEAR_PARTS = ("attn_qkv", "attn_out", "ffn_gate_up", "ffn_down")   # per block
 META_TENSORS = ("meta.architecture", "meta.tokenizer_json", "meta.tokenizer_config")
 MAX_CACHE_LAYERS = 2**16                                              # n_layers(L) bound, §1
 NAME_MAX_BYTES = 63                                                    # char[64], one NUL kept
+MAX_STOP_IDS = 16                                                      # stop_ids [n], §6.3
 # A tensor of the §6.3 set: (dtype, shape); the shape (None,) is a u8 text of any length >= 1.
 TensorSpec = Tuple[np.dtype[Any], Tuple[Optional[int], ...]]
 # The required order of §6.3 as _layout() gives it: (name, (kind, shape)).
@@ -63,16 +66,32 @@ class ModelConfig:
     step_norm: bool = False  # RN(x, core.step_norm) before iterations 1 .. L-1
     embed_scale: float = 1.0  # the embedding's multiplier; f32-rounded, finite > 0
     coda_norm: bool = False  # RN(x, coda.input_norm) after the last iteration
+    # version 3 (§6.3's `stop_ids` tensor): the ids besides eos_id that end generation (§5.3)
+    stop_ids: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("rope_theta", "rms_eps", "embed_scale"):
             object.__setattr__(self, field, _f32(getattr(self, field)))
+        if isinstance(self.stop_ids, list):         # from_dict of a JSON config
+            object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
 
-    def validate(self, version: int = 2) -> None:
-        """Raise ModelFormatError naming the first field (in header order) that breaks §6.1.
+    @property
+    def file_version(self) -> int:
+        """The version a writer gives this model's file: the lowest that holds it (§6.1)."""
+        return 3 if self.stop_ids else 2
 
-        `version` 1 applies §6.5's narrower tokenizer rule (0 or 1) of a version-1 file.
+    def stop_token_ids(self) -> FrozenSet[int]:
+        """Every id whose emission ends generation (§5.3): eos_id (when >= 0) and stop_ids."""
+        return frozenset((*self.stop_ids, *((self.eos_id,) if self.eos_id >= 0 else ())))
+
+    def validate(self, version: Optional[int] = None) -> None:
+        """Raise ModelFormatError naming the first field (in header order) that breaks §6.1,
+        then the first stop id that breaks §6.3's `stop_ids` rules.
+
+        `version` (default: file_version) 1 applies §6.5's narrower tokenizer rule (0 or 1) of
+        a version-1 file; stop ids need version 3.
         """
+        version = self.file_version if version is None else version
         self._int_range("vocab_size", 2, 2**20)
         self._int_range("d_model", 1, 2**16)
         self._int_range("n_heads", 1, None)
@@ -117,6 +136,27 @@ class ModelConfig:
         _require(isinstance(self.coda_norm, bool), "coda_norm", "must be a bool (file: 0 or 1)",
                  self.coda_norm)
         self._check_name()
+        _require(isinstance(self.stop_ids, tuple), "stop_ids", "must be a tuple of token ids",
+                 self.stop_ids)
+        _require(version >= 3 or not self.stop_ids, "stop_ids", "need a version-3 file",
+                 self.stop_ids)
+        self.check_stop_ids(self.stop_ids)
+
+    def check_stop_ids(self, ids: Sequence[object]) -> None:
+        """§6.3's value rules of the `stop_ids` tensor: at most MAX_STOP_IDS token ids, none
+        repeated or equal to eos_id (the same words as libtinyloop's loader)."""
+        where = "tensor 'stop_ids'"
+        if len(ids) > MAX_STOP_IDS:
+            raise ModelFormatError(f"{where}: at most {MAX_STOP_IDS} ids, got {len(ids)}")
+        for k, i in enumerate(ids):
+            if (not isinstance(i, numbers.Integral) or isinstance(i, bool)
+                    or not 0 <= int(i) < self.vocab_size):
+                raise ModelFormatError(f"{where}: ids must be in 0 .. {self.vocab_size - 1}, "
+                                       f"found {i}")
+            if i == self.eos_id:
+                raise ModelFormatError(f"{where}: ids must differ from eos_id, found {i}")
+            if i in ids[:k]:
+                raise ModelFormatError(f"{where}: ids must not repeat, found {i} twice")
 
     def n_layers(self, loops: int) -> int:
         """Cache slots of a sequence at depth `loops` (§1): n_pre + L * (k + n_coda)."""

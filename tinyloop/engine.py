@@ -20,8 +20,8 @@ numpy and tinyloop.config; the engines import it, and nothing here imports an en
 tinyloop.model, tinyloop.backends or the CLI.
 """
 from dataclasses import dataclass
-from typing import (Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar,
-                    Union, runtime_checkable)
+from typing import (Any, Callable, Container, Dict, List, Optional, Protocol, Sequence, Tuple,
+                    TypeVar, Union, runtime_checkable)
 
 import numpy as np
 
@@ -77,10 +77,12 @@ class Callbacks:
 NO_CALLBACKS = Callbacks()
 
 
-def finish_reason(emitted: Sequence[int], params: GenerationParams, eos_id: int) -> Optional[str]:
-    """spec §5.3: "stop" for eos, then stop sequences on the emitted tokens, then "length"
-    for max_tokens; None while generation goes on."""
-    if eos_id >= 0 and emitted[-1] == eos_id:
+def finish_reason(emitted: Sequence[int], params: GenerationParams, stop_ids: Container[int]
+                  ) -> Optional[str]:
+    """spec §5.3: "stop" for one of the model's stop ids (ModelConfig.stop_token_ids()), then
+    stop sequences on the emitted tokens, then "length" for max_tokens; None while generation
+    goes on."""
+    if emitted[-1] in stop_ids:
         return "stop"
     for seq in params.stop_sequences:
         if len(emitted) >= len(seq) and tuple(emitted[-len(seq):]) == seq:
@@ -107,9 +109,10 @@ def loops_mismatch(built: int, requested: int) -> str:
             "serves loops <= its own; build it with warm_start=True to extend it)")
 
 
-def stop_reached(emitted: Sequence[int], params: GenerationParams, eos_id: int) -> bool:
+def stop_reached(emitted: Sequence[int], params: GenerationParams, stop_ids: Container[int]
+                 ) -> bool:
     """Whether a stop rule fires (finish_reason)."""
-    return finish_reason(emitted, params, eos_id) is not None
+    return finish_reason(emitted, params, stop_ids) is not None
 
 
 @runtime_checkable

@@ -1,12 +1,14 @@
-"""Reader and writer of the `.tinyloop` model file, version 2 (docs/spec.md §6).
+"""Reader and writer of the `.tinyloop` model file, version 3 (docs/spec.md §6).
 
-`encode_model` / `save_model` write a file (always version 2); `decode_model` / `load_model`
-read one back, version 2 or 1 (§6.5: a version-1 file is returned as the version-2 model it
+`encode_model` / `save_model` write a file (version 3 when the config has stop ids, else
+version 2: the lowest version that holds the model); `decode_model` / `load_model` read one
+back, version 3, 2 or 1 (§6.5: a version-1 file is returned as the version-2 model it
 describes, its `loop.*` tensors named `core.0.*`), as read-only numpy arrays viewing the bytes
 (`load_model` reads the file once into memory of its own, so a later change to the file changes
 nothing, as in libtinyloop). The optional `meta.*` texts are ordinary u8 1-D tensors of the
 dict; `meta_tensor` makes one and `read_meta` reads only them (header, table and their bytes) of
-a file another reader already validated. Writer and reader apply the same tensor checks. The
+a file another reader already validated. The `stop_ids` tensor is not in the dict: it is the
+config's `stop_ids`, written from it and read into it. Writer and reader apply the same tensor checks. The
 reader checks every rule of §6 in one fixed order and raises ModelFormatError naming the first
 rule broken, whatever the input bytes: sizes and offsets are Python ints (no overflow), and no
 byte outside the buffer is read or allocated for.
@@ -16,17 +18,18 @@ Not here: quantization, or any interpretation of the weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import secrets
 import struct
 import zlib
-from typing import (TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence, Tuple, TypedDict,
+from typing import (TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Tuple, TypedDict,
                     cast)
 
 import numpy as np
 
-from .config import BLOCK_LAYOUTS as LAYOUT_NAMES, META_TENSORS, ModelConfig, TensorSpec
+from .config import BLOCK_LAYOUTS as LAYOUT_NAMES, I32, META_TENSORS, ModelConfig, TensorSpec, U8
 from .config import TOKENIZERS as TOKENIZER_NAMES
 from .errors import ModelFormatError
 
@@ -35,14 +38,13 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 MAGIC = b"TINYLOOP"
-VERSION = 2
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 HEADER_BYTES = 256
 ENTRY_BYTES = 96
 ALIGN = 64
 MAX_NDIM = 4
 DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype("<f4"), 2: np.dtype("i1"),
-                                    3: np.dtype("u1")}                # §6.2 dtype codes
+                                    3: np.dtype("u1"), 4: np.dtype("<i4")}   # §6.2 codes
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}                                # §6.1 codes
 TOKENIZERS = dict(enumerate(TOKENIZER_NAMES))                          # §6.1 codes
@@ -50,6 +52,7 @@ BLOCK_LAYOUTS = dict(enumerate(LAYOUT_NAMES))                          # §6.1 c
 BOOLS = {0: False, 1: True}
 I32_MAX = 2**31 - 1
 V1_CORE, V2_CORE = "loop.", "core.0."                                   # §6.5 block names
+STOP_IDS = "stop_ids"                                                    # §6.3, version 3
 
 # §6.1: magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset,
 # data_offset | 17 config fields, vocab_size .. rms_eps | flags, name | 8 version-2 fields,
@@ -127,8 +130,14 @@ def _file_parts(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> list[
     for name, a in tensors.items():
         if not isinstance(a, np.ndarray):
             raise ModelFormatError(f"tensor '{name}': not a numpy array")
+    if STOP_IDS in tensors:
+        raise ModelFormatError(f"tensor '{STOP_IDS}': written from ModelConfig.stop_ids, not "
+                               "passed as a tensor")
+    if config.stop_ids:
+        tensors = {**tensors, STOP_IDS: np.array(config.stop_ids, I32)}
     names = sorted(tensors)
-    required, optional = _tensor_set(config, VERSION)
+    version = config.file_version
+    required, optional = _tensor_set(config, version)
     _check_layout(required, optional, {name: (tensors[name].dtype, tensors[name].shape)
                                        for name in names})
     _check_values(config, {name: tensors[name] for name in _value_order(required, names)})
@@ -149,7 +158,7 @@ def _file_parts(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> list[
 
     c = config
     header = bytearray(HEADER.pack(
-        MAGIC, VERSION, HEADER_BYTES, end, 0, len(names), HEADER_BYTES, data_offset,
+        MAGIC, version, HEADER_BYTES, end, 0, len(names), HEADER_BYTES, data_offset,
         c.vocab_size, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.n_pre_blocks,
         c.default_loops, c.max_seq_len, _code(WEIGHT_FORMATS, c.weight_format), c.group_size,
         int(c.tied_head), c.bos_id, c.eos_id, _code(TOKENIZERS, c.tokenizer), c.rope_theta,
@@ -200,7 +209,7 @@ def decode_model(buf: Buffer) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     config, table bounds, each table entry, overlaps, the tensor set, tensor values, reserved
     bytes, flags. The first rule broken raises ModelFormatError. The tensors are the required
     ones in the required order, then the meta.* texts in table order; a version-1 file's
-    `loop.*` tensors are returned as `core.0.*`.
+    `loop.*` tensors are returned as `core.0.*`; a version-3 file's stop_ids are the config's.
     """
     mv = memoryview(buf).cast("B")
     size = mv.nbytes
@@ -229,6 +238,8 @@ def decode_model(buf: Buffer) -> tuple[ModelConfig, dict[str, np.ndarray]]:
                                f" .. {HEADER_BYTES - 1} must be zero")
     if fields["flags"] != 0:
         raise ModelFormatError(f"flags: must be 0, got {fields['flags']}")
+    if STOP_IDS in found:
+        config = dataclasses.replace(config, stop_ids=tuple(map(int, found.pop(STOP_IDS))))
     return config, {_v2_name(name) if version == 1 else name: a for name, a in found.items()}
 
 
@@ -271,7 +282,7 @@ def _parse_header_start(mv: memoryview, size: int) -> tuple[int, HeaderFields]:
     if magic != MAGIC:
         raise ModelFormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version not in VERSIONS:
-        raise ModelFormatError(f"version: unsupported {version}, expected 1 or 2")
+        raise ModelFormatError(f"version: unsupported {version}, expected 1, 2 or 3")
     if header_bytes != HEADER_BYTES:
         raise ModelFormatError(f"header_bytes: must be {HEADER_BYTES}, got {header_bytes}")
     if file_bytes != size:
@@ -348,7 +359,7 @@ def _parse_table(mv: memoryview, n_tensors: int, table_offset: int, data_offset:
         if name in entries:
             raise ModelFormatError(f"{where}: duplicate name")
         if code not in DTYPES:
-            raise ModelFormatError(f"{where}: dtype code must be 1, 2 or 3, got {code}")
+            raise ModelFormatError(f"{where}: dtype code must be 1, 2, 3 or 4, got {code}")
         if not 1 <= ndim <= MAX_NDIM:
             raise ModelFormatError(f"{where}: ndim must be 1 .. {MAX_NDIM}, got {ndim}")
         if min(dims[:ndim]) < 1 or any(dims[ndim:]):
@@ -392,26 +403,29 @@ def _v2_name(name: str) -> str:
 # ---- checks shared by writer and reader --------------------------------------------------
 
 def _tensor_set(config: ModelConfig, version: int
-                ) -> tuple[dict[str, TensorSpec], tuple[str, ...]]:
-    """(required {file name: (dtype, shape)} in the required order, optional names) of §6.3
-    for a file of `version`: version 1 names the core block `loop` and has no meta.* texts;
-    meta.tokenizer_json is required with tokenizer "hf" and allowed with no other."""
+                ) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
+    """(required, optional) {file name: (dtype, shape)} of §6.3 for a file of `version`, the
+    required in the required order: version 1 names the core block `loop` and has no meta.*
+    texts; meta.tokenizer_json is required with tokenizer "hf" and allowed with no other;
+    stop_ids (i32 [n]) is allowed from version 3 on."""
     required = config.required_tensors()
     if version == 1:
-        return {_v1_name(name): spec for name, spec in required.items()}, ()
-    return required, tuple(name for name in META_TENSORS
-                           if name not in required and name != "meta.tokenizer_json")
+        return {_v1_name(name): spec for name, spec in required.items()}, {}
+    optional: dict[str, TensorSpec] = {STOP_IDS: (I32, (None,))} if version >= 3 else {}
+    optional.update((name, (U8, (None,))) for name in META_TENSORS
+                    if name not in required and name != "meta.tokenizer_json")
+    return required, optional
 
 
-def _check_layout(required: Mapping[str, TensorSpec], optional: Collection[str],
+def _check_layout(required: Mapping[str, TensorSpec], optional: Mapping[str, TensorSpec],
                   found: Mapping[str, tuple[np.dtype[Any], tuple[int, ...]]]) -> None:
     """found {name: (dtype, shape)} is exactly the required set with its dtypes and shapes,
-    plus optional meta.* texts (u8 [n]); a required shape (None,) is any length >= 1."""
+    plus optional ones (stop_ids, meta.* texts); a shape (None,) is any length >= 1."""
     for name, (dtype, shape) in found.items():
         if name in required:
             want_dtype, want_shape = required[name]
         elif name in optional:
-            want_dtype, want_shape = np.dtype("u1"), (None,)
+            want_dtype, want_shape = optional[name]
         else:
             raise ModelFormatError(f"unexpected tensor '{name}'")
         if dtype != want_dtype:
@@ -429,19 +443,23 @@ def _check_layout(required: Mapping[str, TensorSpec], optional: Collection[str],
 
 def _value_order(required: Iterable[str], names: Iterable[str]) -> list[str]:
     """The file's tensor names (table order) in §6.3's required order: the required tensors
-    but the meta.* texts, then the meta.* texts in table order."""
+    but the meta.* texts, then stop_ids if present, then the meta.* texts in table order."""
+    names = list(names)
     return [*(n for n in required if not n.startswith("meta.")),
+            *(n for n in names if n == STOP_IDS),
             *(n for n in names if n.startswith("meta."))]
 
 
 def _check_values(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
     """§6.3 value rules, tensor by tensor in `tensors`' order (_value_order): scales finite
     and >= 0, RoPE tables finite with |v| <= 1, biases and gains finite, meta.* texts valid
-    UTF-8, and the int4 accumulator bound of §3 (int8's 127 * 128 * K bound holds for every
-    valid K)."""
+    UTF-8, the int4 accumulator bound of §3 (int8's 127 * 128 * K bound holds for every
+    valid K), and the stop ids."""
     linears = config.linear_shapes()
     for name, a in tensors.items():
-        if name.startswith("meta."):
+        if name == STOP_IDS:
+            config.check_stop_ids([int(i) for i in a])
+        elif name.startswith("meta."):
             _meta_text(name, a.tobytes())
         elif name.endswith(".s"):
             _require_all(name, a, np.isfinite(a) & (a >= 0), "scales must be finite and >= 0")

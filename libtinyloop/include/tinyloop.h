@@ -175,6 +175,9 @@ TL_API tl_model_params tl_model_params_default(void);
  * Thread-safe. */
 TL_API tl_status tl_model_open(const char* path, const tl_model_params* params, tl_model** out);
 
+/* The most stop ids a file carries besides eos_id (docs/spec.md §6.3). */
+enum { TL_MAX_STOP_IDS = 16 };
+
 /* The file's configuration (docs/spec.md §6.1). A version-1 file reports the version-2 model it
  * describes (§6.5): version 1, one core block, no coda, pre layout, embed_scale 1, no bias,
  * injection, step or coda norm. */
@@ -201,7 +204,7 @@ typedef struct tl_model_config {
     char name[64];          /* UTF-8, NUL-terminated                                          */
     /* the version-2 fields (docs/spec.md §6.1); a caller built before them passes a smaller
        size and gets the fields before them only                                             */
-    uint32_t version;       /* the file format version, 1 or 2                                */
+    uint32_t version;       /* the file format version, 1, 2 or 3                             */
     uint32_t n_core_blocks; /* k: the core's blocks, applied `loops` times (docs/spec.md §1)  */
     uint32_t n_coda_blocks; /* blocks after the core                                          */
     uint32_t block_layout;  /* 0 = pre-norm, 1 = sandwich (Ouro), 2 = post-norm (Huginn)       */
@@ -210,6 +213,10 @@ typedef struct tl_model_config {
     uint32_t step_norm;     /* 1: RMSNorm with a gain between core iterations                 */
     float embed_scale;      /* the embedding's multiplier (1 = none)                          */
     uint32_t coda_norm;     /* 1: RMSNorm with a gain after the last core iteration           */
+    /* version 3 (docs/spec.md §6.3): the ids besides eos_id that end generation (§5.3), e.g.
+       a chat model's end-of-turn token; a caller built before them gets the fields above     */
+    uint32_t n_stop_ids;    /* 0 .. TL_MAX_STOP_IDS                                          */
+    int32_t stop_ids[TL_MAX_STOP_IDS]; /* the first n_stop_ids, in the file's order          */
 } tl_model_config;
 
 /* Copy the configuration into *out, up to out->size (set by the caller). Thread-safe.

@@ -192,23 +192,29 @@ def model_cases(w, name, seed, overrides):
 
 
 def eos_cases(w, name, seed, overrides):
-    """The same weights with eos_id set to the 5th greedy token: generation stops there."""
+    """The same weights with the 5th greedy token as a stop id, once as eos_id and once as one
+    of stop_ids (a version-3 file, beside another one): generation stops there either way."""
     probe = os.path.join(w.out_dir, name + ".tinyloop")
     model = tinyloop.Model(probe, backend="numpy")
     prompt = np.random.default_rng(seed).integers(0, overrides["vocab_size"], 40).astype(np.int32)
-    eos = model.generate(prompt, max_tokens=12)[len(prompt) + 4]
-    eos_name = name + "_eos"
-    path = os.path.join(w.out_dir, eos_name + ".tinyloop")
-    tinyloop.random_model(path, seed=seed, **overrides, eos_id=int(eos))
-    model = tinyloop.Model(path, backend="numpy")
-    p_file = w.array(f"{eos_name}.prompt", prompt, np.int32)
-    for i, s in enumerate([dict(), dict(temperature=0.5, top_k=0, seed=3)]):
-        stem = f"{eos_name}.gen{i}"
-        fields = gen_fields(w, stem, 12, **s)
-        out = model.generate(prompt, **kwargs_of(fields, ()))
-        w.case("generate", model=eos_name + ".tinyloop", loops=overrides["default_loops"],
-               window=0, prompt=p_file, expect=w.array(stem + ".expect", out[len(prompt):],
-                                                        np.int32), **fields)
+    greedy = model.generate(prompt, max_tokens=12)[len(prompt):]
+    stop = int(greedy[4])
+    unused = [i for i in range(overrides["vocab_size"]) if i not in greedy][:2]
+    for suffix, ids in (("_eos", dict(eos_id=stop)),
+                        ("_stop_ids", dict(eos_id=unused[0], stop_ids=(unused[1], stop)))):
+        stop_name = name + suffix
+        path = os.path.join(w.out_dir, stop_name + ".tinyloop")
+        tinyloop.random_model(path, seed=seed, **overrides, **ids)
+        model = tinyloop.Model(path, backend="numpy")
+        p_file = w.array(f"{stop_name}.prompt", prompt, np.int32)
+        for i, s in enumerate([dict(), dict(temperature=0.5, top_k=0, seed=3)]):
+            stem = f"{stop_name}.gen{i}"
+            fields = gen_fields(w, stem, 12, **s)
+            out = model.generate(prompt, **kwargs_of(fields, ()))
+            assert i or out[-1] == stop, "the greedy run must end on the stop id"
+            w.case("generate", model=stop_name + ".tinyloop", loops=overrides["default_loops"],
+                   window=0, prompt=p_file, expect=w.array(stem + ".expect", out[len(prompt):],
+                                                            np.int32), **fields)
 
 
 def main():

@@ -94,7 +94,7 @@ static void rename_entry(uint8_t* f, const char* from, const char* to) {
 static uint8_t* data_of(uint8_t* f, const char* name) { return f + get64(f + entry_of(f, name) + 88); }
 
 static void e_magic(uint8_t* f, size_t n) { (void)n, f[0] = 'X'; }
-static void e_version(uint8_t* f, size_t n) { (void)n, put32(f + 8, 3); }
+static void e_version(uint8_t* f, size_t n) { (void)n, put32(f + 8, 4); }
 static void e_header_bytes(uint8_t* f, size_t n) { (void)n, put32(f + 12, 128); }
 static void e_file_bytes(uint8_t* f, size_t n) { put64(f + 16, n + 1); }
 static void e_checksum(uint8_t* f, size_t n) { f[n - 1] ^= 1; }
@@ -308,7 +308,7 @@ static void test_v1_rules(void) {
     expect_rule_on(&v1, "v1 core name", e_v1_core_name, "unexpected tensor 'core.0.attn_out.w'", 1);
     expect_rule_on(&v1, "v1 meta", e_v1_meta, "unexpected tensor 'meta.architecture'", 1);
     expect_rule_on(&v1, "v1 scale", e_scale_negative, "tensor 'tok_emb.s': scales must be finite", 1);
-    expect_rule_on(&v1, "v1 version", e_version, "version: unsupported 3, expected 1 or 2", 1);
+    expect_rule_on(&v1, "v1 version", e_version, "version: unsupported 4, expected 1, 2 or 3", 1);
 }
 
 /* The checksum comes before every rule of the config, table, tensor set and values: with the

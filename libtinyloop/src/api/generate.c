@@ -1,6 +1,6 @@
 /* generate.c — tl_generate and tl_generate_from_prefix (docs/spec.md §5): validate every
  * parameter before any work, run the prompt (through the automatic prefix cache) or take the
- * prefix's state, then sample, append, check the stop rules (eos, stop sequences on the
+ * prefix's state, then sample, append, check the stop rules (stop ids, stop sequences on the
  * emitted tokens, max_tokens) and decode the new token, until a rule stops it. */
 #include <math.h>
 #include <stdint.h>

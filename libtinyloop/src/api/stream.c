@@ -51,7 +51,7 @@ tl_status tl_stream_sample(tl_stream* s, int32_t* token) {
     *s->n_out = s->n_emitted = i + 1;
     const tl_gen_params* p = s->p;
     const bool stop = (p->on_token && p->on_token(p->user_data, *token) != 0) ||
-                      (c->eos_id >= 0 && *token == c->eos_id) || ends_with_stop(p, s->out_tokens, s->n_emitted);
+                      tl_is_stop_id(c, *token) || ends_with_stop(p, s->out_tokens, s->n_emitted);
     s->finish = stop ? TL_FINISH_STOP : s->n_emitted >= p->max_tokens ? TL_FINISH_LENGTH : TL_FINISH_NONE;
     s->done = s->finish != TL_FINISH_NONE;
     return TL_OK;

@@ -1,5 +1,6 @@
 /* loader.c — read a `.tinyloop` file into private memory and validate it against
- * docs/spec.md §6: version 2, or version 1 read as the version-2 model it describes (§6.5).
+ * docs/spec.md §6: version 3 or 2 (a version-2 file has no stop_ids), or version 1 read as
+ * the version-2 model it describes (§6.5).
  *
  * The file is read once, front to back, with pread: the header, the tensor table, then each
  * tensor into its own allocation (the bytes between tensors are summed and dropped). The
@@ -17,7 +18,8 @@
  * once the checksum is known to be good.
  * All size/offset/shape arithmetic is done in u64 with explicit overflow checks; nothing
  * outside [0, file size) is read, and a file that shrinks while it is read is TL_ERR_IO.
- * The optional meta.* texts are checked, then dropped: the Python layer reads them itself.
+ * The optional meta.* texts are checked, then dropped: the Python layer reads them itself;
+ * the optional stop_ids (version 3) are checked and copied into the config.
  * Not here: repacking weights for the kernels (cpu/pack.c).
  */
 #include "core/loader.h"
@@ -38,7 +40,7 @@
 #include "base/le.h"
 
 enum { HEADER_BYTES = 256, ENTRY_BYTES = 96, ALIGN = 64, MAX_NDIM = 4, CHECKSUM_AT = 24 };
-enum { DT_F32 = 1, DT_I8 = 2, DT_U8 = 3 };
+enum { DT_F32 = 1, DT_I8 = 2, DT_U8 = 3, DT_I32 = 4 };
 enum { SCRATCH_BYTES = 64 << 10 }; /* the read buffer for bytes that are summed, not kept */
 
 #define bad(...) tl_fail_bad_file("model file", __VA_ARGS__)
@@ -167,8 +169,8 @@ static tl_status check_positive(const char* field, float value) {
     return TL_OK;
 }
 
-/* The config fields at header offset 48 .. 183 and, in version 2, 184 .. 215, checked like
- * ModelConfig.validate(); the header's version (1 or 2, checked) decides which. */
+/* The config fields at header offset 48 .. 183 and, in versions 2 and 3, 184 .. 215, checked
+ * like ModelConfig.validate(); the header's version (1, 2 or 3, checked) decides which. */
 static tl_status parse_config(const uint8_t* h, tl_config* c) {
     size_t name_len = 0;
     TRY(check_nul_padded(h + 120, 64, "name", &name_len));
@@ -270,17 +272,18 @@ typedef enum target {
     T_LINEAR_W8, T_LINEAR_W4, T_LINEAR_M, T_LINEAR_S, /* of linear `index`        */
     T_QKV_BIAS, T_ATTN_POST_NORM, T_FFN_POST_NORM,    /* of block `index`         */
     T_STEP_NORM, T_CODA_NORM,
+    T_STOP_IDS,                                       /* copied into the config   */
     T_META                                            /* checked, then dropped    */
 } target;
 
 typedef struct required {
     char name[48];
     uint32_t dtype, ndim;
-    uint64_t dims[2]; /* dims[0] == 0: any length (a meta.* text)               */
+    uint64_t dims[2]; /* dims[0] == 0: any length (stop_ids, a meta.* text)     */
     target target;
     uint32_t index;   /* the linear or block of the target                      */
     uint32_t cols;    /* K of a linear's tensors                                 */
-    int optional;     /* a meta.* text the file may leave out                    */
+    int optional;     /* stop_ids or a meta.* text: the file may leave it out    */
     int64_t entry;    /* index in the table, -1 until found                      */
 } required;
 
@@ -345,11 +348,12 @@ static void block_prefix(const tl_config* c, uint32_t b, char* out, size_t size)
 /* An upper bound on required_tensors' count. */
 static size_t max_required(const tl_config* c) {
     const size_t per_block = 3 * TL_PARTS + 3; /* linears as .w .m .s, the bias, two gains */
-    return 4 + per_block * tl_n_blocks(c) + 3 * 3 + 2 + 3; /* adapter, head; norms; texts */
+    return 4 + per_block * tl_n_blocks(c) + 3 * 3 + 2 + 1 + 3; /* adapter, head; norms; stop
+                                                                 ids; texts */
 }
 
-/* Fills r (capacity max_required(c)) in the required order, the meta.* texts last; returns
- * the count. */
+/* Fills r (capacity max_required(c)) in the required order, stop_ids and the meta.* texts
+ * last; returns the count. */
 static size_t required_tensors(const tl_config* c, required* r) {
     const uint32_t V = c->vocab_size, d = c->d_model, D = c->head_dim, F = c->ffn_dim;
     const uint32_t QKV = (c->n_heads + 2 * c->n_kv_heads) * D, HD = c->n_heads * D;
@@ -377,6 +381,10 @@ static size_t required_tensors(const tl_config* c, required* r) {
     if (c->step_norm) add_required(r, &n, T_STEP_NORM, 0, DT_F32, d, 0, "core.step_norm");
     if (c->coda_norm) add_required(r, &n, T_CODA_NORM, 0, DT_F32, d, 0, "coda.input_norm");
     if (!c->tied_head) add_linear(c, r, &n, n_linears_of(c) - 1, V, d, "head");
+    if (c->version >= 3) {
+        add_required(r, &n, T_STOP_IDS, 0, DT_I32, 0, 0, "stop_ids");
+        r[n - 1].optional = 1;
+    }
     if (c->version >= 2) { /* the texts, of any length; meta.tokenizer_json exactly when hf */
         add_required(r, &n, T_META, 0, DT_U8, 0, 0, "meta.architecture");
         r[n - 1].optional = 1;
@@ -430,10 +438,10 @@ static int by_span(const void* a, const void* b) {
 }
 
 static const char* dtype_name(uint32_t code) {
-    return code == DT_F32 ? "float32" : code == DT_I8 ? "int8" : "uint8";
+    return code == DT_F32 ? "float32" : code == DT_I8 ? "int8" : code == DT_U8 ? "uint8" : "int32";
 }
 
-static size_t dtype_bytes(uint32_t code) { return code == DT_F32 ? 4 : 1; }
+static size_t dtype_bytes(uint32_t code) { return code == DT_F32 || code == DT_I32 ? 4 : 1; }
 
 /* Entry i: name, dtype, ndim, dims, alignment and bounds. dup marks a name seen earlier. */
 static tl_status parse_entry(const uint8_t* raw, size_t i, uint64_t data_offset,
@@ -449,8 +457,8 @@ static tl_status parse_entry(const uint8_t* raw, size_t i, uint64_t data_offset,
     e->ndim = rd_u32(raw + 52);
     for (int k = 0; k < MAX_NDIM; k++) e->dims[k] = rd_u64(raw + 56 + 8 * k);
     e->offset = rd_u64(raw + 88);
-    if (e->dtype < DT_F32 || e->dtype > DT_U8)
-        return bad("tensor %zu '%s': dtype code must be 1, 2 or 3, got %u", i, e->name, e->dtype);
+    if (e->dtype < DT_F32 || e->dtype > DT_I32)
+        return bad("tensor %zu '%s': dtype code must be 1, 2, 3 or 4, got %u", i, e->name, e->dtype);
     if (e->ndim < 1 || e->ndim > MAX_NDIM)
         return bad("tensor %zu '%s': ndim must be 1 .. %d, got %u", i, e->name, MAX_NDIM, e->ndim);
     for (uint32_t k = 0; k < MAX_NDIM; k++)
@@ -605,14 +613,32 @@ static int f32_ok(target tg, float v) {
     return 1;
 }
 
-/* The value rules, on the tensors' copies: the required tensors in the required order, then
- * the meta.* texts in table order. */
-static tl_status check_values(const table* t, const required* req, size_t n_req) {
+/* stop_ids' values (docs/spec.md §6.3): at most TL_MAX_STOP_IDS ids, each a token id, none
+ * repeated or equal to eos_id. */
+static tl_status check_stop_ids(const tl_config* c, const uint8_t* data, uint64_t n) {
+    if (n > TL_MAX_STOP_IDS)
+        return bad("tensor 'stop_ids': at most %d ids, got %llu", TL_MAX_STOP_IDS, (unsigned long long)n);
+    for (uint64_t k = 0; k < n; k++) {
+        const int32_t id = (int32_t)rd_u32(data + 4 * k);
+        if (id < 0 || (uint32_t)id >= c->vocab_size)
+            return bad("tensor 'stop_ids': ids must be in 0 .. %u, found %d", c->vocab_size - 1, id);
+        if (id == c->eos_id) return bad("tensor 'stop_ids': ids must differ from eos_id, found %d", id);
+        for (uint64_t j = 0; j < k; j++)
+            if ((int32_t)rd_u32(data + 4 * j) == id)
+                return bad("tensor 'stop_ids': ids must not repeat, found %d twice", id);
+    }
+    return TL_OK;
+}
+
+/* The value rules, on the tensors' copies: the required tensors (and stop_ids) in the required
+ * order, then the meta.* texts in table order. */
+static tl_status check_values(const table* t, const tl_config* c, const required* req, size_t n_req) {
     for (size_t i = 0; i < n_req; i++) {
-        if (req[i].target == T_META) continue;
+        if (req[i].target == T_META || req[i].entry < 0) continue;
         const entry* e = &t->entries[req[i].entry];
         const uint64_t count = (e->end - e->offset) / dtype_bytes(e->dtype);
         const uint8_t* data = t->data[req[i].entry];
+        if (req[i].target == T_STOP_IDS) TRY(check_stop_ids(c, data, count));
         const char* rule = f32_rule(req[i].target);
         for (uint64_t k = 0; rule && k < count; k++) {
             const float v = rd_f32(data + 4 * k);
@@ -670,6 +696,13 @@ static void place(table* t, const required* r, tl_file* f) {
     case T_FFN_POST_NORM: f->blocks[r->index].ffn_post_norm = take(t, r); break;
     case T_STEP_NORM: f->step_norm = take(t, r); break;
     case T_CODA_NORM: f->coda_norm = take(t, r); break;
+    case T_STOP_IDS: {
+        const entry* e = &t->entries[r->entry];
+        f->cfg.n_stop_ids = (uint32_t)((e->end - e->offset) / 4);
+        for (uint32_t k = 0; k < f->cfg.n_stop_ids; k++)
+            f->cfg.stop_ids[k] = (int32_t)rd_u32(t->data[r->entry] + 4 * k);
+        break; /* the copy is freed with the table */
+    }
     case T_META: break; /* not kept: freed with the table */
     }
 }
@@ -716,7 +749,7 @@ static tl_status validate(reader* r, tl_file* f) {
     TRY(read_header(r, h));
     if (memcmp(h, "TINYLOOP", 8) != 0) return bad("bad magic, expected \"TINYLOOP\"");
     const uint32_t version = rd_u32(h + 8);
-    if (version != 1 && version != 2) return bad("version: unsupported %u, expected 1 or 2", version);
+    if (version < 1 || version > 3) return bad("version: unsupported %u, expected 1, 2 or 3", version);
     if (rd_u32(h + 12) != HEADER_BYTES)
         return bad("header_bytes: must be %d, got %u", HEADER_BYTES, rd_u32(h + 12));
     const uint64_t file_bytes = rd_u64(h + 16);
@@ -739,7 +772,7 @@ static tl_status validate(reader* r, tl_file* f) {
             st = bad("checksum mismatch: header 0x%08x, computed 0x%08x", rd_u32(h + CHECKSUM_AT), r->crc);
         else if (st != TL_OK) st = tl_fail(st, "%s", broken);
     }
-    if (st == TL_OK) st = check_values(&t, req, n_req);
+    if (st == TL_OK) st = check_values(&t, &f->cfg, req, n_req);
     const int reserved_from = version == 1 ? 184 : 216; /* version 1 reserves the v2 fields */
     for (int k = reserved_from; st == TL_OK && k < HEADER_BYTES; k++)
         if (h[k]) st = bad("reserved: header bytes %d .. %d must be zero", reserved_from, HEADER_BYTES - 1);

@@ -1,4 +1,4 @@
-/* loader.h — the `.tinyloop` file, versions 1 and 2 (docs/spec.md §6): read it once into
+/* loader.h — the `.tinyloop` file, versions 1, 2 and 3 (docs/spec.md §6): read it once into
  * private memory, validate every rule on that copy, and own the tensors. Once tl_file_open has
  * returned, the file on disk is never read again: a host may delete, truncate or rewrite it. */
 #ifndef TL_LOADER_H
@@ -24,12 +24,24 @@ typedef struct tl_config {
     float rope_theta, rms_eps;
     char name[64];
     /* version 2 (a version-1 file reads as 1, 0, PRE, 0, 0, 0, 1.0f, 0: docs/spec.md §6.5) */
-    uint32_t version;                     /* the file's, 1 or 2                         */
+    uint32_t version;                     /* the file's, 1, 2 or 3                      */
     uint32_t n_core_blocks, n_coda_blocks; /* k >= 1, n_coda                            */
     uint32_t block_layout;                /* TL_LAYOUT_*                                */
     uint32_t qkv_bias, injection, step_norm, coda_norm; /* 0 or 1                       */
     float embed_scale;
+    /* version 3: the ids besides eos_id that end generation (the stop_ids tensor, §6.3) */
+    uint32_t n_stop_ids;
+    int32_t stop_ids[TL_MAX_STOP_IDS];
 } tl_config;
+
+/* Whether emitting `token` ends generation by the model's own rule (docs/spec.md §5.3): it
+ * is eos_id or one of stop_ids. */
+static inline bool tl_is_stop_id(const tl_config* c, int32_t token) {
+    if (c->eos_id >= 0 && token == c->eos_id) return true;
+    for (uint32_t i = 0; i < c->n_stop_ids; i++)
+        if (token == c->stop_ids[i]) return true;
+    return false;
+}
 
 /* One linear as stored: y[R] from x[K] (docs/spec.md §3). */
 typedef struct tl_linear_src {
