@@ -58,7 +58,8 @@ def checkpoint(arch, seed=0, **overrides):
                                            sliding_window=None)}.get(arch, {}))
     config.update(overrides)
     d, H, G, D, F = D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN
-    t = {"model.embed_tokens.weight": draw.matrix(VOCAB, d), "model.norm.weight": draw.gain()}
+    V = config["vocab_size"]
+    t = {"model.embed_tokens.weight": draw.matrix(V, d), "model.norm.weight": draw.gain()}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = draw.gain()
@@ -78,7 +79,7 @@ def checkpoint(arch, seed=0, **overrides):
         t["model.early_exit_gate.weight"] = draw.matrix(1, d)
         t["model.early_exit_gate.bias"] = draw.vector(1)
     if not config["tie_word_embeddings"]:
-        t["lm_head.weight"] = draw.matrix(VOCAB, d)
+        t["lm_head.weight"] = draw.matrix(V, d)
     return config, t
 
 
@@ -91,8 +92,8 @@ def _raven(draw, overrides):
                   block_size=POSITIONS, tie_embeddings=True, qk_bias=True, bias=False,
                   injection_type="linear", bos_token_id=3, eos_token_id=4)
     config.update(overrides)
-    d, H, D, F = D_MODEL, HEADS, D_MODEL // HEADS, FFN
-    t = {"transformer.wte.weight": draw.matrix(VOCAB, d), "transformer.ln_f.weight": draw.gain(),
+    d, H, D, F, V = D_MODEL, HEADS, D_MODEL // HEADS, FFN, config["padded_vocab_size"]
+    t = {"transformer.wte.weight": draw.matrix(V, d), "transformer.ln_f.weight": draw.gain(),
          "transformer.adapter.weight": draw.matrix(d, 2 * d),
          "freqs_cis": np.zeros((1, POSITIONS, 1, D // 2, 2), np.float32)}
     parts = [("prelude", config["n_layers_in_prelude"]),
@@ -109,15 +110,16 @@ def _raven(draw, overrides):
             t[p + "mlp.fc.weight"] = draw.matrix(2 * F, d)
             t[p + "mlp.proj.weight"] = draw.matrix(d, F)
     if not config["tie_embeddings"]:
-        t["lm_head.weight"] = draw.matrix(VOCAB, d)
+        t["lm_head.weight"] = draw.matrix(V, d)
     return config, t
 
 
 def write_folder(folder, config, tensors, *, shards=1, dtype="float32", tokenizer=True,
-                 tokenizer_config=None, chat_template=None):
+                 tokenizer_config=None, chat_template=None, generation_config=None):
     """Write a Hugging Face model folder; returns its path. shards > 1 splits the tensors
     over that many files listed in model.safetensors.index.json; dtype "bfloat16" saves
-    through torch (skipped by the caller when torch is missing)."""
+    through torch (skipped by the caller when torch is missing). `tokenizer`: True for
+    TOKENIZER_JSON, or a tokenizer.json text."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
@@ -133,14 +135,30 @@ def write_folder(folder, config, tensors, *, shards=1, dtype="float32", tokenize
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
     if tokenizer:
         with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-            f.write(TOKENIZER_JSON)
+            f.write(TOKENIZER_JSON if tokenizer is True else tokenizer)
     if tokenizer_config is not None:
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
             json.dump(tokenizer_config, f)
     if chat_template is not None:
         with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
             f.write(chat_template)
+    if generation_config is not None:
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+            json.dump(generation_config, f)
     return str(folder)
+
+
+def tokenizer_json_with(special):
+    """A word-level tokenizer.json whose {id: text} `special` tokens are special added tokens at
+    those ids (a real model's sit at the top of a large vocabulary, or at its start) and whose
+    every other id below the largest (and below VOCAB) is a word w<id>."""
+    tokenizer = json.loads(TOKENIZER_JSON)
+    size = max(VOCAB, max(special) + 1)
+    tokenizer["model"]["vocab"] = {special.get(i, f"w{i}"): i for i in range(size)}
+    tokenizer["added_tokens"] = [dict(id=i, content=text, single_word=False, lstrip=False,
+                                      rstrip=False, normalized=False, special=True)
+                                 for i, text in sorted(special.items())]
+    return json.dumps(tokenizer)
 
 
 def _save(tensors, path, dtype):

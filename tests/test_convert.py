@@ -22,7 +22,9 @@ from tinyloop.quantize import rope_tables  # noqa: E402
 
 from conftest import assert_same_bits  # noqa: E402
 from hf_folders import (ARCHITECTURES, D_MODEL, FFN, HEADS, KV_HEADS, LAYERS,  # noqa: E402
-                        TOKENIZER_JSON, VOCAB, checkpoint, write_folder)
+                        TOKENIZER_JSON, VOCAB, checkpoint, tokenizer_json_with,
+                        write_folder)
+from tinyloop.tokenizer import end_of_turn_stops  # noqa: E402
 
 # What each architecture's tiny folder converts to (docs/spec.md §1's published layouts).
 EXPECTED = {
@@ -227,7 +229,7 @@ def test_tokenizer_files_special_ids_and_name(tmp_path):
                        chat_template="{{ messages }}")
     out = str(tmp_path / "m.tinyloop")
     converted = tinyloop.convert(src, out)
-    assert (converted.bos_id, converted.eos_id) == (-1, 7)
+    assert (converted.bos_id, converted.eos_id, converted.stop_ids) == (-1, 7, (2,))
     assert converted.name == "é" * 31                             # 62 bytes, whole characters
     meta = read_meta(out)
     assert json.loads(meta["meta.tokenizer_config"]) == {"bos_token": "w1",
@@ -300,6 +302,79 @@ def test_refusals_name_the_key_or_tensor(tmp_path, arch, mutate, options, phrase
     for phrase in phrases:
         assert phrase in str(info.value)
     assert not out.exists()
+
+
+# The published special tokens and settings (facts from the models' own files): Huginn-0125's
+# config.json names no special id; its generation_config.json (tomg-group-umd/huginn-0125, the
+# same file as seal-rg/recurrent-pretraining's vllm/generation_config.json) lists two eos ids,
+# <|end_text|> and <|end_turn|>, which ends every chat turn.
+HUGINN_SPECIAL = {65504: "<|begin_text|>", 65505: "<|end_text|>", 65506: "<|begin_header|>",
+                  65507: "<|end_header|>", 65508: "<|end_turn|>", 65509: "<|pad|>"}
+HUGINN_GENERATION_CONFIG = {"bos_token_id": 65504, "do_sample": True,
+                            "eos_token_id": [65505, 65508], "pad_token_id": 65509,
+                            "temperature": 0.7, "transformers_version": "4.47.1"}
+HUGINN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|begin_header|>"
+    "{{ 'Huginn' if message['role'] == 'assistant' else message['role'] }}<|end_header|>\n\n"
+    "{{ message['content'] | trim }}<|end_turn|>{% endfor %}{% if add_generation_prompt %}"
+    "<|begin_header|>Huginn<|end_header|>\n\n{% else %}<|end_text|>{% endif %}")
+# Ouro-1.4B: config.json's bos and eos are 0 (<|endoftext|>), as is its tokenizer's eos_token;
+# there is no generation_config.json; the ChatML template ends each turn with <|im_end|> (2).
+OURO_SPECIAL = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_huginn_stops_on_both_published_eos_ids_and_a_chat_turn_ends_at_end_turn(tmp_path):
+    config, tensors = checkpoint("RavenForCausalLM", vocab_size=65536, padded_vocab_size=65536)
+    del config["bos_token_id"], config["eos_token_id"]
+    src = write_folder(tmp_path / "huginn-0125", config, tensors,
+                       tokenizer=tokenizer_json_with(HUGINN_SPECIAL),
+                       tokenizer_config={"bos_token": "<|begin_text|>", "eos_token": "<|end_text|>",
+                                         "pad_token": "<|pad|>", "chat_template": HUGINN_TEMPLATE},
+                       generation_config=HUGINN_GENERATION_CONFIG)
+    out = tmp_path / "huginn.tinyloop"
+    converted = tinyloop.convert(src, str(out))
+    assert (converted.bos_id, converted.eos_id, converted.stop_ids) == (65504, 65505, (65508,))
+    for backend in ("native", "numpy"):
+        with tinyloop.Model(out, backend=backend) as model:
+            c = model.config()
+            assert (c["eos_id"], c["stop_ids"]) == (65505, (65508,))
+            assert model.tokenizer.end_of_turn_id == 65508        # the template's
+            assert end_of_turn_stops(model.tokenizer, {c["eos_id"], *c["stop_ids"]}) == []
+
+
+@pytest.mark.parametrize("tokenizer_eos, stop_ids, chat_stops", [
+    ("<|endoftext|>", (), [2]),       # Ouro-1.4B: only the template knows the end of turn
+    ("<|im_end|>", (2,), []),         # a tokenizer_config whose eos_token is <|im_end|>
+])
+def test_ouro_chats_stop_at_im_end(tmp_path, tokenizer_eos, stop_ids, chat_stops):
+    config, tensors = checkpoint("OuroForCausalLM", bos_token_id=0, eos_token_id=0)
+    src = write_folder(tmp_path / "Ouro-1.4B", config, tensors,
+                       tokenizer=tokenizer_json_with(OURO_SPECIAL),
+                       tokenizer_config={"bos_token": "<|endoftext|>", "eos_token": tokenizer_eos,
+                                         "chat_template": CHATML_TEMPLATE})
+    out = tmp_path / "ouro.tinyloop"
+    converted = tinyloop.convert(src, str(out))
+    assert (converted.eos_id, converted.stop_ids) == (0, stop_ids)
+    with tinyloop.Model(out) as model:
+        assert model.tokenizer.end_of_turn_id == 2
+        stops = {model.config()["eos_id"], *model.config()["stop_ids"]}
+        assert end_of_turn_stops(model.tokenizer, stops) == chat_stops
+
+
+def test_eos_ids_outside_the_vocabulary_or_too_many_are_refused(tmp_path):
+    config, tensors = checkpoint("LlamaForCausalLM")
+    src = write_folder(tmp_path / "far", config, tensors, tokenizer=False,
+                       generation_config={"eos_token_id": [2, VOCAB]})
+    with pytest.raises(ConvertError, match=rf"generation_config.json: eos_token_id must be token "
+                                           rf"ids in 0 .. {VOCAB - 1}"):
+        tinyloop.convert(src, str(tmp_path / "m.tinyloop"))
+    src = write_folder(tmp_path / "many", config, tensors, tokenizer=False,
+                       generation_config={"eos_token_id": list(range(10, 30))})
+    with pytest.raises(ConvertError, match="names 21 eos ids"):
+        tinyloop.convert(src, str(tmp_path / "m.tinyloop"))
 
 
 def test_a_mistral_window_covering_max_seq_len_converts(tmp_path):

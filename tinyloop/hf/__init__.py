@@ -1,8 +1,10 @@
 """Hugging Face checkpoints -> .tinyloop files: `convert(src, out, ...)` (docs/models.md).
 
 `src` is a model folder: config.json, *.safetensors (one file, several, or shards listed by
-model.safetensors.index.json; bf16, fp16 or fp32), and optionally tokenizer.json,
-tokenizer_config.json and chat_template.jinja. The architecture named in config.json picks a
+model.safetensors.index.json; bf16, fp16 or fp32), and optionally generation_config.json,
+tokenizer.json, tokenizer_config.json and chat_template.jinja. The ids that end generation are
+every eos id the folder names (config.json's and generation_config.json's eos_token_id, then
+the tokenizer's eos_token), the first being the header's eos_id. The architecture named in config.json picks a
 mapper (architectures.py), which reads config.json and says how every float weight is made
 from checkpoint tensors; those tensors' presence and shapes are checked before any data is
 read, then tinyloop.quantize quantizes the weights one at a time as it looks them up (the
@@ -24,7 +26,7 @@ import numpy as np
 
 from ..bundled import CALIBRATION_TEXT
 from ..calibrate import input_grams, token_windows
-from ..config import NAME_MAX_BYTES, WEIGHT_FORMATS, ModelConfig
+from ..config import MAX_STOP_IDS, NAME_MAX_BYTES, WEIGHT_FORMATS, ModelConfig
 from ..modelfile import meta_tensor, save_model
 from ..quantize import quantize_model
 from ..tokenizer import open_tokenizer
@@ -70,9 +72,8 @@ def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optiona
         meta = _meta_texts(src, architecture)
         config: ModelConfig = dataclasses.replace(
             plan.config, name=_name(src),
-            tokenizer="hf" if "meta.tokenizer_json" in meta else "none",
-            bos_id=_token_id(checkpoint.config, "bos_token_id"),
-            eos_id=_token_id(checkpoint.config, "eos_token_id"))
+            tokenizer="hf" if "meta.tokenizer_json" in meta else "none")
+        config = _with_special_ids(config, checkpoint.config, _generation_config(src), meta)
         config.validate()
         weights = LazyWeights(checkpoint, plan.recipe, progress)
         hessians = None
@@ -216,16 +217,44 @@ def _text(path: str) -> Optional[str]:
         raise ConvertError(f"{path}: not UTF-8 text ({exc})") from None
 
 
-def _token_id(config: Dict[str, object], key: str) -> int:
-    """A special token id of config.json, -1 if none; of a list (several EOS ids), the first."""
-    value = config.get(key)
-    if isinstance(value, list):
-        value = value[0] if value else None
-    if value is None:
-        return -1
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConvertError(f"config.json: {key} must be a token id, got {value!r}")
-    return value
+def _generation_config(src: str) -> Dict[str, object]:
+    """The folder's generation_config.json ({} when it has none)."""
+    path = os.path.join(src, "generation_config.json")
+    return read_json(path) if os.path.exists(path) else {}
+
+
+def _with_special_ids(config: ModelConfig, model_config: Dict[str, object],
+                      generation_config: Dict[str, object], meta: Dict[str, str]) -> ModelConfig:
+    """config with bos_id, eos_id and stop_ids from the folder: bos_token_id of config.json
+    (else generation_config.json); the eos ids of config.json, then generation_config.json,
+    then the tokenizer's eos_token, each once: the first is eos_id, the rest stop_ids (transformers
+    and vLLM stop on each of them)."""
+    sources = (("config.json", model_config), ("generation_config.json", generation_config))
+    bos = [i for name, c in sources for i in _token_ids(c, "bos_token_id", name, config)]
+    eos = [i for name, c in sources for i in _token_ids(c, "eos_token_id", name, config)]
+    config = dataclasses.replace(config, bos_id=bos[0] if bos else -1,
+                                 eos_id=eos[0] if eos else -1)
+    if config.tokenizer == "hf":
+        tokenizer_eos = open_tokenizer(config, meta).eos_id
+        eos += [] if tokenizer_eos is None else [tokenizer_eos]
+    eos = list(dict.fromkeys(eos))
+    if len(eos) > 1 + MAX_STOP_IDS:
+        raise ConvertError(f"the folder names {len(eos)} eos ids {eos}; a file holds at most "
+                           f"{1 + MAX_STOP_IDS} (eos_id and {MAX_STOP_IDS} stop_ids)")
+    return dataclasses.replace(config, eos_id=eos[0] if eos else -1, stop_ids=tuple(eos[1:]))
+
+
+def _token_ids(settings: Dict[str, object], key: str, where: str, config: ModelConfig
+               ) -> list[int]:
+    """The token ids of a special-token key (a single id, a list of them or null), each
+    checked to be a token id of the model."""
+    value = settings.get(key)
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    ids = [i for i in values if isinstance(i, int) and not isinstance(i, bool)]
+    if len(ids) < len(values) or not all(0 <= i < config.vocab_size for i in ids):
+        raise ConvertError(f"{where}: {key} must be token ids in 0 .. "
+                           f"{config.vocab_size - 1} (the model's vocab_size), got {value!r}")
+    return ids
 
 
 def _name(src: str) -> str:
