@@ -28,7 +28,7 @@ import tinyloop                                               # noqa: E402
 from tinyloop.cli import main                                 # noqa: E402
 from tinyloop.serve import EngineLoop, create_app             # noqa: E402
 from tinyloop.serve.handler import StopText                   # noqa: E402
-from tinyloop.tokenizer import end_of_turn_stop               # noqa: E402
+from tinyloop.tokenizer import end_of_turn_stops              # noqa: E402
 from serve_process import START_TIMEOUT, healthy, serve_process  # noqa: E402
 from tiny_hf import hf_model                                  # noqa: E402
 
@@ -369,11 +369,13 @@ def offline_chat(path, messages, max_tokens, seed, **kwargs):
         rendered = [dict(m, content=m["content"] if isinstance(m["content"], str)
                          else "".join(part["text"] for part in m["content"])) for m in messages]
         ids = model.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
-        end = end_of_turn_stop(model.tokenizer, model.config()["eos_id"])
-        text, n = offline(model, ids, max_tokens, seed, stop_sequences=[] if end is None else [[end]],
+        config = model.config()
+        ends = end_of_turn_stops(model.tokenizer, {config["eos_id"], *config["stop_ids"]})
+        text, n = offline(model, ids, max_tokens, seed, stop_sequences=[[end] for end in ends],
                           **kwargs)
-        return (text if end is None else
-                text.removesuffix(model.decode([end], skip_special_tokens=True))), n
+        for end in ends:
+            text = text.removesuffix(model.decode([end], skip_special_tokens=True))
+        return text, n
 
 
 @pytest.mark.parametrize("stream", [False, True])

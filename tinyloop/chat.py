@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from . import params as P
 from .model import REQUEST_ARGUMENTS
-from .tokenizer import TextStream, end_of_turn_stop
+from .tokenizer import TextStream, end_of_turn_stops
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -34,8 +34,9 @@ class Turn:
 class Chat:
     """Chat(model, system=None, max_tokens=256, **generation): `system` (optional) is the first
     message; `generation` are Model.generate's keyword arguments for every reply (temperature,
-    seed, loops, ...). The model's end-of-turn token (its tokenizer's eos_token, when the
-    header's eos_id is another one) stops a reply too and is not part of its text. `messages`
+    seed, loops, ...). The model's stop ids end a reply, and so do its tokenizer's end of turn
+    (what its chat template writes after a reply) and eos token where those are other ids
+    (tinyloop.tokenizer.end_of_turn_stops); none of them is part of the reply's text. `messages`
     is the conversation so far."""
 
     def __init__(self, model: Any, system: Optional[str] = None,
@@ -49,10 +50,10 @@ class Chat:
         tokenizer = model.tokenizer           # ValueError for a model without a tokenizer
         if tokenizer.chat_template is None:
             raise ValueError(f"a chat needs a chat template; model {model.path!r} has none")
-        self._end_of_turn = end_of_turn_stop(tokenizer, model.config()["eos_id"])
+        config = model.config()
+        self._end_of_turn = end_of_turn_stops(tokenizer, {config["eos_id"], *config["stop_ids"]})
         stops = [list(stop) for stop in generation.pop("stop_sequences", None) or ()]
-        if self._end_of_turn is not None:
-            stops.append([self._end_of_turn])
+        stops += [[token] for token in self._end_of_turn]
         self._generation = dict(generation, stop_sequences=stops,
                                 max_tokens=P.check_int("max_tokens", max_tokens, 1))
         self._decode = functools.partial(model.decode, skip_special_tokens=True)
@@ -77,7 +78,7 @@ class Chat:
                 on_text(piece)
 
         def on_token(token: int) -> None:
-            if token != self._end_of_turn:     # it ends the reply, and is no part of it
+            if token not in self._end_of_turn:     # it ends the reply, and is no part of it
                 show(stream.push(token))
 
         before = self.model.cache_stats()
@@ -86,7 +87,7 @@ class Chat:
         after = self.model.cache_stats()
         show(stream.flush())
         emitted = out[len(prompt):]
-        ended = bool(emitted) and emitted[-1] == self._end_of_turn
+        ended = bool(emitted) and emitted[-1] in self._end_of_turn
         reply = self._decode(emitted[:-1] if ended else emitted)
         self.messages = messages + [{"role": "assistant", "content": reply}]
         return Turn(reply, len(prompt), after["hit_tokens"] - before["hit_tokens"],

@@ -4,18 +4,19 @@
 (ids 0..255 are the UTF-8 bytes; meta.tokenizer_config, when the file has one, may give it a
 chat_template and an end-of-turn byte), `HfTokenizer` for "hf" (the Hugging Face
 `tokenizer.json` in meta.tokenizer_json, with meta.tokenizer_config's special tokens,
-add_bos_token/add_eos_token and chat_template). `end_of_turn_stop` is the token a chat reply
-ends on, for `Chat` and the server alike. "hf" needs the optional package `tokenizers`
+add_bos_token/add_eos_token and chat_template). `end_of_turn_stops` are the tokens a chat
+reply ends on besides the model's stop ids, for `Chat` and the server alike. "hf" needs the optional package `tokenizers`
 (pip install 'tinyloop[hf]'), imported only when such a tokenizer opens: every other model works
 without it. `TextStream` turns ids, one at a time, into the text they add (streaming). Text
 never reaches libtinyloop, which is token-in/token-out.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Protocol, Sequence
 
 from . import params as P
 from .chat_template import ChatTemplate
@@ -27,17 +28,21 @@ from .errors import ModelFormatError
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                       "cls_token", "mask_token")
 STREAM_CONTEXT = 5   # prompt tokens a TextStream decodes before the first new one
+# An assistant message's content when a chat template is rendered to see what ends a turn.
+END_OF_TURN_PROBE = "TinyLoopEndOfTurnProbe"
 
 
 class Tokenizer(Protocol):
     """What a model's tokenizer does; `bos_id`/`eos_id` are None when it has no such token.
-    `end_of_turn_id` is the token that ends a chat turn (tokenizer_config's eos_token), None
-    when the model names none."""
+    `end_of_turn_id` is the token that ends a chat turn (the special token the chat template
+    writes after a reply, else tokenizer_config's eos_token), None when the model has none."""
 
     bos_id: Optional[int]
     eos_id: Optional[int]
-    end_of_turn_id: Optional[int]
     chat_template: Optional[ChatTemplate]
+
+    @property
+    def end_of_turn_id(self) -> Optional[int]: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -116,11 +121,12 @@ def _chat_template(settings: Mapping[str, Any], special_tokens: Mapping[str, Any
     return ChatTemplate(template, special_tokens)
 
 
-def end_of_turn_stop(tokenizer: Tokenizer, header_eos_id: int) -> Optional[int]:
-    """The token that ends a chat reply besides the header's eos_id (which ends every
-    generation): the tokenizer's end_of_turn_id when it is another token, else None."""
-    end = tokenizer.end_of_turn_id
-    return end if end is not None and end != header_eos_id else None
+def end_of_turn_stops(tokenizer: Tokenizer, stop_ids: Collection[int]) -> list[int]:
+    """The tokens that end a chat reply besides the model's stop ids (ModelConfig's
+    stop_token_ids(), which end every generation): the tokenizer's end_of_turn_id and its
+    eos_id, those that are not stop ids already (none, one or both)."""
+    ends = (tokenizer.end_of_turn_id, tokenizer.eos_id)
+    return list(dict.fromkeys(i for i in ends if i is not None and i not in stop_ids))
 
 
 class ByteTokenizer:
@@ -199,9 +205,15 @@ class HfTokenizer:
                 self.special_tokens[key] = token
         self.bos_id = self._token_id("bos_token")
         self.eos_id = self._token_id("eos_token")
-        self.end_of_turn_id = self.eos_id
         self._added = self._special_flags(settings)
         self.chat_template = _chat_template(settings, self.special_tokens)
+
+    @functools.cached_property
+    def end_of_turn_id(self) -> Optional[int]:
+        """The template's end of turn (_template_end_of_turn), else eos_id; found on first use,
+        so a model whose template is never rendered needs no jinja2."""
+        end = self._template_end_of_turn()
+        return self.eos_id if end is None else end
 
     @staticmethod
     def _named_special_tokens(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -220,6 +232,27 @@ class HfTokenizer:
             texts = [_content(value, "additional_special_tokens") for value in extra]
             named["additional_special_tokens"] = [text for text in texts if text is not None]
         return named
+
+    def _template_end_of_turn(self) -> Optional[int]:
+        """The special token the chat template writes right after an assistant reply's content
+        (ChatML's <|im_end|>, Huginn's <|end_turn|>); None when it writes none there, or has no
+        template, or the template refuses a user-assistant exchange."""
+        if self.chat_template is None:
+            return None
+        exchange = [{"role": "user", "content": "?"},
+                    {"role": "assistant", "content": END_OF_TURN_PROBE}]
+        try:
+            text = self.chat_template.render(exchange, add_generation_prompt=False)
+        except ValueError:
+            return None
+        at = text.rfind(END_OF_TURN_PROBE)
+        if at < 0:
+            return None
+        after = self._tokenizer.encode(text[at + len(END_OF_TURN_PROBE):],
+                                       add_special_tokens=False).ids
+        special = {i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                   if token.special}
+        return int(after[0]) if after and after[0] in special else None
 
     def _token_id(self, key: str) -> Optional[int]:
         text = self.special_tokens.get(key)

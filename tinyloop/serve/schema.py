@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from .. import params as P
-from ..tokenizer import end_of_turn_stop
+from ..tokenizer import end_of_turn_stops
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -109,9 +109,10 @@ def completion_request(body: Body, model: Model) -> GenerationRequest:
 
 def chat_request(body: Body, model: Model) -> GenerationRequest:
     """POST /v1/chat/completions: `messages` rendered with the model's chat template; the
-    model's end-of-turn token (its tokenizer's eos, when the header names another) stops too;
-    where that token is text (a bytes model's end-of-turn byte), its text is a stop as well,
-    so the reply's content ends before it, as a special token's would."""
+    model's end-of-turn tokens (end_of_turn_stops: the tokenizer's end of turn and eos, where
+    they are not stop ids) stop too; where such a token is text (a bytes model's end-of-turn
+    byte), its text is a stop as well, so the reply's content ends before it, as a special
+    token's would."""
     _check_fields(body, CHAT_FIELDS)
     messages = _messages(body.get("messages"))
     try:
@@ -119,13 +120,14 @@ def chat_request(body: Body, model: Model) -> GenerationRequest:
                                                          tokenize=True)]
     except ValueError as exc:
         raise RequestError(f"messages: {exc}", "messages") from None
-    end_of_turn = end_of_turn_stop(model.tokenizer, model.config()["eos_id"])
-    stops = [] if end_of_turn is None else [(end_of_turn,)]
+    config = model.config()
+    end_of_turn = end_of_turn_stops(model.tokenizer, {config["eos_id"], *config["stop_ids"]})
+    stops = [(token,) for token in end_of_turn]
     field = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
              else "max_tokens")
     request = _request(body, model, "messages", ids, field, None, stops)
-    text = "" if end_of_turn is None else model.decode([end_of_turn], skip_special_tokens=True)
-    return dataclasses.replace(request, stop=request.stop + (text,)) if text else request
+    texts = [model.decode([token], skip_special_tokens=True) for token in end_of_turn]
+    return dataclasses.replace(request, stop=request.stop + tuple(text for text in texts if text))
 
 
 def _request(body: Body, model: Model, prompt_field: str, ids: list[int], max_field: str,
