@@ -151,6 +151,9 @@ def test_sampled_frequencies_follow_the_softmax():
 def test_tiny_temperature_overflow_takes_the_top_candidate():
     z = np.array([3e38, 1.0], np.float32)
     assert sample(z, [], params(temperature=1e-30), 0) == 0
+    # every logit negative: m = -inf, every weight 0; still the first candidate, not a draw
+    z = np.array([-3e38, -2e30, -1e30, -1e30], np.float32)
+    assert {sample(z, [], params(temperature=1e-30, seed=s), 0) for s in range(8)} == {2}
 
 
 def test_attention_ignores_keys_a_query_cannot_see():

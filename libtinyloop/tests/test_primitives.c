@@ -411,6 +411,17 @@ static void test_sampling(void) {
               (double)s.temperature, s.top_k, (double)s.top_p, (double)s.penalty);
         if (tu_failures > 20) break;
     }
+    /* z / T of the first candidate overflows to +inf, or to -inf with every logit negative (every
+     * weight would be 0): the first candidate, id 7, whatever the seed (spec §5.1 step 5) */
+    for (int sign = -1; sign <= 1; sign += 2)
+        for (uint64_t seed = 0; seed < 4; seed++) {
+            for (uint32_t i = 0; i < V; i++) logits[i] = (float)sign * 1e30f * (float)(2 + (i * 37 + 11) % 100);
+            logits[7] = sign > 0 ? 3e38f : -1e30f; /* the largest */
+            tl_sampler huge = {1e-30f, (int32_t)(seed % 2) * 5, 1.0f, 1.0f, seed};
+            int32_t got = -1;
+            CHECK_OK(tl_sample(&huge, logits, V, seen, seed, &scratch, &got));
+            CHECK(got == 7, "z / T overflowing to %cinf: sampled %d, want 7", sign > 0 ? '+' : '-', got);
+        }
     logits[17] = NAN;
     tl_sampler s = {1.0f, 0, 1.0f, 1.0f, 0};
     int32_t tok;
