@@ -20,7 +20,7 @@ import tinyloop
 from tinyloop.modelfile import load_model
 
 from test_modelfile import (CONFIGS, HEADER, HOSTILE, V1_KINDS, V2_KINDS, entry, header, patch,
-                            rebuild, set_value, table, valid_file, with_crc)
+                            rebuild, set_entry, set_value, table, valid_file, with_crc)
 
 pytestmark = pytest.mark.usefixtures("require_native")
 
@@ -147,6 +147,27 @@ def test_each_tensor_dropped_or_renamed(agree, kind):
         raw = bytearray(buf)
         raw[at:at + 48] = new.encode().ljust(48, b"\0")
         assert agree(with_crc(raw))[0] == "ModelFormatError", name
+
+
+# dims whose nbytes (§6.2) does not fit u64; the first two wrap to exactly 0 (mod 2^64) for
+# an i8 tensor, the third to 2 (i8) or 8 (f32) bytes: a reader that multiplied without
+# checking would see a tiny tensor.
+OVERFLOWING_DIMS = [(2**63, 2**63, 1, 1), (2**32, 2**32, 1, 1), (2**63 + 1, 2, 1, 1),
+                    (2**64 - 1,) * 4]
+
+
+@pytest.mark.parametrize("tensor", ["tok_emb.w", "tok_emb.s"])     # i8, f32
+@pytest.mark.parametrize("dims", OVERFLOWING_DIMS,
+                         ids=["2^63*2^63", "2^32*2^32", "(2^63+1)*2", "(2^64-1)^4"])
+def test_an_overflowing_size_runs_past_the_end_of_the_file(outcomes, tensor, dims):
+    """§6.2: both readers report a tensor whose size overflows as its data running past the
+    end of the file, naming the same tensor."""
+    buf = set_entry(set_entry(valid_file("int8"), tensor, "ndim", 4), tensor, "dims", *dims)
+    results = outcomes(buf)
+    for kind, message in results:
+        assert kind == "ModelFormatError", results
+        assert "runs past the end of the file" in message, results
+    assert len({subject(message) for _, message in results}) == 1, results
 
 
 def f32_tensors(kind):

@@ -126,6 +126,12 @@ static void e_huge_dims(uint8_t* f, size_t n) {
     put64(f + e + 56, 1ull << 62);
     put64(f + e + 64, 1ull << 62);
 }
+static void e_wrapping_dims(uint8_t* f, size_t n) { /* 2^63 * 2^63 * 1 * 1 is 0 mod 2^64 */
+    (void)n;
+    const long e = entry_of(f, "tok_emb.w");
+    put32(f + e + 52, 4);
+    for (int k = 0; k < 4; k++) put64(f + e + 56 + 8 * k, k < 2 ? 1ull << 63 : 1);
+}
 static void e_huge_offset(uint8_t* f, size_t n) { (void)n, put64(f + entry_of(f, "core.0.attn_qkv.s") + 88, ~63ull); }
 static void e_misaligned(uint8_t* f, size_t n) { (void)n, put64(f + entry_of(f, "tok_emb.s") + 88, get64(f + entry_of(f, "tok_emb.s") + 88) + 4); }
 static void e_overlap(uint8_t* f, size_t n) {
@@ -237,6 +243,7 @@ static void test_rules(void) {
     expect_rule("ndim", e_ndim, "ndim", 1);
     expect_rule("dims", e_dims_zero, "dims", 1);
     expect_rule("huge dims", e_huge_dims, "past the end", 1);
+    expect_rule("wrapping dims", e_wrapping_dims, "runs past the end of the file", 1);
     expect_rule("huge offset", e_huge_offset, "past the end", 1);
     expect_rule("misaligned", e_misaligned, "multiple of 64", 1);
     expect_rule("overlap", e_overlap, "overlap", 1);
