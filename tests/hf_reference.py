@@ -105,13 +105,20 @@ def ouro_logits(t, cfg, tokens):
     return x @ head.T
 
 
+def nanbeige_loops(cfg):
+    """How many loops the forward runs (`_get_num_loops`): one more than there are
+    loop_loss_weights when that list is non-empty, else num_loops (1 when absent)."""
+    weights = cfg.get("loop_loss_weights") or []
+    return len(weights) + 1 if len(weights) > 0 else cfg.get("num_loops", 1)
+
+
 def nanbeige_logits(t, cfg, tokens):
-    """Pre-norm LLaMA layers run num_loops times, model.norm between loops (unless
+    """Pre-norm LLaMA layers run nanbeige_loops(cfg) times, model.norm between loops (unless
     skip_loop_final_norm) and once at the end."""
     eps = cfg["rms_norm_eps"]
     emb, head = _embed_and_head(t)
     x = emb[np.asarray(tokens)]
-    loops = cfg["num_loops"]
+    loops = nanbeige_loops(cfg)
     for loop in range(loops):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."

@@ -124,6 +124,26 @@ def test_nanbeige_skip_loop_final_norm_turns_the_step_norm_off(tmp_path):
     assert (config.step_norm, config.default_loops) == (False, 3)
 
 
+@pytest.mark.parametrize("weights, num_loops, loops, depth", [
+    ([1.0, 0.5, 0.25], 2, None, 4),     # a non-empty list: one loop more than its weights
+    ([0.5], None, None, 2),             # num_loops is then not read
+    ([], 3, None, 3), (None, 3, None, 3),
+    ([1.0, 0.5, 0.25], 2, 2, 2),        # the caller's loops= wins
+])
+def test_nanbeige_default_depth_follows_loop_loss_weights(tmp_path, weights, num_loops, loops,
+                                                          depth):
+    """Nanbeige's forward runs len(loop_loss_weights) + 1 loops when that list is non-empty,
+    else num_loops (its _get_num_loops)."""
+    config, tensors = checkpoint("NanbeigeForCausalLM", loop_loss_weights=weights)
+    if num_loops is None:
+        del config["num_loops"]
+    else:
+        config["num_loops"] = num_loops
+    src = write_folder(tmp_path / "src", config, tensors)
+    converted = tinyloop.convert(src, str(tmp_path / "m.tinyloop"), loops=loops)
+    assert converted.default_loops == depth
+
+
 def test_huginn_fused_tensors_split_and_rope_rows_permuted(tmp_path):
     ckpt, _, w = weights_of(folder(tmp_path, "RavenForCausalLM"))
     d, H, D, F = D_MODEL, HEADS, D_MODEL // HEADS, FFN
@@ -283,6 +303,10 @@ REFUSALS = [
                                            "full_attention"]), {},
      ["layer_types[1]", "sliding_attention"]),
     ("NanbeigeForCausalLM", _set(loop_share_kv=True), {}, ["loop_share_kv", "not supported"]),
+    ("NanbeigeForCausalLM", _set(loop_loss_weights=3), {}, ["loop_loss_weights", "got 3"]),
+    ("NanbeigeForCausalLM", _set(loop_loss_weights="0.5"), {}, ["loop_loss_weights", "'0.5'"]),
+    ("NanbeigeForCausalLM", _set(loop_loss_weights=[0.5, True]), {}, ["loop_loss_weights"]),
+    ("NanbeigeForCausalLM", _set(loop_loss_weights={"0": 0.5}), {}, ["loop_loss_weights"]),
     ("OuroForCausalLM", lambda c, t: None, dict(core=(0, 2)), ["--core"]),
     ("RavenForCausalLM", _set(injection_type="add"), {}, ["injection_type", "'add'"]),
     ("RavenForCausalLM", _drop("transformer.adapter.weight"), {},

@@ -116,9 +116,15 @@ def test_looped_span_matches_unrolled_transformers(tmp_path, backend, arch):
                     f"{arch} core {n_pre}:{n_pre + k} x {loops}")
 
 
-@pytest.mark.parametrize("arch", sorted(LOGITS))
-def test_published_looped_layout_matches_reference(tmp_path, backend, arch):
-    cfg, tensors = checkpoint(arch, seed=4)
+# Each published layout, and Nanbeige's depth set by loop_loss_weights (3 loops, num_loops 2).
+LAYOUTS = [(arch, {}) for arch in sorted(LOGITS)] + [
+    ("NanbeigeForCausalLM", dict(loop_loss_weights=[0.5, 0.5]))]
+
+
+@pytest.mark.parametrize("arch, overrides", LAYOUTS,
+                         ids=[arch + "".join(f"-{key}" for key in o) for arch, o in LAYOUTS])
+def test_published_looped_layout_matches_reference(tmp_path, backend, arch, overrides):
+    cfg, tensors = checkpoint(arch, seed=4, **overrides)
     write_folder(tmp_path / "hf", cfg, tensors)
     tinyloop.convert(tmp_path / "hf", tmp_path / "m.tinyloop", weight_format="int8")
     reference = LOGITS[arch]({k: v.astype(np.float64) for k, v in tensors.items()}, cfg, TOKENS)

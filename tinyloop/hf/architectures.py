@@ -284,14 +284,25 @@ NANBEIGE_VARIANTS = ("qk_layernorm", "emb_neighbor_num", "insert_ngram_layer_idx
                      "enable_h_res_identity", "enable_depth_attention")
 
 
+def _nanbeige_loops(config: Dict[str, Any]) -> int:
+    """The depth Nanbeige's own forward runs (its `_get_num_loops`, at inference too):
+    len(loop_loss_weights) + 1 when that list is non-empty, else num_loops."""
+    weights = config.get("loop_loss_weights")
+    if weights is not None and (not isinstance(weights, list) or any(
+            isinstance(w, bool) or not isinstance(w, (int, float)) for w in weights)):
+        raise ConvertError(f"config.json: loop_loss_weights must be a list of numbers or null, "
+                           f"got {weights!r}")
+    return len(weights) + 1 if weights else _int(config, "num_loops", 1)
+
+
 def _nanbeige(config: Dict[str, Any], options: Options) -> Plan:
     for key in NANBEIGE_VARIANTS:
         if config.get(key):
             raise _refuse(key, config[key], "TinyLoop converts Nanbeige's plain looped layout "
-                          "(the same layers num_loops times, a KV slot per pass) only")
+                          "(the same layers run once per loop, a KV slot per pass) only")
     skip = config.get("skip_loop_final_norm", False)
-    return _llama_plan(config, options, loops=_int(config, "num_loops", 1),
-                       step_norm=not skip, loopable=False)
+    return _llama_plan(config, options, loops=_nanbeige_loops(config), step_norm=not skip,
+                       loopable=False)
 
 
 def _ouro(config: Dict[str, Any], options: Options) -> Plan:
