@@ -1,2 +1,2 @@
 """The one place the package version is defined."""
-__version__ = "0.6.0"
+__version__ = "0.7.0"
