@@ -53,7 +53,7 @@ def folder(tmp_path, arch, name="model", **overrides):
 def weights_of(src, **options):
     """(Checkpoint, Plan, LazyWeights) of a folder: the float dict the quantizer is given."""
     ckpt = Checkpoint(src)
-    _, plan = plan_for(ckpt.config, Options(**options))
+    _, plan = plan_for(ckpt.config, Options(**options), frozenset(ckpt))
     return ckpt, plan, LazyWeights(ckpt, plan.recipe, None)
 
 

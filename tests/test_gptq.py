@@ -98,7 +98,7 @@ def test_a_hessian_of_the_wrong_shape_is_refused():
 def plan_and_weights(folder):
     """(config, lazy float weights, inv_freq, checkpoint) of a converted folder's plan."""
     ckpt = Checkpoint(folder)
-    _, plan = plan_for(ckpt.config, Options())
+    _, plan = plan_for(ckpt.config, Options(), frozenset(ckpt))
     return plan.config, LazyWeights(ckpt, plan.recipe, None), plan.inv_freq, ckpt
 
 

@@ -67,7 +67,7 @@ def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optiona
     text = _calibration_text(weight_format, gptq, calibration)
     src = os.fspath(src)
     with Checkpoint(src) as checkpoint:
-        architecture, plan = plan_for(checkpoint.config, options)
+        architecture, plan = plan_for(checkpoint.config, options, frozenset(checkpoint))
         _check_tensors(checkpoint, plan, architecture)
         meta = _meta_texts(src, architecture)
         config: ModelConfig = dataclasses.replace(

@@ -1,6 +1,8 @@
 """One mapper per Hugging Face architecture: config.json -> a tinyloop ModelConfig and a recipe.
 
-A mapper reads only config.json (the `config` dict) and the conversion options. It returns a
+A mapper reads config.json (the `config` dict), the names of the checkpoint's tensors (never their
+data: only RavenForCausalLM needs them, whose published layouts share one architecture name and
+its keys) and the conversion options. It returns a
 `Plan`: the ModelConfig of the converted model (docs/spec.md §1, §6.1) and the *recipe*, which
 says how each float weight of tinyloop.quantize's dict is made from checkpoint tensors (their
 names and expected shapes, and a function of their float32 arrays). The caller checks every
@@ -14,7 +16,8 @@ loads and what does not.
 """
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import re
+from typing import AbstractSet, Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -91,9 +94,10 @@ def _float(config: Dict[str, Any], key: str, default: Optional[float] = None) ->
     return float(value)
 
 
-def _huginn_embed_scale(config: Dict[str, Any], d: int) -> float:
-    """Huginn's embedding multiplier: init_values.embed_scale when the config has it (its
-    code reads it from there), else sqrt(n_embd), the value Huginn-0125 derives."""
+def _raven_embed_scale(config: Dict[str, Any], d: int) -> float:
+    """RavenForCausalLM's embedding multiplier: init_values.embed_scale when the config has it
+    (its code reads it from there: 1.0 in a retrofitted Llama), else sqrt(n_embd), the value
+    Huginn-0125 derives."""
     init_values = config.get("init_values")
     if isinstance(init_values, dict) and "embed_scale" in init_values:
         return _float(init_values, "embed_scale")
@@ -313,16 +317,71 @@ def _ouro(config: Dict[str, Any], options: Options) -> Plan:
                        ignored=r"model\.early_exit_gate\.(weight|bias)")
 
 
-# ---- Huginn (RavenForCausalLM) ----------------------------------------------------------------
+# ---- RavenForCausalLM: Huginn-0125 and retrofitted-recurrence Llamas -----------------------
+#
+# McLeish et al. 2025 ("Teaching pretrained language models to think deeper with retrofitted
+# recurrence") save a Llama's layers as a prelude, a core and a coda in Huginn's format: Huginn's
+# config with the Llama's sizes written over it, the same fused tensors, and a modeling file
+# (raven_modeling_minimal_llama.py) whose blocks are LLaMA's pre-norm blocks (norm_1, norm_2) with
+# transformers' rotate-half RoPE from rope_theta / rope_scaling, no norm before the coda. Huginn's
+# own blocks carry norm_1 .. norm_4 and read rope_base; the OLMo-2 flavour adds attn.q_norm and
+# attn.k_norm.
 
-def _raven(config: Dict[str, Any], options: Options) -> Plan:
+_RAVEN_LAYER = r"transformer\.(?:prelude|core_block|coda)\.\d+\."
+_RAVEN_QK_NORM = re.compile(_RAVEN_LAYER + r"attn\.[qk]_norm\.weight")
+_RAVEN_SANDWICH_NORM = re.compile(_RAVEN_LAYER + r"norm_[34]\.weight")
+
+
+def _raven(config: Dict[str, Any], options: Options, names: AbstractSet[str]) -> Plan:
+    """Huginn-0125, or a retrofitted-recurrence Llama: config.json's rope_theta (which only the
+    retrofitted code reads) says which, and the layers' tensors must agree."""
     if options.core is not None:
-        raise ConvertError("--core applies to plain LLaMA-family models only: Huginn has its "
-                           "own prelude, core and coda")
+        raise ConvertError("--core applies to plain LLaMA-family models only: RavenForCausalLM "
+                           "has its own prelude, core and coda")
+    qk_norm = sorted(n for n in names if _RAVEN_QK_NORM.fullmatch(n))
+    if qk_norm:
+        raise ConvertError(
+            f"tensor {qk_norm[0]!r}: a RavenForCausalLM with q/k norms (the OLMo-2 flavour of "
+            "retrofitted recurrence: RMSNorm over the whole q and k projections, norm_1 and "
+            "norm_2 on the attention and MLP outputs, no norm on their inputs) is not supported: "
+            "TinyLoop's blocks (docs/spec.md §1, §4) have no q/k norm and no placement without "
+            "an input norm")
+    sandwich = sorted(n for n in names if _RAVEN_SANDWICH_NORM.fullmatch(n))
+    retrofitted = "rope_theta" in config
+    if retrofitted and sandwich:
+        raise ConvertError(
+            f"config.json has rope_theta (a retrofitted-recurrence Llama, whose blocks have "
+            f"norm_1 and norm_2 only) but the checkpoint holds {sandwich[0]!r} (Huginn's "
+            "sandwich norms): which layout it is cannot be told; if those norms are leftovers "
+            "that its modeling file does not load, remove them from the checkpoint")
+    if not retrofitted and not sandwich:
+        raise ConvertError(
+            "config.json: rope_theta is missing, but the layers have no norm_3 / norm_4 (a "
+            "retrofitted-recurrence Llama, whose RoPE is rope_theta with rope_scaling; "
+            f"rope_base = {config.get('rope_base')!r} is a stale copy of Huginn's): the RoPE base "
+            "is unknown")
+    return _retrofitted_llama(config, options) if retrofitted else _huginn(config, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RavenLayout:
+    """What the two RavenForCausalLM layouts do differently."""
+
+    block_layout: str                          # "post" (Huginn) or "pre" (retrofitted)
+    norms: Dict[str, str]                      # TinyLoop gain -> the block's checkpoint norm
+    interleaved_rope: bool                     # Huginn's pairs (2i, 2i+1): permute q/k rows
+    coda_norm: bool                            # ln_f before the coda (Huginn)
+    positions: int
+    rope_theta: float
+    inv_freq: Optional[np.ndarray]
+    ignored: str                               # checkpoint tensors left unused, but lm_head
+
+
+def _raven_dims(config: Dict[str, Any]) -> Tuple[_Dims, bool]:
+    """(sizes, qk_bias) of a RavenForCausalLM config, refusing what TinyLoop cannot compute."""
     d, H = _int(config, "n_embd"), _int(config, "n_heads")
     if d % H:
         raise ConvertError(f"config.json: n_embd {d} is not a multiple of n_heads {H}")
-    D, F = d // H, _int(config, "intermediate_size")
     G = _optional_int(config, "num_key_value_heads", H)
     vocab = _int(config, "vocab_size")
     multiple = _int(config, "padding_multiple", 4096)
@@ -336,39 +395,82 @@ def _raven(config: Dict[str, Any], options: Options) -> Plan:
     qk_bias = bool(config.get("qk_bias", True))
     if qk_bias and G != H:
         raise _refuse("num_key_value_heads", G, f"qk_bias needs as many kv heads as heads ({H})")
+    n_layers = sum(_int(config, f"n_layers_in_{part}")
+                   for part in ("prelude", "recurrent_block", "coda"))
+    return _Dims(d, H, G, d // H, _int(config, "intermediate_size"), V, n_layers), qk_bias
+
+
+def _huginn(config: Dict[str, Any], options: Options) -> Plan:
+    return _raven_plan(config, options, *_raven_dims(config), _RavenLayout(
+        block_layout="post", interleaved_rope=True, coda_norm=True,
+        norms=dict(attn_norm="norm_1", attn_post_norm="norm_2", mlp_norm="norm_3",
+                   ffn_post_norm="norm_4"),
+        positions=_int(config, "block_size", 4096),
+        rope_theta=_float(config, "rope_base", 50000.0), inv_freq=None, ignored=r"freqs_cis"))
+
+
+def _retrofitted_llama(config: Dict[str, Any], options: Options) -> Plan:
+    """Its attention splits heads by n_embd // n_heads, its RoPE (transformers' LLaMA one) sizes
+    them by head_dim: the two must agree. block_size and rope_base are stale Huginn values."""
+    dims, qk_bias = _raven_dims(config)
+    if config.get("head_dim") is not None and _int(config, "head_dim") != dims.D:
+        raise _refuse("head_dim", config["head_dim"], f"the retrofitted-recurrence code splits "
+                      f"heads by n_embd // n_heads = {dims.D} but sizes RoPE by head_dim")
+    theta, inv_freq = _rope(config, dims.D)
+    return _raven_plan(config, options, dims, qk_bias, _RavenLayout(
+        block_layout="pre", interleaved_rope=False, coda_norm=False,
+        norms=dict(attn_norm="norm_1", mlp_norm="norm_2"),
+        positions=_int(config, "max_position_embeddings"), rope_theta=theta, inv_freq=inv_freq,
+        ignored=""))
+
+
+def _raven_plan(config: Dict[str, Any], options: Options, dims: _Dims, qk_bias: bool,
+                layout: _RavenLayout) -> Plan:
+    d, V = dims.d, dims.V
     tied = bool(config.get("tie_embeddings", True))
     n_pre, k = _int(config, "n_layers_in_prelude"), _int(config, "n_layers_in_recurrent_block")
     n_coda = _int(config, "n_layers_in_coda")
     mc = _model_config(
-        options, max_seq_len=_max_seq_len(options, _int(config, "block_size", 4096)),
-        vocab_size=V, d_model=d, n_heads=H, n_kv_heads=G, head_dim=D, ffn_dim=F,
-        n_pre_blocks=n_pre, default_loops=_loops(options, _int(config, "mean_recurrence")), tied_head=tied,
-        rope_theta=_float(config, "rope_base", 50000.0), rms_eps=_float(config, "norm_eps", 1e-6),
-        n_core_blocks=k, n_coda_blocks=n_coda, block_layout="post", qkv_bias=qk_bias,
-        injection=True, embed_scale=_huginn_embed_scale(config, d), coda_norm=True)
+        options, max_seq_len=_max_seq_len(options, layout.positions), vocab_size=V, d_model=d,
+        n_heads=dims.H, n_kv_heads=dims.G, head_dim=dims.D, ffn_dim=dims.F, n_pre_blocks=n_pre,
+        default_loops=_loops(options, _int(config, "mean_recurrence")), tied_head=tied,
+        rope_theta=layout.rope_theta, rms_eps=_float(config, "norm_eps", 1e-6),
+        n_core_blocks=k, n_coda_blocks=n_coda, block_layout=layout.block_layout,
+        qkv_bias=qk_bias, injection=True, embed_scale=_raven_embed_scale(config, d),
+        coda_norm=layout.coda_norm)
     recipe = {"tok_emb": take("transformer.wte.weight", (V, d)),
               "final_norm": take("transformer.ln_f.weight", (d,)),
-              "coda.input_norm": take("transformer.ln_f.weight", (d,)),
               "core.adapter": take("transformer.adapter.weight", (d, 2 * d))}
+    if layout.coda_norm:
+        recipe["coda.input_norm"] = take("transformer.ln_f.weight", (d,))
     parts = ([("prelude", i) for i in range(n_pre)] + [("core_block", j) for j in range(k)]
              + [("coda", c) for c in range(n_coda)])
     for b, (part, i) in zip(mc.block_prefixes(), parts):
-        _raven_block(recipe, b, f"transformer.{part}.{i}.", d, H, G, D, F, qk_bias)
+        _raven_block(recipe, b, f"transformer.{part}.{i}.", dims, qk_bias, layout)
     if not tied:
         recipe["head"] = take("lm_head.weight", (V, d))
-    ignored = r"freqs_cis" + ("" if not tied else r"|lm_head\.weight")
-    return Plan(mc, recipe, ignored, None)
+    ignored = "|".join(filter(None, [layout.ignored, r"lm_head\.weight" if tied else ""]))
+    return Plan(mc, recipe, ignored, layout.inv_freq)
 
 
-def _raven_block(recipe: Dict[str, Source], b: str, p: str, d: int, H: int, G: int, D: int,
-                 F: int, qk_bias: bool) -> None:
-    """A SandwichBlock: x = norm_2(attn(norm_1(x)) + x); x = norm_4(mlp(norm_3(x)) + x)."""
+def _raven_block(recipe: Dict[str, Source], b: str, p: str, dims: _Dims, qk_bias: bool,
+                 layout: _RavenLayout) -> None:
+    """Huginn's SandwichBlock: x = norm_2(attn(norm_1(x)) + x); x = norm_4(mlp(norm_3(x)) + x),
+    or the retrofitted one: x += attn(norm_1(x)); x += mlp(norm_2(x)). Both: Wqkv rows are
+    [q; k; v], fc rows [gate; up]."""
+    d, H, G, D, F = dims.d, dims.H, dims.G, dims.D, dims.F
     qkv, qkv_shape = p + "attn.Wqkv.weight", ((H + 2 * G) * D, d)
 
     def rope_order(heads: int) -> Callable[[np.ndarray], np.ndarray]:
+        if not layout.interleaved_rope:
+            return lambda a: a
         return lambda a: _interleaved_to_rotate_half(a, heads, D)
 
-    recipe[f"{b}.attn_norm"] = take(p + "norm_1.weight", (d,))
+    def norm(ours: str) -> None:
+        if ours in layout.norms:
+            recipe[f"{b}.{ours}"] = take(f"{p}{layout.norms[ours]}.weight", (d,))
+
+    norm("attn_norm")
     recipe[f"{b}.wq"] = rows(qkv, qkv_shape, 0, H * D, rope_order(H))
     recipe[f"{b}.wk"] = rows(qkv, qkv_shape, H * D, (H + G) * D, rope_order(G))
     recipe[f"{b}.wv"] = rows(qkv, qkv_shape, (H + G) * D, (H + 2 * G) * D)
@@ -378,27 +480,36 @@ def _raven_block(recipe: Dict[str, Source], b: str, p: str, d: int, H: int, G: i
         recipe[f"{b}.bk"] = Source((bias,), (shape,), lambda a: rope_order(G)(a[1].reshape(-1)))
         recipe[f"{b}.bv"] = zeros(G * D)
     recipe[f"{b}.wo"] = take(p + "attn.proj.weight", (d, H * D))
-    recipe[f"{b}.attn_post_norm"] = take(p + "norm_2.weight", (d,))
-    recipe[f"{b}.mlp_norm"] = take(p + "norm_3.weight", (d,))
+    norm("attn_post_norm")
+    norm("mlp_norm")
     fc, fc_shape = p + "mlp.fc.weight", (2 * F, d)
     recipe[f"{b}.w_gate"] = rows(fc, fc_shape, 0, F)
     recipe[f"{b}.w_up"] = rows(fc, fc_shape, F, 2 * F)
     recipe[f"{b}.w_down"] = take(p + "mlp.proj.weight", (d, F))
-    recipe[f"{b}.ffn_post_norm"] = take(p + "norm_4.weight", (d,))
+    norm("ffn_post_norm")
 
 
-MAPPERS: Dict[str, Callable[[Dict[str, Any], Options], Plan]] = {
-    "LlamaForCausalLM": _llama,
-    "MistralForCausalLM": _llama,
-    "Qwen2ForCausalLM": _qwen2,
-    "NanbeigeForCausalLM": _nanbeige,
-    "OuroForCausalLM": _ouro,
+Mapper = Callable[[Dict[str, Any], Options, AbstractSet[str]], Plan]
+
+
+def _by_config(mapper: Callable[[Dict[str, Any], Options], Plan]) -> Mapper:
+    """A mapper that needs config.json only."""
+    return lambda config, options, names: mapper(config, options)
+
+
+MAPPERS: Dict[str, Mapper] = {
+    "LlamaForCausalLM": _by_config(_llama),
+    "MistralForCausalLM": _by_config(_llama),
+    "Qwen2ForCausalLM": _by_config(_qwen2),
+    "NanbeigeForCausalLM": _by_config(_nanbeige),
+    "OuroForCausalLM": _by_config(_ouro),
     "RavenForCausalLM": _raven,
 }
 
 
-def plan_for(config: Dict[str, Any], options: Options) -> Tuple[str, Plan]:
-    """(architecture name, its Plan) for a checkpoint's config.json."""
+def plan_for(config: Dict[str, Any], options: Options,
+             tensors: AbstractSet[str]) -> Tuple[str, Plan]:
+    """(architecture name, its Plan) for a checkpoint's config.json and tensor names."""
     names = config.get("architectures")
     if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str):
         raise ConvertError(f"config.json: architectures must name one architecture, got "
@@ -407,4 +518,4 @@ def plan_for(config: Dict[str, Any], options: Options) -> Tuple[str, Plan]:
     if mapper is None:
         raise ConvertError(f"config.json: architecture {names[0]!r} is not supported; "
                            f"TinyLoop converts {', '.join(MAPPERS)}")
-    return names[0], mapper(config, options)
+    return names[0], mapper(config, options, tensors)
