@@ -2,7 +2,8 @@
 converts (config.json, *.safetensors written by the `safetensors` package, tokenizer files).
 
 `checkpoint(arch, **config_overrides)` gives (config dict, {tensor name: float32 array}) laid
-out as the architecture's own code names and shapes them; `write_folder` saves one as a
+out as the architecture's own code names and shapes them (`arch` may also be one of LAYOUTS, a
+published layout that shares its architecture name with another); `write_folder` saves one as a
 single file, as shards with an index, or as bf16. Every weight is a bfloat16 value, so a bf16
 and an fp32 folder of the same checkpoint hold the same numbers.
 """
@@ -15,6 +16,9 @@ import numpy as np
 D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS, POSITIONS = 32, 4, 2, 8, 64, 270, 3, 64
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "NanbeigeForCausalLM", "OuroForCausalLM", "RavenForCausalLM")
+# A retrofitted-recurrence Llama (McLeish et al. 2025): a RavenForCausalLM with its own layout.
+RETROFIT_LLAMA = "RavenForCausalLM:retrofit-llama"
+LAYOUTS = ARCHITECTURES + (RETROFIT_LLAMA,)
 TOKENIZER_JSON = json.dumps({
     "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
     "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
@@ -41,10 +45,15 @@ class _Draw:
         return bf16(0.1 * self.rng.standard_normal(n))
 
 
+def architecture(layout):
+    """The architecture name of a layout of LAYOUTS."""
+    return layout.split(":")[0]
+
+
 def checkpoint(arch, seed=0, **overrides):
-    """(config.json dict, tensors) of a tiny random model of architecture `arch`."""
-    if arch == "RavenForCausalLM":
-        return _raven(_Draw(seed), overrides)
+    """(config.json dict, tensors) of a tiny random model of architecture (or layout) `arch`."""
+    if arch in ("RavenForCausalLM", RETROFIT_LLAMA):
+        return _raven(_Draw(seed), overrides, retrofitted=arch == RETROFIT_LLAMA)
     draw = _Draw(seed)
     config = dict(architectures=[arch], hidden_size=D_MODEL, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=FFN,
@@ -83,29 +92,48 @@ def checkpoint(arch, seed=0, **overrides):
     return config, t
 
 
-def _raven(draw, overrides):
-    """Huginn's layout (recpre/raven_modeling_minimal.py): prelude 2, core 2, coda 1 here."""
+def _raven(draw, overrides, retrofitted):
+    """Huginn's layout (recpre/raven_modeling_minimal.py): prelude 2, core 2, coda 1 here. With
+    `retrofitted`, a Llama retrofitted with recurrence as McLeish et al.'s convert_llama.py saves
+    it (raven_modeling_minimal_llama.py runs it): Huginn's config with the Llama's keys written
+    over it (GQA, no q/k bias, untied head, embed_scale 1, rope_theta and llama3 rope_scaling; a
+    stale rope_base, block_size and n_layers), Wqkv rows [q; k; v] of n_heads then
+    num_key_value_heads heads, norm_1 and norm_2 only, no freqs_cis buffer."""
     config = dict(architectures=["RavenForCausalLM"], n_embd=D_MODEL, n_heads=HEADS,
                   n_layers_in_prelude=2, n_layers_in_recurrent_block=2, n_layers_in_coda=1,
                   mean_recurrence=3, intermediate_size=FFN, vocab_size=VOCAB,
                   padded_vocab_size=VOCAB, norm_eps=1e-6, rope_base=50000.0,
                   block_size=POSITIONS, tie_embeddings=True, qk_bias=True, bias=False,
                   injection_type="linear", bos_token_id=3, eos_token_id=4)
+    if retrofitted:
+        config.update(
+            num_key_value_heads=KV_HEADS, head_dim=D_MODEL // HEADS, qk_bias=False,
+            tie_embeddings=False, tie_word_embeddings=False, norm_eps=1e-5, rope_base=500000.0,
+            rope_theta=10000.0, rope_scaling=dict(rope_type="llama3", factor=8.0,
+                                                  low_freq_factor=1.0, high_freq_factor=4.0,
+                                                  original_max_position_embeddings=16),
+            max_position_embeddings=POSITIONS, block_size=4096, n_layers=16,
+            init_values=dict(std=0.0087, embed_scale=1.0), test_time_noise=0,
+            block_class_name="SandwichBlock", mlp_class_name="GatedMLP", nonlin_name="SiLU",
+            bos_token_id=1, eos_token_id=2)
     config.update(overrides)
     d, H, D, F, V = D_MODEL, HEADS, D_MODEL // HEADS, FFN, config["padded_vocab_size"]
+    G = config.get("num_key_value_heads", H)
     t = {"transformer.wte.weight": draw.matrix(V, d), "transformer.ln_f.weight": draw.gain(),
-         "transformer.adapter.weight": draw.matrix(d, 2 * d),
-         "freqs_cis": np.zeros((1, POSITIONS, 1, D // 2, 2), np.float32)}
+         "transformer.adapter.weight": draw.matrix(d, 2 * d)}
+    if not retrofitted:
+        t["freqs_cis"] = np.zeros((1, POSITIONS, 1, D // 2, 2), np.float32)
     parts = [("prelude", config["n_layers_in_prelude"]),
              ("core_block", config["n_layers_in_recurrent_block"]),
              ("coda", config["n_layers_in_coda"])]
     for part, n in parts:
         for i in range(n):
             p = f"transformer.{part}.{i}."
-            for norm in (1, 2, 3, 4):
+            for norm in (1, 2) if retrofitted else (1, 2, 3, 4):
                 t[f"{p}norm_{norm}.weight"] = draw.gain()
-            t[p + "attn.Wqkv.weight"] = draw.matrix(3 * H * D, d)
-            t[p + "attn.qk_bias"] = draw.vector(2 * H * D).reshape(2, 1, H, D)
+            t[p + "attn.Wqkv.weight"] = draw.matrix((H + 2 * G) * D, d)
+            if config["qk_bias"]:
+                t[p + "attn.qk_bias"] = draw.vector(2 * H * D).reshape(2, 1, H, D)
             t[p + "attn.proj.weight"] = draw.matrix(d, H * D)
             t[p + "mlp.fc.weight"] = draw.matrix(2 * F, d)
             t[p + "mlp.proj.weight"] = draw.matrix(d, F)

@@ -1,16 +1,22 @@
 """Float64 references of the published looped layouts, and tiny random checkpoints of them.
 
 Written from the published model code's description (Ouro's `modeling_ouro.py`, Huginn's
-`raven_modeling_minimal.py`, Nanbeige's `modeling_nanbeige.py`), not from any TinyLoop
-backend, so a converter or backend that misreads a layout disagrees with them. Each `*_logits`
-takes a checkpoint's tensors by their Hugging Face names and its `config.json` dict and
-returns float64 logits (n, V) for a token list, attending causally over the whole list (no
-KV cache: one slot per (pass, layer) is what full-sequence attention computes anyway).
+`raven_modeling_minimal.py`, Nanbeige's `modeling_nanbeige.py`, the retrofitted-recurrence
+Llama's `raven_modeling_minimal_llama.py` from github.com/LoopedLMs/retrofitting-recurrence at
+e21042a6), not from any TinyLoop backend, so a converter or backend that misreads a layout
+disagrees with them. Each `*_logits` takes a checkpoint's tensors by their Hugging Face names
+and its `config.json` dict and returns float64 logits (n, V) for a token list, attending
+causally over the whole list (no KV cache: one slot per (pass, layer) is what full-sequence
+attention computes anyway); the recurrent ones take `steps`, the depth (default the config's).
 transformers itself stands for the LLaMA family (tests/test_hf_fidelity.py).
 
 Tiny random checkpoints of these layouts come from tests/hf_folders.py.
 """
+import math
+
 import numpy as np
+
+from hf_folders import RETROFIT_LLAMA
 
 
 # ---- the float64 pieces -----------------------------------------------------------------
@@ -27,10 +33,29 @@ def inverse_frequencies(head_dim, theta):
     return float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
 
-def rope_rotate_half(x, theta):
-    """x: (n, heads, D) at positions 0 .. n-1; pairs (i, i + D/2)."""
+def llama3_inverse_frequencies(theta, head_dim, factor, low_freq_factor, high_freq_factor,
+                               original_max_position_embeddings):
+    """transformers' _compute_llama3_parameters, restated in float64: wavelengths longer than
+    original / low are slowed by `factor`, shorter than original / high kept, and those between
+    blended by how many of them fit in the original context."""
+    inv = inverse_frequencies(head_dim, theta)
+    original = original_max_position_embeddings
+    low_wavelen, high_wavelen = original / low_freq_factor, original / high_freq_factor
+    wavelen = 2 * np.pi / inv
+    out = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, out)
+
+
+def rope_rotate_half(x, theta, inv_freq=None):
+    """x: (n, heads, D) at positions 0 .. n-1; pairs (i, i + D/2); frequencies `inv_freq`
+    (default theta's)."""
     n, D = x.shape[0], x.shape[-1]
-    angle = np.arange(n, dtype=np.float64)[:, None] * inverse_frequencies(D, theta)[None, :]
+    if inv_freq is None:
+        inv_freq = inverse_frequencies(D, theta)
+    angle = np.arange(n, dtype=np.float64)[:, None] * inv_freq[None, :]
     c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
     a, b = x[..., :D // 2], x[..., D // 2:]
     return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
@@ -129,47 +154,99 @@ def nanbeige_logits(t, cfg, tokens):
     return rms_norm(x, t["model.norm.weight"], eps) @ head.T
 
 
-# ---- Huginn-0125 ------------------------------------------------------------------------
+# ---- RavenForCausalLM: Huginn-0125 and the retrofitted-recurrence Llama -------------------
+
+def _raven_attention(t, p, h, cfg, rope):
+    """CausalSelfAttention: Wqkv rows [q; k; v] of n_heads, num_key_value_heads and
+    num_key_value_heads heads of n_embd // n_heads, q and k plus qk_bias (2, 1, H, D) when
+    qk_bias, `rope` on q and k, causal attention (kv head h // (H / G)), proj."""
+    d, H = cfg["n_embd"], cfg["n_heads"]
+    G = cfg.get("num_key_value_heads", H)
+    D, n = d // H, len(h)
+    q, k, v = np.split(h @ t[p + "attn.Wqkv.weight"].T, [H * D, (H + G) * D], axis=-1)
+    q, k, v = q.reshape(n, H, D), k.reshape(n, G, D), v.reshape(n, G, D)
+    if cfg.get("qk_bias", True):
+        bias = t[p + "attn.qk_bias"]
+        q, k = q + bias[0, 0], k + bias[1, 0]
+    return causal_attention(rope(q), rope(k), v) @ t[p + "attn.proj.weight"].T
+
+
+def _raven_mlp(t, p, h):
+    """GatedMLP: fc rows [gate; up], silu(gate) * up, proj."""
+    gate, up = np.split(h @ t[p + "mlp.fc.weight"].T, 2, axis=-1)
+    return (silu(gate) * up) @ t[p + "mlp.proj.weight"].T
+
 
 def _huginn_block(t, p, x, cfg):
-    """Post-residual norms: x = norm_2(x + attn(norm_1(x))), x = norm_4(x + mlp(norm_3(x)))."""
-    eps, d, H = cfg["norm_eps"], cfg["n_embd"], cfg["n_heads"]
-    D, n = d // H, len(x)
-    h = rms_norm(x, t[p + "norm_1.weight"], eps)
-    q, k, v = np.split(h @ t[p + "attn.Wqkv.weight"].T, 3, axis=-1)
-    bias = t[p + "attn.qk_bias"]                         # (2, 1, H, D): q bias, k bias
-    q = q.reshape(n, H, D) + bias[0, 0]
-    k = k.reshape(n, H, D) + bias[1, 0]
-    theta = cfg["rope_base"]
-    o = causal_attention(rope_interleaved(q, theta), rope_interleaved(k, theta),
-                         v.reshape(n, H, D))
-    x = rms_norm(x + o @ t[p + "attn.proj.weight"].T, t[p + "norm_2.weight"], eps)
-    gate, up = np.split(rms_norm(x, t[p + "norm_3.weight"], eps) @ t[p + "mlp.fc.weight"].T, 2,
-                        axis=-1)
-    y = (silu(gate) * up) @ t[p + "mlp.proj.weight"].T
+    """Post-residual norms: x = norm_2(x + attn(norm_1(x))), x = norm_4(x + mlp(norm_3(x)));
+    interleaved-pair RoPE of rope_base."""
+    eps = cfg["norm_eps"]
+
+    def rope(v):
+        return rope_interleaved(v, cfg["rope_base"])
+
+    y = _raven_attention(t, p, rms_norm(x, t[p + "norm_1.weight"], eps), cfg, rope)
+    x = rms_norm(x + y, t[p + "norm_2.weight"], eps)
+    y = _raven_mlp(t, p, rms_norm(x, t[p + "norm_3.weight"], eps))
     return rms_norm(x + y, t[p + "norm_4.weight"], eps)
 
 
-def huginn_logits(t, cfg, tokens, steps=None):
-    """Prelude, then `steps` (mean_recurrence) iterations of adapter([state, e]) and the core
-    blocks from a zero state (the reference draws it at random; TinyLoop pins zero), ln_f,
-    the coda, ln_f again, and the tied head."""
+def _retrofit_block(t, p, x, cfg):
+    """raven_modeling_minimal_llama.py's SandwichBlock, a LLaMA layer: x = x + attn(norm_1(x)),
+    x = x + mlp(norm_2(x)); transformers' LlamaRotaryEmbedding (rotate-half) of rope_theta with
+    rope_scaling (llama3) over head_dim."""
+    eps, D = cfg["norm_eps"], cfg.get("head_dim") or cfg["n_embd"] // cfg["n_heads"]
+    scaling = cfg.get("rope_scaling") or {"rope_type": "default"}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = llama3_inverse_frequencies(cfg["rope_theta"], D, scaling["factor"],
+                                              scaling["low_freq_factor"],
+                                              scaling["high_freq_factor"],
+                                              scaling["original_max_position_embeddings"])
+    else:
+        assert scaling.get("rope_type", scaling.get("type")) == "default", scaling
+        inv_freq = inverse_frequencies(D, cfg["rope_theta"])
+
+    def rope(v):
+        return rope_rotate_half(v, None, inv_freq)
+
+    x = x + _raven_attention(t, p, rms_norm(x, t[p + "norm_1.weight"], eps), cfg, rope)
+    return x + _raven_mlp(t, p, rms_norm(x, t[p + "norm_2.weight"], eps))
+
+
+def _raven_logits(t, cfg, tokens, steps, block, ln_f_before_coda):
+    """The embedding times init_values.embed_scale (RavenConfig derives sqrt(n_embd) when the
+    config does not say), the prelude, then `steps` (default mean_recurrence) iterations of
+    adapter([state, e]) and the core blocks from a zero state (the reference draws it at random,
+    truncated normal times init_scale: init_scale = 0 gives TinyLoop's zeros), [ln_f], the coda,
+    ln_f, lm_head (the embedding when tied)."""
     eps = cfg["norm_eps"]
     wte = t["transformer.wte.weight"]
-    x = wte[np.asarray(tokens)] * np.sqrt(cfg["n_embd"])
+    embed_scale = (cfg.get("init_values") or {}).get("embed_scale", math.sqrt(cfg["n_embd"]))
+    x = wte[np.asarray(tokens)] * embed_scale
     for i in range(cfg["n_layers_in_prelude"]):
-        x = _huginn_block(t, f"transformer.prelude.{i}.", x, cfg)
+        x = block(t, f"transformer.prelude.{i}.", x, cfg)
     e, x = x, np.zeros_like(x)
     for _ in range(cfg["mean_recurrence"] if steps is None else steps):
         x = np.concatenate([x, e], axis=-1) @ t["transformer.adapter.weight"].T
         for j in range(cfg["n_layers_in_recurrent_block"]):
-            x = _huginn_block(t, f"transformer.core_block.{j}.", x, cfg)
-    x = rms_norm(x, t["transformer.ln_f.weight"], eps)
+            x = block(t, f"transformer.core_block.{j}.", x, cfg)
+    if ln_f_before_coda:
+        x = rms_norm(x, t["transformer.ln_f.weight"], eps)
     for c in range(cfg["n_layers_in_coda"]):
-        x = _huginn_block(t, f"transformer.coda.{c}.", x, cfg)
+        x = block(t, f"transformer.coda.{c}.", x, cfg)
     x = rms_norm(x, t["transformer.ln_f.weight"], eps)
     return x @ t.get("lm_head.weight", wte).T
 
 
+def huginn_logits(t, cfg, tokens, steps=None):
+    """Huginn-0125: post-norm blocks, ln_f before the coda (and again before the head)."""
+    return _raven_logits(t, cfg, tokens, steps, _huginn_block, ln_f_before_coda=True)
+
+
+def retrofit_llama_logits(t, cfg, tokens, steps=None):
+    """A retrofitted-recurrence Llama: LLaMA layers, nothing between the core and the coda."""
+    return _raven_logits(t, cfg, tokens, steps, _retrofit_block, ln_f_before_coda=False)
+
+
 LOGITS = {"OuroForCausalLM": ouro_logits, "NanbeigeForCausalLM": nanbeige_logits,
-          "RavenForCausalLM": huginn_logits}
+          "RavenForCausalLM": huginn_logits, RETROFIT_LLAMA: retrofit_llama_logits}

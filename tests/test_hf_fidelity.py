@@ -4,9 +4,10 @@ The LLaMA family is compared with Hugging Face transformers' own float32 forward
 `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` models are saved with
 `save_pretrained`, converted, and run on every backend. A looped variant saves a model whose
 layers [S, E) are the core and compares it with the transformers model that has those layers
-repeated `loops` times (the unrolled loop). Ouro, Huginn and Nanbeige, whose code is not in
-transformers, are held to the float64 references of tests/hf_reference.py, which are checked
-against transformers where their layouts coincide with LLaMA's.
+repeated `loops` times (the unrolled loop). Ouro, Huginn, Nanbeige and the retrofitted-recurrence
+Llama, whose code is not in transformers, are held to the float64 references of
+tests/hf_reference.py, which are checked against transformers where their layouts coincide with
+LLaMA's; the retrofitted Llama at two depths.
 
 Floors (issue #15): the per-position cosine of int8 logits with the float forward, evaluated at
 every position of the prompt, averages >= 0.998, and no position falls below 0.99 (a single
@@ -21,8 +22,8 @@ import transformers
 import tinyloop
 from tinyloop.quickbench import backend_kwargs
 
-from hf_folders import checkpoint, write_folder
-from hf_reference import LOGITS, nanbeige_logits
+from hf_folders import RETROFIT_LLAMA, checkpoint, write_folder
+from hf_reference import LOGITS, nanbeige_logits, retrofit_llama_logits
 
 
 INT8_MEAN_COSINE = 0.998
@@ -116,19 +117,25 @@ def test_looped_span_matches_unrolled_transformers(tmp_path, backend, arch):
                     f"{arch} core {n_pre}:{n_pre + k} x {loops}")
 
 
-# Each published layout, and Nanbeige's depth set by loop_loss_weights (3 loops, num_loops 2).
-LAYOUTS = [(arch, {}) for arch in sorted(LOGITS)] + [
-    ("NanbeigeForCausalLM", dict(loop_loss_weights=[0.5, 0.5]))]
+# Each published layout at its checkpoint's depth (None); Nanbeige's depth set by
+# loop_loss_weights (3 loops, num_loops 2); the retrofitted Llama (3) at 8 too.
+PUBLISHED = ([(arch, {}, None) for arch in sorted(LOGITS)]
+             + [("NanbeigeForCausalLM", dict(loop_loss_weights=[0.5, 0.5]), None),
+                (RETROFIT_LLAMA, {}, 8)])
 
 
-@pytest.mark.parametrize("arch, overrides", LAYOUTS,
-                         ids=[arch + "".join(f"-{key}" for key in o) for arch, o in LAYOUTS])
-def test_published_looped_layout_matches_reference(tmp_path, backend, arch, overrides):
+@pytest.mark.parametrize("arch, overrides, loops", PUBLISHED,
+                         ids=[arch + "".join(f"-{key}" for key in o) + (f"-L{L}" if L else "")
+                              for arch, o, L in PUBLISHED])
+def test_published_looped_layout_matches_reference(tmp_path, backend, arch, overrides, loops):
     cfg, tensors = checkpoint(arch, seed=4, **overrides)
     write_folder(tmp_path / "hf", cfg, tensors)
     tinyloop.convert(tmp_path / "hf", tmp_path / "m.tinyloop", weight_format="int8")
-    reference = LOGITS[arch]({k: v.astype(np.float64) for k, v in tensors.items()}, cfg, TOKENS)
-    assert_faithful(tinyloop_logits(tmp_path / "m.tinyloop", backend), reference, arch)
+    steps = {} if loops is None else {"steps": loops}
+    reference = LOGITS[arch]({k: v.astype(np.float64) for k, v in tensors.items()}, cfg, TOKENS,
+                             **steps)
+    assert_faithful(tinyloop_logits(tmp_path / "m.tinyloop", backend, loops), reference,
+                    f"{arch} L={loops or 'default'}")
 
 
 def test_reference_layout_agrees_with_transformers_llama(tmp_path):
@@ -138,4 +145,39 @@ def test_reference_layout_agrees_with_transformers_llama(tmp_path):
     cfg = {**model.config.to_dict(), "num_loops": 1, "skip_loop_final_norm": False}
     tensors = {k: v.double().numpy() for k, v in model.state_dict().items()}
     reference = nanbeige_logits(tensors, cfg, TOKENS)
+    np.testing.assert_allclose(reference, hf_logits(model), rtol=0, atol=1e-4)
+
+
+def test_retrofit_reference_agrees_with_transformers_llama():
+    """The retrofitted-recurrence reference at one step is the Llama it was cut from, as
+    McLeish et al.'s convert_llama.py checks: a LlamaForCausalLM with llama3 RoPE scaling and
+    GQA, its layers saved as prelude 1 / core 2 / coda 1 (Wqkv = [q; k; v], fc = [gate; up],
+    norm_1 / norm_2 = input / post-attention norms), the adapter [anything | I] so that the
+    first step's input is the prelude's output. A reference error in the fused splits, RoPE
+    scaling, GQA or the norms' places would show here."""
+    d = SIZES["hidden_size"]
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+    model = hf_model("LlamaForCausalLM", 4, seed=7, rope_theta=10000.0, rope_scaling=scaling)
+    w = {k: v.double().numpy() for k, v in model.state_dict().items()}
+    t = {"transformer.wte.weight": w["model.embed_tokens.weight"],
+         "transformer.ln_f.weight": w["model.norm.weight"], "lm_head.weight": w["lm_head.weight"],
+         "transformer.adapter.weight": np.concatenate(
+             [np.random.default_rng(8).standard_normal((d, d)), np.eye(d)], axis=1)}
+    for layer, p in enumerate(["prelude.0", "core_block.0", "core_block.1", "coda.0"]):
+        src, p = f"model.layers.{layer}.", f"transformer.{p}."
+        t[p + "attn.Wqkv.weight"] = np.concatenate(
+            [w[f"{src}self_attn.{part}_proj.weight"] for part in "qkv"])
+        t[p + "attn.proj.weight"] = w[src + "self_attn.o_proj.weight"]
+        t[p + "mlp.fc.weight"] = np.concatenate([w[src + "mlp.gate_proj.weight"],
+                                                 w[src + "mlp.up_proj.weight"]])
+        t[p + "mlp.proj.weight"] = w[src + "mlp.down_proj.weight"]
+        t[p + "norm_1.weight"] = w[src + "input_layernorm.weight"]
+        t[p + "norm_2.weight"] = w[src + "post_attention_layernorm.weight"]
+    cfg, _ = checkpoint(RETROFIT_LLAMA, n_embd=d, n_heads=SIZES["num_attention_heads"],
+                        num_key_value_heads=SIZES["num_key_value_heads"],
+                        head_dim=SIZES["head_dim"], norm_eps=SIZES["rms_norm_eps"],
+                        rope_theta=10000.0, rope_scaling=scaling, n_layers_in_prelude=1,
+                        n_layers_in_recurrent_block=2, n_layers_in_coda=1)
+    reference = retrofit_llama_logits(t, cfg, TOKENS, steps=1)
     np.testing.assert_allclose(reference, hf_logits(model), rtol=0, atol=1e-4)
