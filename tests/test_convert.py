@@ -21,9 +21,10 @@ from tinyloop.modelfile import load_model, read_meta  # noqa: E402
 from tinyloop.quantize import rope_tables  # noqa: E402
 
 from conftest import assert_same_bits  # noqa: E402
-from hf_folders import (ARCHITECTURES, D_MODEL, FFN, HEADS, KV_HEADS, LAYERS,  # noqa: E402
-                        TOKENIZER_JSON, VOCAB, checkpoint, tokenizer_json_with,
-                        write_folder)
+from hf_folders import (D_MODEL, FFN, HEADS, KV_HEADS, LAYERS,  # noqa: E402
+                        LAYOUTS, POSITIONS, RETROFIT_LLAMA, TOKENIZER_JSON, VOCAB, architecture,
+                        checkpoint, tokenizer_json_with, write_folder)
+from hf_reference import llama3_inverse_frequencies  # noqa: E402
 from tinyloop.tokenizer import end_of_turn_stops  # noqa: E402
 
 # What each architecture's tiny folder converts to (docs/spec.md §1's published layouts).
@@ -42,6 +43,11 @@ EXPECTED = {
                              coda_norm=True, step_norm=False, n_kv_heads=HEADS,
                              embed_scale=float(np.float32(math.sqrt(D_MODEL))),
                              tied_head=False, bos_id=3, eos_id=4),   # untied: ln_f is not 1
+    RETROFIT_LLAMA: dict(n_pre_blocks=2, n_core_blocks=2, n_coda_blocks=1, default_loops=3,
+                         block_layout="pre", qkv_bias=False, injection=True, coda_norm=False,
+                         step_norm=False, n_kv_heads=KV_HEADS, head_dim=D_MODEL // HEADS,
+                         embed_scale=1.0, tied_head=False, rope_theta=10000.0,
+                         max_seq_len=POSITIONS, bos_id=1, eos_id=2),
 }
 
 
@@ -57,7 +63,7 @@ def weights_of(src, **options):
     return ckpt, plan, LazyWeights(ckpt, plan.recipe, None)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", LAYOUTS)
 def test_each_architecture_converts_loads_and_generates(tmp_path, arch):
     src = folder(tmp_path, arch)
     out = str(tmp_path / "m.tinyloop")
@@ -71,7 +77,7 @@ def test_each_architecture_converts_loads_and_generates(tmp_path, arch):
     assert (config.vocab_size, config.d_model, config.ffn_dim) == (VOCAB, D_MODEL, FFN)
     assert config.tokenizer == "hf" and config.name == "model"
     meta = read_meta(out)
-    assert meta["meta.architecture"] == arch
+    assert meta["meta.architecture"] == architecture(arch)
     assert meta["meta.tokenizer_json"] == TOKENIZER_JSON
     # one progress call per float weight, counting up to the total
     assert [done for done, _, _ in seen] == list(range(1, seen[-1][1] + 1))
@@ -177,6 +183,37 @@ def test_huginn_untied_head_is_lm_head(tmp_path):
     ckpt.close()
 
 
+def test_retrofitted_llama_splits_fused_tensors_in_place_with_its_rope(tmp_path):
+    """Unlike Huginn: no RoPE row permutation, norm_1 / norm_2 are the pre-norms, no coda
+    norm, the RoPE tables are llama3's of rope_theta (not the stale rope_base)."""
+    src = folder(tmp_path, RETROFIT_LLAMA)
+    ckpt, plan, w = weights_of(src)
+    d, H, G, D, F = D_MODEL, HEADS, KV_HEADS, D_MODEL // HEADS, FFN
+    p = "transformer.core_block.1."
+    qkv = ckpt.tensor(p + "attn.Wqkv.weight")
+    assert qkv.shape == ((H + 2 * G) * D, d)
+    assert np.array_equal(w["core.1.wq"], qkv[:H * D])
+    assert np.array_equal(w["core.1.wk"], qkv[H * D:(H + G) * D])
+    assert np.array_equal(w["core.1.wv"], qkv[(H + G) * D:])
+    fc = ckpt.tensor(p + "mlp.fc.weight")
+    assert np.array_equal(w["core.1.w_gate"], fc[:F]) and np.array_equal(w["core.1.w_up"], fc[F:])
+    assert np.array_equal(w["core.1.attn_norm"], ckpt.tensor(p + "norm_1.weight"))
+    assert np.array_equal(w["core.1.mlp_norm"], ckpt.tensor(p + "norm_2.weight"))
+    assert not [n for n in w if n.endswith(("post_norm", "bq", "bk", "bv"))]
+    assert "coda.input_norm" not in w
+    assert np.array_equal(w["final_norm"], ckpt.tensor("transformer.ln_f.weight"))
+    assert np.array_equal(w["core.adapter"], ckpt.tensor("transformer.adapter.weight"))
+    assert np.array_equal(w["head"], ckpt.tensor("lm_head.weight"))
+    assert np.array_equal(w["coda.0.w_down"], ckpt.tensor("transformer.coda.0.mlp.proj.weight"))
+    ckpt.close()
+    out = str(tmp_path / "m.tinyloop")
+    config = tinyloop.convert(src, out)
+    inv_freq = llama3_inverse_frequencies(10000.0, D, 8.0, 1.0, 4.0, 16)
+    cos, sin = rope_tables(config.max_seq_len, D, 0.0, inv_freq)
+    tensors = load_model(out)[1]
+    assert np.array_equal(tensors["rope.cos"], cos) and np.array_equal(tensors["rope.sin"], sin)
+
+
 def test_the_rope_permutation_keeps_every_attention_score():
     """Interleaved-pair RoPE on the checkpoint's rows scores like rotate-half RoPE on the
     permuted rows (float64; the identity is exact up to rounding)."""
@@ -278,6 +315,26 @@ def _tensor(name, value):
     return mutate
 
 
+def _drop_key(key):
+    def mutate(config, tensors):
+        del config[key]
+    return mutate
+
+
+def _olmo_flavour(config, tensors):
+    """McLeish et al.'s OLMo-2 retrofit: q_norm / k_norm over the whole q / k projections."""
+    for name in [n for n in tensors if n.endswith("attn.Wqkv.weight")]:
+        p = name[:-len("Wqkv.weight")]
+        tensors[p + "q_norm.weight"] = np.ones(HEADS * 8, np.float32)
+        tensors[p + "k_norm.weight"] = np.ones(KV_HEADS * 8, np.float32)
+
+
+def _sandwich_norms(config, tensors):
+    for name in [n for n in tensors if n.endswith("norm_2.weight")]:
+        tensors[name.replace("norm_2", "norm_3")] = tensors[name]
+        tensors[name.replace("norm_2", "norm_4")] = tensors[name]
+
+
 REFUSALS = [
     ("LlamaForCausalLM", _set(architectures=["GPT2LMHeadModel"]), {}, ["GPT2LMHeadModel"]),
     ("LlamaForCausalLM", _drop("model.layers.1.mlp.up_proj.weight"), {},
@@ -311,6 +368,19 @@ REFUSALS = [
     ("RavenForCausalLM", _set(injection_type="add"), {}, ["injection_type", "'add'"]),
     ("RavenForCausalLM", _drop("transformer.adapter.weight"), {},
      ["missing tensor 'transformer.adapter.weight'"]),
+    (RETROFIT_LLAMA, _olmo_flavour, {},
+     ["'transformer.coda.0.attn.k_norm.weight'", "OLMo-2 flavour", "no q/k norm",
+      "no placement without an input norm"]),
+    (RETROFIT_LLAMA, _drop_key("rope_theta"), {},
+     ["rope_theta is missing", "no norm_3 / norm_4", "rope_base = 500000.0", "unknown"]),
+    (RETROFIT_LLAMA, _sandwich_norms, {},
+     ["config.json has rope_theta", "'transformer.coda.0.norm_3.weight'", "cannot be told"]),
+    ("RavenForCausalLM", _set(rope_theta=10000.0), {},
+     ["'transformer.coda.0.norm_3.weight'", "config.json has rope_theta"]),
+    (RETROFIT_LLAMA, _set(head_dim=16), {}, ["head_dim = 16", "n_embd // n_heads = 8"]),
+    (RETROFIT_LLAMA, _set(rope_scaling={"rope_type": "yarn", "factor": 4.0}), {},
+     ["rope_scaling of rope_type 'yarn'"]),
+    (RETROFIT_LLAMA, lambda c, t: None, dict(core=(0, 2)), ["RavenForCausalLM", "--core"]),
 ]
 
 
@@ -427,18 +497,6 @@ def test_folder_problems_are_named(tmp_path):
         tinyloop.convert(src, str(tmp_path / "m.tinyloop"))
 
 
-def _hf_llama3_inv_freq(theta, head_dim, factor, low, high, original):
-    """transformers' _compute_llama3_parameters, restated in float64."""
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    low_wavelen, high_wavelen = original / low, original / high
-    wavelen = 2 * np.pi / inv
-    out = np.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * out / factor + smooth * out
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, out)
-
-
 @pytest.mark.parametrize("scaling", [
     {"rope_type": "linear", "factor": 4.0},
     {"type": "linear", "factor": 2.0},
@@ -454,7 +512,7 @@ def test_rope_scaling_tables(tmp_path, scaling):
     if scaling.get("rope_type", scaling.get("type")) == "linear":
         inv_freq = base / scaling["factor"]
     else:
-        inv_freq = _hf_llama3_inv_freq(500.0, D, 8.0, 1.0, 4.0, 16)
+        inv_freq = llama3_inverse_frequencies(500.0, D, 8.0, 1.0, 4.0, 16)
         assert not np.allclose(inv_freq, base) and not np.allclose(inv_freq, base / 8)
     cos, sin = rope_tables(config.max_seq_len, D, 0.0, inv_freq)
     tensors = load_model(out)[1]
@@ -466,14 +524,14 @@ def converted(tmp_path_factory):
     """{architecture: the .tinyloop file of its tiny folder}."""
     root = tmp_path_factory.mktemp("converted")
     files = {}
-    for arch in ARCHITECTURES:
+    for arch in LAYOUTS:
         config, tensors = checkpoint(arch, seed=7)
         files[arch] = str(root / f"{arch}.tinyloop")
         tinyloop.convert(write_folder(root / arch, config, tensors), files[arch])
     return files
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", LAYOUTS)
 def test_converted_models_are_bit_identical_on_every_backend(converted, backend, arch):
     prompt = [5, 17, 99, 3, 250, 7]
     with tinyloop.Model(converted[arch], backend="numpy") as model:
