@@ -337,6 +337,12 @@ def _sandwich_norms(config, tensors):
 
 REFUSALS = [
     ("LlamaForCausalLM", _set(architectures=["GPT2LMHeadModel"]), {}, ["GPT2LMHeadModel"]),
+    ("LlamaForCausalLM", _set(architectures=["HrmTextForCausalLM"]), {},
+     ["HrmTextForCausalLM is a looped model TinyLoop cannot run yet", "prefix-LM mask"]),
+    ("LlamaForCausalLM", _set(architectures=["IQuestLoopCoderForCausalLM"]), {},
+     ["IQuestLoopCoderForCausalLM", "sliding window"]),
+    ("LlamaForCausalLM", _set(architectures=None, _class_name="ParcaeConfig"), {},
+     ["ParcaeConfig", "diagonal injection"]),
     ("LlamaForCausalLM", _drop("model.layers.1.mlp.up_proj.weight"), {},
      ["missing tensor 'model.layers.1.mlp.up_proj.weight'"]),
     ("LlamaForCausalLM", _tensor("model.layers.0.self_attn.k_proj.weight",
