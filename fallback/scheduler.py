@@ -59,6 +59,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self.counters = dict.fromkeys(SCHED_STAT_NAMES, 0)
         self._refused_at = None      # the held KV when the waiting head was refused
+        self._stop_ids = engine.config.stop_token_ids()
 
     # -- KV accounting --------------------------------------------------------------------
     def _block_bytes(self, loops):
@@ -272,12 +273,10 @@ class Scheduler:
         """r's round of K' = r.round positions, its events appended to `events` as they are
         emitted, so none is lost if the round then fails (a NumericError ends r with an
         "error" event, as _sample does)."""
-        stop_ids = self.engine.config.stop_token_ids()
-
         def emit(token, logits):
             r.input.append(token)
             self.counters["generated_tokens"] += 1
-            events.append((r.id, token, finish_reason(r.emitted, r.params, stop_ids)))
+            events.append((r.id, token, finish_reason(r.emitted, r.params, self._stop_ids)))
             return events[-1][2] is not None
 
         e = self.engine
@@ -302,7 +301,7 @@ class Scheduler:
             return (r.id, -1, "error")
         r.input.append(token)
         self.counters["generated_tokens"] += 1
-        why = finish_reason(r.emitted, r.params, self.engine.config.stop_token_ids())
+        why = finish_reason(r.emitted, r.params, self._stop_ids)
         if why is not None:
             self._finish(r)
         return (r.id, token, why)

@@ -283,3 +283,24 @@ def test_chat_arguments_are_checked(model):
     with pytest.raises(ValueError, match="the message must be a str, got int"):
         chat.send(5)
     assert chat.messages == []                     # a refused turn leaves no trace
+
+
+def test_a_reply_ending_on_a_stop_id_leaves_it_out(tmp_path):
+    """A stop id of a bytes model is a byte: generation ends on it (the model's own rule, not
+    the chat's) and the reply's text leaves it out, as it leaves out an end of turn."""
+    template = json.dumps({"chat_template": "{% for m in messages %}{{ m['content'] }}\n"
+                                            "{% endfor %}"})
+    shape = dict(vocab_size=256, tokenizer="bytes", seed=11,
+                 meta={"meta.tokenizer_config": template})
+    plain = tmp_path / "plain.tinyloop"
+    tinyloop.random_model(plain, **shape)
+    with open_model(plain) as model:
+        prompt = model.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+        emitted = model.generate(prompt, max_tokens=8)[len(prompt):]
+    at = next(i for i in range(1, len(emitted)) if emitted[i] not in emitted[:i])
+    stopped = tmp_path / "stop.tinyloop"
+    tinyloop.random_model(stopped, stop_ids=(emitted[at],), **shape)
+    with open_model(stopped) as model:
+        turn = Chat(model, max_tokens=8).send("hi")
+    assert turn.new_tokens == at + 1
+    assert turn.reply == bytes(emitted[:at]).decode("utf-8", "replace")

@@ -442,7 +442,7 @@ def test_huginn_stops_on_both_published_eos_ids_and_a_chat_turn_ends_at_end_turn
             c = model.config()
             assert (c["eos_id"], c["stop_ids"]) == (65505, (65508,))
             assert model.tokenizer.end_of_turn_id == 65508        # the template's
-            assert end_of_turn_stops(model.tokenizer, {c["eos_id"], *c["stop_ids"]}) == []
+            assert end_of_turn_stops(model.tokenizer, model.stop_token_ids()) == []
 
 
 @pytest.mark.parametrize("tokenizer_eos, stop_ids, chat_stops", [
@@ -460,8 +460,7 @@ def test_ouro_chats_stop_at_im_end(tmp_path, tokenizer_eos, stop_ids, chat_stops
     assert (converted.eos_id, converted.stop_ids) == (0, stop_ids)
     with tinyloop.Model(out) as model:
         assert model.tokenizer.end_of_turn_id == 2
-        stops = {model.config()["eos_id"], *model.config()["stop_ids"]}
-        assert end_of_turn_stops(model.tokenizer, stops) == chat_stops
+        assert end_of_turn_stops(model.tokenizer, model.stop_token_ids()) == chat_stops
 
 
 def test_eos_ids_outside_the_vocabulary_or_too_many_are_refused(tmp_path):

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("require_native")
 NATIVE_PREFIX = "bad model file: "        # libtinyloop's ModelFormatError messages start so
 # Version-2 kinds with every kind of tensor between them: biases, post and step norms, the
 # adapter, a coda and its norm, int4 weights, the meta.* texts.
-RICH_KINDS = ("v2", "v2-int4-sandwich", "hf")
+RICH_KINDS = ("v2", "v2-int4-sandwich", "hf", "v3-stop-ids")
 
 
 def subject(message):
@@ -137,7 +137,7 @@ def test_each_tensor_dropped_or_renamed(agree, kind):
     is not there, a meta.* text the spec does not list): both readers name the same missing
     or unexpected tensor."""
     buf = valid_file(kind)
-    optional = {"meta.architecture", "meta.tokenizer_config"}
+    optional = {"meta.architecture", "meta.tokenizer_config", "stop_ids"}
     renames = {"core.": "loop.", "loop.": "core.0.", "coda.0.": "coda.9.", "meta.": "meta.x"}
     for name, at in table(buf).items():
         want = "accepted" if name in optional else "ModelFormatError"

@@ -104,7 +104,7 @@ def test_every_request_gets_what_it_gets_alone(backend, zoo, data):
                 continue
             assert tokens[i] == want
             assert finish[i] == ("length" if len(want) == kwargs["max_tokens"] and not (
-                want[-1] in {model.config()["eos_id"], *model.config()["stop_ids"]} or any(
+                want[-1] in model.stop_token_ids() or any(
                     want[-len(s):] == s for s in kwargs["stop_sequences"])) else "stop")
         assert stats["running"] == stats["waiting"] == stats["kv_bytes"] == 0
         assert stats["finished"] + stats["cancelled"] == len(arrivals)

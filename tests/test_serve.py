@@ -369,8 +369,7 @@ def offline_chat(path, messages, max_tokens, seed, **kwargs):
         rendered = [dict(m, content=m["content"] if isinstance(m["content"], str)
                          else "".join(part["text"] for part in m["content"])) for m in messages]
         ids = model.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
-        config = model.config()
-        ends = end_of_turn_stops(model.tokenizer, {config["eos_id"], *config["stop_ids"]})
+        ends = end_of_turn_stops(model.tokenizer, model.stop_token_ids())
         text, n = offline(model, ids, max_tokens, seed, stop_sequences=[[end] for end in ends],
                           **kwargs)
         for end in ends:

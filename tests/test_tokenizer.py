@@ -279,3 +279,39 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, config_text
                            match=f"meta.tokenizer_json has {size} tokens .*, more than the "
                                  f"model's vocab_size {vocab_size}"):
             model.encode("hi")
+
+
+@pytest.mark.parametrize("after, expected", [
+    ("<|end|>", "<|end|>"),              # the special token written right after a reply
+    ("\n <|end|>\n", "<|end|>"),         # whitespace before it (byte-level BPE tokens)
+    ("!<|end|>", "</s>"),                # text first: not an end of turn, eos instead
+    ("", "</s>"),                        # nothing after a reply
+])
+def test_end_of_turn_is_the_token_the_template_writes_after_a_reply(tmp_path, after, expected):
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" + after
+                + "{% endfor %}")
+    path = hf_model(tmp_path / "m.tinyloop", config_text=tokenizer_config(chat_template=template))
+    with open_model(path) as model:
+        assert model.tokenizer.end_of_turn_id == tiny_tokenizer().token_to_id(expected)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ raise_exception('no replies here') }}",
+    "{% for m in messages %}<|{{ m['role'] }}|><|end|>{% endfor %}",     # drops every content
+])
+def test_a_template_that_refuses_or_drops_a_reply_leaves_eos_as_the_end_of_turn(tmp_path,
+                                                                                  template):
+    path = hf_model(tmp_path / "m.tinyloop", config_text=tokenizer_config(chat_template=template))
+    with open_model(path) as model:
+        assert model.tokenizer.end_of_turn_id == tiny_tokenizer().token_to_id("</s>")
+
+
+def test_a_bytes_model_skips_its_stop_ids_when_asked(tmp_path):
+    path = tmp_path / "b.tinyloop"
+    tinyloop.random_model(path, vocab_size=300, tokenizer="bytes", eos_id=256,
+                          stop_ids=(257, ord("!")))
+    with open_model(path) as model:
+        assert model.decode([72, 105, 33, 257, 256], skip_special_tokens=True) == "Hi"
+        assert model.decode([72, 105, 33]) == "Hi!"              # text unless skipped
+        with pytest.raises(ValueError, match="257"):
+            model.decode([72, 257])

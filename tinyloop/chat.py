@@ -50,10 +50,10 @@ class Chat:
         tokenizer = model.tokenizer           # ValueError for a model without a tokenizer
         if tokenizer.chat_template is None:
             raise ValueError(f"a chat needs a chat template; model {model.path!r} has none")
-        config = model.config()
-        self._end_of_turn = end_of_turn_stops(tokenizer, {config["eos_id"], *config["stop_ids"]})
+        end_of_turn = end_of_turn_stops(tokenizer, model.stop_token_ids())
         stops = [list(stop) for stop in generation.pop("stop_sequences", None) or ()]
-        stops += [[token] for token in self._end_of_turn]
+        stops += [[token] for token in end_of_turn]
+        self._ends = model.stop_token_ids() | set(end_of_turn)    # no part of a reply's text
         self._generation = dict(generation, stop_sequences=stops,
                                 max_tokens=P.check_int("max_tokens", max_tokens, 1))
         self._decode = functools.partial(model.decode, skip_special_tokens=True)
@@ -78,7 +78,7 @@ class Chat:
                 on_text(piece)
 
         def on_token(token: int) -> None:
-            if token not in self._end_of_turn:     # it ends the reply, and is no part of it
+            if token not in self._ends:     # it ends the reply, and is no part of it
                 show(stream.push(token))
 
         before = self.model.cache_stats()
@@ -87,7 +87,7 @@ class Chat:
         after = self.model.cache_stats()
         show(stream.flush())
         emitted = out[len(prompt):]
-        ended = bool(emitted) and emitted[-1] in self._end_of_turn
+        ended = bool(emitted) and emitted[-1] in self._ends
         reply = self._decode(emitted[:-1] if ended else emitted)
         self.messages = messages + [{"role": "assistant", "content": reply}]
         return Turn(reply, len(prompt), after["hit_tokens"] - before["hit_tokens"],

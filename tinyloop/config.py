@@ -77,7 +77,7 @@ class ModelConfig:
 
     @property
     def file_version(self) -> int:
-        """The version a writer gives this model's file: the lowest that holds it (§6.1)."""
+        """The version a writer gives this model's file: the lowest that holds it (§6.5)."""
         return 3 if self.stop_ids else 2
 
     def stop_token_ids(self) -> FrozenSet[int]:

@@ -273,6 +273,11 @@ class Model:
         self._live_engine()
         return self._config.to_dict()
 
+    def stop_token_ids(self) -> frozenset[int]:
+        """The ids whose emission ends every generation: eos_id (when >= 0) and stop_ids."""
+        self._live_engine()
+        return self._config.stop_token_ids()
+
     def runtime(self) -> dict[str, Any]:
         """How the model runs here (docs/api.md): backend, device, device_name, isa (the
         kernel path), threads, kv_block_size, weight_bytes, device_weight_bytes, kv_mode."""

@@ -6,12 +6,12 @@ back, version 3, 2 or 1 (§6.5: a version-1 file is returned as the version-2 mo
 describes, its `loop.*` tensors named `core.0.*`), as read-only numpy arrays viewing the bytes
 (`load_model` reads the file once into memory of its own, so a later change to the file changes
 nothing, as in libtinyloop). The optional `meta.*` texts are ordinary u8 1-D tensors of the
-dict; `meta_tensor` makes one and `read_meta` reads only them (header, table and their bytes) of
-a file another reader already validated. The `stop_ids` tensor is not in the dict: it is the
-config's `stop_ids`, written from it and read into it. Writer and reader apply the same tensor checks. The
-reader checks every rule of §6 in one fixed order and raises ModelFormatError naming the first
-rule broken, whatever the input bytes: sizes and offsets are Python ints (no overflow), and no
-byte outside the buffer is read or allocated for.
+dict; `meta_tensor` makes one and `read_meta` reads only them (header, table and their bytes)
+of a file another reader already validated. The `stop_ids` tensor is not in the dict: it is the
+config's `stop_ids`, written from it and read into it. Writer and reader apply the same tensor
+checks. The reader checks every rule of §6 in one fixed order and raises ModelFormatError
+naming the first rule broken, whatever the input bytes: sizes and offsets are Python ints (no
+overflow), and no byte outside the buffer is read or allocated for.
 `pack_int4` / `unpack_int4` convert int4 weights to and from their stored form; `checksum` is
 the CRC-32 of §6.1, which the prefix blob (§7.1) and the spilled block file (§7.6) share.
 Not here: quantization, or any interpretation of the weights.

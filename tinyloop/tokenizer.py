@@ -4,11 +4,11 @@
 (ids 0..255 are the UTF-8 bytes; meta.tokenizer_config, when the file has one, may give it a
 chat_template and an end-of-turn byte), `HfTokenizer` for "hf" (the Hugging Face
 `tokenizer.json` in meta.tokenizer_json, with meta.tokenizer_config's special tokens,
-add_bos_token/add_eos_token and chat_template). `end_of_turn_stops` are the tokens a chat
-reply ends on besides the model's stop ids, for `Chat` and the server alike. "hf" needs the optional package `tokenizers`
-(pip install 'tinyloop[hf]'), imported only when such a tokenizer opens: every other model works
-without it. `TextStream` turns ids, one at a time, into the text they add (streaming). Text
-never reaches libtinyloop, which is token-in/token-out.
+add_bos_token/add_eos_token and chat_template). `end_of_turn_stops` are the tokens a chat reply
+ends on besides the model's stop ids, for `Chat` and the server alike. "hf" needs the optional
+package `tokenizers` (pip install 'tinyloop[hf]'), imported only when such a tokenizer opens:
+every other model works without it. `TextStream` turns ids, one at a time, into the text they
+add (streaming). Text never reaches libtinyloop, which is token-in/token-out.
 """
 from __future__ import annotations
 
@@ -130,8 +130,9 @@ def end_of_turn_stops(tokenizer: Tokenizer, stop_ids: Collection[int]) -> list[i
 
 
 class ByteTokenizer:
-    """ids 0..255 are the UTF-8 bytes of the text; the header's bos/eos ids are its special
-    tokens. encode adds none of them (the byte models never had them added).
+    """ids 0..255 are the UTF-8 bytes of the text; the header's bos/eos ids and the file's stop
+    ids are its special tokens. encode adds none of them (the byte models never had them
+    added).
 
     A meta.tokenizer_config (optional) gives the model a chat template and an end of turn:
     its eos_token, one byte (the demo model's is "\\n": a reply is one line). That byte stays
@@ -141,6 +142,7 @@ class ByteTokenizer:
         settings = _settings(tokenizer_config)
         self.bos_id = _header_id(config.bos_id)
         self.eos_id = _header_id(config.eos_id)
+        self._special = {config.bos_id, *config.stop_token_ids()}
         end = _content(settings.get("eos_token"), "eos_token")
         if end is not None and len(end.encode("utf-8")) != 1:
             raise ModelFormatError("meta.tokenizer_config eos_token of a bytes tokenizer must "
@@ -154,9 +156,9 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Never raises on partial or invalid UTF-8 (U+FFFD); ids >= 256 are refused unless
-        they are the bos/eos ids and skip_special_tokens drops them."""
+        they are special (bos, eos, stop ids) and skip_special_tokens drops them."""
         if skip_special_tokens:
-            ids = [i for i in ids if i not in (self.bos_id, self.eos_id)]
+            ids = [i for i in ids if i not in self._special]
             if not ids:
                 return ""
         return bytes(P.check_tokens("tokens", ids, 256).tolist()).decode("utf-8", "replace")
@@ -234,9 +236,9 @@ class HfTokenizer:
         return named
 
     def _template_end_of_turn(self) -> Optional[int]:
-        """The special token the chat template writes right after an assistant reply's content
-        (ChatML's <|im_end|>, Huginn's <|end_turn|>); None when it writes none there, or has no
-        template, or the template refuses a user-assistant exchange."""
+        """The special token the chat template writes right after an assistant reply's content,
+        whitespace aside (ChatML's <|im_end|>, Huginn's <|end_turn|>); None when it writes none
+        there, or has no template, or the template refuses a user-assistant exchange."""
         if self.chat_template is None:
             return None
         exchange = [{"role": "user", "content": "?"},
@@ -248,7 +250,7 @@ class HfTokenizer:
         at = text.rfind(END_OF_TURN_PROBE)
         if at < 0:
             return None
-        after = self._tokenizer.encode(text[at + len(END_OF_TURN_PROBE):],
+        after = self._tokenizer.encode(text[at + len(END_OF_TURN_PROBE):].lstrip(),
                                        add_special_tokens=False).ids
         special = {i for i, token in self._tokenizer.get_added_tokens_decoder().items()
                    if token.special}

@@ -551,7 +551,7 @@ TL_API tl_status tl_sched_cancel(tl_sched* sched, uint64_t id);
 /* Why a request ended, reported with its last event. */
 typedef enum tl_finish {
     TL_FINISH_NONE = 0,   /* still running                                                     */
-    TL_FINISH_STOP = 1,   /* its token is eos or ends a stop sequence                          */
+    TL_FINISH_STOP = 1,   /* its token is a stop id (eos_id, stop_ids) or ends a stop sequence */
     TL_FINISH_LENGTH = 2, /* max_tokens reached                                                */
     TL_FINISH_ERROR = 3   /* its logits were not finite: no token (-1), the request is dropped */
 } tl_finish;

@@ -4,11 +4,11 @@
 model.safetensors.index.json; bf16, fp16 or fp32), and optionally generation_config.json,
 tokenizer.json, tokenizer_config.json and chat_template.jinja. The ids that end generation are
 every eos id the folder names (config.json's and generation_config.json's eos_token_id, then
-the tokenizer's eos_token), the first being the header's eos_id. The architecture named in config.json picks a
-mapper (architectures.py), which reads config.json and says how every float weight is made
-from checkpoint tensors; those tensors' presence and shapes are checked before any data is
-read, then tinyloop.quantize quantizes the weights one at a time as it looks them up (the
-checkpoint stays memory-mapped), and the file is written with the tokenizer and the
+the tokenizer's eos_token), the first being the header's eos_id. The architecture named in
+config.json picks a mapper (architectures.py), which reads config.json and says how every float
+weight is made from checkpoint tensors; those tensors' presence and shapes are checked before
+any data is read, then tinyloop.quantize quantizes the weights one at a time as it looks them
+up (the checkpoint stays memory-mapped), and the file is written with the tokenizer and the
 architecture name as meta.* texts (docs/spec.md §6.3). With gptq, a float forward over the
 calibration text (tinyloop.calibrate, tokenized by the model's tokenizer) first records each
 linear's input Gram matrix, and the int4 linears are quantized by GPTQ.

@@ -120,8 +120,7 @@ def chat_request(body: Body, model: Model) -> GenerationRequest:
                                                          tokenize=True)]
     except ValueError as exc:
         raise RequestError(f"messages: {exc}", "messages") from None
-    config = model.config()
-    end_of_turn = end_of_turn_stops(model.tokenizer, {config["eos_id"], *config["stop_ids"]})
+    end_of_turn = end_of_turn_stops(model.tokenizer, model.stop_token_ids())
     stops = [(token,) for token in end_of_turn]
     field = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
              else "max_tokens")
