@@ -32,11 +32,12 @@ TOKENS = np.random.default_rng(3).integers(0, 256, 12).tolist()
 CHANNELS = (5, 40)
 
 
-def tiny_run(tmp_path, model, channels=(), name="m"):
-    config, _, std, _, writes_residual = budget.MODELS[model]
-    recipe = budget.Recipe(std, writes_residual, 0, channels, 50.0)
-    folder = budget.write_checkpoint(str(tmp_path / name), {**config, **TINY[model]}, recipe)
-    return budget.run_stages(folder, "int8", TOKENS, "native")
+def tiny_run(tmp_path, model, channels=(), name="m", weight_format="int8"):
+    shape = budget.MODELS[model]
+    recipe = budget.Recipe(shape.init, shape.residual_writers, 0, channels, 50.0)
+    folder = budget.write_checkpoint(str(tmp_path / name), {**shape.config, **TINY[model]},
+                                     recipe)
+    return budget.run_stages(folder, weight_format, TOKENS, "native")
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -46,7 +47,8 @@ def runs(request, tmp_path_factory):
         pytest.skip("the native backend is not built here")
     tmp = tmp_path_factory.mktemp("budget")
     return (tiny_run(tmp, request.param, name="plain"),
-            tiny_run(tmp, request.param, CHANNELS, name="outliers"))
+            tiny_run(tmp, request.param, CHANNELS, name="outliers"),
+            tiny_run(tmp, request.param, name="int4", weight_format="int4"))
 
 
 def test_stages_measure_what_they_name(runs):
@@ -66,8 +68,13 @@ def test_tinyloop_stage_is_the_models_own_logits(runs):
             np.testing.assert_array_equal(run.logits[label], m.logits(TOKENS))
 
 
+def test_int4_weights_cost_more_than_int8(runs):
+    int8, int4 = (budget.summary(run)["stages"]["1"]["cosine_mean"] for run in (runs[0], runs[2]))
+    assert 0.9 < int4 < int8, (int4, int8)
+
+
 def test_planted_outliers_stand_out_and_cost_per_row_scales(runs):
-    plain, planted = runs
+    plain, planted = runs[:2]
     assert budget.summary(planted, CHANNELS)["outlier_ratio"] > 10
     loss = {name: 1 - budget.summary(run)["stages"]["A"]["cosine_mean"]
             for name, run in (("plain", plain), ("planted", planted))}

@@ -169,40 +169,49 @@ def parse_args(argv=None):
 
 # ---- the random checkpoints -------------------------------------------------------------
 
-def ouro_std(name: str, config: Mapping) -> float:
-    """Ouro's _init_weights: linears and the embedding N(0, initializer_range), norms 1."""
-    return 0.0 if name.endswith("norm.weight") or "layernorm" in name else \
-        config["initializer_range"]
+# A tensor's initialisation: ("normal", std) or ("constant", value).
+Init = Tuple[str, float]
 
 
-def huginn_std(name: str, config: Mapping) -> float:
-    """Huginn's init_values: out projections out_proj, the embedding embedding, other linears
-    std; norms 1, qk_bias 0."""
-    init = config["init_values"]
+def ouro_init(name: str, config: Mapping) -> Init:
+    """Ouro's _init_weights: linears and the embedding N(0, initializer_range), norm gains 1."""
+    if "norm" in name:
+        return "constant", 1.0
+    return "normal", config["initializer_range"]
+
+
+def huginn_init(name: str, config: Mapping) -> Init:
+    """Huginn's init_values: attn.proj and mlp.proj out_proj, the embedding embedding, the
+    other linears (Wqkv, fc, adapter) std; norm gains 1, qk_bias 0."""
+    values = config["init_values"]
+    if "norm" in name or "ln_f" in name:
+        return "constant", 1.0
+    if name.endswith("qk_bias"):
+        return "constant", 0.0
     if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-        return init["out_proj"]
-    if name == "transformer.wte.weight":
-        return init["embedding"]
-    return 0.0 if "norm" in name or "ln_f" in name or name.endswith("qk_bias") else init["std"]
+        return "normal", values["out_proj"]
+    return "normal", values["embedding" if name == "transformer.wte.weight" else "std"]
 
 
-def ouro_cut(config: Dict) -> Dict:
-    return {**config, "num_hidden_layers": 2, "total_ut_steps": 1}
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A published model's shape and how this tool draws and cuts it."""
+
+    config: Dict                                 # config.json
+    depth_key: str                               # what --loops replaces
+    init: Callable[[str, Mapping], Init]
+    cut: Dict                                    # config.json changes to 2 layer applications
+    residual_writers: Tuple[str, ...]            # tensor name endings that write the residual
 
 
-def huginn_cut(config: Dict) -> Dict:
-    return {**config, "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 1,
-            "n_layers_in_coda": 0, "mean_recurrence": 1}
-
-
-# name -> (config.json, depth key, init std of a tensor (0: norm 1 or bias 0), the 2-layer
-# cut, the regex-free test "writes into the residual stream" of a tensor name)
 MODELS = {
-    "ouro-1.4b": (OURO_1_4B, "total_ut_steps", ouro_std, ouro_cut,
-                  lambda n: n.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))),
-    "huginn-0125": (HUGINN_0125, "mean_recurrence", huginn_std, huginn_cut,
-                    lambda n: n.endswith(("attn.proj.weight", "mlp.proj.weight",
-                                          "transformer.adapter.weight"))),
+    "ouro-1.4b": Shape(OURO_1_4B, "total_ut_steps", ouro_init,
+                       dict(num_hidden_layers=2, total_ut_steps=1),
+                       ("self_attn.o_proj.weight", "mlp.down_proj.weight")),
+    "huginn-0125": Shape(HUGINN_0125, "mean_recurrence", huginn_init,
+                         dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=1,
+                              n_layers_in_coda=0, mean_recurrence=1),
+                         ("attn.proj.weight", "mlp.proj.weight", "transformer.adapter.weight")),
 }
 
 
@@ -210,8 +219,8 @@ MODELS = {
 class Recipe:
     """How a random checkpoint is drawn: each tensor from its name and seed."""
 
-    std: Callable[[str, Mapping], float]
-    writes_residual: Callable[[str], bool]
+    init: Callable[[str, Mapping], Init]
+    residual_writers: Tuple[str, ...]
     seed: int
     outlier_channels: Tuple[int, ...] = ()
     outlier_scale: float = 1.0
@@ -230,13 +239,12 @@ class RandomTensors(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         shape, r = self.shapes[name], self.recipe
-        std = r.std(name, self.config)
-        if std == 0.0:
-            is_bias = name.endswith("qk_bias")
-            return np.zeros(shape, np.float32) if is_bias else np.ones(shape, np.float32)
+        kind, value = r.init(name, self.config)
+        if kind == "constant":
+            return np.full(shape, value, np.float32)
         rng = np.random.default_rng([r.seed, zlib.crc32(name.encode())])
-        a = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-        if r.outlier_channels and r.writes_residual(name):
+        a = rng.standard_normal(shape, dtype=np.float32) * np.float32(value)
+        if r.outlier_channels and name.endswith(r.residual_writers):
             a[list(r.outlier_channels)] *= np.float32(r.outlier_scale)
         return a
 
@@ -250,7 +258,8 @@ class RandomTensors(Mapping):
 def write_checkpoint(folder: str, config: Dict, recipe: Recipe) -> str:
     tensors = RandomTensors(config, recipe)
     total = sum(int(np.prod(s)) for s in tensors.shapes.values())
-    return write_folder(folder, config, tensors, shards=max(1, total // 50_000_000),
+    shards = max(1, min(len(tensors), total // 50_000_000))    # about 50M parameters each
+    return write_folder(folder, config, tensors, shards=shards,
                         dtype="bfloat16", tokenizer=False)
 
 
@@ -265,11 +274,13 @@ class FileWeights:
     def linear(self, name: str) -> np.ndarray:
         if name == "head" and self.config.tied_head:
             name = "tok_emb"
-        s = self.t[f"{name}.s"].astype(np.float64)[:, None]
-        if f"{name}.m" not in self.t:            # int8 (the embedding is, in an int4 file too)
-            return self.t[f"{name}.w"].astype(np.float64) * s
-        m = np.repeat(self.t[f"{name}.m"], self.config.group_size, axis=1)
-        return unpack_int4(self.t[f"{name}.w"]).astype(np.float64) * m * s
+        if f"{name}.m" in self.t:
+            w = unpack_int4(self.t[f"{name}.w"]).astype(np.float64)
+            w *= np.repeat(self.t[f"{name}.m"], self.config.group_size, axis=1)
+        else:                                    # int8 (the embedding is, in an int4 file too)
+            w = self.t[f"{name}.w"].astype(np.float64)
+        w *= self.t[f"{name}.s"].astype(np.float64)[:, None]    # in place: Huginn's is 1.5 GB
+        return w
 
     def vector(self, name: str) -> np.ndarray:
         return self.t[name].astype(np.float64)
@@ -292,7 +303,7 @@ class FloatWeights:
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         plan = plan_for(checkpoint.config, Options())[1]
-        self.config = plan.config
+        self.config, self.shapes = plan.config, plan.config.linear_shapes()
         self.w = LazyWeights(checkpoint, plan.recipe, None)
 
     def _f64(self, key: str) -> np.ndarray:
@@ -308,8 +319,14 @@ class FloatWeights:
             return np.asarray(a[:, :d] if name.endswith("state") else a[:, d:], np.float64)
         block, kind = name.rsplit(".", 1)
         parts, gain = FOLDS[kind]
-        w = np.concatenate([self._f64(f"{block}.{p}") for p in parts])
-        return w if gain is None else w * self._f64(f"{block}.{gain}")[None, :]
+        w, at = np.empty(self.shapes[name]), 0        # filled in place: Huginn's fc is 1.5 GB
+        for p in parts:
+            part = self.w[f"{block}.{p}"]
+            np.copyto(w[at:at + len(part)], part)
+            at += len(part)
+        if gain is not None:
+            w *= self._f64(f"{block}.{gain}")[None, :]
+        return w
 
     def vector(self, name: str) -> np.ndarray:
         if name.endswith(".attn_qkv.b"):
@@ -534,19 +551,18 @@ def summary(run: StageRun, outlier_channels: Sequence[int] = ()) -> Dict:
 
 
 def measure(args) -> Dict:
-    config, depth_key, std, cut, writes_residual = MODELS[args.model]
-    if args.loops is not None:
-        config = {**config, depth_key: args.loops}
+    shape = MODELS[args.model]
+    config = shape.config if args.loops is None else {**shape.config, shape.depth_key: args.loops}
     rng = np.random.default_rng(args.seed)
     d = config.get("hidden_size", config.get("n_embd"))
     channels = tuple(sorted(int(c) for c in rng.choice(d, args.outlier_channels, replace=False))) \
         if args.outliers else ()
-    recipe = Recipe(std, writes_residual, args.seed, channels, args.outlier_scale)
+    recipe = Recipe(shape.init, shape.residual_writers, args.seed, channels, args.outlier_scale)
     tokens = rng.integers(0, config["vocab_size"], args.positions).tolist()
     workdir = args.workdir or tempfile.mkdtemp(prefix="fidelity-budget-")
     try:
         depths = {}
-        for depth, cfg in (("full", config), ("2 layers", cut(config))):
+        for depth, cfg in (("full", config), ("2 layers", {**config, **shape.cut})):
             log(f"writing the {depth} checkpoint")
             folder = write_checkpoint(os.path.join(workdir, depth.replace(" ", "-")), cfg,
                                       recipe)
