@@ -51,14 +51,20 @@ tensors with the full model):
     --loops replaces the full model's depth (total_ut_steps / mean_recurrence).
 
 --outliers plants outlier channels in the residual stream, after the "massive activations" of
-Sun et al. 2024 (a few fixed residual dimensions far above the rest, arising inside the network,
-not in the embedding): C (--outlier-channels, default 4) channels drawn from --seed, and in
-every block the rows of those channels of the projections that write into the residual stream
-(Ouro: o_proj, down_proj; Huginn: attn.proj, mlp.proj and the adapter) multiplied by A
-(--outlier-scale, default 50). Each sublayer output then carries those channels about A times
-the others, which the sandwich / post norms keep in proportion, so the residual stream does at
-every layer and token (the table's caption gives the measured ratio). Row scales absorb the
-factor, so the weights' own quantization is unchanged: what moves is the activations'.
+Sun et al. 2024 and the outlier features of Dettmers et al. 2022 (a few fixed residual dimensions
+far above the rest, arising inside the network, not in the embedding, and largely ignored by
+the layers that read them): C (--outlier-channels, default 4) channels drawn from --seed, and
+A (--outlier-scale, default 50). What writes those channels into the residual stream is
+multiplied by A: in Ouro the gains of its output norms (input_layernorm_2,
+post_attention_layernorm_2: A instead of 1), in Huginn the rows of attn.proj and mlp.proj (its
+norms norm_2 and norm_4 act on the stream itself, so a gain there would compound layer after
+layer). What reads them from the stream is divided by A: the columns of Ouro's q/k/v_proj,
+gate/up_proj and lm_head, Huginn's Wqkv, fc, both halves of the adapter and the tied
+embedding. Each sublayer output then carries those channels about A times the others, and so
+does the residual stream at every layer and token (the caption gives the measured ratio),
+while what the layers compute from it stays close to the plain model's. The stored gains are
+f32, but the shrunk columns fall to a few int8 levels of their rows' scale, as any column
+that a small norm gain folds into does (docs/spec.md §6.4): stage 1 moves too.
 
 Memory: the reference and the float stages read one checkpoint tensor at a time (float64 of
 the largest, Huginn's fc, is 1.5 GB); the file's weights are loaded once (1.4 GB for
@@ -201,17 +207,23 @@ class Shape:
     depth_key: str                               # what --loops replaces
     init: Callable[[str, Mapping], Init]
     cut: Dict                                    # config.json changes to 2 layer applications
-    residual_writers: Tuple[str, ...]            # tensor name endings that write the residual
+    residual_writers: Tuple[str, ...]            # name endings: rows (or gains) writing, and
+    residual_readers: Tuple[str, ...]            # columns (every d-wide slice) reading the stream
 
 
 MODELS = {
     "ouro-1.4b": Shape(OURO_1_4B, "total_ut_steps", ouro_init,
                        dict(num_hidden_layers=2, total_ut_steps=1),
-                       ("self_attn.o_proj.weight", "mlp.down_proj.weight")),
+                       ("input_layernorm_2.weight", "post_attention_layernorm_2.weight"),
+                       ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                        "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                        "lm_head.weight")),
     "huginn-0125": Shape(HUGINN_0125, "mean_recurrence", huginn_init,
                          dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=1,
                               n_layers_in_coda=0, mean_recurrence=1),
-                         ("attn.proj.weight", "mlp.proj.weight", "transformer.adapter.weight")),
+                         ("attn.proj.weight", "mlp.proj.weight"),
+                         ("attn.Wqkv.weight", "mlp.fc.weight", "transformer.adapter.weight",
+                          "transformer.wte.weight")),
 }
 
 
@@ -221,6 +233,7 @@ class Recipe:
 
     init: Callable[[str, Mapping], Init]
     residual_writers: Tuple[str, ...]
+    residual_readers: Tuple[str, ...]
     seed: int
     outlier_channels: Tuple[int, ...] = ()
     outlier_scale: float = 1.0
@@ -241,11 +254,18 @@ class RandomTensors(Mapping):
         shape, r = self.shapes[name], self.recipe
         kind, value = r.init(name, self.config)
         if kind == "constant":
-            return np.full(shape, value, np.float32)
-        rng = np.random.default_rng([r.seed, zlib.crc32(name.encode())])
-        a = rng.standard_normal(shape, dtype=np.float32) * np.float32(value)
-        if r.outlier_channels and name.endswith(r.residual_writers):
-            a[list(r.outlier_channels)] *= np.float32(r.outlier_scale)
+            a = np.full(shape, value, np.float32)
+        else:
+            rng = np.random.default_rng([r.seed, zlib.crc32(name.encode())])
+            a = rng.standard_normal(shape, dtype=np.float32) * np.float32(value)
+        if r.outlier_channels:
+            channels = np.asarray(r.outlier_channels)
+            if name.endswith(r.residual_writers):
+                a[channels] *= np.float32(r.outlier_scale)
+            if name.endswith(r.residual_readers):     # every d-wide slice of the columns
+                d = self.config.get("hidden_size", self.config.get("n_embd"))
+                columns = (channels[None] + d * np.arange(a.shape[1] // d)[:, None]).ravel()
+                a[:, columns] /= np.float32(r.outlier_scale)
         return a
 
     def __iter__(self):
@@ -557,7 +577,8 @@ def measure(args) -> Dict:
     d = config.get("hidden_size", config.get("n_embd"))
     channels = tuple(sorted(int(c) for c in rng.choice(d, args.outlier_channels, replace=False))) \
         if args.outliers else ()
-    recipe = Recipe(shape.init, shape.residual_writers, args.seed, channels, args.outlier_scale)
+    recipe = Recipe(shape.init, shape.residual_writers, shape.residual_readers, args.seed,
+                    channels, args.outlier_scale)
     tokens = rng.integers(0, config["vocab_size"], args.positions).tolist()
     workdir = args.workdir or tempfile.mkdtemp(prefix="fidelity-budget-")
     try:
