@@ -4,7 +4,9 @@ The tool's numbers are only worth reading if its simulated stages are the comput
 name: stage 0 (its own float forward of the converted layout) is the published reference,
 stage 1 (the file's int8 weights) costs something but little, the simulation of everything
 TinyLoop quantizes (stage 4) lands next to TinyLoop itself (stage 5, which adds only the
-fixed-point softmax and f32 arithmetic), stage 5 is the model's own logits, and the planted
+fixed-point softmax and f32 arithmetic) at a depth of a few layers (deeper, a quantizer's
+rounding that f32 and float64 decide differently compounds like any other perturbation, so
+the tiny Huginn runs one recurrence), stage 5 is the model's own logits, and the planted
 outliers do stand out in the residual stream and hurt per-row activation scales. A few seconds
 on the native backend; needs torch and safetensors (the bf16 checkpoint).
 """
@@ -25,7 +27,7 @@ TINY = {"ouro-1.4b": dict(hidden_size=64, num_hidden_layers=2, num_attention_hea
                           vocab_size=256, total_ut_steps=3),
         "huginn-0125": dict(n_embd=64, n_heads=4, num_key_value_heads=4, head_dim=16,
                             intermediate_size=128, vocab_size=256, padded_vocab_size=256,
-                            mean_recurrence=3, bos_token_id=1, eos_token_id=2,
+                            mean_recurrence=1, bos_token_id=1, eos_token_id=2,
                             init_values={"std": 0.079, "out_proj": 0.079, "embedding": 0.079,
                                          "embed_scale": 8.0})}
 # (Huginn's: takase's std for n_embd 64; out_proj not shrunk for depth, so that these narrow
