@@ -62,7 +62,7 @@ layer). What reads them from the stream is divided by A: the columns of Ouro's q
 gate/up_proj and lm_head, Huginn's Wqkv, fc, both halves of the adapter and the tied
 embedding. Each sublayer output then carries those channels about A times the others, and so
 does the residual stream at every layer and token (the caption gives the measured ratio),
-while what the layers compute from it stays close to the plain model's. The stored gains are
+while the layers read them at about the others' size. The stored gains are
 f32, but the shrunk columns fall to a few int8 levels of their rows' scale, as any column
 that a small norm gain folds into does (docs/spec.md §6.4): stage 1 moves too.
 
@@ -551,7 +551,7 @@ def run_stages(folder: str, weight_format: str, tokens: Sequence[int],
             with tinyloop.Model(path, backend=backend, kv_mode=kv_mode,
                                 prefix_cache_bytes=0) as m:
                 logits[label] = m.logits(tokens)
-    layers = c.n_pre_blocks + c.default_loops * (c.n_core_blocks + c.n_coda_blocks)
+    layers = c.n_pre_blocks + c.default_loops * c.n_core_blocks + c.n_coda_blocks
     return StageRun(path, layers, reference, logits, residual[0], error)
 
 
