@@ -94,3 +94,15 @@ def test_quantize_rows_and_blocks():
     np.testing.assert_array_equal(blocks[:, :4], budget.quantize(x[:, :4], 7))
     np.testing.assert_array_equal(blocks[:, 4:], budget.quantize(x[:, 4:], 7))
     np.testing.assert_array_equal(budget.quantize(np.zeros((2, 3)), 127), np.zeros((2, 3)))
+
+
+def test_markdown_has_a_row_per_stage(runs):
+    plain, planted = runs[:2]
+    result = {"model": "tiny", "weight_format": "int8", "backend": "native", "seed": 0,
+              "positions": len(TOKENS), "outlier_channels": list(CHANNELS), "outlier_scale": 50.0,
+              "depths": {"full": budget.summary(planted, CHANNELS),
+                         "2 layers": budget.summary(plain, CHANNELS)}}
+    lines = budget.markdown(result, "python tools/fidelity_budget.py", "a CPU", 1.0).splitlines()
+    rows = [line for line in lines if line.startswith("| ") and "stage" not in line]
+    assert [row.split(" | ")[0][2:] for row in rows] == [label for label, _, _ in budget.STAGES]
+    assert "planted outlier channels [5, 40] x 50" in lines[2]
