@@ -242,6 +242,11 @@ class Recipe:
     outlier_scale: float = 1.0
 
 
+# plan_for tells RavenForCausalLM's two layouts apart by their tensors, which a checkpoint
+# still to be written does not have yet: this tool's Huginn carries Huginn's sandwich norms.
+HUGINN_TENSORS = frozenset({"transformer.core_block.0.norm_3.weight"})
+
+
 class RandomTensors(Mapping):
     """{checkpoint tensor name: float32 array} of a config, each drawn when looked up (so
     hf_folders.write_folder, writing shard by shard, holds one shard at a time). The names
@@ -250,7 +255,7 @@ class RandomTensors(Mapping):
     def __init__(self, config: Dict, recipe: Recipe) -> None:
         self.config, self.recipe = config, recipe
         self.shapes = {}
-        for source in plan_for(config, Options())[1].recipe.values():
+        for source in plan_for(config, Options(), HUGINN_TENSORS)[1].recipe.values():
             self.shapes.update(zip(source.names, source.shapes))
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -325,7 +330,7 @@ class FloatWeights:
     row order)."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
-        plan = plan_for(checkpoint.config, Options())[1]
+        plan = plan_for(checkpoint.config, Options(), set(checkpoint))[1]
         self.config, self.shapes = plan.config, plan.config.linear_shapes()
         self.w = LazyWeights(checkpoint, plan.recipe, None)
 
