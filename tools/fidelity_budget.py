@@ -60,9 +60,11 @@ post_attention_layernorm_2: A instead of 1), in Huginn the rows of attn.proj and
 norms norm_2 and norm_4 act on the stream itself, so a gain there would compound layer after
 layer). What reads them from the stream is divided by A: the columns of Ouro's q/k/v_proj,
 gate/up_proj and lm_head, Huginn's Wqkv, fc, both halves of the adapter and the tied
-embedding. Each sublayer output then carries those channels about A times the others, and so
-does the residual stream at every layer and token (the caption gives the measured ratio),
-while the layers read them at about the others' size. The stored gains are
+embedding. Each sublayer output then carries those channels about A times the others, and
+so, at every layer and token, does Ouro's residual stream, whose sublayer outputs are its own
+size; Huginn's sublayers write small updates into it, so its stream carries them far less
+(2.2x at A = 50; give it --outlier-scale 500). The caption gives the measured ratio. The
+layers read those channels at about the others' size. The stored gains are
 f32, but the shrunk columns fall to a few int8 levels of their rows' scale, as any column
 that a small norm gain folds into does (docs/spec.md §6.4): stage 1 moves too.
 
