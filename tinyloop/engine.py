@@ -32,11 +32,16 @@ FINISH_REASONS = (None, "stop", "length", "error")
 # Counters of a scheduler, in the order of tl_sched_stats (docs/api.md).
 SCHED_STAT_NAMES = ("running", "waiting", "steps", "prompt_tokens", "cached_tokens",
                     "generated_tokens", "preemptions", "finished", "cancelled", "kv_blocks",
-                    "kv_bytes", "kv_budget_bytes", "drafted_tokens", "accepted_tokens")
+                    "kv_bytes", "kv_budget_bytes", "drafted_tokens", "accepted_tokens",
+                    "decode_passes", "decode_loops")
 # Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
 CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
                     "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes",
                     "spilled_blocks", "disk_hit_blocks", "disk_bytes", "disk_budget_bytes")
+# Adaptive depth's exit rules (docs/spec.md §5.7), by tl_exit_rule value.
+EXIT_RULES = ("none", "gate", "latent")
+# The latent rule's default threshold (Huginn's `latent-diff` default).
+LATENT_DEFAULT_THRESHOLD = 0.03
 # What a prefix keeps at rest (docs/spec.md §5.4.1): its KV, or each layer's input row.
 PREFIX_STORAGES = ("kv", "h8", "h4")
 # The keys of Engine.runtime(), every engine alike (docs/api.md, "Backends").
@@ -61,6 +66,9 @@ class GenerationParams:
     draft_loops: int = 0       # self-speculative decoding's draft depth, 1 .. loops-1 when
                                # n_draft > 0 (docs/spec.md §5.6); else ignored
     n_draft: int = 0           # tokens drafted a round, 0 .. 64; 0 = plain decoding
+    exit_rule: str = "none"    # adaptive depth (docs/spec.md §5.7): one of EXIT_RULES
+    exit_threshold: float = 0.0   # the rule's q, resolved (never 0 with a rule)
+    min_loops: int = 1         # iterations every decoded token runs at least, 1 .. loops
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,10 @@ class Callbacks:
     # (drafted, accepted) increments of speculative decoding, whose sums are the request's
     # totals: after every round (the Python engine) or once at the end (the native engine)
     on_draft: Optional[Callable[[int, int], None]] = None
+    # (decode passes, core iterations they ran) increments, whose sums give a request's mean
+    # loops per token (docs/spec.md §5.7): after every decode pass (the Python engine) or once
+    # at the end (the native engine)
+    on_depth: Optional[Callable[[int, int], None]] = None
 
 
 NO_CALLBACKS = Callbacks()
