@@ -1,6 +1,6 @@
 """Speed and memory on the published looped models' shapes, with random weights.
 
-    python bench/bench_real_shapes.py [--shape ouro-1.4b|nanbeige-3b] [--layers N]
+    python bench/bench_real_shapes.py [--shape ouro-1.4b|huginn-0125|nanbeige-3b] [--layers N]
         [--format int8|int4] [--context 4096] [--prefix 1024] [--n 8] [--backend native]
 
 A random file of the shape is written straight in its quantized form (random int8 / int4 codes
@@ -17,7 +17,8 @@ and scales sized so activations keep unit scale: no float weights, no clipping s
           context: `peak / (weights + kv)` is the overhead.
 
 Ouro-1.4B: d 2048, 24 layers x 4 passes (96 cache layers), MHA 16 x 128, ffn 5632, vocab 49152,
-sandwich norms, step norm. Nanbeige4.2-3B: d 3072, 22 layers x 2 loops, GQA 48/8 x 128,
+sandwich norms, step norm. Huginn-0125: d 5280, 2 prelude + 4 core x 32 + 2 coda blocks, MHA
+55 x 96, ffn 17920, vocab 65536, post norms, injection, q/k biases. Nanbeige4.2-3B: d 3072, 22 layers x 2 loops, GQA 48/8 x 128,
 ffn 10752, vocab 166144 (--layers reduces the 22 where time or disk forbids the full model).
 """
 import argparse
@@ -39,6 +40,11 @@ SHAPES = {
     "ouro-1.4b": dict(vocab_size=49152, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128,
                       ffn_dim=5632, n_pre_blocks=0, n_core_blocks=24, default_loops=4,
                       block_layout="sandwich", step_norm=True, rope_theta=1e6, rms_eps=1e-6),
+    "huginn-0125": dict(vocab_size=65536, d_model=5280, n_heads=55, n_kv_heads=55, head_dim=96,
+                        ffn_dim=17920, n_pre_blocks=2, n_core_blocks=4, n_coda_blocks=2,
+                        default_loops=32, block_layout="post", qkv_bias=True, injection=True,
+                        coda_norm=True, embed_scale=float(np.sqrt(np.float32(5280))),
+                        rope_theta=50000.0, rms_eps=1e-6),
     "nanbeige-3b": dict(vocab_size=166144, d_model=3072, n_heads=48, n_kv_heads=8, head_dim=128,
                         ffn_dim=10752, n_pre_blocks=0, n_core_blocks=22, default_loops=2,
                         block_layout="pre", step_norm=True, rope_theta=7e7, rms_eps=1e-5),

@@ -15,7 +15,8 @@ import numpy as np
 from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, loops_mismatch, stop_reached
 
 from . import hidden_prefix, prefix_blob
-from .forward import NumpyKernels, forward_chunk, forward_part, head_logits, on_host
+from .exit_rules import exit_rule
+from .forward import NumpyKernels, decode_pass, forward_chunk, forward_part, head_logits, on_host
 from .kvcache import KV_BITS, KVCache
 from .pcache_disk import DiskTier
 from .prefix_cache import PrefixCache
@@ -312,6 +313,7 @@ class Engine:
             return stop_reached(emitted, params, stop_ids)
 
         k, w = self.kernels, self.weights
+        rule = exit_rule(params, w)
         try:
             done = emit(k.sample(logits, history, params, len(history)), logits)
             while not done:
@@ -322,7 +324,9 @@ class Engine:
                         callbacks.on_draft(*counts)
                     done = stop_reached(emitted, params, stop_ids)
                 else:
-                    x = forward_chunk(k, w, cache, np.array(history[-1:], np.int32)).hidden
+                    x, depth = decode_pass(k, w, cache, history[-1], rule)
+                    if callbacks.on_depth is not None:
+                        callbacks.on_depth(1, depth)
                     cache.release_outside_window()
                     logits = head_logits(k, w, x)[0]
                     done = emit(k.sample(logits, history, params, len(history)), logits)

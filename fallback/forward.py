@@ -177,6 +177,31 @@ def coda(kernels, weights, cache, loops, x, pos0, capture=None):
     return x
 
 
+def core_iteration(kernels, weights, cache, i, x, injected, pos0, capture=None):
+    """Core iteration i (§1) on the state x (T, d): the step norm (i >= 1), the adapter
+    (injection, with the rows' injected terms), the k core blocks in iteration i's slots."""
+    cfg = weights.config
+    if cfg.step_norm and i >= 1:
+        x = kernels.rms_norm(x, weights.step_norm, cfg.rms_eps)
+    if cfg.injection:
+        x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x)), injected)
+    for j, block in enumerate(weights.core_blocks):
+        x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0, capture)
+    return x
+
+
+def prelude(kernels, weights, cache, tokens, pos0, capture=None):
+    """The embedding and the prelude of tokens (T,) int32 at pos0 ..: returns the state
+    entering core iteration 0 and, with injection, the rows' injected terms (else None)."""
+    x = kernels.embed(weights, tokens)
+    for b, block in enumerate(weights.pre_blocks):
+        x = run_block(kernels, weights, block, cache, b, x, pos0, capture)
+    if not weights.config.injection:
+        return x, None
+    injected = weights.adapter_inject(*kernels.quantize_rows(x))    # the same every iteration
+    return kernels.table(np.zeros((len(tokens), weights.config.d_model), F32)), injected  # §4.4
+
+
 class Rows(NamedTuple):
     """What a pass returns for its T rows, each (T, d) f32 in the kernels' arrays."""
     hidden: Any        # the final states, the head's input
@@ -202,21 +227,11 @@ def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth
     cfg = weights.config
     depth = cache_depth(cfg, cache.n_layers) if depth is None else depth
     if first_iter == 0:
-        x = kernels.embed(weights, tokens)
-        for b, block in enumerate(weights.pre_blocks):
-            x = run_block(kernels, weights, block, cache, b, x, pos0, capture)
-        if cfg.injection:              # the adapter's injected half is the same every iteration
-            injected = weights.adapter_inject(*kernels.quantize_rows(x))
-            x = kernels.table(np.zeros((len(tokens), cfg.d_model), F32))     # §4.4: state zero
+        x, injected = prelude(kernels, weights, cache, tokens, pos0, capture)
     else:
         x = state
     for i in range(first_iter, depth):
-        if cfg.step_norm and i >= 1:
-            x = kernels.rms_norm(x, weights.step_norm, cfg.rms_eps)
-        if cfg.injection:
-            x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x)), injected)
-        for j, block in enumerate(weights.core_blocks):
-            x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0, capture)
+        x = core_iteration(kernels, weights, cache, i, x, injected, pos0, capture)
         if depth_states is not None and i < depth - 1:
             out = coda(kernels, weights, cache, i + 1, kernels.copy(x), pos0, capture)
             depth_states.append(kernels.last_row(out))
@@ -233,6 +248,40 @@ def forward_chunk(kernels, weights, cache, tokens, depth_states=None, capture=No
                         capture=capture)
     cache.length += len(tokens)
     return rows
+
+
+def decode_adaptive(kernels, weights, cache, token, start_judge):
+    """One decoded token (an int) at the cache's next position, stopping after the first core
+    iteration i <= L-2 where judge.exits(i, x_i) says so, judge = start_judge(x_entry) with the
+    state entering iteration 0 on the host (docs/spec.md §5.7; fallback/exit_rules.py's
+    ExitRule.start, or a ForcedExit replaying a recorded exit): the skipped
+    iterations' core slots get a copy of the last computed iteration's KV ("last available"),
+    the coda runs in depth L's slots. Advances cache.length; returns (hidden (1, d), U)."""
+    cfg = weights.config
+    loops, pos = cache_depth(cfg, cache.n_layers), cache.length
+    x, injected = prelude(kernels, weights, cache, np.array([token], np.int32), pos)
+    judge = start_judge(kernels.to_host(x)[0])
+    depth = loops
+    for i in range(loops):
+        x = core_iteration(kernels, weights, cache, i, x, injected, pos)
+        if i < loops - 1 and judge.exits(i, kernels.to_host(x)[0]):
+            depth = i + 1
+            break
+    for i in range(depth, loops):
+        for j in range(cfg.n_core_blocks):
+            cache.copy_position(cfg.core_slot(depth - 1, j), cfg.core_slot(i, j), pos)
+    hidden = coda(kernels, weights, cache, loops, x, pos)
+    cache.length += 1
+    return hidden, depth
+
+
+def decode_pass(kernels, weights, cache, token, rule):
+    """One decoded token (an int): the whole depth with no `rule`, else as deep as the rule
+    lets it go (decode_adaptive, with rule.start). Returns (hidden (1, d), iterations run)."""
+    if rule is None:
+        x = forward_chunk(kernels, weights, cache, np.array([token], np.int32)).hidden
+        return x, cache_depth(weights.config, cache.n_layers)
+    return decode_adaptive(kernels, weights, cache, token, rule.start)
 
 
 def on_host(kernels, parts):

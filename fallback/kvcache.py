@@ -79,6 +79,11 @@ class BlockPool:
         block.sv[off:off + n] = sv
 
 
+def host_rows(array):
+    """A host numpy copy of block rows, wherever the pool keeps them."""
+    return array.copy_to_host() if hasattr(array, "copy_to_host") else np.array(array)
+
+
 class KVBlock:
     __slots__ = ("pool", "kq", "sk", "vq", "sv", "refs")
 
@@ -128,6 +133,14 @@ class KVCache:
             part = slice(done, done + n)
             self.pool.store(blocks[b], off, kq[part], sk[part], vq[part], sv[part])
             done += n
+
+    def copy_position(self, src, dst, pos):
+        """Write position pos of layer `dst` with the rows layer `src` holds there, as stored
+        (adaptive depth's last available KV, docs/spec.md §5.7)."""
+        b, off = divmod(pos, self.pool.block_size)
+        block = self.layers[src][b]
+        rows = [host_rows(getattr(block, name)[off:off + 1]) for name in ("kq", "sk", "vq", "sv")]
+        self.write(dst, pos, *rows)
 
     def read(self, layer, lo, hi):
         """Positions lo .. hi-1 of one layer as contiguous (kq, sk, vq, sv), kq and vq

@@ -30,7 +30,8 @@ import numpy as np
 
 from tinyloop.engine import SCHED_STAT_NAMES, finish_reason
 
-from .forward import forward_chunk, head_logits
+from .exit_rules import ForcedExit, exit_rule
+from .forward import decode_adaptive, decode_pass, head_logits
 from .sampling import NumericError
 from .speculate import speculative_round
 
@@ -45,6 +46,8 @@ class _Request:
     prefill_end: int = 0
     logits: np.ndarray = field(default=None, repr=False)
     round: int = 0               # this step's K' when it decodes speculatively (_plan), else 0
+    rule: object = None          # its exit rule (fallback/exit_rules.py), None: full depth
+    exits: list = field(default_factory=list)   # the iterations each decode pass ran (§5.7)
 
     @property
     def emitted(self):
@@ -92,7 +95,8 @@ class Scheduler:
             if need > self.budget:
                 raise ValueError(f"the request could need {need} bytes of KV ({positions} positions "
                                  f"at loops={params.loops}), more than kv_budget_bytes {self.budget}")
-        r = _Request(next(self._ids), params, prompt.tolist(), len(prompt))
+        r = _Request(next(self._ids), params, prompt.tolist(), len(prompt),
+                     rule=exit_rule(params, self.engine.weights))
         self.waiting.append(r)
         return r.id
 
@@ -168,10 +172,10 @@ class Scheduler:
             return True
         prefilling = [q for q in self.running if not self._decoding(q)]
         decoding = [q for q in self.running if self._decoding(q)]
-        positions = len(r.input) - r.cache.length + sum(q.prefill_end - q.cache.length for q in prefilling)
+        positions = r.prefill_end - r.cache.length + sum(q.prefill_end - q.cache.length for q in prefilling)
         per_step = max(1, self.step_tokens - sum(self._width(q) for q in decoding))
         steps = -(-positions // per_step)
-        need = (self._new_bytes(r, len(r.input) - r.cache.length)
+        need = (self._new_bytes(r, r.prefill_end - r.cache.length)
                 + sum(self._new_bytes(q, q.prefill_end - q.cache.length) for q in prefilling)
                 + sum(self._new_bytes(q, min(steps * self._width(q), q.params.max_tokens - len(q.emitted)))
                       for q in decoding))
@@ -186,13 +190,14 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
             r.cache = self.engine.new_cache(r.params.loops, r.params.cache_window)
-            tokens = np.array(r.input, np.int32)
+            tokens = np.array(r.input[:self._shared_end(r)], np.int32)
             hit = pcache.lookup(self._tree(r), r.cache, tokens) if pcache is not None else 0
+            r.prefill_end = len(r.input) - (r.rule is not None and len(r.emitted) > 0)
             if not self._fits(r, used):     # admitting allocates no block: `used` holds
                 self._drop(r)
                 self._refused_at = used
                 break
-            r.prefill_end = len(r.input)
+            del r.exits[r.prefill_end - r.n_prompt:]   # a pass whose token was not sampled
             self.counters["cached_tokens"] += hit
             self.running.append(self.waiting.popleft())
 
@@ -249,23 +254,41 @@ class Scheduler:
 
     def _decode(self, r):
         e = self.engine
-        x = forward_chunk(e.kernels, e.weights, r.cache, np.array(r.input[-1:], np.int32)).hidden
+        x, depth = decode_pass(e.kernels, e.weights, r.cache, r.input[-1], r.rule)
+        r.exits.append(depth)
+        self.counters["decode_passes"] += 1
+        self.counters["decode_loops"] += depth
         r.cache.release_outside_window()
         r.logits = head_logits(e.kernels, e.weights, x)[0]
 
+    @staticmethod
+    def _shared_end(r):
+        """How much of r's input the prefix cache may see: its prompt under an exit rule
+        (decoded positions are not depth-complete, docs/spec.md §5.7), else all of it."""
+        return r.n_prompt if r.rule is not None else len(r.input)
+
     def _prefill_chunk(self, r, T):
-        """Run T more input positions; True when that ends r's prefill phase."""
+        """Run T more input positions: prompt positions as a prefill chunk, emitted ones of an
+        adaptive request as replays of their recorded exits (docs/spec.md §5.7). True when that
+        ends r's prefill phase with logits to sample."""
         e, start = self.engine, r.cache.length
         pcache = e.prefix_cache
-        logits = e.prefill(r.cache, np.array(r.input[start:start + T], np.int32), T,
-                           release=pcache is None)
-        self.counters["prompt_tokens"] += T
-        if pcache is not None:
-            pcache.insert(self._tree(r), r.cache, np.array(r.input[:r.cache.length], np.int32))
+        fresh = min(T, self._shared_end(r) - start)
+        if fresh > 0:
+            logits = e.prefill(r.cache, np.array(r.input[start:start + fresh], np.int32), fresh,
+                               release=pcache is None)
+            self.counters["prompt_tokens"] += fresh
+            if pcache is not None:
+                pcache.insert(self._tree(r), r.cache,
+                              np.array(r.input[:min(r.cache.length, self._shared_end(r))], np.int32))
+        for pos in range(start + max(fresh, 0), start + T):
+            depth = r.exits[pos - r.n_prompt]
+            decode_adaptive(e.kernels, e.weights, r.cache, r.input[pos], lambda _: ForcedExit(depth))
         if r.cache.length < r.prefill_end:
             return False
-        if pcache is not None:
-            r.cache.release_outside_window()
+        r.cache.release_outside_window()
+        if r.prefill_end < len(r.input):         # an adaptive request's replay: its last token
+            return False                         # decodes next step
         r.logits = logits
         return True
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from tinyloop.modelfile import unpack_int4
 
+from .exit_rules import ExitGate
 from .numerics import F32, int_to_f32
 
 LINEAR_PARTS = ("attn_qkv", "attn_out", "ffn_gate_up", "ffn_down")
@@ -70,7 +71,7 @@ class Block:
 
 class Weights:
     """Everything a forward pass reads: embedding, RoPE tables, the prelude, core and coda
-    blocks, the adapter, the step and coda norms, the head.
+    blocks, the adapter, the step and coda norms, the head, the exit gate (on the host).
 
     `linear(w, scale, multipliers=None, group_size=0, bias=None)` builds one linear from the
     file's arrays (w: (R, K) int8, or (R, K/2) packed int4 with multipliers (R, K/group_size);
@@ -98,6 +99,7 @@ class Weights:
             self.adapter_inject = self._linear(tensors, "core.adapter_inject")
         self.step_norm = self._vector(tensors, "core.step_norm", config.step_norm)
         self.coda_norm = self._vector(tensors, "coda.input_norm", config.coda_norm)
+        self.exit_gate = ExitGate.from_tensors(tensors)            # host, or None (§5.7)
         if config.tied_head:
             self.head = linear(np.asarray(tensors["tok_emb.w"]), np.asarray(tensors["tok_emb.s"]))
         else:

@@ -120,7 +120,7 @@ def _open(args: argparse.Namespace, **kwargs: Any) -> Model:
 
 def run_generate(args: argparse.Namespace, out: TextIO) -> int:
     """Stream the continuation as it is sampled, then one stats line on stderr (and one for
-    self-speculative decoding with --draft-loops)."""
+    self-speculative decoding with --draft-loops, one for adaptive depth with --exit)."""
     with _open(args) as model:
         cfg = model.config()
         is_text = cfg["tokenizer"] != "none" and not args.ids
@@ -152,6 +152,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
         progress = PrefillProgress(args.progress, len(prompt))
         hits_before = model.cache_stats()["hit_tokens"]
         drafts: dict[str, float] = {}
+        depths: dict[str, float] = {}
         start = time.perf_counter()
         try:
             result = model.generate(
@@ -160,7 +161,9 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
                 cache_window=args.cache_window, stop_sequences=stops, seed=args.seed, on_token=show,
                 on_prefill=progress if progress.enabled else None,
                 prefill_chunk=PROGRESS_CHUNK if progress.enabled else None,
-                draft_loops=args.draft_loops, n_draft=args.n_draft, draft_stats=drafts)
+                draft_loops=args.draft_loops, n_draft=args.n_draft, draft_stats=drafts,
+                exit_rule=args.exit, exit_threshold=args.exit_threshold,
+                min_loops=args.min_loops, depth_stats=depths)
         finally:
             if first:                        # ends the streamed line, also before an error
                 print(stream.flush() if is_text else "", file=out, flush=True)
@@ -174,6 +177,10 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
         if args.draft_loops is not None:
             print(f"[draft loops {args.draft_loops}: drafted {drafts['drafted']}, accepted "
                   f"{drafts['accepted']}, acceptance rate {drafts['acceptance_rate']:.2f}]",
+                  file=sys.stderr)
+        if args.exit is not None:
+            print(f"[exit rule {args.exit}: {depths['mean_loops']:.2f} loops per decoded token "
+                  f"of {cfg['default_loops'] if args.loops is None else args.loops}]",
                   file=sys.stderr)
     return 0
 
@@ -434,6 +441,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n-draft", type=integer(0, P.MAX_DRAFT), default=None,
                      help=f"tokens drafted per round with --draft-loops, 0 = plain decoding "
                           f"(default: {P.DEFAULT_N_DRAFT} with --draft-loops)")
+
+    gen.add_argument("--exit", choices=["gate", "latent"], default=None,
+                     help="adaptive depth: each decoded token stops after the first core "
+                          "iteration where this rule fires (gate: the model's exit gate; latent: "
+                          "the state's relative change); the mean loops per token go to stderr "
+                          "(default: off, every token runs --loops)")
+    gen.add_argument("--exit-threshold", type=real(0.0, False), default=None,
+                     help="the rule's threshold (default: the model's for gate, 0.03 for latent)")
+    gen.add_argument("--min-loops", type=integer(1, P.MAX_LOOPS), default=None,
+                     help="iterations every decoded token runs at least with --exit (default: 1)")
 
     chat = command("chat", run_chat, "a conversation with a chat model: a message per line "
                    "on stdin, /exit or end of input ends it")

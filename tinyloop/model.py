@@ -19,7 +19,7 @@ import numpy.typing as npt
 from . import params as P
 from .backends import open_engine
 from .bundled import demo_model_path
-from .engine import (NO_CALLBACKS, Callbacks, Engine, EnginePrefix, GenerationParams,
+from .engine import (Callbacks, Engine, EnginePrefix, GenerationParams,
                      check_prefix_storage, loops_mismatch)
 from .modelfile import read_meta
 from .tokenizer import Tokenizer, open_tokenizer
@@ -37,7 +37,8 @@ CheckedRequest = Tuple[np.ndarray, np.ndarray, GenerationParams]
 # The keyword arguments of a generation request (generate_batch's `params` and `per_request`).
 REQUEST_ARGUMENTS = ("max_tokens", "loops", "temperature", "top_k", "top_p", "cache_window",
                      "repetition_penalty", "stop_sequences", "seed", "prefill_chunk", "cache_salt",
-                     "draft_loops", "n_draft", "draft_stats")
+                     "draft_loops", "n_draft", "draft_stats", "exit_rule", "exit_threshold",
+                     "min_loops", "depth_stats")
 
 
 def _env_flag(var: str) -> bool:
@@ -100,6 +101,27 @@ class _DraftTally:
         if self.out is not None:
             self.out.update(drafted=self.drafted, accepted=self.accepted,
                             acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0)
+
+
+class _DepthTally:
+    """Sums a request's Callbacks.on_depth increments and writes them into the caller's
+    `depth_stats` mapping (None: nowhere): tokens (decode passes), loops (the core iterations
+    they ran), mean_loops (docs/spec.md §5.7)."""
+
+    def __init__(self, out: MutableMapping[str, Any] | None) -> None:
+        if out is not None and not isinstance(out, MutableMapping):
+            raise ValueError(f"depth_stats must be a dict or None, got {type(out).__name__}")
+        self.out = out
+        self.tokens = self.loops = 0
+
+    def __call__(self, tokens: int, loops: int) -> None:
+        self.tokens += tokens
+        self.loops += loops
+
+    def report(self) -> None:
+        if self.out is not None:
+            self.out.update(tokens=self.tokens, loops=self.loops,
+                            mean_loops=self.loops / self.tokens if self.tokens else 0.0)
 
 
 class PrefixCache:
@@ -331,13 +353,16 @@ class Model:
                 repetition_penalty: float = 1.0, stop_sequences: Sequence[TokenIds] | None = (),
                 seed: int | None = None, prefill_chunk: int | None = None,
                 cache_salt: str | None = None, draft_loops: int | None = None,
-                n_draft: int | None = None) -> GenerationParams:
+                n_draft: int | None = None, exit_rule: str | None = None,
+                exit_threshold: float | None = None,
+                min_loops: int | None = None) -> GenerationParams:
         return P.generation_params(
             self._config, max_tokens=max_tokens, loops=loops, temperature=temperature,
             top_k=top_k, top_p=top_p, cache_window=cache_window,
             repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
             prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk, cache_salt=cache_salt,
-            draft_loops=draft_loops, n_draft=n_draft)
+            draft_loops=draft_loops, n_draft=n_draft, exit_rule=exit_rule,
+            exit_threshold=exit_threshold, min_loops=min_loops)
 
     def _request(self, prompt: TokenIds | None, prefix: PrefixCache | None,
                  kwargs: Mapping[str, Any]) -> CheckedRequest:
@@ -382,7 +407,9 @@ class Model:
                  on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
                  on_prefill: Callable[[int, int], None] | None = ...,
                  draft_loops: int | None = ..., n_draft: int | None = ...,
-                 draft_stats: MutableMapping[str, Any] | None = ...
+                 draft_stats: MutableMapping[str, Any] | None = ...,
+                 exit_rule: str | None = ..., exit_threshold: float | None = ...,
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
                  ) -> list[int]: ...
 
     @overload
@@ -394,7 +421,9 @@ class Model:
                  on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
                  on_prefill: Callable[[int, int], None] | None = ...,
                  draft_loops: int | None = ..., n_draft: int | None = ...,
-                 draft_stats: MutableMapping[str, Any] | None = ...
+                 draft_stats: MutableMapping[str, Any] | None = ...,
+                 exit_rule: str | None = ..., exit_threshold: float | None = ...,
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
                  ) -> IdsAndLogits: ...
 
     @overload
@@ -406,7 +435,9 @@ class Model:
                  on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
                  on_prefill: Callable[[int, int], None] | None = ...,
                  draft_loops: int | None = ..., n_draft: int | None = ...,
-                 draft_stats: MutableMapping[str, Any] | None = ...
+                 draft_stats: MutableMapping[str, Any] | None = ...,
+                 exit_rule: str | None = ..., exit_threshold: float | None = ...,
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
                  ) -> list[int] | IdsAndLogits: ...
 
     def generate(self, prompt: TokenIds, max_tokens: int = 32, loops: int | None = None,
@@ -417,7 +448,9 @@ class Model:
                  on_token: Callable[[int], None] | None = None, cache_salt: str | None = None,
                  on_prefill: Callable[[int, int], None] | None = None,
                  draft_loops: int | None = None, n_draft: int | None = None,
-                 draft_stats: MutableMapping[str, Any] | None = None
+                 draft_stats: MutableMapping[str, Any] | None = None,
+                 exit_rule: str | None = None, exit_threshold: float | None = None,
+                 min_loops: int | None = None, depth_stats: MutableMapping[str, Any] | None = None
                  ) -> list[int] | IdsAndLogits:
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
 
@@ -435,20 +468,30 @@ class Model:
         `n_draft` tokens (default 4) at that depth and verifies them at `loops` in one pass;
         the tokens and logits are exactly plain decoding's. `draft_stats` (a dict) receives
         drafted, accepted and acceptance_rate.
+
+        Adaptive depth (docs/spec.md §5.7): with `exit_rule` ("gate": the model's exit gate,
+        "latent": the state's relative change) each decoded token stops after the first core
+        iteration, at least `min_loops` (default 1), where the rule's criterion reaches
+        `exit_threshold` (default: the model's for "gate", 0.03 for "latent"); prompt tokens
+        run all `loops`. A token exits at the same iteration on every backend, alone or
+        batched. `depth_stats` (a dict) receives tokens, loops and mean_loops of the decode
+        passes.
         """
         engine = self._live_engine()
-        tally = _DraftTally(draft_stats)
+        tally, depths = _DraftTally(draft_stats), _DepthTally(depth_stats)
         tokens, _, params = self._request(prompt, None, dict(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
-            cache_salt=cache_salt, draft_loops=draft_loops, n_draft=n_draft))
+            cache_salt=cache_salt, draft_loops=draft_loops, n_draft=n_draft,
+            exit_rule=exit_rule, exit_threshold=exit_threshold, min_loops=min_loops))
         try:
             with _out_of_memory_as_runtime_error():
                 emitted, logits = engine.generate(tokens, params, return_logits, Callbacks(
-                    on_token=on_token, on_prefill=on_prefill, on_draft=tally))
+                    on_token=on_token, on_prefill=on_prefill, on_draft=tally, on_depth=depths))
         finally:
             tally.report()
+            depths.report()
         return self._result(tokens, emitted, logits, return_logits)
 
     def build_prefix_cache(self, prompt: TokenIds, loops: int | None = None, cache_window: int = 0,
@@ -501,7 +544,9 @@ class Model:
                                    on_token: Callable[[int], None] | None = ...,
                                    on_prefill: Callable[[int, int], None] | None = ...,
                                    draft_loops: int | None = ..., n_draft: int | None = ...,
-                                   draft_stats: MutableMapping[str, Any] | None = ...
+                                   draft_stats: MutableMapping[str, Any] | None = ...,
+                 exit_rule: str | None = ..., exit_threshold: float | None = ...,
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
                                    ) -> list[int]: ...
 
     @overload
@@ -517,7 +562,9 @@ class Model:
                                    on_token: Callable[[int], None] | None = ...,
                                    on_prefill: Callable[[int, int], None] | None = ...,
                                    draft_loops: int | None = ..., n_draft: int | None = ...,
-                                   draft_stats: MutableMapping[str, Any] | None = ...
+                                   draft_stats: MutableMapping[str, Any] | None = ...,
+                 exit_rule: str | None = ..., exit_threshold: float | None = ...,
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
                                    ) -> IdsAndLogits: ...
 
     @overload
@@ -533,7 +580,9 @@ class Model:
                                    on_token: Callable[[int], None] | None = ...,
                                    on_prefill: Callable[[int, int], None] | None = ...,
                                    draft_loops: int | None = ..., n_draft: int | None = ...,
-                                   draft_stats: MutableMapping[str, Any] | None = ...
+                                   draft_stats: MutableMapping[str, Any] | None = ...,
+                 exit_rule: str | None = ..., exit_threshold: float | None = ...,
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
                                    ) -> list[int] | IdsAndLogits: ...
 
     def generate_from_prefix_cache(self, prefix: PrefixCache, max_tokens: int = 32,
@@ -547,7 +596,9 @@ class Model:
                                    on_token: Callable[[int], None] | None = None,
                                    on_prefill: Callable[[int, int], None] | None = None,
                                    draft_loops: int | None = None, n_draft: int | None = None,
-                                   draft_stats: MutableMapping[str, Any] | None = None
+                                   draft_stats: MutableMapping[str, Any] | None = None,
+                 exit_rule: str | None = None, exit_threshold: float | None = None,
+                 min_loops: int | None = None, depth_stats: MutableMapping[str, Any] | None = None
                                    ) -> list[int] | IdsAndLogits:
         """Decode from a PrefixCache. `loops=None` and `cache_window=None` mean the prefix's.
 
@@ -555,23 +606,27 @@ class Model:
         system prompt + per-request text. Returns prefix + suffix + emitted ids, exactly what
         generate(prefix.prompt + suffix, ...) returns. The prefix's tokens never change; a
         `loops` past a warm-start prefix's depth first extends it in place (once: later calls
-        find it deep enough). draft_loops, n_draft, draft_stats: as in generate.
+        find it deep enough). draft_loops, n_draft, draft_stats, exit_rule, exit_threshold,
+        min_loops, depth_stats: as in generate.
         """
         engine = self._live_engine()
-        tally = _DraftTally(draft_stats)
+        tally, depths = _DraftTally(draft_stats), _DepthTally(depth_stats)
         tokens, rest, params = self._request(suffix, prefix, dict(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
-            draft_loops=draft_loops, n_draft=n_draft))
+            draft_loops=draft_loops, n_draft=n_draft, exit_rule=exit_rule,
+            exit_threshold=exit_threshold, min_loops=min_loops))
         try:
             prefix.extend(params.loops, params.prefill_chunk)
             with _out_of_memory_as_runtime_error():
                 emitted, logits = engine.generate_from_prefix(
                     prefix._state, rest, params, return_logits,
-                    Callbacks(on_token=on_token, on_prefill=on_prefill, on_draft=tally))
+                    Callbacks(on_token=on_token, on_prefill=on_prefill, on_draft=tally,
+                              on_depth=depths))
         finally:
             tally.report()
+            depths.report()
         return self._result(tokens, emitted, logits, return_logits)
 
     @overload
@@ -614,17 +669,19 @@ class Model:
         if len(overrides) != len(prompts):
             raise ValueError(f"per_request has {len(overrides)} entries for {len(prompts)} prompts")
         checked: list[tuple[np.ndarray, np.ndarray, GenerationParams, Callbacks]] = []
-        tallies: dict[int, _DraftTally] = {}  # one per distinct draft_stats mapping
+        tallies: dict[tuple[str, int], _DraftTally | _DepthTally] = {}  # one per stats mapping
         for i, (prompt, extra) in enumerate(zip(prompts, overrides)):
             kwargs = {**params, **extra}
             unknown = sorted(set(kwargs) - set(REQUEST_ARGUMENTS))
             if unknown:
                 raise ValueError(f"request {i}: unknown generation argument(s) {unknown}")
-            stats = kwargs.pop("draft_stats", None)
+            drafts, depths = kwargs.pop("draft_stats", None), kwargs.pop("depth_stats", None)
             try:
-                tally = None if stats is None else tallies.setdefault(id(stats), _DraftTally(stats))
-                checked.append(self._request(prompt, prefix, kwargs) + (
-                    NO_CALLBACKS if tally is None else Callbacks(on_draft=tally),))
+                on = {name: tallies.setdefault((name, id(stats)), kind(stats))
+                      for name, stats, kind in (("on_draft", drafts, _DraftTally),
+                                                ("on_depth", depths, _DepthTally))
+                      if stats is not None}
+                checked.append(self._request(prompt, prefix, kwargs) + (Callbacks(**on),))
             except (ValueError, RuntimeError) as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
         if prefix is not None and checked:     # a warm-start prefix deepens once, for them all

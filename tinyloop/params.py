@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 # The request types and the stop rule belong to the engine seam; re-exported for callers.
-from .engine import CACHE_STAT_NAMES, NO_CALLBACKS, Callbacks, GenerationParams, stop_reached
+from .engine import (CACHE_STAT_NAMES, EXIT_RULES, LATENT_DEFAULT_THRESHOLD, NO_CALLBACKS,
+                     Callbacks, GenerationParams, stop_reached)
 
 if TYPE_CHECKING:
     from .config import ModelConfig
 
 __all__ = ["CACHE_STAT_NAMES", "DEFAULT_N_DRAFT", "MAX_DRAFT", "NO_CALLBACKS", "Callbacks",
            "GenerationParams", "MAX_BLOCK_SIZE", "MAX_LOOPS", "MAX_THREADS",
-           "check_cache_salt", "check_draft", "check_int", "check_length", "check_loops",
+           "check_cache_salt", "check_draft", "check_exit", "check_int", "check_length", "check_loops",
            "check_prefill_chunk", "check_real", "check_seed", "check_stop_sequences",
            "check_tokens", "generation_params", "stop_reached"]
 
@@ -154,13 +155,46 @@ def check_draft(draft_loops: Any, n_draft: Any, loops: int) -> tuple[int, int]:
     return draft_loops, n_draft
 
 
+def check_exit(exit_rule: Any, exit_threshold: Any, min_loops: Any, loops: int, n_draft: int,
+               gate_threshold: float | None) -> tuple[str, float, int]:
+    """Adaptive depth's (exit_rule, exit_threshold, min_loops) for a request at depth `loops`
+    on a model whose exit gate has `gate_threshold` (None: it has none) (docs/spec.md §5.7):
+    exit_rule None or "none" is off (then the other two must be None); the threshold defaults
+    to gate_threshold ("gate") or LATENT_DEFAULT_THRESHOLD ("latent"), min_loops to 1. Returns
+    them resolved, the threshold rounded to f32 as every engine reads it."""
+    rule = "none" if exit_rule is None else exit_rule
+    if rule not in EXIT_RULES:
+        raise ValueError(f"exit_rule must be one of {', '.join(map(repr, EXIT_RULES))}, "
+                         f"got {exit_rule!r}")
+    if rule == "none":
+        for name, value in (("exit_threshold", exit_threshold), ("min_loops", min_loops)):
+            if value is not None:
+                raise ValueError(f"{name} needs an exit_rule")
+        return rule, 0.0, 1
+    if n_draft:
+        raise ValueError("exit_rule cannot be combined with speculative decoding (n_draft > 0)")
+    if rule == "gate" and gate_threshold is None:
+        raise ValueError("exit_rule 'gate': the model has no exit gate")
+    if exit_threshold is None:
+        threshold = gate_threshold if rule == "gate" else LATENT_DEFAULT_THRESHOLD
+    elif rule == "gate":
+        threshold = check_real("exit_threshold", exit_threshold, 0.0, False, 1.0)
+    else:
+        threshold = check_real("exit_threshold", exit_threshold, 0.0, False)
+    minimum = 1 if min_loops is None else check_int("min_loops", min_loops, 1)
+    if minimum > loops:
+        raise ValueError(f"min_loops must be <= loops ({loops}), got {minimum}")
+    return rule, float(np.float32(threshold)), minimum
+
+
 def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, temperature: Any,
                       top_k: Any, top_p: Any, cache_window: Any, repetition_penalty: Any,
                       stop_sequences: Any, seed: Any, prefill_chunk: Any, default_chunk: int,
                       cache_salt: Any = None, draft_loops: Any = None,
-                      n_draft: Any = None) -> GenerationParams:
-    """Check every generation argument, in this order (the draft arguments last, against the
-    resolved depth); `config` is the model's ModelConfig."""
+                      n_draft: Any = None, exit_rule: Any = None, exit_threshold: Any = None,
+                      min_loops: Any = None) -> GenerationParams:
+    """Check every generation argument, in this order (the draft arguments, then the exit
+    rule's, last, against the resolved depth); `config` is the model's ModelConfig."""
     checked: dict[str, Any] = dict(
         max_tokens=check_int("max_tokens", max_tokens, 1),
         loops=check_loops(loops, config.default_loops),
@@ -175,7 +209,11 @@ def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, tempe
         cache_salt=check_cache_salt(cache_salt),
     )
     draft_loops, n_draft = check_draft(draft_loops, n_draft, checked["loops"])
-    return GenerationParams(**checked, draft_loops=draft_loops, n_draft=n_draft)
+    rule, threshold, minimum = check_exit(
+        exit_rule, exit_threshold, min_loops, checked["loops"], n_draft,
+        config.exit_threshold if config.exit_gate else None)
+    return GenerationParams(**checked, draft_loops=draft_loops, n_draft=n_draft, exit_rule=rule,
+                            exit_threshold=threshold, min_loops=minimum)
 
 
 def check_length(n_tokens: int, max_seq_len: int) -> None:

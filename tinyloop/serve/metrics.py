@@ -38,6 +38,10 @@ ENGINE_COUNTERS = (
      "drafted_tokens"),
     ("tinyloop_draft_accepted_tokens", "Drafted tokens the full-depth verifier emitted too",
      "accepted_tokens"),
+    ("tinyloop_decode_passes", "Decode passes run (one per generated token but a request's first)",
+     "decode_passes"),
+    ("tinyloop_decode_loops", "Core iterations the decode passes ran: over tinyloop_decode_passes, "
+     "the mean loops per token that adaptive depth (exit_rule) leaves", "decode_loops"),
     ("tinyloop_prefix_cache_queries", "Prefix-cache lookups", "cache.lookups"),
     ("tinyloop_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
      "cache.hit_tokens"),

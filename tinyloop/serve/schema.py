@@ -2,7 +2,8 @@
 
 `completion_request` and `chat_request` read the JSON body of POST /v1/completions and
 /v1/chat/completions (the OpenAI API's schema plus TinyLoop's top_k, repetition_penalty,
-loops, cache_salt, and draft_loops / n_draft for self-speculative decoding) and return a
+loops, cache_salt, draft_loops / n_draft for self-speculative decoding, and exit_rule /
+exit_threshold / min_loops for adaptive depth) and return a
 `GenerationRequest`: prompt token ids and the keyword arguments of `Scheduler.add`, every value
 checked. Anything wrong raises `RequestError` naming the field, which the app answers with the
 OpenAI error body (`RequestError.body`). Nothing here runs the model: it only tokenizes and
@@ -37,8 +38,8 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "l
            "service_tier": None, "store": None, "metadata": None, "modalities": None,
            "reasoning_effort": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "loops",
-          "draft_loops", "n_draft", "cache_salt", "seed", "stop", "stream", "stream_options", "n",
-          "user"}
+          "draft_loops", "n_draft", "exit_rule", "exit_threshold", "min_loops", "cache_salt",
+          "seed", "stop", "stream", "stream_options", "n", "user"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 
@@ -159,6 +160,7 @@ def _request(body: Body, model: Model, prompt_field: str, ids: list[int], max_fi
     _field(body, "user", str)
     loops = _number(body, "loops", int, lambda v: P.check_loops(v, cfg["default_loops"]), None)
     draft_loops, n_draft = _draft(body, cfg["default_loops"] if loops is None else loops)
+    exit_rule, exit_threshold, min_loops = _exit(body, cfg, loops, n_draft)
     sampling = dict(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", float,
@@ -172,6 +174,9 @@ def _request(body: Body, model: Model, prompt_field: str, ids: list[int], max_fi
         loops=loops,
         draft_loops=draft_loops,
         n_draft=n_draft,
+        exit_rule=exit_rule,
+        exit_threshold=exit_threshold,
+        min_loops=min_loops,
         seed=P.check_seed(_number(body, "seed", int, P.check_seed, None)),   # None: a fresh one
         cache_salt=_field(body, "cache_salt", str) or "",
         stop_sequences=token_stops,
@@ -193,6 +198,24 @@ def _draft(body: Body, loops: int) -> tuple[int, int]:
         message = str(exc)
         raise RequestError(message, "n_draft" if message.startswith("n_draft") else "draft_loops"
                            ) from None
+
+
+def _exit(body: Body, cfg: Mapping[str, Any], loops: Optional[int], n_draft: int
+          ) -> tuple[str, float, int]:
+    """(exit_rule, exit_threshold, min_loops) of adaptive depth (docs/spec.md §5.7), by
+    tinyloop.params' rules ("none" when absent); an error names the field it is about."""
+    rule = _field(body, "exit_rule", str)
+    threshold = _number(body, "exit_threshold", float, lambda v: v, None)
+    min_loops = _number(body, "min_loops", int, lambda v: v, None)
+    try:
+        return P.check_exit(rule, threshold, min_loops,
+                            cfg["default_loops"] if loops is None else loops, n_draft,
+                            cfg["exit_threshold"] if cfg["exit_gate"] else None)
+    except ValueError as exc:
+        message = str(exc)
+        field = next((name for name in ("exit_threshold", "min_loops") if message.startswith(name)),
+                     "exit_rule")
+        raise RequestError(message, field) from None
 
 
 def _check_fields(body: Body, known: set[str]) -> None:

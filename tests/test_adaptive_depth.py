@@ -1,0 +1,182 @@
+"""Adaptive depth (docs/spec.md §5.7), on every backend: a decoded token exits at the same core
+iteration, with bit-identical logits, on every backend and on every path — alone, inside
+generate_batch among plain and adaptive requests, through the Scheduler with random arrivals and
+preemption (whose recomputation replays the recorded exits), from a prefix, with any prefill
+chunk; a rule that cannot fire is plain decoding bit for bit; the skipped iterations read the
+last computed iteration's KV; bad arguments are named.
+"""
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import tinyloop
+from conftest import assert_same_bits, assert_same_generation, backend_given, simulated
+from strategies import engine_settings, model_shapes, prompts, sampling
+from test_scheduler import need_of, run
+
+# Thresholds of the latent rule from "exits almost never" to "always at min_loops".
+LATENT_THRESHOLDS = [1e-3, 0.05, 0.2, 0.5, 0.9, 1e30]
+
+
+@st.composite
+def exit_kwargs(draw, config):
+    """A rule the model has ("gate" only with an exit gate), a threshold, min_loops, loops."""
+    loops = draw(st.integers(1, 5))
+    rules = ["latent", "gate"] if config.get("exit_gate") else ["latent"]
+    rule = draw(st.sampled_from(rules))
+    threshold = draw(st.sampled_from([0.05, 0.3, 0.6, 0.9, 1.0] if rule == "gate"
+                                     else LATENT_THRESHOLDS))
+    return dict(loops=loops, exit_rule=rule, exit_threshold=threshold,
+                min_loops=draw(st.integers(1, loops)))
+
+
+@st.composite
+def adaptive_request(draw, config, max_tokens=8):
+    """Sampling settings, an exit rule (exit_kwargs) and max_tokens."""
+    return dict(draw(sampling()), **draw(exit_kwargs(config)),
+                max_tokens=draw(st.integers(1, max_tokens)))
+
+
+def drawn_adaptive_model(data, zoo, backend, **kwargs):
+    shape = data.draw(model_shapes(tiny=simulated(backend)), "shape")
+    return shape, zoo.open(shape, backend, **data.draw(engine_settings(), "engine"), **kwargs)
+
+
+@backend_given(data=st.data())
+def test_each_token_exits_where_the_reference_exits(backend, zoo, data):
+    shape, model = drawn_adaptive_model(data, zoo, backend)
+    with model, zoo.open(shape, "numpy") as reference:
+        config = model.config()
+        prompt = data.draw(prompts(config["vocab_size"], max_size=20), "prompt")
+        kwargs = data.draw(adaptive_request(config), "request")
+        got_depths, want_depths = {}, {}
+        got = model.generate(prompt, return_logits=True, depth_stats=got_depths, **kwargs)
+        want = reference.generate(prompt, return_logits=True, depth_stats=want_depths, **kwargs)
+        assert_same_generation(got, want)
+        assert got_depths == want_depths
+
+
+@backend_given(data=st.data())
+def test_a_request_gets_the_same_tokens_on_every_path(backend, zoo, data):
+    shape, model = drawn_adaptive_model(data, zoo, backend)
+    with model:
+        config = model.config()
+        vocab = config["vocab_size"]
+        prompt = data.draw(prompts(vocab, max_size=24), "prompt")
+        kwargs = data.draw(adaptive_request(config), "request")
+        stats = {}
+        want = model.generate(prompt, return_logits=True, depth_stats=stats, **kwargs)
+        assert stats["tokens"] == len(want[1]) - 1
+        assert stats["tokens"] <= stats["loops"] <= stats["tokens"] * kwargs["loops"]
+
+        chunk = data.draw(st.integers(1, 9), "prefill chunk")
+        assert_same_generation(
+            model.generate(prompt, return_logits=True, prefill_chunk=chunk, **kwargs), want)
+
+        split = data.draw(st.integers(1, len(prompt)), "prefix length")
+        prefix = model.build_prefix_cache(prompt[:split], loops=kwargs["loops"])
+        assert_same_generation(model.generate_from_prefix_cache(
+            prefix, suffix=prompt[split:], return_logits=True, **kwargs), want)
+
+        others = data.draw(st.lists(st.tuples(prompts(vocab, max_size=12), st.one_of(
+            st.builds(dict, max_tokens=st.integers(1, 6), loops=st.integers(1, 4)),
+            adaptive_request(config, 6))),
+            max_size=4), "batch mates")
+        place = data.draw(st.integers(0, len(others)), "place in the batch")
+        batch = others[:place] + [(prompt, kwargs)] + others[place:]
+        got = model.generate_batch([p for p, _ in batch], per_request=[kw for _, kw in batch],
+                                   return_logits=True)
+        assert_same_generation(got[place], want)
+        for (p, kw), result in zip(batch, got):
+            assert_same_generation(result, model.generate(p, return_logits=True, **kw))
+
+
+@backend_given(data=st.data())
+def test_scheduled_requests_replay_their_exits_when_preempted(backend, zoo, data):
+    shape, model = drawn_adaptive_model(data, zoo, backend)
+    with model:
+        config = model.config()
+        vocab = config["vocab_size"]
+        arrivals = data.draw(st.lists(st.tuples(
+            st.integers(0, 6), prompts(vocab, max_size=20),
+            adaptive_request(config, 10)),
+            min_size=1, max_size=5), "arrivals")
+        max_batch = data.draw(st.integers(1, 4))
+        budget = 0
+        if data.draw(st.booleans(), "tight KV budget"):
+            budget = max(need_of(model, p, **kw) for _, p, kw in arrivals)
+        with tinyloop.Scheduler(model, max_batch, data.draw(st.integers(max_batch, max_batch + 16)),
+                                budget) as scheduler:
+            tokens, _, _ = run(scheduler, arrivals, kv_bound=budget)
+            stats = scheduler.stats()
+        passes = loops = 0
+        for i, (_, prompt, kwargs) in enumerate(arrivals):
+            depths = {}
+            assert tokens[i] == model.generate(prompt, depth_stats=depths, **kwargs)[len(prompt):]
+            passes += depths["tokens"]
+            loops += depths["loops"]
+        assert (stats["decode_passes"], stats["decode_loops"]) == (passes, loops)
+
+
+@backend_given(data=st.data())
+def test_a_rule_that_cannot_fire_is_plain_decoding(backend, zoo, data):
+    shape, model = drawn_adaptive_model(data, zoo, backend)
+    with model:
+        config = model.config()
+        prompt = data.draw(prompts(config["vocab_size"], max_size=16), "prompt")
+        loops = data.draw(st.integers(1, 4), "loops")
+        plain = dict(data.draw(sampling()), loops=loops, max_tokens=data.draw(st.integers(1, 6)))
+        never = [dict(exit_rule="latent", exit_threshold=1e30, min_loops=loops)]
+        if config.get("exit_gate"):
+            never.append(dict(exit_rule="gate", exit_threshold=1.0))
+        want = model.generate(prompt, return_logits=True, **plain)
+        for rule in never:
+            depths = {}
+            assert_same_generation(
+                model.generate(prompt, return_logits=True, depth_stats=depths, **plain, **rule),
+                want)
+            assert depths["loops"] == depths["tokens"] * loops
+
+
+@pytest.mark.parametrize("exit_at", [1, 2, 3])
+def test_skipped_iterations_hold_the_last_computed_kv(models, exit_at):
+    """The reference's decode pass: a token exiting after `exit_at` of 4 iterations leaves in
+    every skipped core slot the keys and values of its last computed iteration, and the other
+    iterations' slots as they were computed."""
+    from fallback.exit_rules import ForcedExit
+    from fallback.forward import decode_adaptive
+
+    engine = models["int8-v2-coda"]._live_engine()
+    cfg, loops = engine.config, 4
+    cache = engine.new_cache(loops, 0)
+    try:
+        engine.prefill(cache, np.array([5, 9, 14], np.int32), 3)
+        _, depth = decode_adaptive(engine.kernels, engine.weights, cache, 21,
+                                   lambda _: ForcedExit(exit_at))
+        assert depth == exit_at and cache.length == 4
+        for j in range(cfg.n_core_blocks):
+            rows = [cache.read(cfg.core_slot(i, j), 3, 4) for i in range(loops)]
+            for i in range(loops):
+                same = all(np.array_equal(a, b) for a, b in zip(rows[i], rows[exit_at - 1]))
+                assert same == (i >= exit_at - 1), (i, j)    # earlier iterations differ
+    finally:
+        cache.free()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(exit_rule="deep"), "exit_rule must be one of 'none', 'gate', 'latent'"),
+    (dict(exit_threshold=0.5), "exit_threshold needs an exit_rule"),
+    (dict(min_loops=2), "min_loops needs an exit_rule"),
+    (dict(exit_rule="latent", exit_threshold=0.0), "exit_threshold must be finite and > 0"),
+    (dict(exit_rule="latent", exit_threshold=float("nan")), "exit_threshold must be finite"),
+    (dict(exit_rule="latent", min_loops=0), "min_loops < 1"),
+    (dict(exit_rule="latent", loops=2, min_loops=3), r"min_loops must be <= loops \(2\), got 3"),
+    (dict(exit_rule="gate"), "exit_rule 'gate': the model has no exit gate"),
+    (dict(exit_rule="latent", loops=3, draft_loops=1),
+     r"exit_rule cannot be combined with speculative decoding \(n_draft > 0\)"),
+    (dict(exit_rule="latent", depth_stats=[]), "depth_stats must be a dict or None, got list"),
+])
+def test_bad_exit_arguments_are_named(numpy_or_native, models_by_backend, kwargs, message):
+    model = models_by_backend(numpy_or_native)["int8-gqa"]
+    with pytest.raises(ValueError, match=message):
+        model.generate([1, 2, 3], **kwargs)
