@@ -190,7 +190,7 @@ def assert_same_generation(got, want):
 
 
 # Small models covering the shape space: GQA or not, n_pre 0..2, int8 / int4, tied head,
-# odd vocabularies, eos and stop ids. Keyed by a short name used in test ids.
+# odd vocabularies, eos and stop ids, an exit gate. Keyed by a short name used in test ids.
 MODEL_SHAPES = {
     "int8-gqa": dict(vocab_size=263, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                      ffn_dim=48, n_pre_blocks=1, default_loops=3, max_seq_len=96),
@@ -204,7 +204,7 @@ MODEL_SHAPES = {
                      ffn_dim=32, n_pre_blocks=1, default_loops=2, max_seq_len=96,
                      weight_format="int4", group_size=16, eos_id=7, stop_ids=(11, 40)),
     # version-2 layouts (docs/spec.md §1): Huginn's (prelude, adapter, coda, post norms, biases,
-    # embedding scale) and Ouro's (a sandwich core with the step norm), small
+    # embedding scale) and Ouro's (a sandwich core with the step norm, and its exit gate), small
     "int8-v2-coda": dict(vocab_size=270, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                          ffn_dim=48, n_pre_blocks=1, n_core_blocks=2, n_coda_blocks=1,
                          default_loops=2, max_seq_len=96, block_layout="post", injection=True,
@@ -212,7 +212,8 @@ MODEL_SHAPES = {
     "int4-v2-sandwich": dict(vocab_size=260, d_model=32, n_heads=2, n_kv_heads=2, head_dim=16,
                              ffn_dim=64, n_pre_blocks=0, n_core_blocks=2, default_loops=3,
                              max_seq_len=96, block_layout="sandwich", step_norm=True,
-                             weight_format="int4", group_size=8),
+                             weight_format="int4", group_size=8, exit_gate=True,
+                             exit_threshold=0.9),
 }
 
 

@@ -64,7 +64,8 @@ def checkpoint(arch, seed=0, **overrides):
                    "Qwen2ForCausalLM": dict(use_sliding_window=False, sliding_window=4096),
                    "NanbeigeForCausalLM": dict(num_loops=2, skip_loop_final_norm=False),
                    "OuroForCausalLM": dict(total_ut_steps=3, use_sliding_window=False,
-                                           sliding_window=None)}.get(arch, {}))
+                                           sliding_window=None,
+                                           early_exit_threshold=1.0)}.get(arch, {}))
     config.update(overrides)
     d, H, G, D, F = D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN
     V = config["vocab_size"]

@@ -335,14 +335,15 @@ def test_convert_shows_progress_then_info_shows_the_architecture(hf_folder, tmp_
     assert code == 0 and text.startswith(f"wrote {out}: ouro-tiny, int4, prelude 0 + core 3 x 2")
     total = len(progress)
     assert progress[0].startswith(f"convert 1/{total}: final_norm <- model.norm.weight")
-    assert progress[-1].startswith(f"convert {total}/{total}: head <- lm_head.weight")
+    assert progress[-1].startswith(f"convert {total}/{total}: exit_gate_bias <- "
+                                   "model.early_exit_gate.bias")
     code, text = run("info", "--model", out, "--backend", "numpy")
     assert code == 0
     for line in ("architecture: OuroForCausalLM",
                  "layers: prelude 0, core 3 x 2 loops, coda 0: 6 cache layers at depth 2",
                  "blocks: sandwich norms, no bias, 4 heads x 8, 2 kv heads",
                  "iterations: no injection, step norm, no coda norm, embed scale 1",
-                 "tokenizer: hf"):
+                 "tokenizer: hf", "exit_gate: True", "exit_threshold: 1.0"):
         assert re.search(rf"^ +{re.escape(line)}$", text, re.M), (line, text)
     code, text = run("generate", "1 2 3", "--ids", "--model", out, "--max-tokens", "3",
                      "--temperature", "0", "--backend", "numpy")

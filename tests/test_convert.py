@@ -18,7 +18,7 @@ from tinyloop.hf import ConvertError, LazyWeights  # noqa: E402
 from tinyloop.hf.architectures import Options, _interleaved_to_rotate_half, plan_for  # noqa: E402
 from tinyloop.hf.safetensors_reader import Checkpoint  # noqa: E402
 from tinyloop.modelfile import load_model, read_meta  # noqa: E402
-from tinyloop.quantize import rope_tables  # noqa: E402
+from tinyloop.quantize import quantize_int8, rope_tables  # noqa: E402
 
 from conftest import assert_same_bits  # noqa: E402
 from hf_folders import (D_MODEL, FFN, HEADS, KV_HEADS, LAYERS,  # noqa: E402
@@ -37,7 +37,8 @@ EXPECTED = {
                                 block_layout="pre"),
     "OuroForCausalLM": dict(n_pre_blocks=0, n_core_blocks=LAYERS, n_coda_blocks=0,
                             default_loops=3, block_layout="sandwich", step_norm=True,
-                            injection=False, qkv_bias=False),
+                            injection=False, qkv_bias=False, exit_gate=True,
+                            exit_threshold=1.0),
     "RavenForCausalLM": dict(n_pre_blocks=2, n_core_blocks=2, n_coda_blocks=1, default_loops=3,
                              block_layout="post", qkv_bias=True, injection=True,
                              coda_norm=True, step_norm=False, n_kv_heads=HEADS,
@@ -120,8 +121,61 @@ def test_qwen2_biases_and_ouro_sandwich_and_step_norm_come_from_their_tensors(tm
         assert np.array_equal(w[f"core.2.{ours}"], ckpt.tensor(f"{p}{theirs}.weight"))
     norm = ckpt.tensor("model.norm.weight")
     assert np.array_equal(w["core.step_norm"], norm) and np.array_equal(w["final_norm"], norm)
-    assert not any("early_exit" in n for s in plan.recipe.values() for n in s.names)
+    assert np.array_equal(w["exit_gate"], ckpt.tensor("model.early_exit_gate.weight"))
+    assert np.array_equal(w["exit_gate_bias"], ckpt.tensor("model.early_exit_gate.bias"))
     ckpt.close()
+
+
+def test_ouro_keeps_its_exit_gate_with_the_final_norm_folded_in(tmp_path):
+    """The gate scores model.norm(h): its columns carry model.norm's gain (as the head's do),
+    quantized by the int8 linears' row quantizer whatever the weight format; the bias is kept
+    as f32 (docs/spec.md §6.3, §6.4)."""
+    src = folder(tmp_path, "OuroForCausalLM")
+    ckpt = Checkpoint(src)
+    gate = ckpt.tensor("model.early_exit_gate.weight")
+    bias = ckpt.tensor("model.early_exit_gate.bias")
+    norm = ckpt.tensor("model.norm.weight").astype(np.float64)
+    ckpt.close()
+    want_q, want_s = quantize_int8(gate, norm)
+    assert not np.array_equal(want_q, quantize_int8(gate)[0])     # the fold changes the codes
+    for weight_format in ("int8", "int4"):
+        out = str(tmp_path / f"{weight_format}.tinyloop")
+        config = tinyloop.convert(src, out, weight_format)
+        assert config.exit_gate and config.exit_threshold == 1.0 and config.file_version == 3
+        _, tensors = load_model(out)
+        assert tensors["exit_gate.w"].dtype == np.int8
+        assert np.array_equal(tensors["exit_gate.w"], want_q)
+        assert np.array_equal(tensors["exit_gate.s"], want_s)
+        assert np.array_equal(tensors["exit_gate.b"], bias)
+
+
+@pytest.mark.parametrize("overrides, threshold", [
+    (dict(early_exit_threshold=0.6), float(np.float32(0.6))),
+    (dict(early_exit_threshold=None), 1.0),          # Ouro reads null as no threshold
+    (dict(early_exit_threshold=1), 1.0),
+])
+def test_ouro_exit_threshold_comes_from_config_json(tmp_path, overrides, threshold):
+    converted = tinyloop.convert(folder(tmp_path, "OuroForCausalLM", **overrides),
+                                 str(tmp_path / "m.tinyloop"))
+    assert converted.exit_threshold == threshold
+    for backend in ("native", "numpy"):
+        with tinyloop.Model(tmp_path / "m.tinyloop", backend=backend) as model:
+            assert (model.config()["exit_gate"], model.config()["exit_threshold"]) == \
+                (True, threshold)
+
+
+def test_ouro_without_early_exit_threshold_gets_1(tmp_path):
+    config, tensors = checkpoint("OuroForCausalLM")
+    del config["early_exit_threshold"]
+    src = write_folder(tmp_path / "src", config, tensors)
+    assert tinyloop.convert(src, str(tmp_path / "m.tinyloop")).exit_threshold == 1.0
+
+
+@pytest.mark.parametrize("arch", [a for a in LAYOUTS if a != "OuroForCausalLM"])
+def test_only_ouro_has_an_exit_gate(tmp_path, arch):
+    converted = tinyloop.convert(folder(tmp_path, arch), str(tmp_path / "m.tinyloop"))
+    assert (converted.exit_gate, converted.exit_threshold) == (False, 0.0)
+    assert not any(name.startswith("exit_gate.") for name in load_model(tmp_path / "m.tinyloop")[1])
 
 
 def test_nanbeige_skip_loop_final_norm_turns_the_step_norm_off(tmp_path):
@@ -371,6 +425,16 @@ REFUSALS = [
     ("NanbeigeForCausalLM", _set(loop_loss_weights=[0.5, True]), {}, ["loop_loss_weights"]),
     ("NanbeigeForCausalLM", _set(loop_loss_weights={"0": 0.5}), {}, ["loop_loss_weights"]),
     ("OuroForCausalLM", lambda c, t: None, dict(core=(0, 2)), ["--core"]),
+    ("OuroForCausalLM", _set(early_exit_threshold=0.0), {},
+     ["config.json: early_exit_threshold = 0.0 is not supported", "(0, 1]"]),
+    ("OuroForCausalLM", _set(early_exit_threshold=1.5), {}, ["early_exit_threshold = 1.5"]),
+    ("OuroForCausalLM", _set(early_exit_threshold="1.0"), {},
+     ["early_exit_threshold must be a number, got '1.0'"]),
+    ("OuroForCausalLM", _drop("model.early_exit_gate.bias"), {},
+     ["missing tensor 'model.early_exit_gate.bias'"]),
+    ("OuroForCausalLM", _tensor("model.early_exit_gate.weight",
+                                np.zeros((2, D_MODEL), np.float32)), {},
+     ["'model.early_exit_gate.weight'", "expected shape [1, 32]"]),
     ("RavenForCausalLM", _set(injection_type="add"), {}, ["injection_type", "'add'"]),
     ("RavenForCausalLM", _drop("transformer.adapter.weight"), {},
      ["missing tensor 'transformer.adapter.weight'"]),

@@ -4,7 +4,7 @@ The spec's byte offsets are restated here independently of modelfile.py, so the 
 patch files on their own: a layout bug in the writer cannot hide behind the same bug in the reader.
 Every hostile file must raise ModelFormatError naming the broken rule, and nothing else.
 Version-1 files (§6.5) are made here by hand from version-2 ones (`as_version_1`): the library
-writes only version 2.
+writes only versions 2 and 3.
 """
 import dataclasses
 import functools
@@ -36,7 +36,9 @@ HEADER = {"magic": (0, "8s"), "version": (8, "<I"), "header_bytes": (12, "<I"),
           "rms_eps": (112, "<f"), "flags": (116, "<I"), "name": (120, "64s"),
           "n_core_blocks": (184, "<I"), "n_coda_blocks": (188, "<I"), "block_layout": (192, "<I"),
           "qkv_bias": (196, "<I"), "injection": (200, "<I"), "step_norm": (204, "<I"),
-          "embed_scale": (208, "<f"), "coda_norm": (212, "<I"), "reserved": (216, "40s")}
+          "embed_scale": (208, "<f"), "coda_norm": (212, "<I"), "exit_threshold": (216, "<f"),
+          "reserved": (220, "36s")}
+V2_RESERVED = (216, "40s")                  # §6.5: in version 2 exit_threshold is reserved
 V1_RESERVED = (184, "72s")                  # §6.5: in version 1 the version-2 fields are reserved
 ENTRY = {"name": (0, "48s"), "dtype": (48, "<I"), "ndim": (52, "<I"), "dims": (56, "<4Q"),
          "offset": (88, "<Q")}
@@ -97,7 +99,11 @@ CONFIGS = {"int8": small_config(), "int8-tied": small_config(tied_head=True),
                                            block_layout="sandwich", step_norm=True,
                                            tied_head=True, embed_scale=0.5),
            "hf": v2_config(tokenizer="hf", block_layout="pre", qkv_bias=False),
-           "v3-stop-ids": v2_config(stop_ids=(5, 299, 0))}
+           "v3-stop-ids": v2_config(stop_ids=(5, 299, 0)),
+           # Ouro's shape with int4 weights, its int8 exit gate, and a stop id
+           "v3-exit-gate": int4_config(n_pre_blocks=0, n_core_blocks=2, block_layout="sandwich",
+                                       step_norm=True, stop_ids=(7,), exit_gate=True,
+                                       exit_threshold=0.75)}
 # Version-1 files of the version-2 kinds that version 1 can express (§6.5).
 V1_KINDS = {"v1-int8": "int8", "v1-int4-tied": "int4-tied", "v1-no-pre": "no-pre"}
 CONFIGS.update({v1: CONFIGS[v2] for v1, v2 in V1_KINDS.items()})
@@ -287,6 +293,58 @@ def test_a_json_list_of_stop_ids_is_a_tuple():
     assert config.stop_ids == (7, 8) and config.file_version == 3
 
 
+EXIT_GATE = ["exit_gate.w", "exit_gate.s", "exit_gate.b"]
+
+
+def test_an_exit_gate_makes_a_version_3_file_with_its_tensors_and_threshold():
+    buf = valid_file("v3-exit-gate")
+    assert (header(buf, "version"), header(buf, "exit_threshold")) == (3, 0.75)
+    assert header(buf, "reserved") == bytes(36)
+    # int8 beside int4 linears: one row of d weights, its scale and bias f32 [1]
+    assert [entry(buf, name, "dtype") for name in EXIT_GATE] == [(2,), (1,), (1,)]
+    assert [entry(buf, name, "dims") for name in EXIT_GATE] == [(1, 16, 0, 0), (1, 0, 0, 0),
+                                                                (1, 0, 0, 0)]
+    config, tensors = decode_model(buf)
+    assert config.exit_gate and config.exit_threshold == 0.75 and config.stop_ids == (7,)
+    assert list(tensors)[-4:] == ["head.s", *EXIT_GATE]         # the required order
+    # without a gate exit_threshold is 0, in a version-3 file as in a version-2 one
+    assert header(valid_file("v3-stop-ids"), "exit_threshold") == 0.0
+    assert not decode_model(valid_file("v3-stop-ids"))[0].exit_gate
+    assert small_config(exit_gate=True, exit_threshold=1.0).file_version == 3
+
+
+@pytest.mark.parametrize("changes, version, message", [
+    (dict(exit_gate=True), None,
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got 0.0"),
+    (dict(exit_gate=True, exit_threshold=1.5), None,
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got 1.5"),
+    (dict(exit_gate=True, exit_threshold=math.nan), None,
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got nan"),
+    (dict(exit_gate=True, exit_threshold=-0.25), None,
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got -0.25"),
+    (dict(exit_gate=True, exit_threshold="0.5"), None,
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got '0.5'"),
+    (dict(exit_threshold=0.5), None, "exit_threshold: must be 0 without an exit gate, got 0.5"),
+    (dict(exit_threshold=-0.0), None, "exit_threshold: must be 0 without an exit gate, got -0.0"),
+    (dict(exit_threshold=False), None,
+     "exit_threshold: must be 0 without an exit gate, got False"),
+    (dict(exit_gate=1, exit_threshold=0.5), None,
+     "exit_gate: must be a bool (file: the exit_gate.* tensors present or not), got 1"),
+    (dict(exit_gate=True, exit_threshold=0.5), 2, "exit_gate: needs a version-3 file, got True"),
+])
+def test_config_exit_gate_rules(changes, version, message):
+    with pytest.raises(ModelFormatError) as info:
+        small_config(**changes).validate(version)
+    assert str(info.value) == message
+
+
+def test_config_exit_threshold_limits_are_inclusive():
+    for q in (1.0, 2.0**-149, 0.5):
+        small_config(exit_gate=True, exit_threshold=q).validate()
+    assert small_config(exit_gate=True, exit_threshold=0.1).exit_threshold == float(
+        np.float32(0.1))                                        # f32-rounded, as the file holds
+
+
 def test_layout_matches_the_spec():
     buf = valid_file("int4")
     config, tensors = decode_model(buf)
@@ -295,7 +353,7 @@ def test_layout_matches_the_spec():
     assert header(buf, "file_bytes") == len(buf)
     assert header(buf, "checksum") == zlib.crc32(buf[:24] + bytes(4) + buf[28:])
     assert header(buf, "table_offset") == 256 and header(buf, "flags") == 0
-    assert header(buf, "reserved") == bytes(40)
+    assert struct.unpack_from(V2_RESERVED[1], buf, V2_RESERVED[0])[0] == bytes(40)
     assert [header(buf, f) for f in ("n_core_blocks", "n_coda_blocks", "block_layout", "qkv_bias",
                                      "injection", "step_norm", "embed_scale", "coda_norm")] == \
         [1, 0, 0, 0, 0, 0, 1.0, 0]
@@ -459,6 +517,8 @@ def configs(draw):
                                      else ["none", "hf"]))
     name = draw(st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\0"),
                         max_size=30).filter(lambda s: len(s.encode()) <= 63))
+    exit_gate = draw(st.booleans())
+    exit_threshold = draw(st.floats(0.0, 1.0, exclude_min=True, width=32)) if exit_gate else 0.0
     return ModelConfig(
         vocab_size=vocab_size, d_model=unit * draw(st.integers(1, 5)),
         n_heads=n_kv_heads * draw(st.integers(1, 3)), n_kv_heads=n_kv_heads, head_dim=head_dim,
@@ -472,7 +532,8 @@ def configs(draw):
         block_layout=draw(st.sampled_from(["pre", "sandwich", "post"])),
         qkv_bias=draw(st.booleans()), injection=draw(st.booleans()),
         step_norm=draw(st.booleans()), coda_norm=draw(st.booleans()),
-        embed_scale=draw(st.floats(2.0**-20, 2.0**20, width=32)))
+        embed_scale=draw(st.floats(2.0**-20, 2.0**20, width=32)), exit_gate=exit_gate,
+        exit_threshold=exit_threshold)
 
 
 @settings(deadline=None)
@@ -765,6 +826,57 @@ HOSTILE = [
      lambda b: set_value(rebuild(b, extra=[("meta.architecture", 3, (2,), b"\xff\xfe")]),
                          "stop_ids", "<i", 2),
      "tensor 'stop_ids': ids must differ from eos_id"),
+    ("exit gate scale negative", "v3-exit-gate", lambda b: set_value(b, "exit_gate.s", "<f", -1.0),
+     "tensor 'exit_gate.s': scales must be finite and >= 0, found -1.0"),
+    ("exit gate scale NaN", "v3-exit-gate", lambda b: set_value(b, "exit_gate.s", "<f", NAN),
+     "tensor 'exit_gate.s': scales must be finite and >= 0, found nan"),
+    ("exit gate bias NaN", "v3-exit-gate", lambda b: set_value(b, "exit_gate.b", "<f", NAN),
+     "tensor 'exit_gate.b': values must be finite, found nan"),
+    ("exit gate bias -inf", "v3-exit-gate",
+     lambda b: set_value(b, "exit_gate.b", "<f", -math.inf),
+     "tensor 'exit_gate.b': values must be finite, found -inf"),
+    ("head before the exit gate's values", "v3-exit-gate",
+     lambda b: set_value(set_value(b, "exit_gate.s", "<f", NAN), "head.s", "<f", NAN, 9),
+     "tensor 'head.s'"),
+    ("stop ids before the exit gate's values", "v3-exit-gate",
+     lambda b: set_value(set_value(b, "exit_gate.s", "<f", NAN), "stop_ids", "<i", 2),
+     "tensor 'stop_ids': ids must differ from eos_id, found 2"),
+    ("exit gate scale before its bias", "v3-exit-gate",
+     lambda b: set_value(set_value(b, "exit_gate.b", "<f", NAN), "exit_gate.s", "<f", -2.0),
+     "tensor 'exit_gate.s'"),
+    ("exit gate before the meta texts' values", "v3-exit-gate",
+     lambda b: set_value(rebuild(b, extra=[("meta.architecture", 3, (2,), b"\xff\xfe")]),
+                         "exit_gate.b", "<f", math.inf),
+     "tensor 'exit_gate.b'"),
+    # exit_threshold (§6.1), checked after the values and before the reserved bytes (step 8)
+    ("exit_threshold 0 with the gate", "v3-exit-gate",
+     lambda b: set_header(b, "exit_threshold", 0.0),
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got 0.0"),
+    ("exit_threshold just above 1", "v3-exit-gate",
+     lambda b: patch(b, 216, "<I", 0x3F800001),
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got 1.0000001192"),
+    ("exit_threshold NaN", "v3-exit-gate", lambda b: set_header(b, "exit_threshold", NAN),
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got nan"),
+    ("exit_threshold inf", "v3-exit-gate", lambda b: set_header(b, "exit_threshold", math.inf),
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got inf"),
+    ("exit_threshold negative", "v3-exit-gate",
+     lambda b: set_header(b, "exit_threshold", -0.5),
+     "exit_threshold: must be a finite float in (0, 1] with an exit gate, got -0.5"),
+    ("exit_threshold without the gate", "v3-exit-gate", lambda b: rebuild(b, drop=EXIT_GATE),
+     "exit_threshold: must be 0 without an exit gate, got 0.75"),
+    ("exit_threshold in a version-3 file without a gate", "v3-stop-ids",
+     lambda b: set_header(b, "exit_threshold", 1.0),
+     "exit_threshold: must be 0 without an exit gate, got 1.0"),
+    ("exit_threshold -0.0 without a gate", "v3-stop-ids",
+     lambda b: set_header(b, "exit_threshold", -0.0),
+     "exit_threshold: must be 0 without an exit gate, got -0.0"),
+    ("exit gate values before exit_threshold", "v3-exit-gate",
+     lambda b: set_value(set_header(b, "exit_threshold", 0.0), "exit_gate.s", "<f", NAN),
+     "tensor 'exit_gate.s'"),
+    ("exit_threshold before the reserved bytes", "v3-exit-gate",
+     lambda b: patch(set_header(b, "exit_threshold", 2.0), 230, "<B", 1), "exit_threshold"),
+    ("exit_threshold before flags", "v3-stop-ids",
+     lambda b: set_header(set_header(b, "exit_threshold", 0.5), "flags", 1), "exit_threshold"),
     ("stop ids in version 2", "v3-stop-ids", lambda b: set_header(b, "version", 2),
      "unexpected tensor 'stop_ids'"),
     ("stop ids as int8", "v3-stop-ids", lambda b: set_entry(b, "stop_ids", "dtype", 2),
@@ -772,6 +884,39 @@ HOSTILE = [
     ("stop ids 2-D", "v3-stop-ids", lambda b: set_entry(set_entry(b, "stop_ids", "ndim", 2),
                                                         "stop_ids", "dims", 1, 3, 0, 0),
      "tensor 'stop_ids': shape (1, 3)"),
+    # the exit gate: all three tensors or none (§6.3), int8 weights [1, d], f32 [1] scale, bias
+    ("exit gate weights alone", "v3-exit-gate", lambda b: rebuild(b, drop=EXIT_GATE[1:]),
+     "missing tensor 'exit_gate.s'"),
+    ("exit gate without its weights", "v3-exit-gate", lambda b: rebuild(b, drop=EXIT_GATE[:1]),
+     "missing tensor 'exit_gate.w'"),
+    ("exit gate without its bias", "v3-exit-gate", lambda b: rebuild(b, drop=EXIT_GATE[2:]),
+     "missing tensor 'exit_gate.b'"),
+    ("exit gate bias alone", "v3-exit-gate", lambda b: rebuild(b, drop=EXIT_GATE[:2]),
+     "missing tensor 'exit_gate.w'"),
+    ("exit gate in version 2", "v3-exit-gate",
+     lambda b: set_header(rebuild(b, drop=["stop_ids"]), "version", 2),
+     "unexpected tensor 'exit_gate.b'"),
+    ("exit gate in version 1", "v1-int8",
+     lambda b: rebuild(b, extra=[("exit_gate.w", 2, (1, 16), bytes(16))]),
+     "unexpected tensor 'exit_gate.w'"),
+    ("unexpected before a missing exit gate tensor", "v3-exit-gate",
+     lambda b: rebuild(b, drop=["exit_gate.s"], extra=[("zz", 1, (1,), bytes(4))]),
+     "unexpected tensor 'zz'"),
+    ("exit gate weights as uint8", "v3-exit-gate",
+     lambda b: set_entry(b, "exit_gate.w", "dtype", 3),
+     "tensor 'exit_gate.w': dtype uint8 != expected int8"),
+    ("exit gate weights 1-D", "v3-exit-gate",
+     lambda b: set_entry(set_entry(b, "exit_gate.w", "ndim", 1), "exit_gate.w", "dims",
+                         16, 0, 0, 0),
+     "tensor 'exit_gate.w': shape (16,) != expected (1, 16)"),
+    ("exit gate weights transposed", "v3-exit-gate",
+     lambda b: set_entry(b, "exit_gate.w", "dims", 16, 1, 0, 0),
+     "tensor 'exit_gate.w': shape (16, 1) != expected (1, 16)"),
+    ("exit gate scale [2]", "v3-exit-gate",
+     lambda b: set_entry(b, "exit_gate.s", "dims", 2, 0, 0, 0),
+     "tensor 'exit_gate.s': shape (2,) != expected (1,)"),
+    ("exit gate bias as int32", "v3-exit-gate", lambda b: set_entry(b, "exit_gate.b", "dtype", 4),
+     "tensor 'exit_gate.b': dtype int32 != expected float32"),
     ("meta not UTF-8", "hf", lambda b: set_value(b, "meta.tokenizer_json", "<B", 0xFF, 3),
      "tensor 'meta.tokenizer_json': not valid UTF-8 (byte 3)"),
     ("meta surrogate", "hf",
@@ -790,6 +935,12 @@ HOSTILE = [
     ("version-1 reserved 184", "v1-int8", lambda b: patch(b, 184, "<B", 1),
      "reserved: header bytes 184 .. 255 must be zero"),
     ("version-1 reserved 255", "v1-no-pre", lambda b: patch(b, 255, "<B", 1), "reserved"),
+    ("version-2 exit_threshold is reserved", "v2", lambda b: set_header(b, "exit_threshold", 0.5),
+     "reserved: header bytes 216 .. 255 must be zero"),
+    ("version-3 reserved 220", "v3-exit-gate", lambda b: patch(b, 220, "<B", 1),
+     "reserved: header bytes 220 .. 255 must be zero"),
+    ("version-3 reserved 255", "v3-stop-ids", lambda b: patch(b, 255, "<B", 1),
+     "reserved: header bytes 220 .. 255 must be zero"),
     ("flags", "int8", lambda b: set_header(b, "flags", 1), "flags"),
 ]
 
@@ -857,6 +1008,22 @@ def broken(change):
     pytest.param(CONFIGS["v2"], {**random_tensors(CONFIGS["v2"]),
                                  "core.step_norm": np.full(16, np.inf, np.float32)},
                  "tensor 'core.step_norm': values must be finite, found inf", id="step norm inf"),
+    pytest.param(CONFIGS["v3-exit-gate"], {n: a for n, a in kind_tensors("v3-exit-gate").items()
+                                           if n not in EXIT_GATE},
+                 "missing tensor 'exit_gate.w'", id="gate without its tensors"),
+    pytest.param(CONFIGS["v3-stop-ids"], {**kind_tensors("v3-stop-ids"),
+                                          "exit_gate.w": np.zeros((1, 16), np.int8)},
+                 "unexpected tensor 'exit_gate.w'", id="gate tensor without the gate"),
+    pytest.param(CONFIGS["v3-exit-gate"], {**kind_tensors("v3-exit-gate"),
+                                           "exit_gate.w": np.zeros((1, 16), np.float32)},
+                 "tensor 'exit_gate.w': dtype float32 != expected int8", id="float gate"),
+    pytest.param(CONFIGS["v3-exit-gate"], {**kind_tensors("v3-exit-gate"),
+                                           "exit_gate.s": np.full(1, -1, np.float32)},
+                 "tensor 'exit_gate.s': scales must be finite and >= 0, found -1.0",
+                 id="negative gate scale"),
+    pytest.param(dataclasses.replace(CONFIGS["v3-exit-gate"], exit_threshold=0.0),
+                 kind_tensors("v3-exit-gate"), "exit_threshold: must be a finite float in (0, 1]",
+                 id="gate threshold 0"),
 ])
 def test_writer_rejects_what_the_reader_rejects(config, tensors, expected):
     with pytest.raises(ModelFormatError) as info:

@@ -2,13 +2,15 @@
 file of test_modelfile.py, every header field at its edge values, truncations, flipped bytes),
 libtinyloop's loader (a native Model open) and the Python reader (tinyloop.modelfile.load_model)
 both accept it, or both reject it with the same error type and a message about the same rule.
-Versions 2 and 1 alike (docs/spec.md §6, §6.5): the version-2 header fields, each tensor of
-every version-2 option dropped or renamed, bad values in its biases, gains and scales, and
+Versions 3, 2 and 1 alike (docs/spec.md §6, §6.5): the version-2 and -3 header fields, each
+tensor of every version-2 option and of the exit gate dropped or renamed, bad values in its
+biases, gains and scales, and
 meta.* texts of arbitrary bytes, where the two messages must agree word for word (the byte
 offset of the first invalid UTF-8 sequence included).
 
 Native only: the C loader is one of the two readers.
 """
+import itertools
 import re
 import struct
 
@@ -19,15 +21,16 @@ from hypothesis import given, strategies as st
 import tinyloop
 from tinyloop.modelfile import load_model
 
-from test_modelfile import (CONFIGS, HEADER, HOSTILE, V1_KINDS, V2_KINDS, entry, header, patch,
-                            rebuild, set_entry, set_value, table, valid_file, with_crc)
+from test_modelfile import (CONFIGS, EXIT_GATE, HEADER, HOSTILE, V1_KINDS, V2_KINDS, entry,
+                            header, patch, rebuild, set_entry, set_header, set_value, table,
+                            valid_file, with_crc)
 
 pytestmark = pytest.mark.usefixtures("require_native")
 
 NATIVE_PREFIX = "bad model file: "        # libtinyloop's ModelFormatError messages start so
 # Version-2 kinds with every kind of tensor between them: biases, post and step norms, the
 # adapter, a coda and its norm, int4 weights, the meta.* texts.
-RICH_KINDS = ("v2", "v2-int4-sandwich", "hf", "v3-stop-ids")
+RICH_KINDS = ("v2", "v2-int4-sandwich", "hf", "v3-stop-ids", "v3-exit-gate")
 
 
 def subject(message):
@@ -99,11 +102,14 @@ EDGE_VALUES = (0, 1, 2, 255, 256, 2**16, 2**16 + 1, 2**20, 2**20 + 1, 2**31 - 1,
 
 
 @pytest.mark.parametrize("field", sorted(set(HEADER) - {"magic", "name", "reserved"}))
-@pytest.mark.parametrize("kind", ["int8", "int4-tied", "v2", "hf", "v1-int8"])
+@pytest.mark.parametrize("kind", ["int8", "int4-tied", "v2", "hf", "v1-int8", "v3-stop-ids",
+                                  "v3-exit-gate"])
 def test_every_header_field_at_its_edges(agree, field, kind):
     """Each value at the edges of the field's width, the valid value +- 1 and its bit flips,
     with the checksum fixed up (checksum itself: left as written). In a version-1 file the
-    version-2 fields are reserved bytes."""
+    version-2 fields are reserved bytes, in versions 1 and 2 exit_threshold; in version 3
+    exit_threshold must be 0 without the exit gate, in (0, 1] with it (NaNs among the bit
+    patterns)."""
     buf = valid_file(kind)
     offset, fmt = HEADER[field]
     size = struct.calcsize(fmt)
@@ -147,6 +153,22 @@ def test_each_tensor_dropped_or_renamed(agree, kind):
         raw = bytearray(buf)
         raw[at:at + 48] = new.encode().ljust(48, b"\0")
         assert agree(with_crc(raw))[0] == "ModelFormatError", name
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.75])
+@pytest.mark.parametrize("kept", [kept for n in range(4)
+                                  for kept in itertools.combinations(EXIT_GATE, n)])
+def test_exit_gate_subsets(outcomes, kept, threshold):
+    """§6.3: the exit gate's tensors all three or none, and exit_threshold 0 exactly without
+    them (step 8): every subset, with a threshold of 0 or not, and both readers say the same
+    words (the value aside, which C prints with %g). Only all three with 0.75 and none with 0
+    are valid."""
+    buf = set_header(valid_file("v3-exit-gate"), "exit_threshold", threshold)
+    results = outcomes(rebuild(buf, drop=[name for name in EXIT_GATE if name not in kept]))
+    python, native = ((kind, message.split(", got ")[0]) for kind, message in results)
+    assert python == native, results
+    valid = len(kept) == 3 if threshold else not kept
+    assert (results[0] == ("accepted", "")) == valid, results
 
 
 # dims whose nbytes (§6.2) does not fit u64; the first two wrap to exactly 0 (mod 2^64) for
@@ -246,6 +268,7 @@ def test_v2_kinds_are_covered():
     names = set().union(*(table(valid_file(kind)) for kind in RICH_KINDS))
     for needed in ("pre.0.attn_qkv.b", "core.1.attn_post_norm", "core.adapter_state.w",
                    "core.step_norm", "coda.input_norm", "coda.0.ffn_down.s", "core.0.ffn_down.m",
-                   "meta.tokenizer_json", "meta.architecture", "meta.tokenizer_config"):
+                   "meta.tokenizer_json", "meta.architecture", "meta.tokenizer_config",
+                   "stop_ids", "exit_gate.w", "exit_gate.s", "exit_gate.b"):
         assert needed in names, needed
     assert np.uint32(header(valid_file("v1-int8"), "version")) == 1

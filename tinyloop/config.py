@@ -2,8 +2,8 @@
 
 `ModelConfig.validate()` checks exactly the header rules of §6.1 (and the value rules of the
 `stop_ids` tensor, which the config carries too) and `required_tensors()` lists the tensor set
-of §6.3 that a file with this config holds. Nothing here knows about bytes: the file layout is
-`modelfile.py`'s job.
+of §6.3 that a file with this config holds, the exit gate's among them when it has one.
+Nothing here knows about bytes: the file layout is `modelfile.py`'s job.
 """
 import dataclasses
 import math
@@ -29,6 +29,8 @@ META_TENSORS = ("meta.architecture", "meta.tokenizer_json", "meta.tokenizer_conf
 MAX_CACHE_LAYERS = 2**16                                              # n_layers(L) bound, §1
 NAME_MAX_BYTES = 63                                                    # char[64], one NUL kept
 MAX_STOP_IDS = 16                                                      # stop_ids [n], §6.3
+# The exit gate of adaptive depth (§5.7), present all three or none (version 3, §6.3).
+EXIT_GATE_TENSORS = ("exit_gate.w", "exit_gate.s", "exit_gate.b")
 # A tensor of the §6.3 set: (dtype, shape); the shape (None,) is a u8 text of any length >= 1.
 TensorSpec = Tuple[np.dtype[Any], Tuple[Optional[int], ...]]
 # The required order of §6.3 as _layout() gives it: (name, (kind, shape)).
@@ -68,9 +70,12 @@ class ModelConfig:
     coda_norm: bool = False  # RN(x, coda.input_norm) after the last iteration
     # version 3 (§6.3's `stop_ids` tensor): the ids besides eos_id that end generation (§5.3)
     stop_ids: Tuple[int, ...] = ()
+    # version 3 (§6.3's `exit_gate.*` tensors, §6.1 offset 216): adaptive depth's gate (§5.7)
+    exit_gate: bool = False  # the file holds exit_gate.w, .s, .b
+    exit_threshold: float = 0.0  # the gate rule's default q; 0 without the gate, else in (0, 1]
 
     def __post_init__(self) -> None:
-        for field in ("rope_theta", "rms_eps", "embed_scale"):
+        for field in ("rope_theta", "rms_eps", "embed_scale", "exit_threshold"):
             object.__setattr__(self, field, _f32(getattr(self, field)))
         if isinstance(self.stop_ids, list):         # from_dict of a JSON config
             object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
@@ -78,7 +83,7 @@ class ModelConfig:
     @property
     def file_version(self) -> int:
         """The version a writer gives this model's file: the lowest that holds it (§6.5)."""
-        return 3 if self.stop_ids else 2
+        return 3 if self.stop_ids or self.exit_gate else 2
 
     def stop_token_ids(self) -> FrozenSet[int]:
         """Every id whose emission ends generation (§5.3): eos_id (when >= 0) and stop_ids."""
@@ -86,10 +91,11 @@ class ModelConfig:
 
     def validate(self, version: Optional[int] = None) -> None:
         """Raise ModelFormatError naming the first field (in header order) that breaks §6.1,
-        then the first stop id that breaks §6.3's `stop_ids` rules.
+        then the first stop id that breaks §6.3's `stop_ids` rules, then the exit gate's fields
+        (exit_threshold as step 8 of §6.3 checks it).
 
         `version` (default: file_version) 1 applies §6.5's narrower tokenizer rule (0 or 1) of
-        a version-1 file; stop ids need version 3.
+        a version-1 file; stop ids and the exit gate need version 3.
         """
         version = self.file_version if version is None else version
         self._int_range("vocab_size", 2, 2**20)
@@ -141,6 +147,22 @@ class ModelConfig:
         _require(version >= 3 or not self.stop_ids, "stop_ids", "need a version-3 file",
                  self.stop_ids)
         self.check_stop_ids(self.stop_ids)
+        _require(isinstance(self.exit_gate, bool), "exit_gate",
+                 "must be a bool (file: the exit_gate.* tensors present or not)", self.exit_gate)
+        _require(version >= 3 or not self.exit_gate, "exit_gate", "needs a version-3 file",
+                 self.exit_gate)
+        self.check_exit_threshold()
+
+    def check_exit_threshold(self) -> None:
+        """§6.1's exit_threshold rule, step 8 of §6.3: 0 (all four bytes zero) without the
+        exit gate, else a finite float in (0, 1] (the same words as libtinyloop's loader)."""
+        q = self.exit_threshold
+        if not self.exit_gate:
+            _require(isinstance(q, float) and q == 0 and math.copysign(1.0, q) > 0,
+                     "exit_threshold", "must be 0 without an exit gate", q)
+        else:
+            _require(isinstance(q, float) and math.isfinite(q) and 0 < q <= 1, "exit_threshold",
+                     "must be a finite float in (0, 1] with an exit gate", q)
 
     def check_stop_ids(self, ids: Sequence[object]) -> None:
         """§6.3's value rules of the `stop_ids` tensor: at most MAX_STOP_IDS token ids, none
@@ -232,6 +254,9 @@ class ModelConfig:
             out.append(("coda.input_norm", ("f32", (d,))))
         if not self.tied_head:
             out.append(("head", ("linear", (V, d))))
+        if self.exit_gate:      # int8 whatever weight_format: one row of d weights, scale, bias
+            w, s, b = EXIT_GATE_TENSORS
+            out += [(w, ("i8", (1, d))), (s, ("f32", (1,))), (b, ("f32", (1,)))]
         return out
 
     def to_dict(self) -> Dict[str, Any]:

@@ -1,17 +1,19 @@
 """Reader and writer of the `.tinyloop` model file, version 3 (docs/spec.md §6).
 
-`encode_model` / `save_model` write a file (version 3 when the config has stop ids, else
-version 2: the lowest version that holds the model); `decode_model` / `load_model` read one
-back, version 3, 2 or 1 (§6.5: a version-1 file is returned as the version-2 model it
+`encode_model` / `save_model` write a file (version 3 when the config has stop ids or an exit
+gate, else version 2: the lowest version that holds the model); `decode_model` / `load_model`
+read one back, version 3, 2 or 1 (§6.5: a version-1 file is returned as the version-2 model it
 describes, its `loop.*` tensors named `core.0.*`), as read-only numpy arrays viewing the bytes
 (`load_model` reads the file once into memory of its own, so a later change to the file changes
 nothing, as in libtinyloop). The optional `meta.*` texts are ordinary u8 1-D tensors of the
 dict; `meta_tensor` makes one and `read_meta` reads only them (header, table and their bytes)
 of a file another reader already validated. The `stop_ids` tensor is not in the dict: it is the
-config's `stop_ids`, written from it and read into it. Writer and reader apply the same tensor
-checks. The reader checks every rule of §6 in one fixed order and raises ModelFormatError
-naming the first rule broken, whatever the input bytes: sizes and offsets are Python ints (no
-overflow), and no byte outside the buffer is read or allocated for.
+config's `stop_ids`, written from it and read into it. The `exit_gate.*` tensors are in it, as
+required tensors, exactly when `config.exit_gate` (a file read has the gate when it has one of
+them). Writer and reader apply the same tensor checks. The reader checks every rule of §6 in
+one fixed order and raises ModelFormatError naming the first rule broken, whatever the input
+bytes: sizes and offsets are Python ints (no overflow), and no byte outside the buffer is read
+or allocated for.
 `pack_int4` / `unpack_int4` convert int4 weights to and from their stored form; `checksum` is
 the CRC-32 of §6.1, which the prefix blob (§7.1) and the spilled block file (§7.6) share.
 Not here: quantization, or any interpretation of the weights.
@@ -29,7 +31,8 @@ from typing import (TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Tuple, Type
 
 import numpy as np
 
-from .config import BLOCK_LAYOUTS as LAYOUT_NAMES, I32, META_TENSORS, ModelConfig, TensorSpec, U8
+from .config import (BLOCK_LAYOUTS as LAYOUT_NAMES, EXIT_GATE_TENSORS, I32, META_TENSORS,
+                     ModelConfig, TensorSpec, U8)
 from .config import TOKENIZERS as TOKENIZER_NAMES
 from .errors import ModelFormatError
 
@@ -56,11 +59,12 @@ STOP_IDS = "stop_ids"                                                    # §6.3
 
 # §6.1: magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset,
 # data_offset | 17 config fields, vocab_size .. rms_eps | flags, name | 8 version-2 fields,
-# n_core_blocks .. coda_norm | reserved.
-HEADER = struct.Struct("<8sIIQIIQQ" "12I2iI2f" "I64s" "6IfI" "40s")
+# n_core_blocks .. coda_norm | exit_threshold (version 3) | reserved.
+HEADER = struct.Struct("<8sIIQIIQQ" "12I2iI2f" "I64s" "6IfI" "f36s")
 V1_VALUES = 27                   # HEADER's values up to the name; version 1 reserves the rest
 CHECKSUM_AT = 24
 V2_FIELDS_AT = 184
+V3_FIELDS_AT = 216               # exit_threshold; version 2 reserves it
 # §6.2: name, dtype, ndim, dims[4], offset.
 ENTRY = struct.Struct("<48sII4QQ")
 assert HEADER.size == HEADER_BYTES and ENTRY.size == ENTRY_BYTES
@@ -70,7 +74,8 @@ TableEntry = Tuple[np.dtype[Any], Tuple[int, ...], int]
 
 class HeaderFields(TypedDict):
     """The header fields _parse_header_start returns, `config` the 25 config fields in
-    ModelConfig's order (a version-1 header's last 8 the §6.5 values)."""
+    ModelConfig's order (a version-1 header's last 8 the §6.5 values), `exit_threshold` 0.0
+    in versions 1 and 2 (whose `reserved` bytes hold its place)."""
     checksum: int
     n_tensors: int
     table_offset: int
@@ -79,6 +84,7 @@ class HeaderFields(TypedDict):
     flags: int
     config: Tuple[Any, ...]
     name: bytes
+    exit_threshold: float
     reserved: bytes
 
 
@@ -164,7 +170,8 @@ def _file_parts(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> list[
         int(c.tied_head), c.bos_id, c.eos_id, _code(TOKENIZERS, c.tokenizer), c.rope_theta,
         c.rms_eps, 0, c.name.encode("utf-8"),
         c.n_core_blocks, c.n_coda_blocks, _code(BLOCK_LAYOUTS, c.block_layout), int(c.qkv_bias),
-        int(c.injection), int(c.step_norm), c.embed_scale, int(c.coda_norm), bytes(40)))
+        int(c.injection), int(c.step_norm), c.embed_scale, int(c.coda_norm), c.exit_threshold,
+        bytes(36)))
     parts: list[Buffer] = [header, *table, bytes(data_offset - table_end), *data]
     crc = 0
     for part in parts:
@@ -206,10 +213,11 @@ def decode_model(buf: Buffer) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, {name: read-only array viewing buf}) of .tinyloop bytes (any buffer object).
 
     Checks, in order (§6.3): size, magic, version, header_bytes, file_bytes, checksum, the
-    config, table bounds, each table entry, overlaps, the tensor set, tensor values, reserved
-    bytes, flags. The first rule broken raises ModelFormatError. The tensors are the required
-    ones in the required order, then the meta.* texts in table order; a version-1 file's
-    `loop.*` tensors are returned as `core.0.*`; a version-3 file's stop_ids are the config's.
+    config, table bounds, each table entry, overlaps, the tensor set, tensor values,
+    exit_threshold, reserved bytes, flags. The first rule broken raises ModelFormatError. The
+    tensors are the required ones in the required order, then the meta.* texts in table order;
+    a version-1 file's `loop.*` tensors are returned as `core.0.*`; a version-3 file's stop_ids
+    are the config's, and so are its exit gate (present with its tensors) and exit_threshold.
     """
     mv = memoryview(buf).cast("B")
     size = mv.nbytes
@@ -223,6 +231,9 @@ def decode_model(buf: Buffer) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     config = _parse_config(version, fields)
     entries = _parse_table(mv, fields["n_tensors"], fields["table_offset"],
                            fields["data_offset"], fields["file_bytes"])
+    # §6.3: a version-3 file has the exit gate when it has one of its tensors, then all three
+    gate = version >= 3 and any(name in entries for name in EXIT_GATE_TENSORS)
+    config = dataclasses.replace(config, exit_gate=gate)
     required, optional = _tensor_set(config, version)
     _check_layout(required, optional,
                   {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()})
@@ -233,6 +244,8 @@ def decode_model(buf: Buffer) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         a.flags.writeable = False
         found[name] = a
     _check_values(config, found)
+    config = dataclasses.replace(config, exit_threshold=fields["exit_threshold"])
+    config.check_exit_threshold()
     if any(fields["reserved"]):
         raise ModelFormatError(f"reserved: header bytes {HEADER_BYTES - len(fields['reserved'])}"
                                f" .. {HEADER_BYTES - 1} must be zero")
@@ -275,7 +288,8 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, str]:
 def _parse_header_start(mv: memoryview, size: int) -> tuple[int, HeaderFields]:
     """(version, {header field: value}) after checking magic, version, header_bytes and
     file_bytes (step 1 of §6.3 but the checksum). A version-1 header's bytes 184 .. 255 are
-    all reserved and its version-2 fields take the §6.5 values."""
+    all reserved and its version-2 fields take the §6.5 values; a version-2 header's bytes
+    216 .. 255 are reserved and its exit_threshold is 0."""
     values = HEADER.unpack_from(mv)
     (magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset, data_offset,
      *config_fields, flags, name_field) = values[:V1_VALUES]
@@ -290,13 +304,15 @@ def _parse_header_start(mv: memoryview, size: int) -> tuple[int, HeaderFields]:
     v2_fields: Sequence[float]
     if version == 1:
         v2_fields = (1, 0, 0, 0, 0, 0, 1.0, 0)
-        reserved = bytes(mv[V2_FIELDS_AT:HEADER_BYTES])
+        exit_threshold, reserved = 0.0, bytes(mv[V2_FIELDS_AT:HEADER_BYTES])
     else:
-        *v2_fields, reserved = values[V1_VALUES:]
+        *v2_fields, exit_threshold, reserved = values[V1_VALUES:]
+        if version == 2:
+            exit_threshold, reserved = 0.0, bytes(mv[V3_FIELDS_AT:HEADER_BYTES])
     return version, dict(checksum=checksum, n_tensors=n_tensors, table_offset=table_offset,
                          data_offset=data_offset, file_bytes=file_bytes, flags=flags,
                          config=(*config_fields, *v2_fields), name=name_field,
-                         reserved=reserved)
+                         exit_threshold=exit_threshold, reserved=reserved)
 
 
 def _parse_config(version: int, fields: HeaderFields) -> ModelConfig:
@@ -443,10 +459,11 @@ def _check_layout(required: Mapping[str, TensorSpec], optional: Mapping[str, Ten
 
 def _value_order(required: Iterable[str], names: Iterable[str]) -> list[str]:
     """The file's tensor names (table order) in §6.3's required order: the required tensors
-    but the meta.* texts, then stop_ids if present, then the meta.* texts in table order."""
+    but the exit gate's and the meta.* texts, then stop_ids and the exit gate's tensors (those
+    present), then the meta.* texts in table order."""
     names = list(names)
-    return [*(n for n in required if not n.startswith("meta.")),
-            *(n for n in names if n == STOP_IDS),
+    return [*(n for n in required if not n.startswith("meta.") and n not in EXIT_GATE_TENSORS),
+            *(n for n in (STOP_IDS, *EXIT_GATE_TENSORS) if n in names),
             *(n for n in names if n.startswith("meta."))]
 
 

@@ -1,8 +1,10 @@
-"""Quantizer: float weights of a looped model -> the tensors of a .tinyloop file (version 2).
+"""Quantizer: float weights of a looped model -> the tensors of a .tinyloop file (version 3).
 
 Round-to-nearest with a per-row (int8) or per-group (int4) clipping search, after folding each
 RMSNorm gain that feeds a linear into that linear's input columns (docs/spec.md §6.4); the
-gains that cannot fold (post norms, step and coda norms) and the biases are stored as f32.
+gains that cannot fold (post norms, step and coda norms) and the biases are stored as f32. The
+exit gate (§5.7), which reads the final norm's output as the head does, is int8 whatever the
+weight format: one row with the final norm gain folded in, its scale and bias f32.
 
 GPTQ (Frantar et al. 2022) for int4, when the linear's input Gram matrix H = X^T X is given
 (tinyloop.calibrate.input_grams): the columns are quantized in order, each one's rounding error
@@ -20,7 +22,8 @@ be lazy, loading a value when it is looked up, e.g. memory-mapped safetensors), 
     B.wo (d, H*D), B.attn_post_norm (d,) [sandwich, post], B.mlp_norm (d,), B.w_gate (F, d),
     B.w_up (F, d), B.w_down (d, F), B.ffn_post_norm (d,) [sandwich, post];
     core.adapter (d, 2d) [injection: columns 0 .. d-1 act on the state, d .. 2d-1 on e];
-    core.step_norm (d,) [step_norm]; coda.input_norm (d,) [coda_norm].
+    core.step_norm (d,) [step_norm]; coda.input_norm (d,) [coda_norm];
+    exit_gate (1, d), exit_gate_bias (1,) [exit_gate].
 
 Memory: one linear at a time, its float64 form only a block of rows at a time (quantization is
 per row, GPTQ's updates included, so the blocking changes no value), so a multi-billion-parameter
@@ -198,7 +201,7 @@ def quantize_model(config: ModelConfig, weights: Mapping[str, np.ndarray],
     frequencies of the RoPE tables (rope_tables). `hessians` (int4 only): the input Gram
     matrix of each linear by its name ("core.0.attn_qkv", "head", ...;
     tinyloop.calibrate.input_grams); the linears it names are quantized by GPTQ. The embedding
-    (and so a tied head) stays int8 round-to-nearest."""
+    (and so a tied head) and the exit gate stay int8 round-to-nearest."""
     if hessians is not None and config.weight_format != "int4":
         raise ValueError(f"GPTQ applies to int4 weights only, not {config.weight_format}")
     hessians = {} if hessians is None else hessians
@@ -250,4 +253,8 @@ def quantize_model(config: ModelConfig, weights: Mapping[str, np.ndarray],
         vector("coda.input_norm", "coda.input_norm")
     if not config.tied_head:
         linear("head", weights[head_key], final_norm)
+    if config.exit_gate:
+        gate_q, gate_s = quantize_int8(weights["exit_gate"], final_norm)
+        put({"exit_gate.w": gate_q, "exit_gate.s": gate_s})
+        vector("exit_gate.b", "exit_gate_bias")
     return config, tensors

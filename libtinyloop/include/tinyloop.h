@@ -217,6 +217,10 @@ typedef struct tl_model_config {
        a chat model's end-of-turn token; a caller built before them gets the fields above     */
     uint32_t n_stop_ids;    /* 0 .. TL_MAX_STOP_IDS                                          */
     int32_t stop_ids[TL_MAX_STOP_IDS]; /* the first n_stop_ids, in the file's order          */
+    /* version 3 (docs/spec.md §5.7, §6.3): adaptive depth's exit gate; a caller built before
+       them gets the fields above                                                             */
+    uint32_t exit_gate;     /* 1: the file carries the exit gate (exit_gate.w, .s, .b)        */
+    float exit_threshold;   /* the gate rule's default threshold, in (0, 1]; 0 without a gate */
 } tl_model_config;
 
 /* Copy the configuration into *out, up to out->size (set by the caller). Thread-safe.

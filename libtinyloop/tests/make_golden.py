@@ -6,7 +6,7 @@ usage: make_golden.py OUT_DIR       (needs the tinyloop package installed: pip i
 Writes small random models (int8 and int4, GQA, n_pre 0..2, tied and untied heads, odd
 vocabularies, an eos id; and version-2 shapes: several core blocks, a coda, the sandwich and
 post block layouts, q/k/v biases, the injection adapter, step and coda norms, an embedding
-scale) and, for each, expected logits at every position and expected tokens
+scale; and version 3's stop ids and exit gate) and, for each, expected logits at every position and expected tokens
 (greedy, sampled with seeds, penalties, stop sequences, chunked prefill, windows, prefixes at
 nested depths) into OUT_DIR, with OUT_DIR/manifest.txt listing the cases one per line:
 
@@ -217,6 +217,27 @@ def eos_cases(w, name, seed, overrides):
                                                             np.int32), **fields)
 
 
+def exit_gate_cases(w, name, seed, overrides):
+    """The same weights with an exit gate (a version-3 file, exit_threshold 0.75): plain
+    decoding never reads the gate, so it gives the tokens of the model without one."""
+    probe = tinyloop.Model(os.path.join(w.out_dir, name + ".tinyloop"), backend="numpy")
+    gate_name = name + "_exit_gate"
+    path = os.path.join(w.out_dir, gate_name + ".tinyloop")
+    tinyloop.random_model(path, seed=seed, **overrides, exit_gate=True, exit_threshold=0.75)
+    model = tinyloop.Model(path, backend="numpy")
+    assert model.config()["exit_gate"] and model.config()["exit_threshold"] == 0.75
+    prompt = np.random.default_rng(seed).integers(0, overrides["vocab_size"], 40).astype(np.int32)
+    p_file = w.array(f"{gate_name}.prompt", prompt, np.int32)
+    for i, s in enumerate([dict(), dict(temperature=0.9, top_k=0, seed=8)]):
+        stem = f"{gate_name}.gen{i}"
+        fields = gen_fields(w, stem, 12, **s)
+        out = model.generate(prompt, **kwargs_of(fields, ()))
+        assert out == probe.generate(prompt, **kwargs_of(fields, ())), "the gate changed plain decoding"
+        w.case("generate", model=gate_name + ".tinyloop", loops=overrides["default_loops"],
+               window=0, prompt=p_file, expect=w.array(stem + ".expect", out[len(prompt):],
+                                                        np.int32), **fields)
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -226,6 +247,7 @@ def main():
     for name, (seed, overrides) in MODELS.items():
         model_cases(w, name, seed, overrides)
     eos_cases(w, "int8_gqa", *MODELS["int8_gqa"])
+    exit_gate_cases(w, "v2_ouro", *MODELS["v2_ouro"])
     w.finish()
     print(f"make_golden: {w.count} cases in {out_dir}")
 

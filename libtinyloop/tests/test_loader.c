@@ -1,6 +1,7 @@
 /* test_loader.c — the `.tinyloop` reader against valid and hostile files (docs/spec.md §6),
- * versions 2 and 1: named rule violations (header fields, the tensor set of every version-2
- * option, meta.* texts, value rules), the order in which rules are reported, truncation at
+ * versions 3, 2 and 1: named rule violations (header fields, the tensor set of every version-2
+ * option and of the exit gate, meta.* texts, value rules, exit_threshold), the order in which
+ * rules are reported, truncation at
  * many lengths, random byte flips with the checksum fixed up, huge dimensions and offsets.
  * Every bad file must give TL_ERR_BAD_FILE (never a crash or an out-of-bounds read: run under
  * ASan), and every accepted file must run; a version-1 file runs as the version-2 model it
@@ -213,6 +214,27 @@ static void e_v1_hf(uint8_t* f, size_t n) { (void)n, put32(f + 104, 2); }
 static void e_v1_reserved(uint8_t* f, size_t n) { (void)n, f[184] = 1; }
 static void e_v1_core_name(uint8_t* f, size_t n) { (void)n, rename_entry(f, "loop.attn_out.w", "core.0.attn_out.w"); }
 static void e_v1_meta(uint8_t* f, size_t n) { (void)n, rename_entry(f, "tok_emb.s", "meta.architecture"); }
+/* version 3's exit gate (docs/spec.md §6.3) and exit_threshold (§6.1, checked in step 8) */
+static void e_threshold_zero(uint8_t* f, size_t n) { (void)n, put32(f + 216, 0); }
+static void e_threshold_above_1(uint8_t* f, size_t n) { (void)n, put32(f + 216, 0x3f800001); }
+static void e_threshold_nan(uint8_t* f, size_t n) { (void)n, put32(f + 216, 0x7fc00000); }
+static void e_threshold_half(uint8_t* f, size_t n) { (void)n, put32(f + 216, 0x3f000000); }
+static void e_threshold_minus_zero(uint8_t* f, size_t n) { (void)n, put32(f + 216, 0x80000000); }
+static void e_gate_in_v2(uint8_t* f, size_t n) { (void)n, put32(f + 8, 2); }
+static void e_gate_dtype(uint8_t* f, size_t n) { (void)n, put32(f + entry_of(f, "exit_gate.w") + 48, 3); }
+static void e_gate_shape(uint8_t* f, size_t n) {
+    (void)n;
+    const long e = entry_of(f, "exit_gate.w");
+    put32(f + e + 52, 1);
+    put64(f + e + 56, get64(f + e + 64));
+    put64(f + e + 64, 0);
+}
+static void e_gate_scale(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.s"), 0xbf800000); }
+static void e_gate_bias(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.b"), 0x7fc00000); }
+static void e_gate_renamed(uint8_t* f, size_t n) { (void)n, rename_entry(f, "exit_gate.b", "exit_gate.bias"); }
+static void e_v3_reserved(uint8_t* f, size_t n) { (void)n, f[220] = 1; }
+static void e_threshold_and_reserved(uint8_t* f, size_t n) { e_threshold_zero(f, n), e_v3_reserved(f, n); }
+static void e_scale_and_threshold(uint8_t* f, size_t n) { e_threshold_zero(f, n), e_gate_scale(f, n); }
 
 static void test_rules(void) {
     expect_rule("magic", e_magic, "magic", 1);
@@ -316,6 +338,61 @@ static void test_v1_rules(void) {
     expect_rule_on(&v1, "v1 meta", e_v1_meta, "unexpected tensor 'meta.architecture'", 1);
     expect_rule_on(&v1, "v1 scale", e_scale_negative, "tensor 'tok_emb.s': scales must be finite", 1);
     expect_rule_on(&v1, "v1 version", e_version, "version: unsupported 4, expected 1, 2 or 3", 1);
+}
+
+static tu_spec gate_spec(void) {
+    tu_spec s = tu_spec_default();
+    s.version = 3, s.exit_gate = 1, s.exit_threshold = 0.75f;
+    return s;
+}
+
+static void test_v3_rules(void) {
+    const tu_spec gate = gate_spec();
+    tu_spec plain = tu_spec_default(); /* version 3 without the optional tensors */
+    plain.version = 3;
+    expect_rule_on(&gate, "threshold 0", e_threshold_zero,
+                   "exit_threshold: must be a finite float in (0, 1] with an exit gate, got 0", 1);
+    expect_rule_on(&gate, "threshold above 1", e_threshold_above_1, "exit_threshold: must be a finite float", 1);
+    expect_rule_on(&gate, "threshold NaN", e_threshold_nan, "exit_threshold: must be a finite float", 1);
+    expect_rule_on(&plain, "threshold without a gate", e_threshold_half,
+                   "exit_threshold: must be 0 without an exit gate, got 0.5", 1);
+    expect_rule_on(&plain, "-0 without a gate", e_threshold_minus_zero, "exit_threshold: must be 0 without", 1);
+    expect_rule_on(&gate, "gate in version 2", e_gate_in_v2, "unexpected tensor 'exit_gate.", 1);
+    expect_rule_on(&gate, "gate dtype", e_gate_dtype, "tensor 'exit_gate.w': dtype uint8 != expected int8", 1);
+    expect_rule_on(&gate, "gate shape", e_gate_shape, "tensor 'exit_gate.w': shape", 1);
+    expect_rule_on(&gate, "gate scale", e_gate_scale, "tensor 'exit_gate.s': scales must be finite and >= 0", 1);
+    expect_rule_on(&gate, "gate bias", e_gate_bias, "tensor 'exit_gate.b': values must be finite", 1);
+    expect_rule_on(&gate, "gate renamed", e_gate_renamed, "unexpected tensor 'exit_gate.bias'", 1);
+    expect_rule_on(&gate, "reserved", e_v3_reserved, "reserved: header bytes 220 .. 255 must be zero", 1);
+    expect_rule_on(&gate, "threshold before reserved", e_threshold_and_reserved, "exit_threshold", 1);
+    expect_rule_on(&gate, "values before threshold", e_scale_and_threshold, "tensor 'exit_gate.s'", 1);
+    expect_rule_on(&gate, "checksum first", e_threshold_zero, "checksum mismatch", 0);
+}
+
+/* The exit gate loads, with int8 or int4 weights (its own are int8 either way), runs, and
+ * reaches tl_model_config_get, which a caller built before its fields gets without them. */
+static void test_v3_exit_gate(void) {
+    tu_spec specs[2] = {gate_spec(), gate_spec()};
+    specs[1].int4 = 1, specs[1].group_size = 16, specs[1].exit_threshold = 1.0f;
+    for (size_t i = 0; i < 2; i++) {
+        size_t n;
+        uint8_t* f = tu_model_bytes(&specs[i], &n);
+        CHECK(try_open(f, n) == TL_OK, "exit gate model %zu: %s", i, tl_last_error());
+        free(f);
+        tl_model* m = tu_open(tu_write_model("gate.tinyloop", &specs[i]), 1, TL_ISA_AUTO, 0);
+        if (!m) continue;
+        tl_model_config cfg = {.size = sizeof cfg};
+        CHECK_OK(tl_model_config_get(m, &cfg));
+        CHECK(cfg.version == 3 && cfg.exit_gate == 1 && cfg.exit_threshold == specs[i].exit_threshold &&
+                  cfg.n_stop_ids == 0,
+              "exit gate model %zu: config %u %u %g", i, cfg.version, cfg.exit_gate, (double)cfg.exit_threshold);
+        tl_model_config old;
+        memset(&old, 0xab, sizeof old);
+        old.size = offsetof(tl_model_config, exit_gate);
+        CHECK_OK(tl_model_config_get(m, &old));
+        CHECK(old.version == 3 && old.exit_gate == 0xababababu, "a tl_model_config without the gate's fields");
+        tl_model_free(m);
+    }
 }
 
 /* The checksum comes before every rule of the config, table, tensor set and values: with the
@@ -494,7 +571,8 @@ static void test_paths(void) {
     CHECK_OK(tl_model_config_get(m, &cfg));
     CHECK(cfg.vocab_size == 263 && cfg.tied_head == 1 && cfg.n_pre_blocks == 0 && cfg.eos_id == 5 &&
               cfg.tokenizer == 1 && strcmp(cfg.name, "c-test-model") == 0 && cfg.rms_eps == 1e-5f &&
-              cfg.version == 2 && cfg.n_core_blocks == 1 && cfg.embed_scale == 1.0f,
+              cfg.version == 2 && cfg.n_core_blocks == 1 && cfg.embed_scale == 1.0f && cfg.exit_gate == 0 &&
+              cfg.exit_threshold == 0.0f,
           "config round trip");
     tl_model_free(m);
 }
@@ -503,6 +581,8 @@ int main(void) {
     test_rules();
     test_v2_rules();
     test_v1_rules();
+    test_v3_rules();
+    test_v3_exit_gate();
     test_checksum_first();
     test_v2_models();
     test_v1_is_v2();

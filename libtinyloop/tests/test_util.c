@@ -176,6 +176,11 @@ static size_t layout(const tu_spec* s, tensor* t) {
     if (s->step_norm) add_f32(t, &n, K_GAIN, d, "core.step_norm");
     if (s->coda_norm) add_f32(t, &n, K_GAIN, d, "coda.input_norm");
     if (!s->tied) add_linear(s, t, &n, "head", V, d, 3.0f);
+    if (s->exit_gate) { /* int8 whatever the weight format: one row, its scale and bias */
+        add(t, &n, "exit_gate.w", K_EMB_W, 2, 1, d);
+        add(t, &n, "exit_gate.s", K_EMB_S, 1, 1, 0);
+        add(t, &n, "exit_gate.b", K_BIAS, 1, 1, 0);
+    }
     if (s->meta) {
         add_text(t, &n, "meta.architecture", "TinyLoopTestForCausalLM");
         add_text(t, &n, "meta.tokenizer_config", "{\"add_bos_token\": false}");
@@ -238,8 +243,12 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         fprintf(stderr, "tu_model_bytes: version 1 has one core block and none of the version-2 options\n");
         exit(2);
     }
+    if (s->exit_gate && s->version < 3) {
+        fprintf(stderr, "tu_model_bytes: an exit gate needs version 3\n");
+        exit(2);
+    }
     const uint32_t blocks = s->n_pre + s->n_core + s->n_coda;
-    tensor* t = calloc(4 + 15 * (size_t)blocks + 6 + 2 + 3 + 3, sizeof *t);
+    tensor* t = calloc(4 + 15 * (size_t)blocks + 6 + 2 + 3 + 3 + 3, sizeof *t);
     const size_t n = layout(s, t);
     const uint64_t data_offset = (256 + 96 * n + 63) / 64 * 64;
     uint64_t end = data_offset;
@@ -270,6 +279,7 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         putf(f + 208, s->embed_scale);
         put32(f + 212, s->coda_norm);
     }
+    if (s->version >= 3) putf(f + 216, s->exit_threshold);
     uint64_t rng = s->seed;
     for (size_t i = 0; i < n; i++) {
         uint8_t* e = f + 256 + 96 * i;

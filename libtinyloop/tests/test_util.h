@@ -1,6 +1,6 @@
 /* test_util.h — shared helpers of the C tests: CHECK macros that count failures (a test
  * binary exits nonzero when any check failed), a deterministic RNG, a bitwise CRC-32, and a
- * writer of valid random `.tinyloop` files of version 2 or 1 (an independent implementation
+ * writer of valid random `.tinyloop` files of version 3, 2 or 1 (an independent implementation
  * of docs/spec.md §6, so the loader is tested against a second reading of the spec), and
  * generations kept for a bit-exact comparison (tu_result). */
 #ifndef TL_TEST_UTIL_H
@@ -57,6 +57,9 @@ typedef struct tu_spec {
     float embed_scale;
     uint32_t hf;          /* tokenizer 2 (hf) with a meta.tokenizer_json                   */
     uint32_t meta;        /* also meta.architecture and meta.tokenizer_config             */
+    /* version 3 (docs/spec.md §5.7, §6.3) */
+    uint32_t exit_gate;   /* exit_gate.w, .s, .b; needs version 3                          */
+    float exit_threshold; /* header offset 216, written in version 3                       */
 } tu_spec;
 
 /* A small int8 GQA model of one core block, written as version 2 (the tokenizer is bytes
@@ -71,7 +74,7 @@ tu_spec tu_spec_huginn(void);
 /* tu_spec_default with a coda of 1 and no prelude (no injection, no coda_norm). */
 tu_spec tu_spec_coda(void);
 /* The bytes of a valid model file (malloc'd), *n its size; exits with status 2 on a spec that
- * version 1 cannot express. */
+ * version 1 cannot express, or an exit gate before version 3. */
 uint8_t* tu_model_bytes(const tu_spec* spec, size_t* n);
 /* Recompute the header checksum after editing bytes (a model file's, or a prefix blob's: both
  * at offset 24, the CRC-32 with the field read as zero). */

@@ -232,7 +232,7 @@ def _llama_block(recipe: Dict[str, Source], b: str, layer: int, dims: _Dims, *, 
 
 def _llama_plan(config: Dict[str, Any], options: Options, *, qkv_bias: bool = False,
                 sandwich: bool = False, loops: int = 1, step_norm: bool = False,
-                loopable: bool = True, ignored: str = "") -> Plan:
+                loopable: bool = True) -> Plan:
     """The plan of a LLaMA-style stack; `loopable`: --core may pick the looped span."""
     dims = _llama_dims(config)
     n = dims.n_layers
@@ -265,7 +265,7 @@ def _llama_plan(config: Dict[str, Any], options: Options, *, qkv_bias: bool = Fa
         _llama_block(recipe, b, layer, dims, qkv_bias=qkv_bias, sandwich=sandwich)
     if not tied:
         recipe["head"] = take("lm_head.weight", (dims.V, dims.d))
-    ignored = "|".join(filter(None, [ignored, r"model\.rotary_emb\.inv_freq",
+    ignored = "|".join(filter(None, [r"model\.rotary_emb\.inv_freq",
                                      r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
                                      r"lm_head\.weight" if tied else ""]))
     return Plan(mc, recipe, ignored, inv_freq)
@@ -310,11 +310,24 @@ def _nanbeige(config: Dict[str, Any], options: Options) -> Plan:
 
 
 def _ouro(config: Dict[str, Any], options: Options) -> Plan:
-    # The early-exit gate scores each pass for adaptive depth, which TinyLoop does not do:
-    # its tensors are dropped (docs/models.md).
-    return _llama_plan(config, options, sandwich=True, loops=_int(config, "total_ut_steps", 4),
-                       step_norm=True, loopable=False,
-                       ignored=r"model\.early_exit_gate\.(weight|bias)")
+    """Ouro: a sandwich core run total_ut_steps times, model.norm between and after the passes.
+    Its early-exit gate, a linear (1, d) with a bias that scores model.norm(h) after each pass,
+    is the file's exit gate (docs/spec.md §5.7), quantized like the head, which reads the same
+    norm; early_exit_threshold (1.0 when absent or null: every token runs all passes) its
+    threshold."""
+    threshold = 1.0 if config.get("early_exit_threshold") is None else _float(
+        config, "early_exit_threshold")
+    if not 0 < threshold <= 1:
+        raise _refuse("early_exit_threshold", threshold, "the exit gate's threshold is a "
+                      "probability in (0, 1] (docs/spec.md §5.7)")
+    plan = _llama_plan(config, options, sandwich=True, loops=_int(config, "total_ut_steps", 4),
+                       step_norm=True, loopable=False)
+    d = plan.config.d_model
+    recipe = {**plan.recipe, "exit_gate": take("model.early_exit_gate.weight", (1, d)),
+              "exit_gate_bias": take("model.early_exit_gate.bias", (1,))}
+    mc = dataclasses.replace(plan.config, exit_gate=True, exit_threshold=threshold)
+    mc.validate()
+    return dataclasses.replace(plan, config=mc, recipe=recipe)
 
 
 # ---- RavenForCausalLM: Huginn-0125 and retrofitted-recurrence Llamas -----------------------

@@ -1,6 +1,6 @@
 /* loader.c — read a `.tinyloop` file into private memory and validate it against
- * docs/spec.md §6: version 3 or 2 (a version-2 file has no stop_ids), or version 1 read as
- * the version-2 model it describes (§6.5).
+ * docs/spec.md §6: version 3 or 2 (a version-2 file has no stop_ids, exit gate or
+ * exit_threshold), or version 1 read as the version-2 model it describes (§6.5).
  *
  * The file is read once, front to back, with pread: the header, the tensor table, then each
  * tensor into its own allocation (the bytes between tensors are summed and dropped). The
@@ -12,14 +12,15 @@
  * The checks report in the same order as the Python reader (tinyloop/modelfile.py): size,
  * magic, version, header_bytes, file_bytes, checksum, the config (name first, then header
  * order, the version-2 fields last), table bounds, each table entry, overlaps, the tensor set
- * (required and optional), tensor values, reserved bytes, flags. The first broken rule is
- * reported. The checksum needs every byte, but the structure (config, table, tensor set) says
- * where the bytes go, so the structure is checked first and a rule it breaks is reported only
- * once the checksum is known to be good.
+ * (required and optional), tensor values, exit_threshold, reserved bytes, flags. The first
+ * broken rule is reported. The checksum needs every byte, but the structure (config, table,
+ * tensor set) says where the bytes go, so the structure is checked first and a rule it breaks
+ * is reported only once the checksum is known to be good.
  * All size/offset/shape arithmetic is done in u64 with explicit overflow checks; nothing
  * outside [0, file size) is read, and a file that shrinks while it is read is TL_ERR_IO.
  * The optional meta.* texts are checked, then dropped: the Python layer reads them itself;
- * the optional stop_ids (version 3) are checked and copied into the config.
+ * the optional stop_ids (version 3) are checked and copied into the config; the optional exit
+ * gate (version 3, its three tensors together) is kept in the tl_file.
  * Not here: repacking weights for the kernels (cpu/pack.c).
  */
 #include "core/loader.h"
@@ -170,7 +171,9 @@ static tl_status check_positive(const char* field, float value) {
 }
 
 /* The config fields at header offset 48 .. 183 and, in versions 2 and 3, 184 .. 215, checked
- * like ModelConfig.validate(); the header's version (1, 2 or 3, checked) decides which. */
+ * like ModelConfig.validate(); the header's version (1, 2 or 3, checked) decides which. A
+ * version-3 file's exit_threshold (offset 216) is read here and checked in step 8, once the
+ * tensor set says whether the file has the exit gate (check_exit_threshold). */
 static tl_status parse_config(const uint8_t* h, tl_config* c) {
     size_t name_len = 0;
     TRY(check_nul_padded(h + 120, 64, "name", &name_len));
@@ -250,6 +253,7 @@ static tl_status parse_config(const uint8_t* h, tl_config* c) {
     c->step_norm = rd_u32(h + 204);
     c->embed_scale = rd_f32(h + 208);
     c->coda_norm = rd_u32(h + 212);
+    if (c->version >= 3) c->exit_threshold = rd_f32(h + 216);
     TRY(check_range("n_core_blocks", c->n_core_blocks, 1, 256));
     TRY(check_range("n_coda_blocks", c->n_coda_blocks, 0, 64));
     if (tl_n_layers(c, c->default_loops) > TL_MAX_CACHE_LAYERS)
@@ -273,6 +277,7 @@ typedef enum target {
     T_QKV_BIAS, T_ATTN_POST_NORM, T_FFN_POST_NORM,    /* of block `index`         */
     T_STEP_NORM, T_CODA_NORM,
     T_STOP_IDS,                                       /* copied into the config   */
+    T_EXIT_GATE_W, T_EXIT_GATE_S, T_EXIT_GATE_B,      /* all three or none        */
     T_META                                            /* checked, then dropped    */
 } target;
 
@@ -283,7 +288,8 @@ typedef struct required {
     target target;
     uint32_t index;   /* the linear or block of the target                      */
     uint32_t cols;    /* K of a linear's tensors                                 */
-    int optional;     /* stop_ids or a meta.* text: the file may leave it out    */
+    int optional;     /* stop_ids, an exit_gate.* tensor or a meta.* text: the
+                         file may leave it out (the exit gate's, all three)     */
     int64_t entry;    /* index in the table, -1 until found                      */
 } required;
 
@@ -348,12 +354,12 @@ static void block_prefix(const tl_config* c, uint32_t b, char* out, size_t size)
 /* An upper bound on required_tensors' count. */
 static size_t max_required(const tl_config* c) {
     const size_t per_block = 3 * TL_PARTS + 3; /* linears as .w .m .s, the bias, two gains */
-    return 4 + per_block * tl_n_blocks(c) + 3 * 3 + 2 + 1 + 3; /* adapter, head; norms; stop
-                                                                 ids; texts */
+    return 4 + per_block * tl_n_blocks(c) + 3 * 3 + 2 + 1 + 3 + 3; /* adapter, head; norms;
+                                                                     stop ids; gate; texts */
 }
 
-/* Fills r (capacity max_required(c)) in the required order, stop_ids and the meta.* texts
- * last; returns the count. */
+/* Fills r (capacity max_required(c)) in the required order, stop_ids, the exit gate and the
+ * meta.* texts last; returns the count. */
 static size_t required_tensors(const tl_config* c, required* r) {
     const uint32_t V = c->vocab_size, d = c->d_model, D = c->head_dim, F = c->ffn_dim;
     const uint32_t QKV = (c->n_heads + 2 * c->n_kv_heads) * D, HD = c->n_heads * D;
@@ -381,9 +387,12 @@ static size_t required_tensors(const tl_config* c, required* r) {
     if (c->step_norm) add_required(r, &n, T_STEP_NORM, 0, DT_F32, d, 0, "core.step_norm");
     if (c->coda_norm) add_required(r, &n, T_CODA_NORM, 0, DT_F32, d, 0, "coda.input_norm");
     if (!c->tied_head) add_linear(c, r, &n, n_linears_of(c) - 1, V, d, "head");
-    if (c->version >= 3) {
+    if (c->version >= 3) { /* the exit gate's weights are int8 whatever weight_format */
         add_required(r, &n, T_STOP_IDS, 0, DT_I32, 0, 0, "stop_ids");
-        r[n - 1].optional = 1;
+        add_required(r, &n, T_EXIT_GATE_W, 0, DT_I8, 1, d, "exit_gate.w");
+        add_required(r, &n, T_EXIT_GATE_S, 0, DT_F32, 1, 0, "exit_gate.s");
+        add_required(r, &n, T_EXIT_GATE_B, 0, DT_F32, 1, 0, "exit_gate.b");
+        for (size_t k = n - 4; k < n; k++) r[k].optional = 1;
     }
     if (c->version >= 2) { /* the texts, of any length; meta.tokenizer_json exactly when hf */
         add_required(r, &n, T_META, 0, DT_U8, 0, 0, "meta.architecture");
@@ -560,9 +569,14 @@ static int by_required_name(const void* a, const void* b) {
     return strcmp(((const required*)a)->name, ((const required*)b)->name);
 }
 
+static int is_exit_gate(target tg) {
+    return tg == T_EXIT_GATE_W || tg == T_EXIT_GATE_S || tg == T_EXIT_GATE_B;
+}
+
 /* Every entry must be required or optional, with the right dtype and shape; then every
- * required one present. `sorted` is a name-sorted copy of `req` used for lookups. */
-static tl_status check_layout(const table* t, required* req, size_t n_req, required* sorted) {
+ * required one present, and the exit gate's three tensors when one is (c->exit_gate is set
+ * then). `sorted` is a name-sorted copy of `req` used for lookups. */
+static tl_status check_layout(const table* t, tl_config* c, required* req, size_t n_req, required* sorted) {
     memcpy(sorted, req, n_req * sizeof *req);
     qsort(sorted, n_req, sizeof *sorted, by_required_name);
     for (size_t i = 0; i < t->n; i++) {
@@ -579,11 +593,13 @@ static tl_status check_layout(const table* t, required* req, size_t n_req, requi
         for (uint32_t k = 0; same && k < r->ndim; k++) same = !r->dims[k] || e->dims[k] == r->dims[k];
         if (!same) return bad("tensor '%s': shape does not match the config", e->name);
         r->entry = (int64_t)i;
+        if (is_exit_gate(r->target)) c->exit_gate = 1;
     }
     for (size_t i = 0; i < n_req; i++) {
         required key = req[i];
         const required* r = bsearch(&key, sorted, n_req, sizeof *sorted, by_required_name);
-        if (r->entry < 0 && !r->optional) return bad("missing tensor '%s'", req[i].name);
+        if (r->entry < 0 && (!r->optional || (c->exit_gate && is_exit_gate(r->target))))
+            return bad("missing tensor '%s'", req[i].name);
         req[i].entry = r->entry;
     }
     return TL_OK;
@@ -594,21 +610,23 @@ static tl_status check_layout(const table* t, required* req, size_t n_req, requi
 static const char* f32_rule(target tg) {
     switch (tg) {
     case T_EMB_S:
-    case T_LINEAR_S: return "scales must be finite and >= 0";
+    case T_LINEAR_S:
+    case T_EXIT_GATE_S: return "scales must be finite and >= 0";
     case T_ROPE_COS:
     case T_ROPE_SIN: return "values must be finite with |v| <= 1";
     case T_QKV_BIAS:
     case T_ATTN_POST_NORM:
     case T_FFN_POST_NORM:
     case T_STEP_NORM:
-    case T_CODA_NORM: return "values must be finite"; /* biases and gains */
+    case T_CODA_NORM:
+    case T_EXIT_GATE_B: return "values must be finite"; /* biases and gains */
     default: return NULL;
     }
 }
 
 static int f32_ok(target tg, float v) {
     if (!isfinite(v)) return 0;
-    if (tg == T_EMB_S || tg == T_LINEAR_S) return v >= 0;
+    if (tg == T_EMB_S || tg == T_LINEAR_S || tg == T_EXIT_GATE_S) return v >= 0;
     if (tg == T_ROPE_COS || tg == T_ROPE_SIN) return fabsf(v) <= 1;
     return 1;
 }
@@ -630,8 +648,8 @@ static tl_status check_stop_ids(const tl_config* c, const uint8_t* data, uint64_
     return TL_OK;
 }
 
-/* The value rules, on the tensors' copies: the required tensors (and stop_ids) in the required
- * order, then the meta.* texts in table order. */
+/* The value rules, on the tensors' copies: the required tensors (and stop_ids, the exit gate)
+ * in the required order, then the meta.* texts in table order. */
 static tl_status check_values(const table* t, const tl_config* c, const required* req, size_t n_req) {
     for (size_t i = 0; i < n_req; i++) {
         if (req[i].target == T_META || req[i].entry < 0) continue;
@@ -703,6 +721,10 @@ static void place(table* t, const required* r, tl_file* f) {
             f->cfg.stop_ids[k] = (int32_t)rd_u32(t->data[r->entry] + 4 * k);
         break; /* the copy is freed with the table */
     }
+    case T_EXIT_GATE_W: f->exit_gate_w = take(t, r); break;
+    /* the gate's scale and bias are read out; their copies are freed with the table */
+    case T_EXIT_GATE_S: f->exit_gate_s = rd_f32(t->data[r->entry]); break;
+    case T_EXIT_GATE_B: f->exit_gate_b = rd_f32(t->data[r->entry]); break;
     case T_META: break; /* not kept: freed with the table */
     }
 }
@@ -738,7 +760,18 @@ static tl_status parse_structure(reader* r, const uint8_t* h, tl_config* c, tabl
     *req = tl_alloc_zeroed(2 * cap, sizeof **req);
     if (!*req) return tl_fail_oom("required tensor list");
     *n_req = required_tensors(c, *req);
-    return check_layout(t, *req, *n_req, *req + cap);
+    return check_layout(t, c, *req, *n_req, *req + cap);
+}
+
+/* exit_threshold (docs/spec.md §6.1, step 8 of §6.3): 0 (all four bytes zero) without the
+ * exit gate, else a finite float in (0, 1]. Always 0 before version 3 (reserved bytes). */
+static tl_status check_exit_threshold(const tl_config* c) {
+    const float q = c->exit_threshold;
+    if (!c->exit_gate && (q != 0 || signbit(q)))
+        return bad("exit_threshold: must be 0 without an exit gate, got %g", (double)q);
+    if (c->exit_gate && !(isfinite(q) && q > 0 && q <= 1))
+        return bad("exit_threshold: must be a finite float in (0, 1] with an exit gate, got %g", (double)q);
+    return TL_OK;
 }
 
 static tl_status validate(reader* r, tl_file* f) {
@@ -773,7 +806,9 @@ static tl_status validate(reader* r, tl_file* f) {
         else if (st != TL_OK) st = tl_fail(st, "%s", broken);
     }
     if (st == TL_OK) st = check_values(&t, &f->cfg, req, n_req);
-    const int reserved_from = version == 1 ? 184 : 216; /* version 1 reserves the v2 fields */
+    if (st == TL_OK) st = check_exit_threshold(&f->cfg);
+    /* version 1 reserves the version-2 fields, version 2 exit_threshold */
+    const int reserved_from = version == 1 ? 184 : version == 2 ? 216 : 220;
     for (int k = reserved_from; st == TL_OK && k < HEADER_BYTES; k++)
         if (h[k]) st = bad("reserved: header bytes %d .. %d must be zero", reserved_from, HEADER_BYTES - 1);
     if (st == TL_OK && rd_u32(h + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(h + 116));
@@ -826,9 +861,10 @@ void tl_file_release_linear(tl_file* f, size_t i) {
     L->scale = NULL;
 }
 
-/* The f32 vectors the file holds besides the linears: each block's, the step and coda norms. */
+/* The vectors the file holds besides the linears: each block's, the step and coda norms, the
+ * exit gate's weights. */
 static size_t vector_bytes(const tl_file* f) {
-    size_t bytes = held(f->step_norm) + held(f->coda_norm);
+    size_t bytes = held(f->step_norm) + held(f->coda_norm) + held(f->exit_gate_w);
     for (uint32_t b = 0; f->blocks && b < tl_n_blocks(&f->cfg); b++) {
         const tl_block_vectors* v = &f->blocks[b];
         bytes += held(v->qkv_bias) + held(v->attn_post_norm) + held(v->ffn_post_norm);
@@ -856,6 +892,7 @@ void tl_file_close(tl_file* f) {
     tl_free(f->blocks);
     tl_free((void*)f->step_norm);
     tl_free((void*)f->coda_norm);
+    tl_free((void*)f->exit_gate_w);
     tl_free((void*)f->emb_w);
     tl_free((void*)f->emb_s);
     tl_free((void*)f->rope_cos);
