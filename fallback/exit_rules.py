@@ -28,8 +28,6 @@ class ExitGate(NamedTuple):
 
     @classmethod
     def from_tensors(cls, tensors):
-        if "exit_gate.w" not in tensors:
-            return None
         return cls(np.asarray(tensors["exit_gate.w"], np.int8).reshape(-1),
                    F32(np.asarray(tensors["exit_gate.s"]).reshape(-1)[0]),
                    F32(np.asarray(tensors["exit_gate.b"]).reshape(-1)[0]))

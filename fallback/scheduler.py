@@ -48,6 +48,7 @@ class _Request:
     round: int = 0               # this step's K' when it decodes speculatively (_plan), else 0
     rule: object = None          # its exit rule (fallback/exit_rules.py), None: full depth
     exits: list = field(default_factory=list)   # the iterations each decode pass ran (§5.7)
+    depth: int = 0               # the iterations the pass giving `logits` ran for its token
 
     @property
     def emitted(self):
@@ -256,8 +257,7 @@ class Scheduler:
         e = self.engine
         x, depth = decode_pass(e.kernels, e.weights, r.cache, r.input[-1], r.rule)
         r.exits.append(depth)
-        self.counters["decode_passes"] += 1
-        self.counters["decode_loops"] += depth
+        r.depth = depth
         r.cache.release_outside_window()
         r.logits = head_logits(e.kernels, e.weights, x)[0]
 
@@ -289,7 +289,7 @@ class Scheduler:
         r.cache.release_outside_window()
         if r.prefill_end < len(r.input):         # an adaptive request's replay: its last token
             return False                         # decodes next step
-        r.logits = logits
+        r.logits, r.depth = logits, r.params.loops
         return True
 
     def _speculate(self, r, events):
@@ -324,6 +324,9 @@ class Scheduler:
             return (r.id, -1, "error")
         r.input.append(token)
         self.counters["generated_tokens"] += 1
+        if len(r.emitted) > 1 and not r.params.n_draft:   # after a pass over an emitted token
+            self.counters["decode_passes"] += 1
+            self.counters["decode_loops"] += r.depth
         why = finish_reason(r.emitted, r.params, self._stop_ids)
         if why is not None:
             self._finish(r)

@@ -99,7 +99,7 @@ class Weights:
             self.adapter_inject = self._linear(tensors, "core.adapter_inject")
         self.step_norm = self._vector(tensors, "core.step_norm", config.step_norm)
         self.coda_norm = self._vector(tensors, "coda.input_norm", config.coda_norm)
-        self.exit_gate = ExitGate.from_tensors(tensors)            # host, or None (§5.7)
+        self.exit_gate = ExitGate.from_tensors(tensors) if config.exit_gate else None  # host
         if config.tied_head:
             self.head = linear(np.asarray(tensors["tok_emb.w"]), np.asarray(tensors["tok_emb.s"]))
         else:

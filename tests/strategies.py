@@ -20,7 +20,7 @@ LONG_PROMPT_ONE_IN = 5         # one drawn prompt in 5 may be up to MAX_PROMPT t
 def model_shapes(draw, tiny=False, v1_like=False):
     """A small valid config: H = G * (heads per kv head), even head_dim, ffn, n_pre, loops,
     int8 or int4 with an even group size dividing every K, tied head or not, an eos id or none
-    (and up to 3 more stop ids, a version-3 option, unless `v1_like`),
+    (and up to 3 more stop ids and an exit gate, version-3 options, unless `v1_like`),
     and the version-2 layout (docs/spec.md §1, §4): k = 1 .. 3 core blocks, 0 .. 2 coda blocks,
     block placement, qkv bias, injection, step and coda norms, an embedding scale.
     `tiny`: the smallest widths (for numba's CUDA simulator). `v1_like`: the version-2 fields
@@ -50,6 +50,8 @@ def model_shapes(draw, tiny=False, v1_like=False):
                      qkv_bias=draw(st.booleans()), injection=draw(st.booleans()),
                      step_norm=draw(st.booleans()), coda_norm=draw(st.booleans()),
                      embed_scale=draw(st.sampled_from([1.0, 0.25, math.sqrt(d_model)])))
+        if draw(st.booleans()):            # an exit gate (docs/spec.md §5.7), version 3 too
+            shape.update(exit_gate=True, exit_threshold=draw(st.sampled_from([0.5, 0.9, 1.0])))
     return shape
 
 

@@ -22,7 +22,7 @@ LATENT_THRESHOLDS = [1e-3, 0.05, 0.2, 0.5, 0.9, 1e30]
 def exit_kwargs(draw, config):
     """A rule the model has ("gate" only with an exit gate), a threshold, min_loops, loops."""
     loops = draw(st.integers(1, 5))
-    rules = ["latent", "gate"] if config.get("exit_gate") else ["latent"]
+    rules = ["latent", "gate"] if config["exit_gate"] else ["latent"]
     rule = draw(st.sampled_from(rules))
     threshold = draw(st.sampled_from([0.05, 0.3, 0.6, 0.9, 1.0] if rule == "gate"
                                      else LATENT_THRESHOLDS))
@@ -118,6 +118,23 @@ def test_scheduled_requests_replay_their_exits_when_preempted(backend, zoo, data
         assert (stats["decode_passes"], stats["decode_loops"]) == (passes, loops)
 
 
+def test_a_preempted_request_replays_its_exits(numpy_or_native, models_by_backend):
+    """Three adaptive requests under a KV budget one of them needs alone: the newest are
+    preempted while they decode, and their recomputation must replay the exits recorded."""
+    model = models_by_backend(numpy_or_native)["int4-v2-sandwich"]
+    arrivals = [(0, [3 * i + 1, 7, 9, 11 + i], dict(max_tokens=24, loops=3, exit_rule=rule,
+                                                   exit_threshold=q, temperature=0.0))
+                for i, (rule, q) in enumerate([("gate", 0.5), ("latent", 0.8), ("gate", 0.7)])]
+    budget = max(need_of(model, p, **kw) for _, p, kw in arrivals)
+    with tinyloop.Scheduler(model, max_batch=3, step_tokens=8, kv_budget_bytes=budget) as scheduler:
+        tokens, _, _ = run(scheduler, arrivals, kv_bound=budget)
+        assert scheduler.stats()["preemptions"] > 0
+    for i, (_, prompt, kwargs) in enumerate(arrivals):
+        depths = {}
+        assert tokens[i] == model.generate(prompt, depth_stats=depths, **kwargs)[len(prompt):]
+        assert 1 < depths["mean_loops"] < 3            # the rules do stop some tokens early
+
+
 @backend_given(data=st.data())
 def test_a_rule_that_cannot_fire_is_plain_decoding(backend, zoo, data):
     shape, model = drawn_adaptive_model(data, zoo, backend)
@@ -127,7 +144,7 @@ def test_a_rule_that_cannot_fire_is_plain_decoding(backend, zoo, data):
         loops = data.draw(st.integers(1, 4), "loops")
         plain = dict(data.draw(sampling()), loops=loops, max_tokens=data.draw(st.integers(1, 6)))
         never = [dict(exit_rule="latent", exit_threshold=1e30, min_loops=loops)]
-        if config.get("exit_gate"):
+        if config["exit_gate"]:
             never.append(dict(exit_rule="gate", exit_threshold=1.0))
         want = model.generate(prompt, return_logits=True, **plain)
         for rule in never:
