@@ -32,6 +32,9 @@ typedef struct tl_config {
     /* version 3: the ids besides eos_id that end generation (the stop_ids tensor, §6.3) */
     uint32_t n_stop_ids;
     int32_t stop_ids[TL_MAX_STOP_IDS];
+    /* version 3: the exit gate of adaptive depth (docs/spec.md §5.7, §6.3) */
+    uint32_t exit_gate;    /* 1: exit_gate.* present                                     */
+    float exit_threshold;  /* the gate rule's default threshold; 0 without the gate       */
 } tl_config;
 
 /* Whether emitting `token` ends generation by the model's own rule (docs/spec.md §5.3): it
@@ -77,6 +80,8 @@ typedef struct tl_file {
     tl_block_vectors* blocks; /* [tl_n_blocks(cfg)]                                  */
     const float* step_norm;  /* [d] gain of core.step_norm, or NULL                 */
     const float* coda_norm;  /* [d] gain of coda.input_norm, or NULL                */
+    const int8_t* exit_gate_w; /* [d] or NULL: the exit gate (docs/spec.md §5.7)      */
+    float exit_gate_s, exit_gate_b; /* its row scale and bias                         */
 } tl_file;
 
 static inline uint32_t tl_n_blocks(const tl_config* c) {
