@@ -5,7 +5,8 @@
  * comes from the backend's allocator and all of it goes back, an allocator failure leaves the
  * sequence unchanged, a prefix build hands every chunk's pass its loop_states (so each chunk
  * writes every depth's coda slots), a hidden-state prefix is refused on a backend without
- * kv_from_rows and an exit rule on one without an adaptive pass, and the logits are bit-identical to the same model run plainly. */
+ * kv_from_rows and an exit rule on one without an adaptive pass (as on CUDA), and the logits are
+ * bit-identical to the same model run plainly. */
 #include <stdlib.h>
 #include <string.h>
 

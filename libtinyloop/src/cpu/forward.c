@@ -494,10 +494,10 @@ static void take_exits(fwd* f, uint32_t i) {
     for (size_t r = 0; r < f->T; r++) {
         if (f->ends[r] <= i + 1 || !tl_exit_after(&f->exits[r], &f->e->file, i, f->x + r * d)) continue;
         const tl_seq* s = f->seqs[r];
-        const uint32_t from = (uint32_t)(c->n_pre_blocks + i * per);
         for (uint32_t u = i + 1; u < s->loops; u++)
             for (uint32_t j = 0; j < c->n_core_blocks; j++)
-                tl_kv_copy_layer(&f->e->kv_geom, &s->kv, f->pos[r], from + j, (uint32_t)(c->n_pre_blocks + u * per + j));
+                tl_kv_copy_layer(&f->e->kv_geom, &s->kv, f->pos[r], (uint32_t)(c->n_pre_blocks + i * per + j),
+                                 (uint32_t)(c->n_pre_blocks + u * per + j));
         f->ends[r] = i + 1;
         any = true;
     }
