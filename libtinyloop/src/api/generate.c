@@ -197,10 +197,10 @@ tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* pro
 static tl_status decode_one(tl_engine* e, tl_stream* s, int32_t token) {
     tl_status st = tl_engine_check_open(e);
     if (st != TL_OK) return st;
-    tl_exit exit = tl_gen_exit(s->p);
+    tl_exit rule = tl_gen_exit(s->p);
     uint32_t depth;
     tl_kv_mark mark;
-    tl_decode_rows row = {&s->seq, &token, &s->logits, &exit, &depth, &mark};
+    tl_decode_rows row = {&s->seq, &token, &s->logits, &rule, &depth, &mark};
     st = tl_gen_decode_rows(e, &row, 1);
     if (st == TL_OK) tl_depth_count(s->p->depth_stats, depth);
     return st;

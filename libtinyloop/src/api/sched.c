@@ -63,8 +63,8 @@ typedef struct sched_req {
     bool speculative;         /* decodes by rounds (n_draft > 0 and the backend has a part pass) */
     tl_spec spec;             /* the rounds' scratch and counts, when speculative (else zeroed) */
     size_t round;             /* this step's K', when speculative and decoding (plan_step)     */
-    uint32_t* depths;         /* [max_tokens] with an exit rule: the U of each emitted token's
-                                 decode pass (the replays'); NULL without one                  */
+    uint32_t* depths;         /* [max_tokens] with an exit rule that can fire: the U of each
+                                 emitted token's decode pass (the replays'); NULL without one  */
     struct sched_req *prev, *next;
 } sched_req;
 
@@ -273,7 +273,8 @@ TL_API tl_status tl_sched_add(tl_sched* s, const int32_t* prompt, size_t n, cons
         st = tl_spec_init(&r->spec, e, &r->p);
         r->speculative = st == TL_OK;
     }
-    if (st == TL_OK && r->p.exit_rule != TL_EXIT_NONE) {
+    const tl_exit rule = tl_gen_exit(&r->p);
+    if (st == TL_OK && tl_exit_active(&rule, r->p.loops)) { /* a rule that cannot fire decodes plainly */
         r->depths = tl_alloc_zeroed(r->p.max_tokens, sizeof *r->depths);
         if (!r->depths) st = tl_fail_oom("scheduler request");
     }
