@@ -376,10 +376,11 @@ static size_t prefill_growth(const tl_sched* s) {
     return bytes;
 }
 
-/* Whether r, looked up (its sequence holds the hit, its prefill_end set), fits the budget beside `used`: its
- * prefill's new blocks, the rest of the other prefills', and what the decoding requests open
- * until r's prefill is done (the prompts ahead of it included; the prefills get what the
- * decodes leave of a step, in order: plan_step keeps room for one position per request). */
+/* Whether r, looked up (its sequence holds the hit; its prefill_end set), fits the budget beside
+ * `used`: its prefill's new blocks, the rest of the other prefills', and what the decoding
+ * requests open until r's prefill is done (the prompts ahead of it included; the prefills get
+ * what the decodes leave of a step, in order: plan_step keeps room for one position per
+ * request). */
 static bool fits(const tl_sched* s, const sched_req* r, size_t used) {
     const size_t budget = s->params.kv_budget_bytes;
     if (budget == 0 || s->running.n == 0) return true;
