@@ -123,7 +123,7 @@ static tl_status check_exit(const tl_engine* e, tl_gen_params* p) {
             return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be in (0, 1] for exit_rule gate, got %g",
                            (double)q);
     } else {
-        if (q == 0) p->exit_threshold = 0.03f;
+        if (q == 0) p->exit_threshold = TL_EXIT_LATENT_DEFAULT;
         else if (!isfinite(q) || !(q > 0))
             return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be finite and > 0 for exit_rule latent, "
                            "got %g", (double)q);

@@ -15,6 +15,10 @@
 
 #include "core/loader.h"
 
+/* The latent rule's default threshold (Huginn's `latent-diff` default; tinyloop/engine.py's
+ * LATENT_DEFAULT_THRESHOLD). */
+#define TL_EXIT_LATENT_DEFAULT 0.03f
+
 /* Internal rule kind, past tl_exit_rule's values (never accepted from a caller): a scheduled
  * request's replay, which exits at min_loops = its recorded U, whatever its state. */
 enum { TL_EXIT_FORCED = 3 };
