@@ -160,3 +160,46 @@ def test_backend_info_names_the_library(models_by_backend):
     assert info["available"] and info["library"].endswith(".so")
     assert info["origin"] in ("TINYLOOP_LIBRARY", "package", "checkout build", "installed package")
     assert "native" in tinyloop.backend_features
+
+
+def test_exit_rules_and_depth_counts_reach_the_library(model_files):
+    """The native engine hands GenerationParams' exit rule to libtinyloop (docs/spec.md §5.7) on
+    every path, and on_depth the totals once: with a threshold no state change stays under, the
+    latent rule exits every decoded token at min_loops; the tokens are the same alone, in a
+    batch beside a plain request, from a prefix and scheduled, whose counters count the decode
+    passes and their loops. The gate on a model without one is refused with the library's words."""
+    from dataclasses import replace
+
+    from tinyloop import backends
+    from tinyloop.engine import NO_CALLBACKS, Callbacks, GenerationParams
+
+    engine = backends.open_engine("native", model_files["int8-gqa"], block_size=4, threads=2)
+    prompt = np.arange(1, 12, dtype=np.int32)
+    plain = GenerationParams(max_tokens=7, loops=3, cache_window=0, temperature=0.0, top_k=0,
+                             top_p=1.0, repetition_penalty=1.0, stop_sequences=(), seed=3,
+                             prefill_chunk=4)
+    adaptive = replace(plain, exit_rule="latent", exit_threshold=1e30, min_loops=2)
+    depths = []
+    on_depth = Callbacks(on_depth=lambda tokens, loops: depths.append((tokens, loops)))
+    tokens, _ = engine.generate(prompt, adaptive, callbacks=on_depth)
+    assert len(tokens) == 7 and depths == [(6, 12)]
+    assert engine.generate(prompt, replace(adaptive, min_loops=3)) == engine.generate(prompt, plain)
+
+    batch = engine.generate_batch([(None, prompt, adaptive, on_depth), (None, prompt, plain, NO_CALLBACKS)])
+    assert batch == [(tokens, None), engine.generate(prompt, plain)] and depths[-1] == (6, 12)
+    prefix = engine.build_prefix(prompt[:5], 3, 0, 0)
+    assert engine.generate_from_prefix(prefix, prompt[5:], adaptive)[0] == tokens
+    prefix.free()
+
+    scheduler = engine.new_scheduler(2, 8, 0)
+    request_id = scheduler.add(prompt, adaptive)
+    emitted = []
+    while len(emitted) < 7:
+        emitted += [token for rid, token, _ in scheduler.step() if rid == request_id]
+    stats = scheduler.stats()
+    assert emitted == tokens and (stats["decode_passes"], stats["decode_loops"]) == (6, 12)
+    scheduler.free()
+
+    with pytest.raises(ValueError, match="exit_rule gate: the model has no exit gate"):
+        engine.generate(prompt, replace(adaptive, exit_rule="gate", exit_threshold=0.5))
+    engine.close()

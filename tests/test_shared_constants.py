@@ -22,6 +22,7 @@ from tinyloop import modelfile, native
 from tinyloop import params as P
 from tinyloop._library import ABI_VERSION, cdef_from_header
 from tinyloop.config import MAX_STOP_IDS, ModelConfig
+from tinyloop.engine import EXIT_RULES, LATENT_DEFAULT_THRESHOLD, SCHED_STAT_NAMES
 from tinyloop.fallback import numerics
 
 from conftest import require_backend
@@ -142,6 +143,7 @@ def test_file_codes_are_the_same(field, python):
 
 def test_shared_structs_have_the_python_fields(header_ffi):
     assert struct_fields(header_ffi, "tl_prefix_cache_stats") == list(P.CACHE_STAT_NAMES)
+    assert struct_fields(header_ffi, "tl_sched_stats") == list(SCHED_STAT_NAMES)
     config_fields = [f.name for f in dataclasses.fields(ModelConfig)]
     # tl_model_config also reports the file's format version, which a ModelConfig does not
     # hold, and its stop_ids array carries their count beside it
@@ -155,6 +157,11 @@ def exp2_coefficients(source, function):
     body = body[:body.index("\n}\n")]
     return [re.findall(r"(\d+\.\d+(?:e-?\d+)?)f", line)[-1]
             for line in body.splitlines() if re.match(r"\s*(?:float |__m256 )?p = ", line)]
+
+
+def test_exit_rules_are_the_same():
+    assert [c_integer(f"TL_EXIT_{name.upper()}") for name in EXIT_RULES] == list(range(len(EXIT_RULES)))
+    assert f32_bits(c_float("TL_EXIT_LATENT_DEFAULT")) == f32_bits(LATENT_DEFAULT_THRESHOLD)
 
 
 def test_spec_constants_are_the_same_bits():

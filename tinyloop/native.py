@@ -17,8 +17,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFormatError, PrefixFormatError
-from .engine import (CACHE_STAT_NAMES, FINISH_REASONS, NO_CALLBACKS, SCHED_STAT_NAMES, Callbacks,
-                     Generated, GenerationParams, Request, SchedulerEvent)
+from .engine import (CACHE_STAT_NAMES, EXIT_RULES, FINISH_REASONS, NO_CALLBACKS, SCHED_STAT_NAMES,
+                     Callbacks, Generated, GenerationParams, Request, SchedulerEvent)
 
 TOKENIZERS = {0: "none", 1: "bytes", 2: "hf"}
 WEIGHT_FORMATS = {1: "int8", 2: "int4"}
@@ -232,6 +232,9 @@ class NativeEngine:
         p.prefill_chunk = params.prefill_chunk
         p.draft_loops = params.draft_loops
         p.n_draft = params.n_draft
+        p.exit_rule = EXIT_RULES.index(params.exit_rule)
+        p.exit_threshold = params.exit_threshold
+        p.min_loops = params.min_loops
         if params.cache_salt:
             keep.append(self.ffi.new("char[]", params.cache_salt.encode("utf-8")))
             p.cache_salt = keep[-1]
@@ -261,7 +264,8 @@ class NativeEngine:
     def _request_params(self, params: GenerationParams, callbacks: Callbacks, keep: list[Any],
                         raised: list[BaseException]) -> Any:
         """tl_gen_params for `params`, with callbacks.on_token / on_prefill wired to C and,
-        with callbacks.on_draft, a tl_draft_stats that _report_drafts hands to it."""
+        with callbacks.on_draft / on_depth, a tl_draft_stats / tl_depth_stats that _report_counts
+        hands to it."""
         p = self._gen_params(params, keep)
         if callbacks.on_token is not None:
             keep.append(self._callback("tl_token_fn", callbacks.on_token, raised))
@@ -272,14 +276,19 @@ class NativeEngine:
         if callbacks.on_draft is not None:
             keep.append(self.ffi.new("tl_draft_stats*"))
             p.draft_stats = keep[-1]
+        if callbacks.on_depth is not None:
+            keep.append(self.ffi.new("tl_depth_stats*"))
+            p.depth_stats = keep[-1]
         return p
 
     @staticmethod
-    def _report_drafts(p: Any, callbacks: Callbacks) -> None:
+    def _report_counts(p: Any, callbacks: Callbacks) -> None:
         """The library's totals for a call that returned (also one that failed part-way),
-        handed to on_draft once (docs/api.md)."""
+        handed to on_draft and on_depth once each (docs/api.md)."""
         if callbacks.on_draft is not None:
             callbacks.on_draft(int(p.draft_stats.drafted), int(p.draft_stats.accepted))
+        if callbacks.on_depth is not None:
+            callbacks.on_depth(int(p.depth_stats.tokens), int(p.depth_stats.loops))
 
     def _outputs(self, params: GenerationParams,
                  want_logits: bool) -> tuple[Any, np.ndarray | None, Any]:
@@ -303,7 +312,7 @@ class NativeEngine:
         out_tokens, logits, out_logits = self._outputs(params, want_logits)
         n_out = self.ffi.new("size_t*")
         status = call(p, out_tokens, n_out, out_logits)
-        self._report_drafts(p, callbacks)
+        self._report_counts(p, callbacks)
         self._finish(status, raised)
         n = int(n_out[0])
         return list(self.ffi.unpack(out_tokens, n)), (list(logits[:n]) if logits is not None else None)
@@ -387,7 +396,7 @@ class NativeEngine:
         pointers = self.ffi.new("tl_request*[]", [reqs + i for i in range(len(requests))])
         status = self.lib.tl_generate_batch(self.model, pointers, len(requests))
         for r, (_, _, _, callbacks) in zip(reqs, requests):
-            self._report_drafts(r.params, callbacks)
+            self._report_counts(r.params, callbacks)
         self._finish(status, raised)
         return [(list(self.ffi.unpack(out, r.n_out)), list(logits[:r.n_out]) if logits is not None else None)
                 for r, (out, logits) in zip(reqs, outputs)]

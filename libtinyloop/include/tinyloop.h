@@ -416,6 +416,26 @@ typedef struct tl_draft_stats {
     size_t drafted, accepted;
 } tl_draft_stats;
 
+/* Adaptive depth (docs/spec.md §5.7): each decoded token (never a prompt token) may stop after
+ * the first core iteration where its exit rule fires, at U = 1 .. loops iterations; the tokens
+ * it skips read its last computed iteration's keys and values. TL_EXIT_GATE is Ouro's learned
+ * exit gate (the model file must have one), TL_EXIT_LATENT Huginn's relative change of the
+ * state between iterations. Every backend decides the same exit, so the output is bit-identical
+ * everywhere; it differs from plain decoding's (which is TL_EXIT_NONE) only where a token
+ * exits early. */
+typedef enum tl_exit_rule {
+    TL_EXIT_NONE = 0,   /* every decoded token runs all loops                                */
+    TL_EXIT_GATE = 1,   /* exit once the gate's exit probability (CDF) reaches the threshold */
+    TL_EXIT_LATENT = 2  /* exit once |x_i - x_{i-1}| / |x_i| falls below the threshold        */
+} tl_exit_rule;
+
+/* A request's decode passes so far and the core iterations they ran (loops / tokens is its
+ * mean depth per decoded token). */
+typedef struct tl_depth_stats {
+    uint64_t tokens; /* decode passes                                                        */
+    uint64_t loops;  /* the core iterations they ran                                         */
+} tl_depth_stats;
+
 typedef struct tl_gen_params {
     size_t size;               /* sizeof(tl_gen_params)                                        */
     size_t max_tokens;         /* tokens to emit at most; >= 1                                 */
@@ -442,11 +462,22 @@ typedef struct tl_gen_params {
                                     when n_draft > 0 (ignored when n_draft == 0)              */
     uint32_t n_draft;            /* tokens drafted per round, 0 .. TL_MAX_DRAFT; 0 = plain decoding */
     tl_draft_stats* draft_stats; /* NULL, or zeroed after validation and updated after every round */
+    /* adaptive depth (docs/spec.md §5.7); a caller built before these fields passes a smaller
+       size and gets TL_EXIT_NONE                                                             */
+    uint32_t exit_rule;          /* a tl_exit_rule; not with n_draft > 0; TL_EXIT_GATE needs a
+                                    model with an exit gate; not on the CUDA backend yet      */
+    float exit_threshold;        /* the rule's threshold q; 0 = the rule's default: for the gate
+                                    the model file's exit_threshold, for latent 0.03. Gate: in
+                                    (0, 1] (1 never exits); latent: finite and > 0          */
+    uint32_t min_loops;          /* iterations every decoded token runs at least; 0 = 1; else
+                                    1 .. loops (loops: never exits)                          */
+    tl_depth_stats* depth_stats; /* NULL, or zeroed after validation and updated after every
+                                    decode pass (speculative rounds run none)                */
 } tl_gen_params;
 
 /* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,
  * seed 0, whole-prompt prefill, no stop sequences, no callbacks, no cache salt, plain decoding
- * (n_draft 0). */
+ * (n_draft 0), no exit rule. */
 TL_API tl_gen_params tl_gen_params_default(void);
 
 /* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). With an automatic prefix
@@ -542,10 +573,13 @@ TL_API void tl_sched_free(tl_sched* sched);
 /* Queue a request: prompt[0..n) (n >= 1) and params (NULL = tl_gen_params_default()), checked
  * as tl_generate checks them; both are copied (stop sequences and cache_salt included).
  * params->prefill_chunk is not used (the scheduler chunks prompts by its token budget, which
- * changes no result); on_token, on_prefill and draft_stats must be NULL (tl_sched_stats counts
- * the drafted and accepted tokens of all requests). *id (required) receives the request's id,
- * unique in this scheduler, >= 1. TL_ERR_INVALID_ARGUMENT also when the request alone could
- * need more KV than kv_budget_bytes. */
+ * changes no result); on_token, on_prefill, draft_stats and depth_stats must be NULL
+ * (tl_sched_stats counts the drafted and accepted tokens, the decode passes and their loops, of
+ * all requests). A request with an exit rule that is preempted recomputes its prompt, then
+ * replays each token it decoded at the depth that token ran (docs/spec.md §5.7), so its KV is
+ * again exactly the one it had. *id (required) receives the request's id, unique in this
+ * scheduler, >= 1. TL_ERR_INVALID_ARGUMENT also when the request alone could need more KV than
+ * kv_budget_bytes. */
 TL_API tl_status tl_sched_add(tl_sched* sched, const int32_t* prompt, size_t n, const tl_gen_params* params,
                               uint64_t* id);
 /* Remove request `id`, waiting or running; it emits nothing more and its KV is released.
@@ -593,6 +627,10 @@ typedef struct tl_sched_stats {
     size_t kv_budget_bytes;    /* tl_sched_params.kv_budget_bytes                              */
     uint64_t drafted_tokens;   /* tokens drafted by speculative rounds (K' each)               */
     uint64_t accepted_tokens;  /* drafted tokens the verifier emitted too (<= drafted_tokens)  */
+    uint64_t decode_passes;    /* tokens run by decode passes (a replay of a preempted request
+                                  with an exit rule is not one; speculative rounds run none)   */
+    uint64_t decode_loops;     /* the core iterations those passes ran (decode_loops /
+                                  decode_passes: the mean depth per decoded token)            */
 } tl_sched_stats;
 
 /* Snapshot of the scheduler's counters, filled up to out->size. */

@@ -3,7 +3,8 @@
  * give TL_ERR_OUT_OF_MEMORY with "out of memory" in the message; failed or not (a best-effort
  * step such as filling the prefix cache may absorb one), the operation must free everything it
  * allocated (bytes_in_use back to the baseline; ASan checks the rest), leave a sequence
- * unchanged, and leave the model usable with unchanged results. */
+ * unchanged, and leave the model usable with unchanged results. Adaptive depth's requests (an
+ * exit rule, alone, batched and scheduled) are swept too. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -158,6 +159,38 @@ static tl_status op_speculative(tl_model* m) {
     return st;
 }
 
+/* greedy's request under the latent rule with a threshold no state change stays under (every
+ * decoded token exits after iteration 0, its KV copied into the deeper slots), alone and in a
+ * batch beside greedy's plain request; whenever it succeeds, the tokens are its own. */
+static int32_t adaptive_reference[8];
+
+static tl_gen_params adaptive_params(void) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 8;
+    gp.prefill_chunk = 5;
+    gp.exit_rule = TL_EXIT_LATENT;
+    gp.exit_threshold = 1e30f;
+    return gp;
+}
+
+static tl_status op_adaptive(tl_model* m) {
+    tl_gen_params gp = adaptive_params(), plain = gp;
+    plain.exit_rule = TL_EXIT_NONE;
+    int32_t out[2][8];
+    size_t n;
+    tl_status st = tl_generate(m, prompt, 21, &gp, out[0], &n, NULL);
+    if (st == TL_OK) CHECK(n == 8 && memcmp(out[0], adaptive_reference, sizeof out[0]) == 0, "adaptive tokens differ");
+    if (st != TL_OK) return st;
+    tl_request req[2] = {{sizeof req[0], NULL, prompt, 21, &gp, out[0], NULL, 0},
+                         {sizeof req[1], NULL, prompt, 21, &plain, out[1], NULL, 0}};
+    tl_request* batch[2] = {&req[0], &req[1]};
+    st = tl_generate_batch(m, batch, 2);
+    if (st == TL_OK)
+        CHECK(memcmp(out[0], adaptive_reference, sizeof out[0]) == 0 && memcmp(out[1], reference, sizeof out[1]) == 0,
+              "adaptive batch tokens differ");
+    return st;
+}
+
 /* Three requests in one batch: two prompts and a prefix continuation. */
 static tl_status batch_of_three(tl_model* m, const tl_prefix* p) {
     tl_gen_params gp = tl_gen_params_default();
@@ -206,11 +239,12 @@ static tl_status op_cached(tl_model* unused) {
 }
 
 /* The three requests op_sched runs: prompt[0 .. 21 - 4i), 8 greedy tokens, the second one
- * decoding speculatively (rounds of 3 drafted at depth 1); their tokens alone, decoded plainly. */
+ * decoding speculatively (rounds of 3 drafted at depth 1), the third under op_adaptive's exit
+ * rule; their tokens alone, decoded plainly (the third under its rule). */
 static int32_t sched_reference[3][8];
 
 static tl_gen_params sched_params(size_t i) {
-    tl_gen_params gp = tl_gen_params_default();
+    tl_gen_params gp = i == 2 ? adaptive_params() : tl_gen_params_default();
     gp.max_tokens = 8;
     if (i == 1) gp.draft_loops = 1, gp.n_draft = 3;
     return gp;
@@ -293,6 +327,9 @@ int main(void) {
     for (int i = 0; i < 21; i++) prompt[i] = (i * 37 + 11) % 256;
     tl_model* m = tu_open(path, 2, TL_ISA_AUTO, 4);
     CHECK_OK(greedy(m, reference));
+    const tl_gen_params adaptive = adaptive_params();
+    size_t n_adaptive;
+    CHECK_OK(tl_generate(m, prompt, 21, &adaptive, adaptive_reference, &n_adaptive, NULL));
     sched_references(m);
     sweep("open", op_open, NULL);
     sweep("prefill+decode", op_prefill_decode, m);
@@ -310,6 +347,7 @@ int main(void) {
     sweep("generate", op_generate, m);
     sweep("batch", op_batch, m);
     sweep("speculative", op_speculative, m);
+    sweep("adaptive", op_adaptive, m);
     sweep("prefix cache", op_cached, NULL);
     sweep("scheduler", op_sched, m);
     tl_model_free(m);

@@ -5,7 +5,8 @@
  * comes from the backend's allocator and all of it goes back, an allocator failure leaves the
  * sequence unchanged, a prefix build hands every chunk's pass its loop_states (so each chunk
  * writes every depth's coda slots), a hidden-state prefix is refused on a backend without
- * kv_from_rows, and the logits are bit-identical to the same model run plainly. */
+ * kv_from_rows and an exit rule on one without an adaptive pass (as on CUDA), and the logits are
+ * bit-identical to the same model run plainly. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,10 +36,10 @@ static tl_status rec_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, si
 }
 
 static tl_status rec_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                                   float* const* logits) {
+                                   float* const* logits, const tl_exit* exits, uint32_t* depths) {
     recorder* r = (recorder*)b;
     r->batches++;
-    return r->inner->iface->forward_batch(r->inner, seqs, tokens, B, logits);
+    return r->inner->iface->forward_batch(r->inner, seqs, tokens, B, logits, exits, depths);
 }
 
 static tl_status rec_head_logits(tl_backend* b, const tl_engine* e, const float* x, float* logits) {
@@ -71,7 +72,7 @@ static void rec_release(void* ctx, void* data) {
 }
 
 static const tl_backend_iface rec_iface = {rec_forward, rec_forward_batch, rec_head_logits, rec_info, rec_free,
-                                           NULL, NULL};
+                                           NULL, NULL, false};
 
 /* Every live block of s has its data outside its header: it came from the allocator. */
 static int blocks_on_device(const tl_seq* s, const recorder* r) {
@@ -89,7 +90,7 @@ static tl_status batch_step(tl_seq** seqs, const int32_t* tokens, size_t n, floa
         const tl_status st = tl_kv_reserve(&seqs[i]->kv, &e->kv_geom, seqs[i]->n_layers, seqs[i]->n, 1);
         if (st != TL_OK) return st;
     }
-    const tl_status st = tl_forward_batch(seqs, tokens, n, logits);
+    const tl_status st = tl_forward_batch(seqs, tokens, n, logits, NULL, NULL);
     for (size_t i = 0; st == TL_OK && i < n; i++) seqs[i]->n++;
     return st;
 }
@@ -188,6 +189,17 @@ int main(void) {
                  TL_ERR_INVALID_ARGUMENT);
     CHECK(prefix == NULL && strstr(tl_last_error(), "h4 prefixes need a backend that rebuilds the KV from rows"),
           "message: %s", tl_last_error());
+
+    /* nor runs exit rules: a request with one is refused as on CUDA, plain decoding still runs */
+    tl_gen_params gp = tl_gen_params_default();
+    int32_t out[4];
+    size_t n_out = 7;
+    gp.max_tokens = 4, gp.loops = 2, gp.exit_rule = TL_EXIT_LATENT;
+    CHECK_STATUS(tl_generate(seam, prompt, PROMPT, &gp, out, &n_out, NULL), TL_ERR_UNSUPPORTED);
+    CHECK(n_out == 0 && strcmp(tl_last_error(), "adaptive depth (exit_rule) is not on the CUDA backend yet") == 0,
+          "message: %s", tl_last_error());
+    gp.exit_rule = TL_EXIT_NONE;
+    CHECK_OK(tl_generate(seam, prompt, PROMPT, &gp, out, &n_out, NULL));
 
     tl_seq_free(s);
     tl_seq_free(sf);

@@ -22,37 +22,12 @@
 #include "base/alloc.h"
 #include "core/forward.h"
 #include "core/speculate.h"
+#include "test_kv.h"
 #include "test_util.h"
 
 enum { PROMPT = 11, ROWS = 9, MAX_NEW = 24 };
 
 static int32_t prompt[PROMPT + ROWS];
-
-/* Positions [from, n) of a and b hold the same KV in every layer a pass at their depth writes,
- * and with `all_depths` in every other depth's coda slots too (their tables cover the same
- * positions with the same spans). */
-static int same_kv(const tl_seq* a, const tl_seq* b, size_t from, size_t n, int all_depths) {
-    const tl_kv_geom* g = &a->engine->kv_geom;
-    const tl_config* c = tl_engine_config(a->engine);
-    const size_t D = g->head_dim;
-    for (size_t pos = from; pos < n; pos++) {
-        const tl_kv_span* sa = &a->kv.spans[tl_kv_find(&a->kv, pos)];
-        const tl_kv_span* sb = &b->kv.spans[tl_kv_find(&b->kv, pos)];
-        const size_t slot = pos - sa->start;
-        if (sb->start != sa->start) return 0;
-        for (uint32_t l = 0; l < a->n_layers; l++) {
-            const uint32_t coda_depth = tl_slot_at(c, l).coda_depth;
-            if (!all_depths && coda_depth != 0 && coda_depth != a->loops) continue; /* never written */
-            for (uint32_t h = 0; h < g->n_kv_heads; h++)
-                if (memcmp(tl_kv_keys(g, sa->block, l, h) + slot * D, tl_kv_keys(g, sb->block, l, h) + slot * D, D) ||
-                    memcmp(tl_kv_values(g, sa->block, l, h) + slot * D, tl_kv_values(g, sb->block, l, h) + slot * D, D) ||
-                    memcmp(&tl_kv_key_scales(g, sa->block, l, h)[slot], &tl_kv_key_scales(g, sb->block, l, h)[slot], 4) ||
-                    memcmp(&tl_kv_value_scales(g, sa->block, l, h)[slot], &tl_kv_value_scales(g, sb->block, l, h)[slot], 4))
-                    return 0;
-        }
-    }
-    return 1;
-}
 
 /* Two sequences at depth L holding the prompt (run as a prefix build's, every depth's coda
  * slots written, with `build`), with KV reserved for the ROWS rows after it. */
@@ -97,7 +72,7 @@ static void check_split(tl_model* m, uint32_t L, uint32_t Ld, int row_by_row) {
     CHECK(tu_same_bits(want, got, ROWS * V), "L=%u L_d=%u %s: verifier logits differ from the whole pass", L, Ld,
           row_by_row ? "rows" : "chunk");
     CHECK(tu_same_bits(last, hidden + (ROWS - 1) * d, d), "L=%u L_d=%u: final state differs", L, Ld);
-    CHECK(same_kv(a, b, 0, PROMPT + ROWS, 0), "L=%u L_d=%u %s: KV differs", L, Ld, row_by_row ? "rows" : "chunk");
+    CHECK(tu_same_seq_kv(a, b, 0, PROMPT + ROWS, 0), "L=%u L_d=%u %s: KV differs", L, Ld, row_by_row ? "rows" : "chunk");
     free(want), free(got), free(draft), free(states), free(injects), free(hidden), free(last);
     tl_seq_free(a);
     tl_seq_free(b);
@@ -120,7 +95,7 @@ static void check_split_build(tl_model* m, uint32_t L, uint32_t Lb) {
     CHECK_OK(tl_forward_part(b, NULL, ROWS, PROMPT, &extend));
     for (uint32_t i = 0; i < L; i++)
         CHECK(tu_same_bits(want + i * d, got + i * d, d), "build L=%u split at %u: loop state %u differs", L, Lb, i);
-    CHECK(same_kv(a, b, 0, PROMPT + ROWS, 1), "build L=%u split at %u: KV differs", L, Lb);
+    CHECK(tu_same_seq_kv(a, b, 0, PROMPT + ROWS, 1), "build L=%u split at %u: KV differs", L, Lb);
     free(want), free(got), free(states), free(injects), free(last);
     tl_seq_free(a);
     tl_seq_free(b);

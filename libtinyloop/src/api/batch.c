@@ -1,6 +1,7 @@
 /* batch.c — tl_generate_batch: every request checked, then started (its prompt run alone,
  * through the prefix cache), then all live requests decoded together, one token each per
- * step, through tl_forward_batch. A request leaves the batch when its own stop rule fires;
+ * step, through tl_forward_batch (a request with an exit rule runs each token only as deep as
+ * its rule lets it, docs/spec.md §5.7). A request leaves the batch when its own stop rule fires;
  * since every row of a batched step is computed exactly as it would be alone, each request
  * gets the tokens and logits it gets from tl_generate. A speculative request (n_draft > 0)
  * runs one round of its own per step instead (core/speculate.h), emitting 1 .. n_draft tokens.
@@ -154,6 +155,7 @@ static tl_status sample_all(batch* b, size_t* n_live, size_t* n_rounds) {
         }
         b->live.seqs[*n_live] = s->seq;
         b->live.logits[*n_live] = s->logits;
+        b->live.exits[*n_live] = tl_gen_exit(&b->params[i]);
         b->live_index[(*n_live)++] = i;
     }
     return TL_OK;
@@ -174,14 +176,19 @@ tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity) {
     rows->seqs = tl_alloc_zeroed(capacity, sizeof *rows->seqs);
     rows->tokens = tl_alloc_zeroed(capacity, sizeof *rows->tokens);
     rows->logits = tl_alloc_zeroed(capacity, sizeof *rows->logits);
+    rows->exits = tl_alloc_zeroed(capacity, sizeof *rows->exits);
+    rows->depths = tl_alloc_zeroed(capacity, sizeof *rows->depths);
     rows->marks = tl_alloc_zeroed(capacity, sizeof *rows->marks);
-    return rows->seqs && rows->tokens && rows->logits && rows->marks ? TL_OK : tl_fail_oom("decode rows");
+    return rows->seqs && rows->tokens && rows->logits && rows->exits && rows->depths && rows->marks
+               ? TL_OK : tl_fail_oom("decode rows");
 }
 
 void tl_decode_rows_free(tl_decode_rows* rows) {
     tl_free(rows->seqs);
     tl_free(rows->tokens);
     tl_free(rows->logits);
+    tl_free(rows->exits);
+    tl_free(rows->depths);
     tl_free(rows->marks);
     memset(rows, 0, sizeof *rows);
 }
@@ -196,7 +203,7 @@ tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
         marks[tried] = tl_kv_mark_now(&s->kv);
         st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, 1);
     }
-    if (st == TL_OK) st = tl_forward_batch(seqs, rows->tokens, n, rows->logits);
+    if (st == TL_OK) st = tl_forward_batch(seqs, rows->tokens, n, rows->logits, rows->exits, rows->depths);
     if (st != TL_OK) {
         for (size_t j = 0; j < tried; j++) tl_kv_rollback(&seqs[j]->kv, marks[j]);
         return st;
@@ -209,12 +216,14 @@ tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
     return TL_OK;
 }
 
-/* One batched decode step over the live plain sequences (all-or-nothing on failure), then a
- * round of each live speculative request. */
+/* One batched decode step over the live plain sequences, each under its own exit rule
+ * (all-or-nothing on failure), then a round of each live speculative request. */
 static tl_status step(tl_engine* e, batch* b, size_t n_live) {
     tl_status st = tl_engine_check_open(e);
     if (st == TL_OK) st = check_room(e, b, n_live);
     if (st == TL_OK && n_live) st = tl_gen_decode_rows(e, &b->live, n_live);
+    for (size_t j = 0; st == TL_OK && j < n_live; j++)
+        tl_depth_count(b->params[b->live_index[j]].depth_stats, b->live.depths[j]);
     for (size_t i = 0; st == TL_OK && i < b->n; i++)
         if (b->params[i].n_draft && !b->streams[i].done)
             st = tl_spec_round(&b->specs[i], &b->streams[i], &b->next[i], 0);

@@ -1,7 +1,8 @@
 /* generate.c — tl_generate and tl_generate_from_prefix (docs/spec.md §5): validate every
  * parameter before any work, run the prompt (through the automatic prefix cache) or take the
  * prefix's state, then sample, append, check the stop rules (stop ids, stop sequences on the
- * emitted tokens, max_tokens) and decode the new token, until a rule stops it. */
+ * emitted tokens, max_tokens) and decode the new token (a batched pass of one row, under the
+ * request's exit rule, docs/spec.md §5.7), until a rule stops it. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -103,13 +104,47 @@ static tl_status check_draft(const tl_gen_params* p) {
     return TL_OK;
 }
 
+/* Adaptive depth's parameters (docs/spec.md §5.7) against the resolved depth p->loops:
+ * min_loops (0 = 1) and, with a rule, its threshold (0 = the rule's default) resolved. */
+static tl_status check_exit(const tl_engine* e, tl_gen_params* p) {
+    const tl_config* c = tl_engine_config(e);
+    const float q = p->exit_threshold;
+    if (p->exit_rule > TL_EXIT_LATENT)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "unknown exit_rule %u (0 none, 1 gate, 2 latent)", p->exit_rule);
+    if (p->min_loops > p->loops)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "min_loops must be in 1 .. loops (loops=%u), got %u", p->loops,
+                       p->min_loops);
+    if (p->min_loops == 0) p->min_loops = 1;
+    if (p->exit_rule == TL_EXIT_NONE) return TL_OK;
+    if (p->exit_rule == TL_EXIT_GATE) {
+        if (!c->exit_gate) return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_rule gate: the model has no exit gate");
+        if (q == 0) p->exit_threshold = c->exit_threshold;
+        else if (!(q > 0 && q <= 1))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be in (0, 1] for exit_rule gate, got %g",
+                           (double)q);
+    } else {
+        if (q == 0) p->exit_threshold = TL_EXIT_LATENT_DEFAULT;
+        else if (!isfinite(q) || !(q > 0))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be finite and > 0 for exit_rule latent, "
+                           "got %g", (double)q);
+    }
+    if (p->n_draft > 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "an exit_rule (adaptive depth) cannot be combined with "
+                       "self-speculative decoding (n_draft > 0)");
+    if (!tl_has_adaptive_pass(e))
+        return tl_fail(TL_ERR_UNSUPPORTED, "adaptive depth (exit_rule) is not on the CUDA backend yet");
+    return TL_OK;
+}
+
 tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                        const tl_gen_params* given, tl_gen_params* p) {
     tl_status st = check_request(e, prefix, prompt, n, given, p);
     if (st == TL_OK) st = check_draft(p);
+    if (st == TL_OK) st = check_exit(e, p);
     /* a backend without a part pass decodes plainly: the same tokens, nothing drafted (§5.6) */
     if (st == TL_OK && !tl_has_part_pass(e)) p->n_draft = 0;
     if (st == TL_OK && p->draft_stats) *p->draft_stats = (tl_draft_stats){0, 0};
+    if (st == TL_OK && p->depth_stats) *p->depth_stats = (tl_depth_stats){0, 0};
     return st;
 }
 
@@ -157,6 +192,20 @@ tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* pro
     return st;
 }
 
+/* Run the stream's last emitted token (at position s->seq->n) into s->logits: a batched pass of
+ * one row, under the request's exit rule. */
+static tl_status decode_one(tl_engine* e, tl_stream* s, int32_t token) {
+    tl_status st = tl_engine_check_open(e);
+    if (st != TL_OK) return st;
+    tl_exit rule = tl_gen_exit(s->p);
+    uint32_t depth;
+    tl_kv_mark mark;
+    tl_decode_rows row = {&s->seq, &token, &s->logits, &rule, &depth, &mark};
+    st = tl_gen_decode_rows(e, &row, 1);
+    if (st == TL_OK) tl_depth_count(s->p->depth_stats, depth);
+    return st;
+}
+
 /* The whole of one request, decoded alone: token by token, or in speculative rounds. */
 static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                               const tl_gen_params* params, int32_t* out_tokens, size_t* n_out, float* out_logits) {
@@ -177,7 +226,7 @@ static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32
     if (st == TL_OK && !s.done) st = tl_stream_sample(&s, &token);
     while (st == TL_OK && !s.done) {
         if (p.n_draft) st = tl_spec_round(&spec, &s, &token, 0);
-        else if ((st = tl_seq_decode(s.seq, token, s.logits)) == TL_OK) st = tl_stream_sample(&s, &token);
+        else if ((st = decode_one(e, &s, token)) == TL_OK) st = tl_stream_sample(&s, &token);
     }
     tl_spec_free(&spec);
     tl_stream_free(&s);

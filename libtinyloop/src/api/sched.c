@@ -31,7 +31,14 @@
  * batch, any round size), so each request's tokens equal tl_generate's.
  *
  * Requests live in two doubly linked lists, waiting (FIFO, preempted at the head) and running
- * (admission order). A request's fields are written only by the thread using the scheduler. */
+ * (admission order). A request's fields are written only by the thread using the scheduler.
+ *
+ * A request with an exit rule (adaptive depth, docs/spec.md §5.7) records the depth U each of its
+ * decode passes ran. Its decoded positions are not prompt positions (they may hold KV copied
+ * from shallower iterations), so on readmission it looks up and prefills its prompt only, then
+ * replays each emitted token but the last, one position of the step's budget each, as a decode
+ * pass forced to exit at its recorded U (no sampling): its prefill phase ends one position
+ * before its input's end, and the last emitted token is decoded as any other, under its rule. */
 #include <stdio.h>
 #include <string.h>
 
@@ -56,6 +63,8 @@ typedef struct sched_req {
     bool speculative;         /* decodes by rounds (n_draft > 0 and the backend has a part pass) */
     tl_spec spec;             /* the rounds' scratch and counts, when speculative (else zeroed) */
     size_t round;             /* this step's K', when speculative and decoding (plan_step)     */
+    uint32_t* depths;         /* [max_tokens] with an exit rule that can fire: the U of each
+                                 emitted token's decode pass (the replays'); NULL without one  */
     struct sched_req *prev, *next;
 } sched_req;
 
@@ -112,6 +121,7 @@ static void req_free(sched_req* r) {
     if (!r) return;
     tl_stream_free(&r->stream);
     tl_spec_free(&r->spec);
+    tl_free(r->depths);
     tl_free(r->input);
     tl_free(r->stop_tokens);
     tl_free(r->stop_lengths);
@@ -248,6 +258,9 @@ TL_API tl_status tl_sched_add(tl_sched* s, const int32_t* prompt, size_t n, cons
     if (st == TL_OK && r->p.draft_stats)
         st = tl_fail(TL_ERR_INVALID_ARGUMENT, "a scheduled request takes no draft_stats (it must be NULL): "
                      "tl_sched_stats counts the drafted and accepted tokens");
+    if (st == TL_OK && r->p.depth_stats)
+        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "a scheduled request takes no depth_stats (it must be NULL): "
+                     "tl_sched_stats counts the decode passes and their loops");
     r->n_prompt = n;
     if (st == TL_OK) st = check_budget(s, r);
     if (st == TL_OK) st = copy_params(r);
@@ -259,6 +272,11 @@ TL_API tl_status tl_sched_add(tl_sched* s, const int32_t* prompt, size_t n, cons
     if (st == TL_OK && r->p.n_draft > 0) {
         st = tl_spec_init(&r->spec, e, &r->p);
         r->speculative = st == TL_OK;
+    }
+    const tl_exit rule = tl_gen_exit(&r->p);
+    if (st == TL_OK && tl_exit_active(&rule, r->p.loops)) { /* a rule that cannot fire decodes plainly */
+        r->depths = tl_alloc_zeroed(r->p.max_tokens, sizeof *r->depths);
+        if (!r->depths) st = tl_fail_oom("scheduler request");
     }
     if (st != TL_OK) {
         req_free(r);
@@ -298,6 +316,17 @@ TL_API tl_status tl_sched_cancel(tl_sched* s, uint64_t id) {
 static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
 static size_t input_length(const sched_req* r) { return r->n_prompt + r->n_out; }
+
+/* The end of r's prefill phase on (re)admission: its whole input; with an exit rule and tokens
+ * emitted, one position before (its prompt, then the replays of every emitted token but the
+ * last, which it then decodes). */
+static size_t phase_end(const sched_req* r) {
+    return r->depths && r->n_out ? input_length(r) - 1 : input_length(r);
+}
+
+/* The positions of r's prefill phase run as prompt chunks: all of them, but with an exit rule
+ * its prompt only (the rest are replays). */
+static size_t chunked_end(const sched_req* r) { return r->depths ? r->n_prompt : r->prefill_end; }
 
 static size_t kv_alone(const tl_sched* s, size_t* n_blocks) {
     size_t bytes = 0, blocks = 0;
@@ -347,20 +376,21 @@ static size_t prefill_growth(const tl_sched* s) {
     return bytes;
 }
 
-/* Whether r, looked up (its sequence holds the hit), fits the budget beside `used`: its
- * prefill's new blocks, the rest of the other prefills', and what the decoding requests open
- * until r's prefill is done (the prompts ahead of it included; the prefills get what the
- * decodes leave of a step, in order: plan_step keeps room for one position per request). */
+/* Whether r, looked up (its sequence holds the hit; its prefill_end set), fits the budget beside
+ * `used`: its prefill's new blocks, the rest of the other prefills', and what the decoding
+ * requests open until r's prefill is done (the prompts ahead of it included; the prefills get
+ * what the decodes leave of a step, in order: plan_step keeps room for one position per
+ * request). */
 static bool fits(const tl_sched* s, const sched_req* r, size_t used) {
     const size_t budget = s->params.kv_budget_bytes;
     if (budget == 0 || s->running.n == 0) return true;
-    size_t positions = input_length(r) - r->stream.seq->n;
+    size_t positions = r->prefill_end - r->stream.seq->n;
     for (const sched_req* q = s->running.head; q; q = q->next)
         if (!decoding(q)) positions += q->prefill_end - q->stream.seq->n;
     const size_t decodes = decode_positions(s);
     const size_t per_step = decodes < s->params.step_tokens ? s->params.step_tokens - decodes : 1;
     const size_t steps = (positions + per_step - 1) / per_step;
-    const size_t need = new_bytes(s, r, input_length(r) - r->stream.seq->n) + prefill_growth(s) +
+    const size_t need = new_bytes(s, r, r->prefill_end - r->stream.seq->n) + prefill_growth(s) +
                         decode_growth(s, steps);
     return used + need <= budget;
 }
@@ -381,10 +411,10 @@ static tl_status admit(tl_sched* s) {
         tl_status st = tl_seq_new(e, r->p.loops, r->p.cache_window, &q);
         if (st != TL_OK) return st;
         size_t hit = 0;
-        const size_t n = input_length(r);
+        r->prefill_end = phase_end(r);
         if (e->pcache) {
             const tl_pcache_key key = tl_gen_cache_key(e, q, &r->p);
-            tl_pcache_lookup(e->pcache, &key, r->input, n, &q->kv, &hit);
+            tl_pcache_lookup(e->pcache, &key, r->input, chunked_end(r), &q->kv, &hit);
             q->n = hit;
         }
         r->stream.seq = q;
@@ -399,7 +429,6 @@ static tl_status admit(tl_sched* s) {
             break;
         }
         used += own;
-        r->prefill_end = n;
         s->stats.cached_tokens += hit;
         list_remove(&s->waiting, r);
         list_push_back(&s->running, r);
@@ -539,33 +568,58 @@ static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
         s->rows.seqs[n] = r->stream.seq;
         s->row_reqs[n] = r;
         s->rows.tokens[n] = r->input[r->stream.seq->n];
+        s->rows.exits[n] = tl_gen_exit(&r->p);
         s->rows.logits[n++] = r->stream.logits;
     }
     if (n == 0) return TL_OK;
     tl_status st = tl_gen_decode_rows(s->engine, &s->rows, n);
     if (st != TL_OK) return st;
+    for (size_t j = 0; j < n; j++) {
+        const sched_req* r = s->row_reqs[j];
+        s->stats.decode_passes++;
+        s->stats.decode_loops += s->rows.depths[j];
+        if (r->depths) r->depths[r->stream.seq->n - 1 - r->n_prompt] = s->rows.depths[j];
+    }
     memcpy(s->ready + *n_ready, s->row_reqs, n * sizeof *s->ready);
     *n_ready += n;
     return TL_OK;
 }
 
-/* One prompt chunk of T positions for a request in its prefill phase. Each chunk offers the
- * prefix cache its full blocks (a preempted prefill then resumes from them); the one that ends
- * the phase leaves the logits to sample from. */
+/* Replay r's emitted token at its next position: a decode pass forced to exit at the depth it
+ * ran when it was decoded (docs/spec.md §5.7); its logits are not sampled. */
+static tl_status replay(tl_sched* s, sched_req* r) {
+    tl_seq* q = r->stream.seq;
+    s->rows.seqs[0] = q;
+    s->rows.tokens[0] = r->input[q->n];
+    s->rows.logits[0] = r->stream.logits;
+    s->rows.exits[0] = (tl_exit){TL_EXIT_FORCED, 0.0f, r->depths[q->n - r->n_prompt]};
+    return tl_gen_decode_rows(s->engine, &s->rows, 1);
+}
+
+/* T positions of r's prefill phase: a prompt chunk (the whole input's positions for a request
+ * without an exit rule), then replays (chunked_end). Each prompt chunk offers the prefix cache
+ * its full blocks (a preempted prefill then resumes from them); the one that ends the phase on
+ * the input's last position leaves the logits to sample from. */
 static tl_status run_chunk(tl_sched* s, sched_req* r, size_t T, size_t* n_ready) {
     tl_engine* e = s->engine;
     tl_seq* q = r->stream.seq;
-    const bool last = q->n + T == r->prefill_end;
-    const tl_run_opts opts = {.logits_last = last ? r->stream.logits : NULL, .keep_window = e->pcache != NULL};
-    tl_status st = tl_seq_run(q, r->input + q->n, T, T, &opts);
-    if (st != TL_OK) return st;
-    s->stats.prompt_tokens += T;
-    if (e->pcache) {
-        const tl_pcache_key key = tl_gen_cache_key(e, q, &r->p);
-        tl_pcache_insert(e->pcache, &key, r->input, q->n, &q->kv);
-        if (last) tl_kv_release_outside(&q->kv, q->n, q->window);
+    const size_t end = q->n + T, chunked = min_size(end, chunked_end(r));
+    const bool sample = end == input_length(r);
+    tl_status st;
+    if (q->n < chunked) {
+        const size_t n = chunked - q->n;
+        const tl_run_opts opts = {.logits_last = sample ? r->stream.logits : NULL, .keep_window = e->pcache != NULL};
+        if ((st = tl_seq_run(q, r->input + q->n, n, n, &opts)) != TL_OK) return st;
+        s->stats.prompt_tokens += n;
+        if (e->pcache) {
+            const tl_pcache_key key = tl_gen_cache_key(e, q, &r->p);
+            tl_pcache_insert(e->pcache, &key, r->input, q->n, &q->kv);
+            if (q->n == chunked_end(r)) tl_kv_release_outside(&q->kv, q->n, q->window);
+        }
     }
-    if (last) s->ready[(*n_ready)++] = r;
+    for (; q->n < end; s->stats.prompt_tokens++)
+        if ((st = replay(s, r)) != TL_OK) return st;
+    if (sample) s->ready[(*n_ready)++] = r;
     return TL_OK;
 }
 

@@ -20,6 +20,7 @@
 #ifndef TL_BACKEND_H
 #define TL_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -30,6 +31,7 @@ typedef struct tl_backend tl_backend;
 typedef struct tl_engine tl_engine;
 typedef struct tl_seq tl_seq;
 typedef struct tl_part tl_part; /* core/forward.h */
+typedef struct tl_exit tl_exit; /* core/exit_rule.h */
 
 /* What tl_model_runtime reports about a backend. */
 typedef struct tl_backend_info {
@@ -46,7 +48,7 @@ typedef struct tl_backend_iface {
                          float* logits_last, float* last_hidden, float* loop_states);
     /* One new token for each of B sequences: core/forward.h's tl_forward_batch. */
     tl_status (*forward_batch)(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                               float* const* logits);
+                               float* const* logits, const tl_exit* exits, uint32_t* depths);
     /* logits[V] of one final hidden state x[d]: core/forward.h's tl_head_logits. */
     tl_status (*head_logits)(tl_backend* b, const tl_engine* e, const float* x, float* logits);
     void (*info)(const tl_backend* b, tl_backend_info* out);
@@ -63,6 +65,9 @@ typedef struct tl_backend_iface {
      * them. Fails like tl_forward. */
     tl_status (*kv_from_rows)(tl_backend* b, tl_seq* s, uint32_t slot, size_t pos0, size_t T, const int8_t* q,
                               const float* a);
+    /* Whether forward_batch runs exit rules (adaptive depth, docs/spec.md §5.7); without it, a
+     * request with an exit rule is refused and every row the core hands it runs to its depth. */
+    bool adaptive;
 } tl_backend_iface;
 
 /* Embedded as the first member of each backend's own state. */

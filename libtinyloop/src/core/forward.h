@@ -4,6 +4,7 @@
 #define TL_FORWARD_H
 
 #include "core/backend.h"
+#include "core/exit_rule.h"
 #include "core/seq.h"
 
 /* Run tokens[0..T) at positions s->n .. s->n+T-1 through the model at depth s->loops
@@ -60,15 +61,23 @@ static inline bool tl_has_part_pass(const tl_engine* e) { return e->backend->ifa
 /* One new token for each of B sequences of one engine (each with KV reserved for position
  * seqs[b]->n), run together: every linear is one GEMM over the B rows, attention reads each
  * row's own cache. Rows may differ in depth and window; a row runs coda_norm and the coda (in
- * its own depth's slots) after its last iteration, while deeper rows go on. Writes logits[b] ([V] each, the
- * callers' buffers) and each sequence's last_hidden; the caller advances seqs[b]->n. Each
- * row's result is bit-identical to running its token alone. Fails like tl_forward, before
- * touching any cache on the CPU. */
+ * its own depth's slots) after its last iteration, while deeper rows go on. exits: NULL, or
+ * [B] each row's exit rule (docs/spec.md §5.7; only on a backend with tl_has_adaptive_pass,
+ * else every rule must be inactive): a row whose rule fires after iteration U - 1 < L - 1
+ * copies that iteration's KV into the core slots of iterations U .. L-1 at its position, then
+ * runs coda_norm and the coda in depth L's slots and leaves. Writes logits[b] ([V] each, the
+ * callers' buffers), each sequence's last_hidden and, when depths is not NULL, depths[b] = the
+ * core iterations row b ran (U, or its depth); the caller advances seqs[b]->n. Each row's result
+ * is bit-identical to running its token alone. Fails like tl_forward, before touching any cache
+ * on the CPU. */
 static inline tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                                         float* const* logits) {
+                                         float* const* logits, const tl_exit* exits, uint32_t* depths) {
     tl_backend* b = seqs[0]->engine->backend;
-    return b->iface->forward_batch(b, seqs, tokens, B, logits);
+    return b->iface->forward_batch(b, seqs, tokens, B, logits, exits, depths);
 }
+
+/* Whether the engine's backend runs exit rules in its batch pass. */
+static inline bool tl_has_adaptive_pass(const tl_engine* e) { return e->backend->iface->adaptive; }
 
 /* logits[V] = head(NQ(x)) for one hidden state x[d] (docs/spec.md §4, "Head"). */
 static inline tl_status tl_head_logits(const tl_engine* e, const float* x, float* logits) {

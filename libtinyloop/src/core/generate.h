@@ -6,6 +6,7 @@
 
 #include <stdbool.h>
 
+#include "core/exit_rule.h"
 #include "core/prefix_cache.h"
 #include "core/sampling.h"
 #include "core/seq.h"
@@ -19,12 +20,15 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
 /* The automatic prefix cache's place (docs/spec.md §4.3) of a request p run in sequence s. */
 tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen_params* p);
 
-/* The rows of one batched decode pass, [capacity] each: row j runs tokens[j] in seqs[j] and
- * writes its logits to logits[j] ([V]); marks is the pass's scratch. */
+/* The rows of one batched decode pass, [capacity] each: row j runs tokens[j] in seqs[j] under
+ * exit rule exits[j] (docs/spec.md §5.7; rule TL_EXIT_NONE for a plain row), writes its logits
+ * to logits[j] ([V]) and the core iterations it ran to depths[j]; marks is the pass's scratch. */
 typedef struct tl_decode_rows {
     tl_seq** seqs;
     int32_t* tokens;
     float** logits;
+    tl_exit* exits;
+    uint32_t* depths;
     tl_kv_mark* marks;
 } tl_decode_rows;
 
@@ -35,6 +39,18 @@ void tl_decode_rows_free(tl_decode_rows* rows);
  * reserved, run, advanced and released outside its window. All-or-nothing: on failure every
  * table is rolled back. The caller checks that each sequence has room for one more position. */
 tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n);
+
+/* The exit rule of checked params p (TL_EXIT_NONE, or its resolved threshold and min_loops). */
+static inline tl_exit tl_gen_exit(const tl_gen_params* p) {
+    return (tl_exit){p->exit_rule, p->exit_threshold, p->min_loops};
+}
+
+/* One decode pass of `loops` core iterations into a request's depth_stats (NULL: none). */
+static inline void tl_depth_count(tl_depth_stats* stats, uint32_t loops) {
+    if (!stats) return;
+    stats->tokens++;
+    stats->loops += loops;
+}
 
 /* One request's sampling state (docs/spec.md §5): the ids of its history for the repetition
  * penalty, the logits to sample the next token from, its outputs and stop rules. */

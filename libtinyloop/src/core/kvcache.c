@@ -170,3 +170,14 @@ size_t tl_kv_find(const tl_kv_table* t, size_t pos) {
     }
     return lo;
 }
+
+void tl_kv_copy_layer(const tl_kv_geom* g, const tl_kv_table* t, size_t pos, uint32_t from, uint32_t to) {
+    const tl_kv_span* span = &t->spans[tl_kv_find(t, pos)];
+    const size_t slot = pos - span->start, R = tl_kv_row_bytes(g);
+    for (uint32_t h = 0; h < g->n_kv_heads; h++) {
+        memcpy(tl_kv_keys(g, span->block, to, h) + slot * R, tl_kv_keys(g, span->block, from, h) + slot * R, R);
+        memcpy(tl_kv_values(g, span->block, to, h) + slot * R, tl_kv_values(g, span->block, from, h) + slot * R, R);
+        tl_kv_key_scales(g, span->block, to, h)[slot] = tl_kv_key_scales(g, span->block, from, h)[slot];
+        tl_kv_value_scales(g, span->block, to, h)[slot] = tl_kv_value_scales(g, span->block, from, h)[slot];
+    }
+}

@@ -97,6 +97,10 @@ size_t tl_kv_alone_bytes(const tl_kv_table* t, size_t* n_blocks);
 size_t tl_kv_new_blocks(const tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n, size_t T);
 /* Index of the span holding position pos (which must be covered). */
 size_t tl_kv_find(const tl_kv_table* t, size_t pos);
+/* Position pos's keys, values and their scales of layer `from` copied into layer `to`, every kv
+ * head (int8 and int4 rows alike; docs/spec.md §5.7's "last available" KV of a token that exits
+ * early). Host blocks only; pos must be covered by a block the table holds alone. */
+void tl_kv_copy_layer(const tl_kv_geom* g, const tl_kv_table* t, size_t pos, uint32_t from, uint32_t to);
 
 /* A block's reference count, for holders other than tables (the prefix cache). */
 static inline void tl_kv_block_retain(tl_kv_block* b) { atomic_fetch_add(&b->refs, 1); }

@@ -36,8 +36,8 @@ static tl_status cpu_kv_from_rows(tl_backend* b, tl_seq* s, uint32_t slot, size_
 }
 
 static tl_status cpu_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                                   float* const* logits) {
-    return tl_cpu_forward_batch(((cpu_backend*)b)->linears, seqs, tokens, B, logits);
+                                   float* const* logits, const tl_exit* exits, uint32_t* depths) {
+    return tl_cpu_forward_batch(((cpu_backend*)b)->linears, seqs, tokens, B, logits, exits, depths);
 }
 
 static tl_status cpu_head_logits(tl_backend* b, const tl_engine* e, const float* x, float* logits) {
@@ -64,7 +64,8 @@ static const tl_backend_iface cpu_iface = {.forward = cpu_forward,
                                            .info = cpu_info,
                                            .free = cpu_free,
                                            .forward_part = cpu_forward_part,
-                                           .kv_from_rows = cpu_kv_from_rows};
+                                           .kv_from_rows = cpu_kv_from_rows,
+                                           .adaptive = true};
 
 tl_status tl_backend_cpu_new(tl_engine* e, tl_backend** out) {
     *out = NULL;

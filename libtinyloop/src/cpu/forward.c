@@ -8,6 +8,10 @@
  * A batch may mix depths: its rows are ordered by depth, deepest first, so iteration i runs on
  * the first `active` rows (those deeper than i), and the rows whose depth is exactly i + 1 (the
  * last of those) then run coda_norm and the coda at that depth and leave with their final state.
+ * A batch row may carry an exit rule (adaptive depth, docs/spec.md §5.7, core/exit_rule.h):
+ * after iteration i a row whose rule fires copies its KV of iteration i into its deeper core
+ * slots, moves behind the rows that go on and leaves too, running the coda in its own depth's
+ * slots; rows without a rule run exactly as before.
  * A prefix build (loop_states) also finishes every shallower depth on a copy of the state after
  * each iteration, writing that depth's coda slots and keeping the last row's final state.
  * A chunk runs as a part pass (core/forward.h's tl_part): it may stop at a depth below the
@@ -65,6 +69,12 @@ typedef struct fwd {
     tl_attn_scratch* attn;   /* [pool threads]                                         */
     size_t* order;           /* [T] batch: row r is the caller's order[r]              */
     float* logits;           /* [T][V] batch: the rows' logits, in row order           */
+    uint32_t* ends;          /* [T] batch: the depth each row ends at (its own, or its exit's) */
+    const tl_exit* rules;    /* batch: the caller's exit rules (caller's order), or NULL */
+    tl_exit_state* exits;    /* [T] batch with an active exit rule: each row's; else NULL */
+    float* prev;             /* [T][d] with exits: the latent rule's storage            */
+    size_t* from;            /* [T] with exits: a reordering, new row r = old row from[r] */
+    void* moved;             /* [T][moved_row] with exits: a reordering's scratch       */
     /* input of the quantize task */
     const float* q_src;
     size_t q_src_stride, q_cols;
@@ -101,9 +111,16 @@ static bool attends_on_tiles(const tl_engine* e, bool chunk, size_t T) {
     return chunk && e->isa == TL_ISA_AMX && T >= ATTN_TILE_MIN_ROWS;
 }
 
+/* The bytes of one row of the arrays a batch with exits reorders (partition_rows). */
+static size_t moved_row(const tl_config* cfg) {
+    const size_t state = cfg->d_model * sizeof(float);
+    return state > sizeof(tl_exit_state) ? state : sizeof(tl_exit_state);
+}
+
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
- * buffers only for a batch, the side state only for a prefix build. */
-static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch, bool build) {
+ * buffers only for a batch, the exit rules' only for a batch with one (adaptive), the side
+ * state only for a prefix build. */
+static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch, bool build, bool adaptive) {
     const tl_config* cfg = f->c;
     const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
@@ -137,6 +154,11 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     }
     f->order = take(c, batch ? T * sizeof(size_t) : 0);
     f->logits = take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
+    f->ends = take(c, batch ? T * sizeof(uint32_t) : 0);
+    f->exits = adaptive ? take(c, T * sizeof(tl_exit_state)) : NULL;
+    f->prev = take(c, adaptive ? state : 0);
+    f->from = take(c, adaptive ? T * sizeof(size_t) : 0);
+    f->moved = take(c, adaptive ? T * moved_row(cfg) : 0);
 }
 
 /* ---- per-token tasks ------------------------------------------------------------------------ */
@@ -349,7 +371,7 @@ static void iteration(fwd* f, uint32_t i) {
 }
 
 /* The end of depth `depth` for rows [lo, hi) of `state` (f->x or f->side): coda_norm, then the
- * coda blocks in that depth's slots. The rows' state becomes their final state at that depth. */
+ * coda blocks in depth `depth`'s slots. The rows' state becomes their final state. */
 static void end_depth(fwd* f, float* state, size_t lo, size_t hi, uint32_t depth) {
     const tl_config* c = f->c;
     if (lo == hi || !tl_has_coda(c)) return;
@@ -385,7 +407,7 @@ static void embed(fwd* f) {
 /* Lay out the scratch of T rows whose positions are all below max_keys in `scratch`, growing it
  * first if they do not fit: the pass's only allocation, and on failure nothing has changed. */
 static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, size_t T, size_t max_keys, bool batch,
-                       bool build, tl_scratch* scratch) {
+                       bool build, bool adaptive, tl_scratch* scratch) {
     memset(f, 0, sizeof *f);
     f->e = e;
     f->c = tl_engine_config(e);
@@ -398,7 +420,7 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
     carve arena = {0, NULL};
-    layout(f, &arena, workers, max_keys, batch, build);
+    layout(f, &arena, workers, max_keys, batch, build, adaptive);
     if (arena.used > scratch->bytes) {
         void* grown = tl_alloc(arena.used);
         if (!grown) return tl_fail_oom("forward scratch");
@@ -406,16 +428,86 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
         *scratch = (tl_scratch){grown, arena.used};
     }
     arena = (carve){0, scratch->base};
-    layout(f, &arena, workers, max_keys, batch, build);
+    layout(f, &arena, workers, max_keys, batch, build, adaptive);
     return TL_OK;
 }
 
-/* The depth row r runs to: a chunk's part depth, a batch row's sequence depth. */
-static uint32_t row_depth(const fwd* f, size_t r) { return f->chunk ? f->depth : f->seqs[r]->loops; }
+/* The depth row r runs to: a chunk's part depth, a batch row's sequence depth or exit. */
+static uint32_t row_depth(const fwd* f, size_t r) { return f->chunk ? f->depth : f->ends[r]; }
+
+/* Whose coda slots row r's coda writes: a chunk's coda_depth, a batch row's sequence depth. */
+static uint32_t coda_of(const fwd* f, size_t r) { return f->chunk ? f->coda_depth : f->seqs[r]->loops; }
+
+/* Rows [lo, T) end now: coda_norm and the coda, each run of rows of one coda depth at once. */
+static void end_rows(fwd* f, size_t lo) {
+    for (size_t r = lo, g; r < f->T; r = g) {
+        const uint32_t depth = coda_of(f, r);
+        for (g = r + 1; g < f->T && coda_of(f, g) == depth; g++) continue;
+        end_depth(f, f->x, r, g, depth);
+    }
+}
+
+/* ---- exits (docs/spec.md §5.7) ------------------------------------------------------------- */
+
+/* Each row's exit rule begun on x, the state entering iteration 0. */
+static void begin_exits(fwd* f) {
+    const size_t d = f->c->d_model;
+    for (size_t r = 0; r < f->T; r++)
+        tl_exit_begin(&f->exits[r], &f->rules[f->order[r]], f->seqs[r]->loops, f->x + r * d, f->prev + r * d,
+                      &f->e->file);
+}
+
+/* base[r] = old base[from[r]] for r < n, elements of `elem` bytes, through tmp. */
+static void gather(void* base, size_t elem, const size_t* from, size_t n, void* tmp) {
+    char* b = base;
+    char* t = tmp;
+    for (size_t r = 0; r < n; r++) memcpy(t + r * elem, b + from[r] * elem, elem);
+    memcpy(b, t, n * elem);
+}
+
+/* Rows [0, T) reordered, stably, so that those ending at depth `end` or before come after those
+ * going on: the order stays deepest first, and rows of one coda depth stay together. */
+static void partition_rows(fwd* f, uint32_t end) {
+    const size_t T = f->T, state = f->c->d_model * sizeof(float);
+    size_t n = 0;
+    for (size_t r = 0; r < T; r++)
+        if (f->ends[r] > end) f->from[n++] = r;
+    for (size_t r = 0; r < T; r++)
+        if (f->ends[r] <= end) f->from[n++] = r;
+    gather(f->x, state, f->from, T, f->moved);
+    if (f->c->injection) gather(f->inject, state, f->from, T, f->moved);
+    gather(f->seqs, sizeof *f->seqs, f->from, T, f->moved);
+    gather(f->pos, sizeof *f->pos, f->from, T, f->moved);
+    gather(f->tokens, sizeof *f->tokens, f->from, T, f->moved);
+    gather(f->order, sizeof *f->order, f->from, T, f->moved);
+    gather(f->ends, sizeof *f->ends, f->from, T, f->moved);
+    gather(f->exits, sizeof *f->exits, f->from, T, f->moved);
+}
+
+/* After iteration i: every row going deeper whose rule fires exits with U = i + 1. Its KV of
+ * iteration i is copied into the core slots of iterations i+1 .. L-1 at its position ("last
+ * available"), its end becomes i + 1, and it moves behind the rows that go on. */
+static void take_exits(fwd* f, uint32_t i) {
+    const tl_config* c = f->c;
+    const size_t d = c->d_model, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    bool any = false;
+    for (size_t r = 0; r < f->T; r++) {
+        if (f->ends[r] <= i + 1 || !tl_exit_after(&f->exits[r], &f->e->file, i, f->x + r * d)) continue;
+        const tl_seq* s = f->seqs[r];
+        for (uint32_t u = i + 1; u < s->loops; u++)
+            for (uint32_t j = 0; j < c->n_core_blocks; j++)
+                tl_kv_copy_layer(&f->e->kv_geom, &s->kv, f->pos[r], (uint32_t)(c->n_pre_blocks + i * per + j),
+                                 (uint32_t)(c->n_pre_blocks + u * per + j));
+        f->ends[r] = i + 1;
+        any = true;
+    }
+    if (any) partition_rows(f, i + 1);
+}
 
 /* The layers of the rows (ordered deepest first) from the embedding in x, or from iteration
  * first_iter's input state in x (and the injected terms in inject); x ends as each row's final
- * state. A chunk's `part` (NULL for a batch) may ask for the state after the last iteration
+ * state. A batch's rows with exit rules may end early (take_exits), still deepest first. A
+ * chunk's `part` (NULL for a batch) may ask for the state after the last iteration
  * (state_out), and a prefix build's (loop_states) ends every depth first_iter+1 .. depth-1 on a
  * copy of the state too, writing its coda slots, with loop_states[i] the last row's final state
  * at depth i + 1. */
@@ -427,10 +519,12 @@ static void run_layers(fwd* f, const tl_part* part) {
         for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(f, b, b);
         if (c->injection) begin_injection(f);
     }
+    if (f->exits) begin_exits(f);
     const uint32_t depth = row_depth(f, 0);
-    for (uint32_t i = f->first_iter; i < depth; i++) {
+    for (uint32_t i = f->first_iter; i < row_depth(f, 0); i++) { /* row 0: the deepest going on */
         while (row_depth(f, f->T - 1) <= i) f->T--;
         iteration(f, i);
+        if (f->exits) take_exits(f, i);
         size_t lo = f->T; /* rows [lo, T) end at depth i + 1 */
         while (lo > 0 && row_depth(f, lo - 1) == i + 1) lo--;
         if (states && lo == f->T) { /* a shallower depth of a prefix build */
@@ -443,7 +537,7 @@ static void run_layers(fwd* f, const tl_part* part) {
             memcpy(states + (size_t)i * d, final + (f->T - 1) * d, d * sizeof(float));
         }
         if (part && part->state_out && lo == 0) memcpy(part->state_out, f->x, rows * d * sizeof(float));
-        end_depth(f, f->x, lo, f->T, f->chunk ? f->coda_depth : i + 1);
+        end_rows(f, lo);
     }
     f->T = rows;
     if (states) memcpy(states + (size_t)(depth - 1) * d, f->x + (rows - 1) * d, d * sizeof(float));
@@ -467,7 +561,7 @@ static void head_last(fwd* f, float* logits) {
 tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
                          const tl_part* part, float* last_hidden) {
     fwd f;
-    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, false, part->loop_states != NULL, &s->scratch);
+    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, false, part->loop_states != NULL, false, &s->scratch);
     if (st != TL_OK) return st;
     f.first_iter = part->first_iter;
     f.depth = part->depth;
@@ -496,7 +590,7 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
 tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot, size_t pos0, size_t T,
                               const int8_t* q, const float* a) {
     fwd f;
-    tl_status st = begin(&f, s->engine, linears, T, 1, false, false, &s->scratch); /* no attention: no keys */
+    tl_status st = begin(&f, s->engine, linears, T, 1, false, false, false, &s->scratch); /* no attention: no keys */
     if (st != TL_OK) return st;
     const size_t d = f.c->d_model;
     f.layer = slot;
@@ -514,20 +608,25 @@ tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot
 }
 
 tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                               float* const* logits) {
+                               float* const* logits, const tl_exit* exits, uint32_t* depths) {
     const tl_engine* e = seqs[0]->engine;
     size_t max_keys = 0;
-    for (size_t b = 0; b < B; b++)
+    bool adaptive = false;
+    for (size_t b = 0; b < B; b++) {
         if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
+        adaptive = adaptive || (exits && tl_exit_active(&exits[b], seqs[b]->loops));
+    }
     fwd f;
     const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
-    tl_status st = begin(&f, e, linears, B, max_keys, true, false, &seqs[0]->scratch);
+    tl_status st = begin(&f, e, linears, B, max_keys, true, false, adaptive, &seqs[0]->scratch);
     if (st != TL_OK) return st;
+    f.rules = exits;
     tl_sort_deepest_first(seqs, B, f.order);
     for (size_t r = 0; r < B; r++) {
         f.seqs[r] = seqs[f.order[r]];
         f.pos[r] = f.seqs[r]->n;
         f.tokens[r] = tokens[f.order[r]];
+        f.ends[r] = f.seqs[r]->loops;
     }
     embed(&f);
     run_layers(&f, NULL);
@@ -535,6 +634,7 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
     for (size_t r = 0; r < B; r++) {
         memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
         memcpy(logits[f.order[r]], f.logits + r * V, V * sizeof(float));
+        if (depths) depths[f.order[r]] = f.ends[r];
     }
     return TL_OK;
 }

@@ -21,7 +21,7 @@ tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot
                               const int8_t* q, const float* a);
 /* tl_forward_batch on the CPU. */
 tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                               float* const* logits);
+                               float* const* logits, const tl_exit* exits, uint32_t* depths);
 /* tl_head_logits with the prepared head linear `head`. */
 tl_status tl_cpu_head_logits(const tl_linear* head, const tl_engine* e, const float* x, float* logits);
 

@@ -15,6 +15,7 @@
 #include "base/alloc.h"
 #include "base/errors.h"
 #include "core/engine.h"
+#include "core/exit_rule.h"
 #include "cpu/forward.h"
 
 typedef struct cuda_backend {
@@ -122,8 +123,13 @@ static tl_status cuda_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, s
     return st;
 }
 
+/* Without exit rules (adaptive is false: tl_gen_check refuses them here), every row runs to its
+ * depth. */
 static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                                    float* const* logits) {
+                                    float* const* logits, const tl_exit* exits, uint32_t* depths) {
+    for (size_t r = 0; exits && r < B; r++)
+        if (tl_exit_active(&exits[r], seqs[r]->loops))
+            return tl_fail(TL_ERR_UNSUPPORTED, "adaptive depth (exit_rule) is not on the CUDA backend yet");
     const tl_config* c = tl_engine_config(seqs[0]->engine);
     const size_t d = c->d_model, V = c->vocab_size;
     size_t* order = tl_alloc(B * sizeof *order);
@@ -146,6 +152,7 @@ static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const in
     for (size_t r = 0; st == TL_OK && r < B; r++) {
         memcpy(sorted[r]->last_hidden, hidden + r * d, d * sizeof(float));
         memcpy(logits[order[r]], sorted_logits + r * V, V * sizeof(float));
+        if (depths) depths[order[r]] = sorted[r]->loops;
     }
     tl_free(order);
     tl_free(sorted);
@@ -202,14 +209,16 @@ static int kv_upload(void* ctx, void* device, const void* host, size_t bytes) {
     return tl_cuda_block_upload(ctx, device, host, bytes);
 }
 
-/* No part pass yet: speculative requests decode plainly, and tl_prefix_extend rebuilds a prefix. */
+/* No part pass yet: speculative requests decode plainly, and tl_prefix_extend rebuilds a prefix.
+ * No exit rules yet (adaptive false): requests with one are refused. */
 static const tl_backend_iface cuda_iface = {.forward = cuda_forward,
                                             .forward_batch = cuda_forward_batch,
                                             .head_logits = cuda_head_logits,
                                             .info = cuda_info,
                                             .free = cuda_free,
                                             .forward_part = NULL,
-                                            .kv_from_rows = cuda_kv_from_rows};
+                                            .kv_from_rows = cuda_kv_from_rows,
+                                            .adaptive = false};
 
 tl_status tl_backend_cuda_new(tl_engine* e, int device, tl_backend** out) {
     *out = NULL;
