@@ -24,7 +24,9 @@ included) is printed and held to MIN_AGREEMENT. The logits at the exit step, whe
 agree, meet the int8 floors of tests/fidelity_floors.py.
 
 Then, end to end: generate(exit_rule="gate") samples its first token from the prompt's
-full-depth logits; its first decoded token exits where the teacher-forced judge says for that
+full-depth logits (spec §5.7: prompt tokens run all L passes; the published code reads the last
+prompt position out at its exit step too, a difference docs/models.md notes); its first decoded
+token exits where the teacher-forced judge says for that
 position, with the teacher-forced logits of that depth (later decoded tokens read the last
 available KV of earlier exits, spec §5.7, which the published code, computing every pass, does
 not); depth_stats' mean_loops lies in [1, L].
