@@ -8,11 +8,14 @@ disagrees with them. Each `*_logits` takes a checkpoint's tensors by their Huggi
 and its `config.json` dict and returns float64 logits (n, V) for a token list, attending
 causally over the whole list (no KV cache: one slot per (pass, layer) is what full-sequence
 attention computes anyway); the recurrent ones take `steps`, the depth (default the config's).
-transformers itself stands for the LLaMA family (tests/test_hf_fidelity.py).
+transformers itself stands for the LLaMA family (tests/test_hf_fidelity.py). Ouro's early-exit
+readout (its exit gate's per-step λ, the exit CDF, the exit step for a threshold and its logits)
+is `ouro_exit`, on `ouro_states`, the per-step normed states.
 
 Tiny random checkpoints of these layouts come from tests/hf_folders.py.
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -112,14 +115,15 @@ def _embed_and_head(t):
     return t["model.embed_tokens.weight"], t.get("lm_head.weight", t["model.embed_tokens.weight"])
 
 
-def ouro_logits(t, cfg, tokens):
-    """Sandwich layers (each sublayer's output normed before the residual add); all layers
-    run total_ut_steps times, model.norm after every pass feeding the next; lm_head on the
-    last normed state."""
+def ouro_states(t, cfg, tokens, steps=None):
+    """OuroModel.forward's hidden_states_list: the state after each of `steps` (default
+    total_ut_steps) passes of every layer, each normed by model.norm, the normed state feeding
+    the next pass. Sandwich layers (each sublayer's output normed before the residual add).
+    A list of `steps` (n, d) float64 arrays."""
     eps = cfg["rms_norm_eps"]
-    emb, head = _embed_and_head(t)
-    x = emb[np.asarray(tokens)]
-    for _ in range(cfg["total_ut_steps"]):
+    x = _embed_and_head(t)[0][np.asarray(tokens)]
+    states = []
+    for _ in range(cfg["total_ut_steps"] if steps is None else steps):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
             y = _llama_attention(t, p, rms_norm(x, t[p + "input_layernorm.weight"], eps), cfg)
@@ -127,7 +131,47 @@ def ouro_logits(t, cfg, tokens):
             y = _llama_mlp(t, p, rms_norm(x, t[p + "post_attention_layernorm.weight"], eps))
             x = x + rms_norm(y, t[p + "post_attention_layernorm_2.weight"], eps)
         x = rms_norm(x, t["model.norm.weight"], eps)
-    return x @ head.T
+        states.append(x)
+    return states
+
+
+def ouro_logits(t, cfg, tokens, steps=None):
+    """lm_head on the last pass's normed state (ouro_states): Ouro's readout with no exit
+    step or threshold."""
+    return ouro_states(t, cfg, tokens, steps)[-1] @ _embed_and_head(t)[1].T
+
+
+class OuroExit(NamedTuple):
+    """ouro_exit's readout, per position (n tokens, T steps)."""
+    gates: np.ndarray       # (n, T) λ_t = sigmoid(early_exit_gate(state_t)), every step's
+    cdf: np.ndarray         # (n, T) the exit distribution's CDF; the last step takes the rest
+    exit_step: np.ndarray   # (n,) int, 0-based: the first step whose CDF >= q, else the last
+    logits: np.ndarray      # (n, V) lm_head of the exit step's normed state
+
+
+def ouro_exit(t, cfg, tokens, threshold, steps=None):
+    """OuroForCausalLM.forward's threshold readout (no labels, exit_threshold = `threshold`):
+    every pass runs for every position (ouro_states); each pass's normed state is scored by
+    early_exit_gate, λ_t = sigmoid(score); the pdf is p_t = λ_t r_t with r_0 = 1,
+    r_{t+1} = r_t (1 - λ_t) for t < T-1, and p_{T-1} = r_{T-1} (the last step takes the rest,
+    its own λ unused); the CDF its cumulative sum; the exit step the first t with
+    CDF_t >= threshold, the last step where none reaches it; the logits lm_head of that
+    step's normed state."""
+    states = ouro_states(t, cfg, tokens, steps)
+    w, b = t["model.early_exit_gate.weight"][0], t["model.early_exit_gate.bias"][0]
+    gates = np.stack([1.0 / (1.0 + np.exp(-(x @ w + b))) for x in states], axis=1)
+    pdf, remaining = np.empty_like(gates), np.ones(len(gates))
+    for i in range(gates.shape[1]):
+        if i < gates.shape[1] - 1:
+            pdf[:, i] = gates[:, i] * remaining
+            remaining = remaining * (1.0 - gates[:, i])
+        else:
+            pdf[:, i] = remaining
+    cdf = np.cumsum(pdf, axis=1)
+    reached = cdf >= threshold
+    exit_step = np.where(reached.any(axis=1), np.argmax(reached, axis=1), gates.shape[1] - 1)
+    chosen = np.stack(states, axis=1)[np.arange(len(gates)), exit_step]
+    return OuroExit(gates, cdf, exit_step, chosen @ _embed_and_head(t)[1].T)
 
 
 def nanbeige_loops(cfg):

@@ -9,10 +9,11 @@ Llama, whose code is not in transformers, are held to the float64 references of
 tests/hf_reference.py, which are checked against transformers where their layouts coincide with
 LLaMA's; the retrofitted Llama at two depths.
 
-Floors (issue #15): the per-position cosine of int8 logits with the float forward, evaluated at
-every position of the prompt, averages >= 0.998, and no position falls below 0.99 (a single
-broken position shows); top-1 agreement is measured and must stay >= 0.85. Needs torch and
-transformers (CPU) for the LLaMA family and the safetensors package for every test.
+Floors (issue #15, tests/fidelity_floors.py): the per-position cosine of int8 logits with the
+float forward, evaluated at every position of the prompt, averages >= 0.998, and no position
+falls below 0.99 (a single broken position shows); top-1 agreement is measured and must stay
+>= 0.85. Needs torch and transformers (CPU) for the LLaMA family and the safetensors package for
+every test.
 """
 import numpy as np
 import pytest
@@ -22,35 +23,15 @@ import transformers
 import tinyloop
 from tinyloop.quickbench import backend_kwargs
 
+from fidelity_floors import assert_faithful
 from hf_folders import RETROFIT_LLAMA, checkpoint, write_folder
 from hf_reference import LOGITS, nanbeige_logits, retrofit_llama_logits
 
 
-INT8_MEAN_COSINE = 0.998
-INT8_MIN_COSINE = 0.99
-INT8_MIN_TOP1 = 0.85
 TOKENS = np.random.default_rng(5).integers(0, 96, 60).tolist()     # ids < every vocab here
 SIZES = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_attention_heads=4,
              num_key_value_heads=2, head_dim=12, max_position_embeddings=64, rms_norm_eps=1e-6,
              tie_word_embeddings=False, initializer_range=48 ** -0.5)
-
-
-def cosines(a, b):
-    """Per-position cosine of two (n, V) logit arrays."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return (a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
-
-
-def top1_agreement(a, b):
-    return float(np.mean(np.argmax(a, -1) == np.argmax(b, -1)))
-
-
-def assert_faithful(logits, reference, what):
-    cos, top1 = cosines(logits, reference), top1_agreement(logits, reference)
-    print(f"{what}: min cosine {cos.min():.5f}, mean {cos.mean():.5f}, top-1 {top1:.3f}")
-    assert cos.mean() >= INT8_MEAN_COSINE, (what, cos.mean())
-    assert cos.min() >= INT8_MIN_COSINE, (what, cos.min(), int(cos.argmin()))
-    assert top1 >= INT8_MIN_TOP1, (what, top1)
 
 
 def tinyloop_logits(path, backend, loops=None):
