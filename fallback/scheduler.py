@@ -284,6 +284,7 @@ class Scheduler:
         for pos in range(start + max(fresh, 0), start + T):
             depth = r.exits[pos - r.n_prompt]
             decode_adaptive(e.kernels, e.weights, r.cache, r.input[pos], lambda _: ForcedExit(depth))
+            self.counters["prompt_tokens"] += 1
         if r.cache.length < r.prefill_end:
             return False
         r.cache.release_outside_window()

@@ -239,7 +239,7 @@ def test_a_failed_step_is_retried_exactly(monkeypatch, models_by_backend):
     prompts_ = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
     want = [model.generate(p, max_tokens=6, temperature=0.9, seed=i)[len(p):]
             for i, p in enumerate(prompts_)]
-    calls, real = [], policy.forward_chunk
+    calls, real = [], policy.decode_pass
 
     def failing_once(*args, **kwargs):
         calls.append(1)
@@ -247,7 +247,7 @@ def test_a_failed_step_is_retried_exactly(monkeypatch, models_by_backend):
             raise MemoryError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(policy, "forward_chunk", failing_once)
+    monkeypatch.setattr(policy, "decode_pass", failing_once)
     with tinyloop.Scheduler(model, max_batch=3, step_tokens=3) as s:
         ids = [s.add(p, max_tokens=6, temperature=0.9, seed=i) for i, p in enumerate(prompts_)]
         got, raised = {i: [] for i in ids}, 0

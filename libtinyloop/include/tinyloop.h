@@ -627,10 +627,13 @@ typedef struct tl_sched_stats {
     size_t kv_budget_bytes;    /* tl_sched_params.kv_budget_bytes                              */
     uint64_t drafted_tokens;   /* tokens drafted by speculative rounds (K' each)               */
     uint64_t accepted_tokens;  /* drafted tokens the verifier emitted too (<= drafted_tokens)  */
-    uint64_t decode_passes;    /* tokens run by decode passes (a replay of a preempted request
-                                  with an exit rule is not one; speculative rounds run none)   */
-    uint64_t decode_loops;     /* the core iterations those passes ran (decode_loops /
-                                  decode_passes: the mean depth per decoded token)            */
+    uint64_t decode_passes;    /* tokens sampled from a pass over an emitted token: every
+                                  token of a non-speculative request but its first, as
+                                  tl_depth_stats.tokens counts them for tl_generate          */
+    uint64_t decode_loops;     /* the core iterations those passes ran for that token (the
+                                  depth, for a preempted plain request's recomputation; replays
+                                  are not counted): decode_loops / decode_passes is the mean
+                                  depth per decoded token                                     */
 } tl_sched_stats;
 
 /* Snapshot of the scheduler's counters, filled up to out->size. */

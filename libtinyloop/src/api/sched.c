@@ -65,6 +65,8 @@ typedef struct sched_req {
     size_t round;             /* this step's K', when speculative and decoding (plan_step)     */
     uint32_t* depths;         /* [max_tokens] with an exit rule that can fire: the U of each
                                  emitted token's decode pass (the replays'); NULL without one  */
+    uint32_t pass_depth;      /* the iterations the pass that filled stream.logits ran for its
+                                 last token: a decode's U, or the depth of a prefill           */
     struct sched_req *prev, *next;
 } sched_req;
 
@@ -575,9 +577,8 @@ static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
     tl_status st = tl_gen_decode_rows(s->engine, &s->rows, n);
     if (st != TL_OK) return st;
     for (size_t j = 0; j < n; j++) {
-        const sched_req* r = s->row_reqs[j];
-        s->stats.decode_passes++;
-        s->stats.decode_loops += s->rows.depths[j];
+        sched_req* r = s->row_reqs[j];
+        r->pass_depth = s->rows.depths[j];
         if (r->depths) r->depths[r->stream.seq->n - 1 - r->n_prompt] = s->rows.depths[j];
     }
     memcpy(s->ready + *n_ready, s->row_reqs, n * sizeof *s->ready);
@@ -619,7 +620,10 @@ static tl_status run_chunk(tl_sched* s, sched_req* r, size_t T, size_t* n_ready)
     }
     for (; q->n < end; s->stats.prompt_tokens++)
         if ((st = replay(s, r)) != TL_OK) return st;
-    if (sample) s->ready[(*n_ready)++] = r;
+    if (sample) {
+        r->pass_depth = r->p.loops;
+        s->ready[(*n_ready)++] = r;
+    }
     return TL_OK;
 }
 
@@ -642,6 +646,10 @@ static void sample_ready(tl_sched* s, size_t n_ready, step_events* ev) {
         const tl_finish why = tl_stream_sample(&r->stream, &token) == TL_OK ? r->stream.finish : TL_FINISH_ERROR;
         push_event(ev, r, why == TL_FINISH_ERROR ? -1 : token, why);
         if (why != TL_FINISH_ERROR) s->stats.generated_tokens++;
+        if (why != TL_FINISH_ERROR && r->n_out > 1 && !r->speculative) { /* after a pass over an emitted token */
+            s->stats.decode_passes++;
+            s->stats.decode_loops += r->pass_depth;
+        }
         if (why != TL_FINISH_NONE) finish_request(s, r);
     }
 }
