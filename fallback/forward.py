@@ -256,21 +256,30 @@ def decode_adaptive(kernels, weights, cache, token, start_judge):
     state entering iteration 0 on the host (docs/spec.md §5.7; fallback/exit_rules.py's
     ExitRule.start, or a ForcedExit replaying a recorded exit): the skipped
     iterations' core slots get a copy of the last computed iteration's KV ("last available"),
-    the coda runs in depth L's slots. Advances cache.length; returns (hidden (1, d), U)."""
+    the coda runs in depth L's slots (for the kl and argmax rules, a probe of the coda and the
+    head after each iteration, whose result an exit keeps). Advances cache.length; returns
+    (hidden (1, d), U)."""
     cfg = weights.config
     loops, pos = cache_depth(cfg, cache.n_layers), cache.length
     x, injected = prelude(kernels, weights, cache, np.array([token], np.int32), pos)
     judge = start_judge(kernels.to_host(x)[0])
-    depth = loops
+    depth, hidden = loops, None
     for i in range(loops):
         x = core_iteration(kernels, weights, cache, i, x, injected, pos)
-        if i < loops - 1 and judge.exits(i, kernels.to_host(x)[0]):
-            depth = i + 1
+        if i == loops - 1:
+            break
+        probe = z = None
+        if judge.probes:         # kl, argmax: the logits the token has if it stops here
+            probe = coda(kernels, weights, cache, loops, kernels.copy(x), pos)
+            z = head_logits(kernels, weights, probe)[0]
+        if judge.exits(i, kernels.to_host(x)[0], z):
+            depth, hidden = i + 1, probe
             break
     for i in range(depth, loops):
         for j in range(cfg.n_core_blocks):
             cache.copy_position(cfg.core_slot(depth - 1, j), cfg.core_slot(i, j), pos)
-    hidden = coda(kernels, weights, cache, loops, x, pos)
+    if hidden is None:           # a probe's coda has run on the exit state already
+        hidden = coda(kernels, weights, cache, loops, x, pos)
     cache.length += 1
     return hidden, depth
 

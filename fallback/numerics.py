@@ -13,6 +13,10 @@ EXP2_COEFFS = tuple(np.array([0x3F800000, 0x3F317215, 0x3E75FED5, 0x3D634186,
                               0x3C1E9E34, 0x3AA2B764, 0x39648C8E],
                              dtype=np.uint32).view(np.float32))  # C0 .. C6
 LOG2E = np.array(0x3FB8AA3B, dtype=np.uint32).view(np.float32)[()]
+LOG2_COEFFS = tuple(np.array([0x4038AA3B, 0x3F76384F, 0x3F13BB63, 0x3ED30BB1,
+                              0x3EA4258A, 0x3E864D42, 0x3E6347AB],
+                             dtype=np.uint32).view(np.float32))  # K0 .. K6 (spec §2.8)
+LN2 = np.array(0x3F317218, dtype=np.uint32).view(np.float32)[()]
 Q_TINY = F32(2.0 ** -64)     # rows whose max |x| is below this quantize to zero
 TWO_24 = F32(2.0 ** 24)
 
@@ -29,8 +33,8 @@ def nan_ignoring_max(x, axis=-1, where=True):
 
 
 def quantize_rows(x, qmax=127):
-    """spec §2.2 Q(x, qmax). x: (..., n) float32 -> q: (..., n) int8 (int16 when qmax > 127),
-    s: (...) float32."""
+    """spec §2.2 Q(x, qmax). x: (..., n) float32 -> q: (..., n) int8 (int16 when qmax > 127,
+    int32 when qmax > 32767), s: (...) float32."""
     x = np.asarray(x, dtype=F32)
     qmax = F32(qmax)
     amax = np.fmax.reduce(np.abs(x), axis=-1, initial=F32(0))
@@ -39,7 +43,7 @@ def quantize_rows(x, qmax=127):
     r = qmax / safe_amax
     with np.errstate(invalid="ignore"):        # inf * 0 in a non-finite row: clamp maps it
         q = np.rint(clamp(x * r[..., None], -qmax, qmax)).astype(
-            np.int8 if qmax <= 127 else np.int16)
+            np.int8 if qmax <= 127 else np.int16 if qmax <= 32767 else np.int32)
     q[~live] = 0
     s = np.where(live, amax / qmax, F32(0))
     return q, s
@@ -87,6 +91,24 @@ def exp2s(x):
 def exps(x):
     """spec §2.4: e**x as exp2s(x * LOG2E)."""
     return exp2s(np.asarray(x, dtype=F32) * LOG2E)
+
+
+def i64_to_f32(n):
+    """(f32) n of an exact integer n (|n| < 2^63), rounded once as C's (float)(int64_t) is."""
+    return np.array(n, np.int64).astype(F32)[()]
+
+
+def log2s(n):
+    """spec §2.8: log2 of an integer 1 <= n < 2^63, as f32."""
+    e = int(n).bit_length() - 1
+    f = i64_to_f32(n) * F32(2.0 ** -e)
+    s = (f - F32(1)) / (f + F32(1))
+    w = s * s
+    c = LOG2_COEFFS
+    p = c[6]
+    for coeff in c[5::-1]:
+        p = p * w + coeff
+    return F32(e) + p * s
 
 
 def silu(v):

@@ -14,19 +14,17 @@ from conftest import assert_same_bits, assert_same_generation, backend_given, si
 from strategies import engine_settings, model_shapes, prompts, sampling
 from test_scheduler import need_of, run
 
-# Thresholds of the latent rule from "exits almost never" to "always at min_loops".
-LATENT_THRESHOLDS = [1e-3, 0.05, 0.2, 0.5, 0.9, 1e30]
+# Thresholds of each rule, from "exits almost never" to "exits as soon as it may".
+THRESHOLDS = {"gate": [0.05, 0.3, 0.6, 0.9, 1.0], "latent": [1e-3, 0.05, 0.2, 0.5, 0.9, 1e30],
+              "kl": [1e-4, 1e-2, 0.1, 1.0, 1e30], "argmax": [1, 2, 3]}
 
 
 @st.composite
 def exit_kwargs(draw, config):
     """A rule the model has ("gate" only with an exit gate), a threshold, min_loops, loops."""
     loops = draw(st.integers(1, 5))
-    rules = ["latent", "gate"] if config["exit_gate"] else ["latent"]
-    rule = draw(st.sampled_from(rules))
-    threshold = draw(st.sampled_from([0.05, 0.3, 0.6, 0.9, 1.0] if rule == "gate"
-                                     else LATENT_THRESHOLDS))
-    return dict(loops=loops, exit_rule=rule, exit_threshold=threshold,
+    rule = draw(st.sampled_from([r for r in THRESHOLDS if r != "gate" or config["exit_gate"]]))
+    return dict(loops=loops, exit_rule=rule, exit_threshold=draw(st.sampled_from(THRESHOLDS[rule])),
                 min_loops=draw(st.integers(1, loops)))
 
 
@@ -145,7 +143,9 @@ def test_a_rule_that_cannot_fire_is_plain_decoding(backend, zoo, data):
         prompt = data.draw(prompts(config["vocab_size"], max_size=16), "prompt")
         loops = data.draw(st.integers(1, 4), "loops")
         plain = dict(data.draw(sampling()), loops=loops, max_tokens=data.draw(st.integers(1, 6)))
-        never = [dict(exit_rule="latent", exit_threshold=1e30, min_loops=loops)]
+        never = [dict(exit_rule="latent", exit_threshold=1e30, min_loops=loops),
+                 dict(exit_rule="kl", exit_threshold=1e30, min_loops=loops),
+                 dict(exit_rule="argmax", exit_threshold=loops)]     # needs loops + 1 probes
         if config["exit_gate"]:
             never.append(dict(exit_rule="gate", exit_threshold=1.0))
         want = model.generate(prompt, return_logits=True, **plain)
@@ -183,7 +183,11 @@ def test_skipped_iterations_hold_the_last_computed_kv(models, exit_at):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(exit_rule="deep"), "exit_rule must be one of 'none', 'gate', 'latent'"),
+    (dict(exit_rule="deep"), "exit_rule must be one of 'none', 'gate', 'latent', 'kl', 'argmax'"),
+    (dict(exit_rule="argmax", exit_threshold=2.5),
+     r"exit_threshold of exit_rule 'argmax' must be an integer \(steps\), got 2.5"),
+    (dict(exit_rule="argmax", exit_threshold=0), "exit_threshold < 1"),
+    (dict(exit_rule="kl", exit_threshold=-1.0), "exit_threshold must be finite and > 0"),
     (dict(exit_threshold=0.5), "exit_threshold needs an exit_rule"),
     (dict(min_loops=2), "min_loops needs an exit_rule"),
     (dict(exit_rule="latent", exit_threshold=0.0), "exit_threshold must be finite and > 0"),

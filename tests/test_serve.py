@@ -179,6 +179,26 @@ def test_speculative_completion_equals_plain_generate_and_counts_its_drafts(demo
     assert drafted > 0 and (accepted > 0 or sampling["temperature"] > 0)
 
 
+@pytest.mark.parametrize("rule", [dict(exit_rule="latent", exit_threshold=0.3),
+                                  dict(exit_rule="kl", exit_threshold=0.05, min_loops=2),
+                                  dict(exit_rule="argmax", exit_threshold=1)])
+def test_adaptive_completion_equals_offline_generate_and_counts_its_loops(demo, client, reference,
+                                                                           rule):
+    """exit_rule / exit_threshold / min_loops give the reply offline generate gives with them,
+    and /metrics counts its decode passes and their loops as offline depth_stats does."""
+    before = wait_for(demo, idle)
+    reply = client.completions.create(model=DEMO, prompt=PROMPTS[5], max_tokens=20, seed=7,
+                                      temperature=0.0, extra_body=rule)
+    depths = {}
+    assert reply.choices[0].text == offline(reference, PROMPTS[5], 20, 7, temperature=0.0,
+                                            depth_stats=depths, **rule)[0]
+    after = wait_for(demo, idle)
+    passes, loops = (after[name] - before[name] for name in (
+        "tinyloop_decode_passes_total", "tinyloop_decode_loops_total"))
+    assert (passes, loops) == (depths["tokens"], depths["loops"])
+    assert loops < 6 * passes                      # the rule stopped some tokens early
+
+
 def test_token_id_prompt_and_default_max_tokens(client, reference):
     ids = reference.encode(PROMPTS[1])
     reply = client.completions.create(model=DEMO, prompt=ids, seed=5)
@@ -534,6 +554,14 @@ BAD_COMPLETIONS = [
     (dict(GOOD, draft_loops=1, n_draft=65), 400, "n_draft"),
     (dict(GOOD, draft_loops=1, n_draft=-1), 400, "n_draft"),
     (dict(GOOD, draft_loops=1, n_draft=True), 400, "n_draft"),
+    (dict(GOOD, exit_rule="deep"), 400, "exit_rule"),
+    (dict(GOOD, exit_rule="gate"), 400, "exit_rule"),          # the demo model has no gate
+    (dict(GOOD, exit_rule=3), 400, "exit_rule"),
+    (dict(GOOD, exit_threshold=0.5), 400, "exit_threshold"),   # without exit_rule
+    (dict(GOOD, exit_rule="latent", exit_threshold=0), 400, "exit_threshold"),
+    (dict(GOOD, exit_rule="argmax", exit_threshold=1.5), 400, "exit_threshold"),
+    (dict(GOOD, exit_rule="latent", min_loops=7), 400, "min_loops"),
+    (dict(GOOD, exit_rule="latent", draft_loops=1), 400, "exit_rule"),
     (dict(GOOD, seed=-1), 400, "seed"),
     (dict(GOOD, seed=1 << 64), 400, "seed"),
     (dict(GOOD, n=2), 400, "n"),

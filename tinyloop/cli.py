@@ -28,6 +28,7 @@ from ._version import __version__
 from .backends import BACKENDS, DEVICES, backend_features, backend_info
 from .chat import Chat
 from .config import ModelConfig
+from .engine import EXIT_RULES
 from .bundled import demo_model_path
 from .demo import run_demo
 from .engine import PREFIX_STORAGES
@@ -442,13 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"tokens drafted per round with --draft-loops, 0 = plain decoding "
                           f"(default: {P.DEFAULT_N_DRAFT} with --draft-loops)")
 
-    gen.add_argument("--exit", choices=["gate", "latent"], default=None,
+    gen.add_argument("--exit", choices=[r for r in EXIT_RULES if r != "none"], default=None,
                      help="adaptive depth: each decoded token stops after the first core "
                           "iteration where this rule fires (gate: the model's exit gate; latent: "
-                          "the state's relative change); the mean loops per token go to stderr "
-                          "(default: off, every token runs --loops)")
+                          "the state's relative change; kl: successive output distributions' "
+                          "divergence; argmax: the same top token for N more iterations); the "
+                          "mean loops per token go to stderr (default: off, every token runs "
+                          "--loops)")
     gen.add_argument("--exit-threshold", type=real(0.0, False), default=None,
-                     help="the rule's threshold (default: the model's for gate, 0.03 for latent)")
+                     help="the rule's threshold (default: the model's for gate, 0.03 for "
+                          "latent, 0.001 for kl, 5 for argmax)")
     gen.add_argument("--min-loops", type=integer(1, P.MAX_LOOPS), default=None,
                      help="iterations every decoded token runs at least with --exit (default: 1)")
 

@@ -39,9 +39,12 @@ CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_block
                     "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes",
                     "spilled_blocks", "disk_hit_blocks", "disk_bytes", "disk_budget_bytes")
 # Adaptive depth's exit rules (docs/spec.md §5.7), by tl_exit_rule value.
-EXIT_RULES = ("none", "gate", "latent")
-# The latent rule's default threshold (Huginn's `latent-diff` default).
-LATENT_DEFAULT_THRESHOLD = 0.03
+EXIT_RULES = ("none", "gate", "latent", "kl", "argmax")
+# The default thresholds of the rules that work on any model (Huginn's "auto" values); the gate
+# rule's is the model file's exit_threshold.
+EXIT_DEFAULT_THRESHOLDS = {"latent": 0.03, "kl": 0.001, "argmax": 5}
+# The argmax rule's threshold: a count of steps, an integer in 1 .. MAX_ARGMAX_STEPS.
+MAX_ARGMAX_STEPS = 1024
 # What a prefix keeps at rest (docs/spec.md §5.4.1): its KV, or each layer's input row.
 PREFIX_STORAGES = ("kv", "h8", "h4")
 # The keys of Engine.runtime(), every engine alike (docs/api.md, "Backends").

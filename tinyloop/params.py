@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 # The request types and the stop rule belong to the engine seam; re-exported for callers.
-from .engine import (CACHE_STAT_NAMES, EXIT_RULES, LATENT_DEFAULT_THRESHOLD, NO_CALLBACKS,
+from .engine import (CACHE_STAT_NAMES, EXIT_DEFAULT_THRESHOLDS, EXIT_RULES, MAX_ARGMAX_STEPS,
+                     NO_CALLBACKS,
                      Callbacks, GenerationParams, stop_reached)
 
 if TYPE_CHECKING:
@@ -160,8 +161,8 @@ def check_exit(exit_rule: Any, exit_threshold: Any, min_loops: Any, loops: int, 
     """Adaptive depth's (exit_rule, exit_threshold, min_loops) for a request at depth `loops`
     on a model whose exit gate has `gate_threshold` (None: it has none) (docs/spec.md §5.7):
     exit_rule None or "none" is off (then the other two must be None); the threshold defaults
-    to gate_threshold ("gate") or LATENT_DEFAULT_THRESHOLD ("latent"), min_loops to 1. Returns
-    them resolved, the threshold rounded to f32 as every engine reads it."""
+    to gate_threshold ("gate") or EXIT_DEFAULT_THRESHOLDS (the others), min_loops to 1.
+    Returns them resolved, the threshold rounded to f32 as every engine reads it."""
     rule = "none" if exit_rule is None else exit_rule
     if rule not in EXIT_RULES:
         raise ValueError(f"exit_rule must be one of {', '.join(map(repr, EXIT_RULES))}, "
@@ -176,9 +177,14 @@ def check_exit(exit_rule: Any, exit_threshold: Any, min_loops: Any, loops: int, 
     if rule == "gate" and gate_threshold is None:
         raise ValueError("exit_rule 'gate': the model has no exit gate")
     if exit_threshold is None:
-        threshold = gate_threshold if rule == "gate" else LATENT_DEFAULT_THRESHOLD
+        threshold = gate_threshold if rule == "gate" else EXIT_DEFAULT_THRESHOLDS[rule]
     elif rule == "gate":
         threshold = check_real("exit_threshold", exit_threshold, 0.0, False, 1.0)
+    elif rule == "argmax":          # a count of steps: an integer, also when given as a float
+        if not isinstance(exit_threshold, numbers.Real) or exit_threshold != int(exit_threshold):
+            raise ValueError(f"exit_threshold of exit_rule 'argmax' must be an integer (steps), "
+                             f"got {exit_threshold!r}")
+        threshold = check_int("exit_threshold", int(exit_threshold), 1, MAX_ARGMAX_STEPS)
     else:
         threshold = check_real("exit_threshold", exit_threshold, 0.0, False)
     minimum = 1 if min_loops is None else check_int("min_loops", min_loops, 1)

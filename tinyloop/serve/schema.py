@@ -201,21 +201,23 @@ def _draft(body: Body, loops: int) -> tuple[int, int]:
 
 
 def _exit(body: Body, cfg: Mapping[str, Any], loops: Optional[int], n_draft: int
-          ) -> tuple[str, float, int]:
-    """(exit_rule, exit_threshold, min_loops) of adaptive depth (docs/spec.md §5.7), by
-    tinyloop.params' rules ("none" when absent); an error names the field it is about."""
+          ) -> tuple[Optional[str], Optional[float], Optional[int]]:
+    """(exit_rule, exit_threshold, min_loops) of adaptive depth (docs/spec.md §5.7), checked
+    by tinyloop.params' rules and resolved, or all None when the request has no rule; an
+    error names the field it is about."""
     rule = _field(body, "exit_rule", str)
     threshold = _number(body, "exit_threshold", float, lambda v: v, None)
     min_loops = _number(body, "min_loops", int, lambda v: v, None)
     try:
-        return P.check_exit(rule, threshold, min_loops,
-                            cfg["default_loops"] if loops is None else loops, n_draft,
-                            cfg["exit_threshold"] if cfg["exit_gate"] else None)
+        checked = P.check_exit(rule, threshold, min_loops,
+                               cfg["default_loops"] if loops is None else loops, n_draft,
+                               cfg["exit_threshold"] if cfg["exit_gate"] else None)
     except ValueError as exc:
         message = str(exc)
         field = next((name for name in ("exit_threshold", "min_loops") if message.startswith(name)),
                      "exit_rule")
         raise RequestError(message, field) from None
+    return (None, None, None) if checked[0] == "none" else checked
 
 
 def _check_fields(body: Body, known: set[str]) -> None:
