@@ -31,6 +31,31 @@ def test_exp2s_clamps_and_maps_nan_to_the_lower_bound():
     assert y.tolist() == [2.0 ** -126, 2.0 ** 126, 2.0 ** -126, 2.0 ** -126, 2.0 ** 126]
 
 
+def test_log2_constants_match_the_spec_bits():
+    bits = [0x4038AA3B, 0x3F76384F, 0x3F13BB63, 0x3ED30BB1, 0x3EA4258A, 0x3E864D42, 0x3E6347AB]
+    assert [np.float32(c).view(np.uint32) for c in N.LOG2_COEFFS] == bits
+    assert np.float32(N.LN2).view(np.uint32) == 0x3F317218
+
+
+@given(st.integers(1, (1 << 63) - 1))
+def test_log2s_is_within_its_bound_and_exact_at_powers_of_two(n):
+    """spec §2.8: |log2s(N) - log2 N| < 2^-19, and log2s(2^e) = e exactly (s = 0)."""
+    import math
+    got = N.log2s(n)
+    assert got.dtype == np.float32
+    assert abs(float(got) - math.log2(n)) < 2.0 ** -19
+    e = n.bit_length() - 1
+    assert N.log2s(1 << e) == e
+
+
+def test_i64_to_f32_rounds_once():
+    """(f32) of a 63-bit integer is one rounding, not two through float64: 2^62 + 2^38 + 1 is
+    above the f32 midpoint 2^62 + 2^38, so it rounds up; via float64 it would tie to even."""
+    n = (1 << 62) + (1 << 38) + 1
+    assert N.i64_to_f32(n) == np.float32(2.0 ** 62 + 2.0 ** 39)
+    assert np.float32(float(n)) == np.float32(2.0 ** 62)
+
+
 @given(st.lists(f32s, min_size=1, max_size=64))
 def test_q8_reconstructs_within_half_a_step(values):
     x = np.array(values, np.float32)
