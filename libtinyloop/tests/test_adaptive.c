@@ -1,6 +1,6 @@
 /* test_adaptive.c — adaptive depth (docs/spec.md §5.7) on the CPU. This test links the
- * library's objects: it gives models an exit gate by hand (the loader of this branch reads none)
- * and drives decode passes of one row.
+ * library's objects: it gives models an exit gate by hand (weights it chooses, in a file
+ * written without one) and drives decode passes of one row.
  *
  * Checked:
  *  - validation: an unknown rule, the gate on a model without one, thresholds out of range,
@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/alloc.h"
 #include "core/forward.h"
 #include "core/generate.h"
 #include "test_kv.h"
@@ -125,15 +126,21 @@ static uint32_t t_exit_depth(const tl_file* f, const tl_exit* x, uint32_t L, con
 
 static int8_t gate_w[MAX_D];
 
-/* Give m's file the exit gate (w, s, b) and default threshold q, as the loader of the format
- * branch will. */
+/* Give m's file the exit gate (w, s, b) and default threshold q: a copy of w in the library's
+ * allocator, which the file frees when it closes (as the gate the loader reads). */
 static void set_gate(tl_model* m, const int8_t* w, float s, float b, float q) {
     tl_engine* e = NULL;
     CHECK_OK(tl_model_acquire(m, &e));
     if (!e) return;
+    const size_t d = e->file.cfg.d_model;
+    int8_t* copy = tl_alloc(d);
+    CHECK(copy != NULL, "no memory for the exit gate");
+    if (!copy) return;
+    memcpy(copy, w, d);
+    tl_free((void*)e->file.exit_gate_w);
     e->file.cfg.exit_gate = 1;
     e->file.cfg.exit_threshold = q;
-    e->file.exit_gate_w = w;
+    e->file.exit_gate_w = copy;
     e->file.exit_gate_s = s;
     e->file.exit_gate_b = b;
     tl_engine_unref(e);
