@@ -1,5 +1,5 @@
 /* test_primitives.c — unit tests of the numerics primitives (docs/spec.md §2, §3, §5), each
- * against an independent reference written here: exp2s from the spec's bit patterns, Q8/NQ
+ * against an independent reference written here: exp2s and log2s from the spec's bit patterns, Q8/NQ
  * edge cases, the rint helper, CRC-32, the counter RNG, int4 unpacking, every available
  * matmul path against a naive exact reference, and sampling against a full-sort reference. */
 #include <math.h>
@@ -66,6 +66,65 @@ static void test_exp2(void) {
     /* silu in the spec's order */
     const float v = 0.7f, t = 1.0f + ref_exp2s(-v * TL_LOG2E);
     CHECK(tl_silu(v) == v / t, "silu");
+}
+
+/* ---- log2s ---------------------------------------------------------------------------- */
+
+/* §2.8 with the constants taken from the bit-pattern column: e by a linear scan of the bits,
+ * f by ldexpf. */
+static float ref_log2s(uint64_t N) {
+    static const uint32_t k[7] = {0x4038aa3b, 0x3f76384f, 0x3f13bb63, 0x3ed30bb1,
+                                  0x3ea4258a, 0x3e864d42, 0x3e6347ab};
+    int e = 62;
+    while (!(N >> e)) e--;
+    const float f = ldexpf((float)N, -e);
+    const float s = (f - 1.0f) / (f + 1.0f), w = s * s;
+    float p = from_bits(k[6]);
+    for (int i = 5; i >= 0; i--) {
+        p = p * w;
+        p = p + from_bits(k[i]);
+    }
+    p = p * s;
+    return (float)e + p;
+}
+
+/* Exact bits against the reference; the absolute error against log2 N below 2^-19 where the
+ * result is below 32 (N < 2^32). Above, the last step's rounding alone reaches half an ulp,
+ * 2^-19 in [32, 64), so the bound is 2^-18 there (the spec's "below 2^-19" holds for
+ * N < 2^32 only: log2s(3525049182612) is 2.02e-6 off). */
+static void check_log2s(uint64_t N) {
+    const float got = tl_log2s(N), want = ref_log2s(N);
+    CHECK(tl_f32_to_bits(got) == tl_f32_to_bits(want), "log2s(%llu) = %a, reference %a", (unsigned long long)N,
+          (double)got, (double)want);
+    const double err = (double)fabsl((long double)got - log2l((long double)N));
+    const double bound = N < (1ull << 32) ? 1.0 / 524288.0 : 1.0 / 262144.0;
+    CHECK(err < bound, "log2s(%llu) = %.9g, error %g >= %g", (unsigned long long)N, (double)got, err, bound);
+}
+
+static void test_log2(void) {
+    /* K_k is the f32 nearest 2 / (ln 2 (2k + 1)); LN2 the f32 nearest ln 2 */
+    static const uint32_t k[7] = {0x4038aa3b, 0x3f76384f, 0x3f13bb63, 0x3ed30bb1,
+                                  0x3ea4258a, 0x3e864d42, 0x3e6347ab};
+    for (int i = 0; i < 7; i++) {
+        const float nearest = (float)(2.0L / (0.693147180559945309417232121458176568L * (2 * i + 1)));
+        CHECK(tl_f32_to_bits(nearest) == k[i], "K%d: nearest f32 %08x, spec %08x", i, tl_f32_to_bits(nearest), k[i]);
+    }
+    CHECK(tl_f32_to_bits(TL_LN2) == 0x3f317218 && TL_LN2 == (float)0.693147180559945309417232121458176568L,
+          "LN2 bits %08x", tl_f32_to_bits(TL_LN2));
+    CHECK(tl_log2s(1) == 0.0f && tl_log2s(2) == 1.0f && tl_log2s(1u << 24) == 24.0f, "log2s of powers of two");
+    for (uint64_t N = 1; N <= (1u << 18); N++) check_log2s(N);
+    for (int e = 1; e <= 62; e++) { /* around every power of two, and at 2^e - 1, which rounds up to 2^e */
+        const uint64_t p = 1ull << e;
+        check_log2s(p - 1), check_log2s(p), check_log2s(p + 1), check_log2s(p + p / 3);
+        if (tu_failures > 20) return;
+    }
+    check_log2s(UINT64_MAX >> 1); /* 2^63 - 1: f = 2 */
+    uint64_t rng = 11;
+    for (int i = 0; i < 200000; i++) {
+        const uint64_t N = tu_next(&rng) >> (1 + tu_next(&rng) % 63); /* every magnitude below 2^63 */
+        if (N) check_log2s(N);
+        if (tu_failures > 20) return;
+    }
 }
 
 /* ---- rint, Q8, NQ ---------------------------------------------------------------------- */
@@ -432,6 +491,7 @@ static void test_sampling(void) {
 
 int main(void) {
     test_exp2();
+    test_log2();
     test_rint();
     test_quantize();
     test_rows_avx2();

@@ -77,6 +77,28 @@ static inline TL_HD float tl_exp2s(float x) {
     return p * tl_bits_to_f32((uint32_t)(n + 127) << 23);
 }
 
+#define TL_LN2 0.6931471824645996f /* 0x3f317218: §2.8 */
+
+/* §2.8 log2s(N) for an integer 1 <= N < 2^63: e = N's highest set bit, f = (f32) N * 2^-e in
+ * [1, 2], s = (f - 1) / (f + 1), an odd series in s by Horner in w = s * s, then e + p. */
+static inline TL_HD float tl_log2s(uint64_t N) {
+    int e = 0;
+    for (int k = 32; k > 0; k /= 2)
+        if (N >> (e + k)) e += k;
+    const float f = (float)N * tl_bits_to_f32((uint32_t)(127 - e) << 23); /* 2^-e: exact */
+    const float s = (f - 1.0f) / (f + 1.0f);
+    const float w = s * s;
+    float p = 0.22195307910442352f;       /* K6 0x3e6347ab */
+    p = p * w + 0.26230818033218384f;     /* K5 0x3e864d42 */
+    p = p * w + 0.32059890031814575f;     /* K4 0x3ea4258a */
+    p = p * w + 0.41219857335090637f;     /* K3 0x3ed30bb1 */
+    p = p * w + 0.5770780444145203f;      /* K2 0x3f13bb63 */
+    p = p * w + 0.9617967009544373f;      /* K1 0x3f76384f */
+    p = p * w + 2.885390043258667f;       /* K0 0x4038aa3b */
+    p = p * s;
+    return (float)e + p;
+}
+
 /* §2.4 exps(x) = exp2s(x * LOG2E). */
 static inline TL_HD float tl_exps(float x) { return tl_exp2s(x * TL_LOG2E); }
 
