@@ -420,13 +420,20 @@ typedef struct tl_draft_stats {
  * the first core iteration where its exit rule fires, at U = 1 .. loops iterations; the tokens
  * it skips read its last computed iteration's keys and values. TL_EXIT_GATE is Ouro's learned
  * exit gate (the model file must have one), TL_EXIT_LATENT Huginn's relative change of the
- * state between iterations. Every backend decides the same exit, so the output is bit-identical
+ * state between iterations; TL_EXIT_KL and TL_EXIT_ARGMAX (Huginn's kl and argmax-stability)
+ * read the logits the token would have if it stopped: after each iteration but the last they
+ * run the coda and the head on a copy of the state (a probe), and a token that exits keeps its
+ * last probe's logits. Every backend decides the same exit, so the output is bit-identical
  * everywhere; it differs from plain decoding's (which is TL_EXIT_NONE) only where a token
  * exits early. */
 typedef enum tl_exit_rule {
     TL_EXIT_NONE = 0,   /* every decoded token runs all loops                                */
     TL_EXIT_GATE = 1,   /* exit once the gate's exit probability (CDF) reaches the threshold */
-    TL_EXIT_LATENT = 2  /* exit once |x_i - x_{i-1}| / |x_i| falls below the threshold        */
+    TL_EXIT_LATENT = 2, /* exit once |x_i - x_{i-1}| / |x_i| falls below the threshold        */
+    TL_EXIT_KL = 3,     /* exit once KL(P_{i-1} || P_i) of the probes falls below the threshold
+                           (from iteration 1 on)                                             */
+    TL_EXIT_ARGMAX = 4  /* exit once the probes' argmax has stayed the same for `threshold`
+                           more iterations                                                   */
 } tl_exit_rule;
 
 /* A request's decode passes so far and the core iterations they ran (loops / tokens is its
@@ -467,8 +474,9 @@ typedef struct tl_gen_params {
     uint32_t exit_rule;          /* a tl_exit_rule; not with n_draft > 0; TL_EXIT_GATE needs a
                                     model with an exit gate; not on the CUDA backend yet      */
     float exit_threshold;        /* the rule's threshold q; 0 = the rule's default: for the gate
-                                    the model file's exit_threshold, for latent 0.03. Gate: in
-                                    (0, 1] (1 never exits); latent: finite and > 0          */
+                                    the model file's exit_threshold, for latent 0.03, kl 0.001,
+                                    argmax 5. Gate: in (0, 1] (1 never exits); latent and kl:
+                                    finite and > 0; argmax: an integer in 1 .. 1024 (steps) */
     uint32_t min_loops;          /* iterations every decoded token runs at least; 0 = 1; else
                                     1 .. loops (loops: never exits)                          */
     tl_depth_stats* depth_stats; /* NULL, or zeroed after validation and updated after every

@@ -30,7 +30,7 @@
 #include "test_kv.h"
 #include "test_util.h"
 
-enum { MAX_D = 64, MAX_L = 6, PROMPT = 7, DECODES = 10, NREQ = 8, MAX_NEW = 12, EVENTS = 64 };
+enum { MAX_D = 64, MAX_L = 6, PROMPT = 7, DECODES = 10, NREQ = 10, MAX_NEW = 12, EVENTS = 64 };
 
 static int32_t prompt[PROMPT];
 
@@ -42,8 +42,7 @@ static float f32(uint32_t bits) {
     return f;
 }
 
-static float t_exps(float v) {
-    float x = v * f32(0x3fb8aa3b);
+static float t_exp2s(float x) {
     x = x >= -126.0f ? x : -126.0f;
     x = x <= 126.0f ? x : 126.0f;
     const float n = floorf(x), f = x - n;
@@ -55,6 +54,20 @@ static float t_exps(float v) {
     p = p * f + f32(0x3f317215);
     p = p * f + 1.0f;
     return ldexpf(p, (int)n);
+}
+
+static float t_exps(float v) { return t_exp2s(v * f32(0x3fb8aa3b)); }
+
+/* §2.8 log2s(N), 1 <= N < 2^63. */
+static float t_log2s(uint64_t N) {
+    int e = 0;
+    while (N >> (e + 1)) e++;
+    const float f = ldexpf((float)N, -e), s = (f - 1.0f) / (f + 1.0f), w = s * s;
+    static const uint32_t k[7] = {0x4038aa3b, 0x3f76384f, 0x3f13bb63, 0x3ed30bb1, 0x3ea4258a, 0x3e864d42, 0x3e6347ab};
+    float p = f32(k[6]);
+    for (int j = 5; j >= 0; j--) p = p * w + f32(k[j]);
+    p = p * s;
+    return (float)e + p;
 }
 
 /* (q, s) = Q(x[n], qmax) (§2.2); returns s. */
@@ -81,12 +94,68 @@ static int64_t t_squares(const int64_t* q, size_t n) {
     return ss;
 }
 
+/* The kl rule's M = max z (NaN-ignoring, from -inf), W_j = rint(exp2s((z_j - M) LOG2E) 2^24)
+ * and S = Σ W_j of logits z[V]; returns S. */
+static int64_t t_weights(const float* z, size_t V, float* M, int64_t* W) {
+    *M = -INFINITY;
+    for (size_t j = 0; j < V; j++) *M = fmaxf(*M, z[j]);
+    int64_t S = 0;
+    for (size_t j = 0; j < V; j++) S += W[j] = (int64_t)rintf(t_exp2s((z[j] - *M) * f32(0x3fb8aa3b)) * 16777216.0f);
+    return S;
+}
+
+static int t_finite(const float* z, size_t V) {
+    for (size_t j = 0; j < V; j++)
+        if (!isfinite(z[j])) return 0;
+    return 1;
+}
+
+/* KL(P' || P) of §5.7 for finite logits zp (the previous iteration's) and z. */
+static float t_kl(const float* zp, const float* z, size_t V) {
+    int64_t* Wp = malloc(V * sizeof *Wp);
+    int64_t* W = malloc(V * sizeof *W);
+    int64_t* qd = malloc(V * sizeof *qd);
+    float* delta = malloc(V * sizeof *delta);
+    float Mp, M;
+    const int64_t Sp = t_weights(zp, V, &Mp, Wp), S = t_weights(z, V, &M, W);
+    for (size_t j = 0; j < V; j++) delta[j] = zp[j] - z[j];
+    const float sd = t_quantize(delta, V, 524287.0f, qd);
+    int64_t dot = 0;
+    for (size_t j = 0; j < V; j++) dot += Wp[j] * qd[j];
+    const float A = (((float)dot) / (float)Sp) * sd;
+    const float k = A - (Mp - M);
+    float l = t_log2s((uint64_t)S) - t_log2s((uint64_t)Sp);
+    l = l * f32(0x3f317218);
+    free(Wp), free(W), free(qd), free(delta);
+    /* the formula against KL(P' || P) in double: it approximates the divergence closely */
+    double mp = -INFINITY, mm = -INFINITY, sp = 0, sm = 0, exact = 0;
+    for (size_t j = 0; j < V; j++) mp = fmax(mp, zp[j]), mm = fmax(mm, z[j]);
+    for (size_t j = 0; j < V; j++) sp += exp(zp[j] - mp), sm += exp(z[j] - mm);
+    for (size_t j = 0; j < V; j++) {
+        const double lp = zp[j] - mp - log(sp), lq = z[j] - mm - log(sm);
+        exact += exp(lp) * (lp - lq);
+    }
+    CHECK(fabs((double)(k + l) - exact) < 1e-4 + 1e-5 * exact, "kl %.9g, in double %.9g", (double)(k + l), exact);
+    return k + l;
+}
+
+/* The smallest index of the largest logit (NaN never the largest; all NaN: -1). */
+static int32_t t_argmax(const float* z, size_t V) {
+    int32_t a = -1;
+    for (size_t j = 0; j < V; j++)
+        if (!isnan(z[j]) && (a < 0 || z[j] > z[a])) a = (int32_t)j;
+    return a;
+}
+
 /* The exit iteration count U of a token at depth L whose state entering iteration 0 is xm1 and
- * after iteration i is xs[i] (i <= L-2). */
-static uint32_t t_exit_depth(const tl_file* f, const tl_exit* x, uint32_t L, const float* xm1, const float* xs) {
-    const size_t d = f->cfg.d_model;
+ * after iteration i is xs[i], with the logits of exiting there zs[i] (i <= L-2). */
+static uint32_t t_exit_depth(const tl_file* f, const tl_exit* x, uint32_t L, const float* xm1, const float* xs,
+                             const float* zs) {
+    const size_t d = f->cfg.d_model, V = f->cfg.vocab_size;
     int64_t q[MAX_D];
     float c = 0.0f, r = 1.0f, prev[MAX_D], delta[MAX_D];
+    int32_t arg = -1;
+    uint32_t count = 0;
     if (x->rule == TL_EXIT_NONE || (x->rule == TL_EXIT_GATE && x->q == 1.0f)) return L;
     memcpy(prev, xm1, d * sizeof(float));
     for (uint32_t i = 0; i + 1 < L; i++) {
@@ -116,6 +185,14 @@ static uint32_t t_exit_depth(const tl_file* f, const tl_exit* x, uint32_t L, con
             const float rho = (sqrtf((float)nd) * sd) / (sqrtf((float)nx) * sx);
             hit = nx > 0 && rho < x->q;
             memcpy(prev, xi, d * sizeof(float));
+        } else if (x->rule == TL_EXIT_KL) {
+            const float* z = zs + i * V;
+            hit = i >= 1 && t_finite(z - V, V) && t_finite(z, V) && t_kl(z - V, z, V) < x->q;
+        } else if (x->rule == TL_EXIT_ARGMAX) {
+            const int32_t ai = t_argmax(zs + i * V, V);
+            count = i > 0 && ai == arg ? count + 1 : 0;
+            arg = ai;
+            hit = (float)count >= x->q;
         }
         if (i + 1 >= x->min_loops && hit) return i + 1;
     }
@@ -173,8 +250,12 @@ static void check_refused(tl_model* m, const tl_gen_params* gp, tl_status want, 
 static void check_validation(tl_model* plain, tl_model* gated) {
     tl_gen_params gp = tl_gen_params_default();
     gp.max_tokens = 3, gp.loops = 3;
-    gp.exit_rule = 3;
-    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, "unknown exit_rule 3 (0 none, 1 gate, 2 latent)");
+#define UNKNOWN_RULE "unknown exit_rule 5 (0 none, 1 gate, 2 latent, 3 kl, 4 argmax)"
+    gp.exit_rule = 5;
+    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, UNKNOWN_RULE);
+    gp.exit_rule = TL_EXIT_FORCED; /* internal only */
+    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT,
+                  "unknown exit_rule 255 (0 none, 1 gate, 2 latent, 3 kl, 4 argmax)");
     gp.exit_rule = TL_EXIT_GATE;
     check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, "exit_rule gate: the model has no exit gate");
 #define GATE_Q "exit_threshold must be in (0, 1] for exit_rule gate, got "
@@ -191,19 +272,55 @@ static void check_validation(tl_model* plain, tl_model* gated) {
     check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, LATENT_Q "inf");
     gp.exit_threshold = -1.0f;
     check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, LATENT_Q "-1");
+#define KL_Q "exit_threshold must be finite and > 0 for exit_rule kl, got "
+#define ARGMAX_Q "exit_threshold must be an integer in 1 .. 1024 for exit_rule argmax, got "
+    gp.exit_rule = TL_EXIT_KL;
+    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, KL_Q "-1");
+    gp.exit_threshold = NAN;
+    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, KL_Q "nan");
+    gp.exit_threshold = -INFINITY;
+    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, KL_Q "-inf");
+    gp.exit_rule = TL_EXIT_ARGMAX;
+    static const struct {
+        float q;
+        const char* got;
+    } bad_steps[] = {{2.5f, "2.5"}, {0.5f, "0.5"}, {1025.0f, "1025"}, {-3.0f, "-3"}, {1e30f, "1.00000002e+30"},
+                     {INFINITY, "inf"}, {NAN, "nan"}, {1.0f + 0x1p-23f, "1.00000012"}, {0x1p-149f, "1.40129846e-45"}};
+    char want[160];
+    for (size_t i = 0; i < sizeof bad_steps / sizeof *bad_steps; i++) {
+        gp.exit_threshold = bad_steps[i].q;
+        snprintf(want, sizeof want, ARGMAX_Q "%s", bad_steps[i].got);
+        check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, want);
+    }
     gp.exit_threshold = 0.0f;
     gp.min_loops = 4;
     check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, "min_loops must be in 1 .. loops (loops=3), got 4");
     gp.exit_rule = TL_EXIT_NONE; /* min_loops is checked with any rule */
     check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, "min_loops must be in 1 .. loops (loops=3), got 4");
-    gp.exit_rule = TL_EXIT_LATENT, gp.min_loops = 3, gp.n_draft = 2, gp.draft_loops = 1;
-    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT,
-                  "an exit_rule (adaptive depth) cannot be combined with self-speculative decoding (n_draft > 0)");
+    gp.min_loops = 3, gp.n_draft = 2, gp.draft_loops = 1;
+    for (uint32_t rule = TL_EXIT_GATE; rule <= TL_EXIT_ARGMAX; rule++) {
+        gp.exit_rule = rule;
+        check_refused(gated, &gp, TL_ERR_INVALID_ARGUMENT,
+                      "an exit_rule (adaptive depth) cannot be combined with self-speculative decoding (n_draft > 0)");
+    }
+    /* the thresholds' edges and defaults are accepted */
+    static const struct {
+        uint32_t rule;
+        float q;
+    } good[] = {{TL_EXIT_ARGMAX, 1.0f}, {TL_EXIT_ARGMAX, 1024.0f}, {TL_EXIT_ARGMAX, 0.0f}, {TL_EXIT_KL, 0.0f},
+                {TL_EXIT_KL, 0x1p-149f}, {TL_EXIT_KL, 3e38f}};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        tl_gen_params g = tu_gen_params(2, 3, 0, 0, 1);
+        g.exit_rule = good[i].rule, g.exit_threshold = good[i].q;
+        int32_t toks[2];
+        size_t n = 0;
+        CHECK_OK(tl_generate(plain, prompt, PROMPT, &g, toks, &n, NULL));
+    }
 
     /* a valid request zeroes depth_stats; a refused one leaves it */
     tl_depth_stats stats = {7, 7};
-    gp.n_draft = 0, gp.min_loops = 0, gp.exit_rule = 3, gp.depth_stats = &stats;
-    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, "unknown exit_rule 3 (0 none, 1 gate, 2 latent)");
+    gp.n_draft = 0, gp.min_loops = 0, gp.exit_rule = 5, gp.depth_stats = &stats;
+    check_refused(plain, &gp, TL_ERR_INVALID_ARGUMENT, UNKNOWN_RULE);
     CHECK(stats.tokens == 7 && stats.loops == 7, "a refused request touched depth_stats");
     gp.exit_rule = TL_EXIT_LATENT, gp.max_tokens = 1;
     int32_t out[4];
@@ -272,6 +389,58 @@ static void check_gate_exact(const char* path) {
     tl_model_free(m);
 }
 
+/* ---- kl and argmax where the exit is known ------------------------------------------------- */
+
+/* A model of spec whose head's row scales are all zero: every probe's logits are zeros, so the
+ * argmax is 0 after every iteration (c_i = i) and KL = 0 exactly, whatever the state. */
+static tl_model* open_zero_head(const char* name, tu_spec spec) {
+    size_t n = 0;
+    uint8_t* bytes = tu_model_bytes(&spec, &n);
+    const uint32_t count = tu_get_u32(bytes + 28);
+    const uint64_t table = tu_get_u64(bytes + 32);
+    int found = 0;
+    for (uint32_t t = 0; t < count; t++) {
+        const uint8_t* entry = bytes + table + 96 * (uint64_t)t;
+        if (strcmp((const char*)entry, "head.s") != 0) continue;
+        CHECK(tu_get_u32(entry + 48) == 1 && tu_get_u32(entry + 52) == 1, "head.s is not f32 [V]");
+        memset(bytes + tu_get_u64(entry + 88), 0, tu_get_u64(entry + 56) * sizeof(float));
+        found = 1;
+    }
+    CHECK(found, "%s has no head.s", name);
+    tu_fix_checksum(bytes, n);
+    const char* path = tu_write_file(name, bytes, n);
+    free(bytes);
+    return open_model(path, 2, TL_ISA_AUTO, TL_KV_INT8, 0);
+}
+
+/* Whether a greedy tl_generate of 5 tokens under rule/q/m at depth L runs U iterations per
+ * decoded token. */
+static void check_depth(tl_model* m, const char* what, uint32_t L, uint32_t rule, float q, uint32_t mm, uint32_t U) {
+    const tl_depth_stats st = depth_of(m, L, rule, q, mm, 5);
+    CHECK(st.loops == st.tokens * U && st.tokens == 4, "%s, rule %u q %g, L %u, m %u: %llu loops in %llu passes, "
+          "want U = %u", what, rule, (double)q, L, mm, (unsigned long long)st.loops, (unsigned long long)st.tokens, U);
+}
+
+/* argmax exits after iteration max(q, m - 1) and kl after max(1, m - 1) where that is <= L - 2,
+ * on a head of zeros; kl at q = 1e30 does on any model (KL is finite there). */
+static void check_known_exits(const char* path, tu_spec spec) {
+    tl_model* zero = open_zero_head("adaptive-zero-head.tinyloop", spec);
+    tl_model* m = open_model(path, 2, TL_ISA_AUTO, TL_KV_INT8, 0);
+    for (uint32_t L = 1; L <= MAX_L; L++)
+        for (uint32_t mm = 1; mm <= L; mm++) {
+            const uint32_t kl_at = mm - 1 > 1 ? mm - 1 : 1, kl_U = kl_at + 2 <= L ? kl_at + 1 : L;
+            check_depth(zero, "zero head", L, TL_EXIT_KL, 0x1p-149f, mm, kl_U);
+            check_depth(zero, "zero head", L, TL_EXIT_KL, 1e-3f, mm, kl_U);
+            check_depth(m, "random head", L, TL_EXIT_KL, 1e30f, mm, kl_U);
+            for (uint32_t q = 1; q <= 4; q++) {
+                const uint32_t at = q > mm - 1 ? q : mm - 1;
+                check_depth(zero, "zero head", L, TL_EXIT_ARGMAX, (float)q, mm, at + 2 <= L ? at + 1 : L);
+            }
+        }
+    tl_model_free(zero);
+    tl_model_free(m);
+}
+
 /* ---- the reference composition --------------------------------------------------------------- */
 
 /* This test's copy of position pos's rows of slot `from` into slot `to`. */
@@ -322,6 +491,7 @@ static void check_reference(tl_model* m, uint32_t L, tl_exit x, const char* what
     float* la = malloc(V * sizeof(float));
     float* lb = malloc(V * sizeof(float));
     float xs[MAX_L * MAX_D], xm1[MAX_D] = {0};
+    float* zs = malloc(MAX_L * V * sizeof(float));
     CHECK_OK(tl_seq_prefill(a, prompt, PROMPT, 3, la));
     CHECK_OK(tl_seq_prefill(b, prompt, PROMPT, 0, lb));
     for (int k = 0; k < DECODES; k++) {
@@ -333,11 +503,11 @@ static void check_reference(tl_model* m, uint32_t L, tl_exit x, const char* what
         const size_t pos = b->n;
         CHECK_OK(tl_kv_reserve(&b->kv, &e->kv_geom, b->n_layers, pos, 1));
         for (uint32_t i = 0; i + 1 < L; i++) {
-            const tl_part part = {.depth = i + 1, .coda_depth = L, .state_out = xs + i * d};
+            const tl_part part = {.depth = i + 1, .coda_depth = L, .state_out = xs + i * d, .logits_last = zs + i * V};
             CHECK_OK(tl_forward_part(b, &token, 1, pos, &part));
         }
         const int known = state_before(f, token, xm1) || x.rule != TL_EXIT_LATENT;
-        const uint32_t want = known ? t_exit_depth(f, &x, L, xm1, xs) : U;
+        const uint32_t want = known ? t_exit_depth(f, &x, L, xm1, xs, zs) : U;
         const tl_part part = {.depth = want, .coda_depth = L, .logits_last = lb};
         CHECK_OK(tl_forward_part(b, &token, 1, pos, &part));
         for (uint32_t u = want; u < L; u++)
@@ -349,34 +519,44 @@ static void check_reference(tl_model* m, uint32_t L, tl_exit x, const char* what
               x.min_loops, k, U, want);
         CHECK(tu_same_bits(la, lb, V), "%s: L %u rule %u q %g m %u, token %d (U %u): logits differ", what, L, x.rule,
               (double)x.q, x.min_loops, k, U);
-        if (U < L) early[x.rule][U]++;
+        CHECK_OK(tl_seq_last_logits(a, lb)); /* the final state kept is the one the logits came from */
+        CHECK(tu_same_bits(la, lb, V), "%s: L %u rule %u q %g m %u, token %d (U %u): last logits differ", what, L,
+              x.rule, (double)x.q, x.min_loops, k, U);
+        if (U < L && x.rule <= TL_EXIT_ARGMAX) early[x.rule][U]++;
     }
     CHECK(tu_same_seq_kv(a, b, 0, a->n, 0), "%s: L %u rule %u q %g m %u: KV differs", what, L, x.rule, (double)x.q,
           x.min_loops);
     free(la);
     free(lb);
+    free(zs);
     tl_seq_free(a);
     tl_seq_free(b);
     tl_engine_unref(e);
 }
 
-/* References over depths, min_loops, rules and thresholds; the gate and the latent rule must
- * each exit early at two depths or more. */
+/* References over depths, min_loops, rules and thresholds; every rule must exit early at two
+ * depths or more. */
 static void check_references(tl_model* m, const char* what) {
-    uint32_t early[TL_EXIT_FORCED + 1][MAX_L] = {{0}};
+    uint32_t early[TL_EXIT_ARGMAX + 1][MAX_L] = {{0}};
     static const float latent_q[] = {0.25f, 0.5f, 0.75f, 1.0f, 1.5f, 1e30f};
     static const float gate_q[] = {0.3f, 0.6f, 0.9f, 0.99f, 1.0f};
+    static const float kl_q[] = {1e-4f, 1e-2f, 0.1f, 1.0f, 1e30f};
+    static const float argmax_q[] = {1.0f, 2.0f, 3.0f, 1024.0f};
     for (uint32_t L = 1; L <= MAX_L; L += 1 + (L > 2)) {
         for (uint32_t mm = 1; mm <= L; mm += 1 + (mm > 1)) {
             for (size_t i = 0; i < sizeof latent_q / sizeof *latent_q; i++)
                 check_reference(m, L, (tl_exit){TL_EXIT_LATENT, latent_q[i], mm}, what, early);
             for (size_t i = 0; i < sizeof gate_q / sizeof *gate_q; i++)
                 check_reference(m, L, (tl_exit){TL_EXIT_GATE, gate_q[i], mm}, what, early);
+            for (size_t i = 0; i < sizeof kl_q / sizeof *kl_q; i++)
+                check_reference(m, L, (tl_exit){TL_EXIT_KL, kl_q[i], mm}, what, early);
+            for (size_t i = 0; i < sizeof argmax_q / sizeof *argmax_q; i++)
+                check_reference(m, L, (tl_exit){TL_EXIT_ARGMAX, argmax_q[i], mm}, what, early);
             check_reference(m, L, (tl_exit){TL_EXIT_FORCED, 0.0f, mm}, what, early);
         }
         check_reference(m, L, (tl_exit){TL_EXIT_NONE, 0.0f, 1}, what, early);
     }
-    for (uint32_t rule = TL_EXIT_GATE; rule <= TL_EXIT_LATENT; rule++) {
+    for (uint32_t rule = TL_EXIT_GATE; rule <= TL_EXIT_ARGMAX; rule++) {
         int depths = 0;
         for (uint32_t U = 1; U < MAX_L; U++) depths += early[rule][U] > 0;
         CHECK(depths >= 2, "%s: rule %u exits early at %d depths (1 .. 4: %u %u %u %u)", what, rule, depths,
@@ -396,9 +576,12 @@ typedef struct request {
 
 static request reqs[NREQ];
 
-/* Requests of seed: a gate, latent and plain mix at depths 1 .. 5 with min_loops, windows,
- * sampling and one speculative request; `short_prompts` makes them decode-heavy. */
+/* Requests of seed: a mix of every rule and plain decoding at depths 1 .. 5 with min_loops,
+ * windows, sampling and one speculative request (5); `short_prompts` makes them decode-heavy. */
 static void make_requests(uint64_t seed, uint32_t V, int short_prompts) {
+    static const uint32_t rules[NREQ] = {TL_EXIT_GATE, TL_EXIT_LATENT, TL_EXIT_NONE, TL_EXIT_KL, TL_EXIT_ARGMAX,
+                                         TL_EXIT_NONE, TL_EXIT_KL, TL_EXIT_ARGMAX, TL_EXIT_GATE, TL_EXIT_LATENT};
+    static const float kl_q[] = {1e-3f, 1e-2f, 0.1f, 1.0f, 1e30f};
     uint64_t rng = seed;
     for (int i = 0; i < NREQ; i++) {
         request* r = &reqs[i];
@@ -407,14 +590,16 @@ static void make_requests(uint64_t seed, uint32_t V, int short_prompts) {
         tl_gen_params* p = &r->p;
         *p = tu_gen_params((size_t)tu_uniform(&rng, short_prompts ? MAX_NEW - 2 : 2, MAX_NEW),
                            (uint32_t)tu_uniform(&rng, 1, 5), i == 3 ? 5 : 0, i % 2, tu_next(&rng));
-        p->exit_rule = i % 3 == 0 ? TL_EXIT_GATE : i % 3 == 1 ? TL_EXIT_LATENT : TL_EXIT_NONE;
+        p->exit_rule = rules[i];
         if (p->exit_rule == TL_EXIT_GATE) p->exit_threshold = (float)tu_uniform(&rng, 0, 9) / 10.0f;
         if (p->exit_rule == TL_EXIT_LATENT) p->exit_threshold = (float)tu_uniform(&rng, 0, 6) / 4.0f;
+        if (p->exit_rule == TL_EXIT_KL) p->exit_threshold = kl_q[tu_uniform(&rng, 0, 4)];
+        if (p->exit_rule == TL_EXIT_ARGMAX) p->exit_threshold = (float)tu_uniform(&rng, 1, 3);
         if (p->exit_rule != TL_EXIT_NONE) p->min_loops = (uint32_t)tu_uniform(&rng, 0, (int32_t)p->loops);
-        if (short_prompts && p->exit_rule != TL_EXIT_NONE) { /* every decoded token exits early */
-            p->loops = (uint32_t)tu_uniform(&rng, 2, 5);
+        if (short_prompts && p->exit_rule != TL_EXIT_NONE) { /* most decoded tokens exit early */
+            p->loops = (uint32_t)tu_uniform(&rng, p->exit_rule == TL_EXIT_KL ? 3 : 2, 5);
             p->min_loops = (uint32_t)tu_uniform(&rng, 1, (int32_t)p->loops - 1);
-            p->exit_threshold = p->exit_rule == TL_EXIT_GATE ? 0.01f : 1e30f;
+            p->exit_threshold = p->exit_rule == TL_EXIT_GATE ? 0.01f : p->exit_rule == TL_EXIT_ARGMAX ? 1.0f : 1e30f;
         }
         if (i == 5) {
             p->loops = 3, p->n_draft = 2, p->draft_loops = 1;
@@ -436,6 +621,18 @@ static void generate_alone(tl_model* m, uint32_t V) {
         CHECK(r->depth.loops <= r->depth.tokens * p.loops && r->depth.loops >= r->depth.tokens * least,
               "request %d: %llu loops in %llu passes", i, (unsigned long long)r->depth.loops,
               (unsigned long long)r->depth.tokens);
+    }
+}
+
+/* Whether a request under each rule ran a decoded token short of its depth (the decode-heavy
+ * requests must, so that the paths below see exits of every rule). */
+static void check_exits_seen(const char* what) {
+    for (uint32_t rule = TL_EXIT_GATE; rule <= TL_EXIT_ARGMAX; rule++) {
+        int seen = 0;
+        for (int i = 0; i < NREQ; i++)
+            seen = seen || (reqs[i].p.exit_rule == rule &&
+                            reqs[i].depth.loops < reqs[i].depth.tokens * reqs[i].p.loops);
+        CHECK(seen, "%s: no request under rule %u exits early", what, rule);
     }
 }
 
@@ -548,12 +745,19 @@ static void check_cannot_exit(tl_model* m, uint32_t V) {
     for (uint32_t L = 1; L <= 4; L++) {
         tl_gen_params plain = tu_gen_params(8, L, 0, (int)L % 2, L);
         tu_result want = tu_generate(m, prompt, PROMPT, &plain, V);
-        tl_gen_params cases[4] = {plain, plain, plain, plain};
+        tl_gen_params cases[8] = {plain, plain, plain, plain, plain, plain, plain, plain};
         cases[0].exit_rule = TL_EXIT_LATENT, cases[0].exit_threshold = 1e30f, cases[0].min_loops = L;
         cases[1].exit_rule = TL_EXIT_GATE, cases[1].exit_threshold = 1.0f;
         cases[2].exit_rule = TL_EXIT_GATE, cases[2].exit_threshold = 1e-6f, cases[2].min_loops = L;
         cases[3].exit_threshold = 1e-6f, cases[3].min_loops = 1; /* no rule: the threshold is ignored */
-        for (int i = 0; i < 4; i++) {
+        cases[4].exit_rule = TL_EXIT_KL, cases[4].exit_threshold = 1e30f, cases[4].min_loops = L;
+        cases[5].exit_rule = TL_EXIT_ARGMAX, cases[5].exit_threshold = 1.0f, cases[5].min_loops = L;
+        cases[6].exit_rule = TL_EXIT_ARGMAX, cases[6].exit_threshold = 1024.0f; /* c_i <= i < 1024 */
+        if (L <= 2) /* kl first decides after iteration 1, which needs L >= 3 */
+            cases[7].exit_rule = TL_EXIT_KL, cases[7].exit_threshold = 1e30f;
+        else
+            cases[7].exit_rule = TL_EXIT_ARGMAX, cases[7].exit_threshold = (float)(L - 1);
+        for (int i = 0; i < 8; i++) {
             tl_depth_stats st;
             cases[i].depth_stats = &st;
             tu_result got = tu_generate(m, prompt, PROMPT, &cases[i], V);
@@ -598,6 +802,7 @@ static void check_model(const char* name, tu_spec spec, int paths) {
         for (int heavy = 0; heavy < 2; heavy++) {
             make_requests(spec.seed * 7 + (uint64_t)heavy, V, heavy);
             generate_alone(m, V);
+            if (heavy) check_exits_seen(name);
             check_alone(scalar, V, "1 thread, scalar");
             check_alone(cached, V, "prefix cache");
             if (!heavy) check_from_prefix(m, V);
@@ -628,6 +833,7 @@ int main(void) {
     tl_model_free(m);
     tl_model_free(gated);
     check_gate_exact(path);
+    check_known_exits(path, plain);
 
     tu_spec huginn = tu_spec_huginn();
     tu_spec post = tu_spec_huginn();

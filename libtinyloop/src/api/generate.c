@@ -109,8 +109,9 @@ static tl_status check_draft(const tl_gen_params* p) {
 static tl_status check_exit(const tl_engine* e, tl_gen_params* p) {
     const tl_config* c = tl_engine_config(e);
     const float q = p->exit_threshold;
-    if (p->exit_rule > TL_EXIT_LATENT)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "unknown exit_rule %u (0 none, 1 gate, 2 latent)", p->exit_rule);
+    if (p->exit_rule > TL_EXIT_ARGMAX)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "unknown exit_rule %u (0 none, 1 gate, 2 latent, 3 kl, 4 argmax)",
+                       p->exit_rule);
     if (p->min_loops > p->loops)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "min_loops must be in 1 .. loops (loops=%u), got %u", p->loops,
                        p->min_loops);
@@ -122,11 +123,17 @@ static tl_status check_exit(const tl_engine* e, tl_gen_params* p) {
         else if (!(q > 0 && q <= 1))
             return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be in (0, 1] for exit_rule gate, got %g",
                            (double)q);
+    } else if (p->exit_rule == TL_EXIT_ARGMAX) { /* a count of steps */
+        if (q == 0) p->exit_threshold = TL_EXIT_ARGMAX_DEFAULT;
+        else if (!(q >= 1 && q <= TL_EXIT_ARGMAX_MAX && q == floorf(q)))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be an integer in 1 .. %d for exit_rule "
+                           "argmax, got %.9g", TL_EXIT_ARGMAX_MAX, (double)q);
     } else {
-        if (q == 0) p->exit_threshold = TL_EXIT_LATENT_DEFAULT;
+        const char* name = p->exit_rule == TL_EXIT_LATENT ? "latent" : "kl";
+        if (q == 0) p->exit_threshold = p->exit_rule == TL_EXIT_LATENT ? TL_EXIT_LATENT_DEFAULT : TL_EXIT_KL_DEFAULT;
         else if (!isfinite(q) || !(q > 0))
-            return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be finite and > 0 for exit_rule latent, "
-                           "got %g", (double)q);
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "exit_threshold must be finite and > 0 for exit_rule %s, got %g",
+                           name, (double)q);
     }
     if (p->n_draft > 0)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "an exit_rule (adaptive depth) cannot be combined with "

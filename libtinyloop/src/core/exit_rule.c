@@ -1,6 +1,7 @@
 /* exit_rule.c — the exit decision of docs/spec.md §5.7 (exit_rule.h), in scalar C on the host. */
 #include "core/exit_rule.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "core/numerics.h"
@@ -9,14 +10,36 @@ bool tl_exit_active(const tl_exit* x, uint32_t loops) {
     return x->rule != TL_EXIT_NONE && x->min_loops < loops && !(x->rule == TL_EXIT_GATE && x->q == 1.0f);
 }
 
-void tl_exit_begin(tl_exit_state* s, const tl_exit* x, uint32_t loops, const float* x0, float* prev,
+/* The rule a row of depth `loops` runs: x's, or TL_EXIT_NONE when it cannot fire there. kl
+ * first decides at iteration max(1, m - 1), argmax at max(q, m - 1) (c_i <= i), and the last
+ * iteration that decides is L - 2. */
+static uint32_t row_rule(const tl_exit* x, uint32_t loops) {
+    if (!tl_exit_active(x, loops)) return TL_EXIT_NONE;
+    if (x->rule == TL_EXIT_KL && loops < 3) return TL_EXIT_NONE;
+    if (x->rule == TL_EXIT_ARGMAX && !(x->q <= (float)loops - 2.0f)) return TL_EXIT_NONE;
+    return x->rule;
+}
+
+void tl_exit_storage(const tl_exit* x, uint32_t loops, bool* latent, bool* kl, bool* probes) {
+    const uint32_t rule = row_rule(x, loops);
+    *latent = rule == TL_EXIT_LATENT;
+    *kl = rule == TL_EXIT_KL;
+    *probes = rule == TL_EXIT_KL || rule == TL_EXIT_ARGMAX;
+}
+
+void tl_exit_begin(tl_exit_state* s, const tl_exit* x, uint32_t loops, const float* x0, tl_exit_store store,
                    const tl_file* f) {
+    memset(s, 0, sizeof *s);
     s->exit = *x;
-    if (!tl_exit_active(x, loops)) s->exit.rule = TL_EXIT_NONE;
+    s->exit.rule = row_rule(x, loops);
     s->c = 0.0f;
     s->r = 1.0f;
-    s->prev = prev;
-    if (s->exit.rule == TL_EXIT_LATENT) memcpy(prev, x0, f->cfg.d_model * sizeof(float));
+    s->at = store;
+    if (s->exit.rule == TL_EXIT_LATENT) memcpy(store.prev, x0, f->cfg.d_model * sizeof(float));
+}
+
+bool tl_exit_probes(const tl_exit_state* s, uint32_t i) {
+    return s->exit.rule == TL_EXIT_ARGMAX || (s->exit.rule == TL_EXIT_KL && i + 2 >= s->exit.min_loops);
 }
 
 /* Σ q_k² of (q, s) = Q(x[n], qmax) (§2.2; exact), and *s. */
@@ -58,7 +81,7 @@ static void gate_step(tl_exit_state* st, const tl_file* f, const float* x) {
  * x, through Q16; then prev = x. Returns whether nx > 0 and ρ < q. */
 static bool latent_step(tl_exit_state* st, const tl_file* f, const float* x, bool decide) {
     const size_t d = f->cfg.d_model;
-    float* delta = st->prev;
+    float* delta = st->at.prev;
     bool hit = false;
     if (decide) {
         for (size_t k = 0; k < d; k++) delta[k] = x[k] - delta[k];
@@ -68,11 +91,78 @@ static bool latent_step(tl_exit_state* st, const tl_file* f, const float* x, boo
         const float rho = (sqrtf((float)nd) * sd) / (sqrtf((float)nx) * sx);
         hit = nx > 0 && rho < st->exit.q;
     }
-    memcpy(st->prev, x, d * sizeof(float));
+    memcpy(st->at.prev, x, d * sizeof(float));
     return hit;
 }
 
-bool tl_exit_after(tl_exit_state* s, const tl_file* f, uint32_t i, const float* xi) {
+/* The kl rule's step on the probe logits z[V]: with the previous probe's (z', M', W', S'),
+ *   δ = z' - z, (qd, sd) = Q(δ, 2^19 - 1), A = (((f32) Σ W'_j qd_j) / (f32) S') * sd,
+ *   k = A - (M' - M), l = (log2s(S) - log2s(S')) * LN2, KL = k + l
+ * (§5.7); then (z, M, W, S) become the previous probe's. Returns whether `decide`, a previous
+ * probe, every logit of both finite, and KL < q. */
+static bool kl_step(tl_exit_state* st, const tl_file* f, const float* z, bool decide) {
+    const size_t V = f->cfg.vocab_size;
+    float* zp = st->at.logits;
+    int32_t* wp = st->at.w;
+    const float fq = 524287.0f; /* 2^19 - 1 */
+    float M = -INFINITY, amax = 0.0f;
+    bool finite = true;
+    for (size_t j = 0; j < V; j++) {
+        M = tl_fmax(M, z[j]);
+        finite = finite && isfinite(z[j]);
+    }
+    decide = decide && st->have_prev && st->prev_finite && finite;
+    if (decide)
+        for (size_t j = 0; j < V; j++) {
+            const float delta = zp[j] - z[j];
+            amax = fabsf(delta) > amax ? fabsf(delta) : amax;
+        }
+    /* §2.2 with qmax 2^19 - 1: sd = 0 and every qd = 0 for a row below 2^-64 */
+    const bool tiny = amax < TL_TINY_ROW;
+    const float r = tiny ? 0.0f : fq / amax, sd = tiny ? 0.0f : amax / fq;
+    int64_t dot = 0, S = 0;
+    for (size_t j = 0; j < V; j++) {
+        if (decide && !tiny) {
+            const float delta = zp[j] - z[j];
+            dot += (int64_t)wp[j] * (int64_t)tl_quantize_one(delta, r, fq);
+        }
+        const int32_t w = (int32_t)tl_rint(tl_exp2s((z[j] - M) * TL_LOG2E) * 16777216.0f); /* <= 2^24 */
+        S += w;
+        wp[j] = w;
+        zp[j] = z[j];
+    }
+    bool hit = false;
+    if (decide) {
+        const float A = (((float)dot) / (float)st->prev_sum) * sd;
+        const float t = st->prev_max - M;
+        const float k = A - t;
+        float l = tl_log2s((uint64_t)S) - tl_log2s((uint64_t)st->prev_sum);
+        l = l * TL_LN2;
+        const float kl = k + l;
+        hit = kl < st->exit.q;
+    }
+    st->have_prev = true;
+    st->prev_finite = finite;
+    st->prev_max = M;
+    st->prev_sum = S;
+    return hit;
+}
+
+/* The argmax rule's step on the probe logits z[V]: a_i the smallest index of the largest logit
+ * (a NaN never the largest; all NaN: -1), c_i = a_i == a_{i-1} ? c_{i-1} + 1 : 0 (c_0 = 0).
+ * Returns whether c_i >= q. */
+static bool argmax_step(tl_exit_state* st, const tl_file* f, const float* z) {
+    const size_t V = f->cfg.vocab_size;
+    int32_t a = -1;
+    for (size_t j = 0; j < V; j++)
+        if (z[j] == z[j] && (a < 0 || z[j] > z[a])) a = (int32_t)j;
+    st->count = st->have_prev && a == st->arg ? st->count + 1 : 0;
+    st->arg = a;
+    st->have_prev = true;
+    return (float)st->count >= st->exit.q;
+}
+
+bool tl_exit_after(tl_exit_state* s, const tl_file* f, uint32_t i, const float* xi, const float* zi) {
     const bool allowed = i + 1 >= s->exit.min_loops;
     switch (s->exit.rule) {
     case TL_EXIT_GATE:
@@ -80,6 +170,10 @@ bool tl_exit_after(tl_exit_state* s, const tl_file* f, uint32_t i, const float* 
         return allowed && s->c >= s->exit.q;
     case TL_EXIT_LATENT:
         return latent_step(s, f, xi, allowed);
+    case TL_EXIT_KL:
+        return zi && kl_step(s, f, zi, allowed);
+    case TL_EXIT_ARGMAX:
+        return zi && argmax_step(s, f, zi) && allowed; /* the count runs from iteration 0 */
     case TL_EXIT_FORCED:
         return allowed;
     default:

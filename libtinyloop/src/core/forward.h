@@ -65,7 +65,8 @@ static inline bool tl_has_part_pass(const tl_engine* e) { return e->backend->ifa
  * [B] each row's exit rule (docs/spec.md §5.7; only on a backend with tl_has_adaptive_pass,
  * else every rule must be inactive): a row whose rule fires after iteration U - 1 < L - 1
  * copies that iteration's KV into the core slots of iterations U .. L-1 at its position, then
- * runs coda_norm and the coda in depth L's slots and leaves. Writes logits[b] ([V] each, the
+ * runs coda_norm and the coda in depth L's slots and leaves (under kl and argmax the probe
+ * after iteration U - 1 ran them, and its logits are the row's). Writes logits[b] ([V] each, the
  * callers' buffers), each sequence's last_hidden and, when depths is not NULL, depths[b] = the
  * core iterations row b ran (U, or its depth); the caller advances seqs[b]->n. Each row's result
  * is bit-identical to running its token alone. Fails like tl_forward, before touching any cache

@@ -11,7 +11,11 @@
  * A batch row may carry an exit rule (adaptive depth, docs/spec.md §5.7, core/exit_rule.h):
  * after iteration i a row whose rule fires copies its KV of iteration i into its deeper core
  * slots, moves behind the rows that go on and leaves too, running the coda in its own depth's
- * slots; rows without a rule run exactly as before.
+ * slots; rows without a rule run exactly as before. Under the kl and argmax rules a row is
+ * first probed after iteration i: coda_norm and the coda on a copy of its state, in its own
+ * depth's coda slots, then the head (all probed rows at once); one that exits keeps that
+ * probe's final state and logits (done: no coda or head again), one that goes on overwrites
+ * those coda slots later.
  * A prefix build (loop_states) also finishes every shallower depth on a copy of the state after
  * each iteration, writing that depth's coda slots and keeping the last row's final state.
  * A chunk runs as a part pass (core/forward.h's tl_part): it may stop at a depth below the
@@ -60,7 +64,8 @@ typedef struct fwd {
     uint32_t coda_depth;     /* chunk: whose coda slots its coda writes                */
     float* x;                /* [T][d] the state the blocks run on                     */
     float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e))       */
-    float* side;             /* [T][d] a prefix build: the state a shallower depth ends on */
+    float* side;             /* [T][d] a prefix build: the state a shallower depth ends on;
+                                a batch with probes: the probed rows' copies           */
     float* y;                /* [T][d] sandwich: a sublayer's output before its norm    */
     float* qkv;              /* [T][qkv_dim]                                           */
     float* o;                /* [T][hd]                                                */
@@ -75,6 +80,15 @@ typedef struct fwd {
     float* prev;             /* [T][d] with exits: the latent rule's storage            */
     size_t* from;            /* [T] with exits: a reordering, new row r = old row from[r] */
     void* moved;             /* [T][moved_row] with exits: a reordering's scratch       */
+    float* const* out;       /* batch: the caller's logits buffers (caller's order)     */
+    uint8_t* done;           /* [T] with probes: 1 for a row that exited with its probe's
+                                final state and logits (already in out); else NULL      */
+    size_t* probe_at;        /* [T] with probes: row r's probe row after this iteration,
+                                or SIZE_MAX                                             */
+    tl_seq** pseqs;          /* [T] with probes: the probed rows' sequences             */
+    size_t* ppos;            /* [T] with probes: their positions                        */
+    float* klz;              /* [kl rows][V] the kl rule's previous logits              */
+    int32_t* klw;            /* [kl rows][V] and its previous weights                   */
     /* input of the quantize task */
     const float* q_src;
     size_t q_src_stride, q_cols;
@@ -117,10 +131,18 @@ static size_t moved_row(const tl_config* cfg) {
     return state > sizeof(tl_exit_state) ? state : sizeof(tl_exit_state);
 }
 
+/* What a batch's exit rules need besides the state of each row's rule: whether any row
+ * probes, and how many rows keep the kl rule's previous logits. */
+typedef struct exit_needs {
+    bool adaptive;  /* some row's rule is active */
+    bool probes;    /* some row is kl or argmax  */
+    size_t kl_rows;
+} exit_needs;
+
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
  * buffers only for a batch, the exit rules' only for a batch with one (adaptive), the side
- * state only for a prefix build. */
-static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch, bool build, bool adaptive) {
+ * state only for a prefix build or a batch with probes. */
+static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch, bool build, exit_needs x) {
     const tl_config* cfg = f->c;
     const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
@@ -131,7 +153,7 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     f->tokens = take(c, T * sizeof(int32_t));
     f->x = take(c, state);
     f->inject = take(c, cfg->injection ? state : 0);
-    f->side = take(c, build && tl_has_coda(cfg) ? state : 0);
+    f->side = take(c, (build && tl_has_coda(cfg)) || x.probes ? state : 0);
     f->y = take(c, cfg->block_layout == TL_LAYOUT_SANDWICH ? state : 0);
     f->qkv = take(c, T * f->qkv_dim * sizeof(float));
     f->o = take(c, T * f->hd * sizeof(float));
@@ -155,10 +177,16 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     f->order = take(c, batch ? T * sizeof(size_t) : 0);
     f->logits = take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
     f->ends = take(c, batch ? T * sizeof(uint32_t) : 0);
-    f->exits = adaptive ? take(c, T * sizeof(tl_exit_state)) : NULL;
-    f->prev = take(c, adaptive ? state : 0);
-    f->from = take(c, adaptive ? T * sizeof(size_t) : 0);
-    f->moved = take(c, adaptive ? T * moved_row(cfg) : 0);
+    f->exits = x.adaptive ? take(c, T * sizeof(tl_exit_state)) : NULL;
+    f->prev = take(c, x.adaptive ? state : 0);
+    f->from = take(c, x.adaptive ? T * sizeof(size_t) : 0);
+    f->moved = take(c, x.adaptive ? T * moved_row(cfg) : 0);
+    f->done = x.probes ? take(c, T) : NULL;
+    f->probe_at = take(c, x.probes ? T * sizeof(size_t) : 0);
+    f->pseqs = take(c, x.probes ? T * sizeof(tl_seq*) : 0);
+    f->ppos = take(c, x.probes ? T * sizeof(size_t) : 0);
+    f->klz = take(c, x.kl_rows * cfg->vocab_size * sizeof(float));
+    f->klw = take(c, x.kl_rows * cfg->vocab_size * sizeof(int32_t));
 }
 
 /* ---- per-token tasks ------------------------------------------------------------------------ */
@@ -407,7 +435,7 @@ static void embed(fwd* f) {
 /* Lay out the scratch of T rows whose positions are all below max_keys in `scratch`, growing it
  * first if they do not fit: the pass's only allocation, and on failure nothing has changed. */
 static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, size_t T, size_t max_keys, bool batch,
-                       bool build, bool adaptive, tl_scratch* scratch) {
+                       bool build, exit_needs x, tl_scratch* scratch) {
     memset(f, 0, sizeof *f);
     f->e = e;
     f->c = tl_engine_config(e);
@@ -420,7 +448,7 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
     carve arena = {0, NULL};
-    layout(f, &arena, workers, max_keys, batch, build, adaptive);
+    layout(f, &arena, workers, max_keys, batch, build, x);
     if (arena.used > scratch->bytes) {
         void* grown = tl_alloc(arena.used);
         if (!grown) return tl_fail_oom("forward scratch");
@@ -428,7 +456,7 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
         *scratch = (tl_scratch){grown, arena.used};
     }
     arena = (carve){0, scratch->base};
-    layout(f, &arena, workers, max_keys, batch, build, adaptive);
+    layout(f, &arena, workers, max_keys, batch, build, x);
     return TL_OK;
 }
 
@@ -438,23 +466,44 @@ static uint32_t row_depth(const fwd* f, size_t r) { return f->chunk ? f->depth :
 /* Whose coda slots row r's coda writes: a chunk's coda_depth, a batch row's sequence depth. */
 static uint32_t coda_of(const fwd* f, size_t r) { return f->chunk ? f->coda_depth : f->seqs[r]->loops; }
 
-/* Rows [lo, T) end now: coda_norm and the coda, each run of rows of one coda depth at once. */
+static bool is_done(const fwd* f, size_t r) { return f->done && f->done[r]; }
+
+/* Rows [lo, T) end now: coda_norm and the coda, each run of rows of one coda depth at once;
+ * a row done with its probe already has its final state. */
 static void end_rows(fwd* f, size_t lo) {
     for (size_t r = lo, g; r < f->T; r = g) {
         const uint32_t depth = coda_of(f, r);
-        for (g = r + 1; g < f->T && coda_of(f, g) == depth; g++) continue;
-        end_depth(f, f->x, r, g, depth);
+        for (g = r + 1; g < f->T && coda_of(f, g) == depth && is_done(f, g) == is_done(f, r); g++) continue;
+        if (!is_done(f, r)) end_depth(f, f->x, r, g, depth);
     }
+}
+
+/* logits[T][V] of the final states x[T][d]. */
+static void head_rows(fwd* f, const float* x, float* logits) {
+    const size_t d = f->c->d_model;
+    quantize_rows(f, x, d, d, true);
+    tl_linear_run(&f->linears[f->e->file.n_linears - 1], &f->acts, logits, f->c->vocab_size, false, f->e->pool);
 }
 
 /* ---- exits (docs/spec.md §5.7) ------------------------------------------------------------- */
 
-/* Each row's exit rule begun on x, the state entering iteration 0. */
+/* Each row's exit rule begun on x, the state entering iteration 0, with its storage. */
 static void begin_exits(fwd* f) {
-    const size_t d = f->c->d_model;
-    for (size_t r = 0; r < f->T; r++)
-        tl_exit_begin(&f->exits[r], &f->rules[f->order[r]], f->seqs[r]->loops, f->x + r * d, f->prev + r * d,
-                      &f->e->file);
+    const size_t d = f->c->d_model, V = f->c->vocab_size;
+    size_t k = 0; /* kl rows so far */
+    for (size_t r = 0; r < f->T; r++) {
+        const tl_exit* x = &f->rules[f->order[r]];
+        bool latent, kl, probes;
+        tl_exit_storage(x, f->seqs[r]->loops, &latent, &kl, &probes);
+        tl_exit_store store = {f->prev + r * d, NULL, NULL};
+        if (kl) {
+            store.logits = f->klz + k * V;
+            store.w = f->klw + k * V;
+            k++;
+        }
+        tl_exit_begin(&f->exits[r], x, f->seqs[r]->loops, f->x + r * d, store, &f->e->file);
+        if (f->done) f->done[r] = 0;
+    }
 }
 
 /* base[r] = old base[from[r]] for r < n, elements of `elem` bytes, through tmp. */
@@ -466,14 +515,14 @@ static void gather(void* base, size_t elem, const size_t* from, size_t n, void* 
 }
 
 /* Rows [0, T) reordered, stably, so that those ending at depth `end` or before come after those
- * going on: the order stays deepest first, and rows of one coda depth stay together. */
+ * going on, and the done ones (probed) last: the order stays deepest first, and rows of one
+ * coda depth stay together. */
 static void partition_rows(fwd* f, uint32_t end) {
     const size_t T = f->T, state = f->c->d_model * sizeof(float);
     size_t n = 0;
-    for (size_t r = 0; r < T; r++)
-        if (f->ends[r] > end) f->from[n++] = r;
-    for (size_t r = 0; r < T; r++)
-        if (f->ends[r] <= end) f->from[n++] = r;
+    for (int key = 0; key < 3; key++)
+        for (size_t r = 0; r < T; r++)
+            if ((f->ends[r] > end ? 0 : is_done(f, r) ? 2 : 1) == key) f->from[n++] = r;
     gather(f->x, state, f->from, T, f->moved);
     if (f->c->injection) gather(f->inject, state, f->from, T, f->moved);
     gather(f->seqs, sizeof *f->seqs, f->from, T, f->moved);
@@ -482,6 +531,39 @@ static void partition_rows(fwd* f, uint32_t end) {
     gather(f->order, sizeof *f->order, f->from, T, f->moved);
     gather(f->ends, sizeof *f->ends, f->from, T, f->moved);
     gather(f->exits, sizeof *f->exits, f->from, T, f->moved);
+    if (f->done) gather(f->done, sizeof *f->done, f->from, T, f->moved);
+}
+
+/* The probes after iteration i (docs/spec.md §5.7, kl and argmax): each row going deeper whose
+ * rule asks for one gets a copy of its state in side (probe row probe_at[r]), which runs
+ * coda_norm and the coda in its own depth's coda slots, each run of one depth at once; then
+ * the head of every probed row into logits. */
+static void probe(fwd* f, uint32_t i) {
+    const size_t d = f->c->d_model, T = f->T;
+    size_t P = 0;
+    for (size_t r = 0; r < T; r++) {
+        f->probe_at[r] = SIZE_MAX;
+        if (f->ends[r] <= i + 1 || !tl_exit_probes(&f->exits[r], i)) continue;
+        f->probe_at[r] = P;
+        memcpy(f->side + P * d, f->x + r * d, d * sizeof(float));
+        f->pseqs[P] = f->seqs[r];
+        f->ppos[P++] = f->pos[r];
+    }
+    if (P == 0) return;
+    tl_seq** const seqs = f->seqs;
+    size_t* const pos = f->pos;
+    f->seqs = f->pseqs;
+    f->pos = f->ppos;
+    f->T = P;
+    for (size_t p = 0, g; p < P; p = g) { /* the rows stay deepest first: one run per depth */
+        const uint32_t depth = f->seqs[p]->loops;
+        for (g = p + 1; g < P && f->seqs[g]->loops == depth; g++) continue;
+        end_depth(f, f->side, p, g, depth);
+    }
+    head_rows(f, f->side, f->logits);
+    f->seqs = seqs;
+    f->pos = pos;
+    f->T = T;
 }
 
 /* After iteration i: every row going deeper whose rule fires exits with U = i + 1. Its KV of
@@ -489,16 +571,24 @@ static void partition_rows(fwd* f, uint32_t end) {
  * available"), its end becomes i + 1, and it moves behind the rows that go on. */
 static void take_exits(fwd* f, uint32_t i) {
     const tl_config* c = f->c;
-    const size_t d = c->d_model, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    const size_t d = c->d_model, V = c->vocab_size, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
     bool any = false;
     for (size_t r = 0; r < f->T; r++) {
-        if (f->ends[r] <= i + 1 || !tl_exit_after(&f->exits[r], &f->e->file, i, f->x + r * d)) continue;
+        if (f->ends[r] <= i + 1) continue;
+        const size_t p = f->done ? f->probe_at[r] : SIZE_MAX;
+        const float* z = p == SIZE_MAX ? NULL : f->logits + p * V;
+        if (!tl_exit_after(&f->exits[r], &f->e->file, i, f->x + r * d, z)) continue;
         const tl_seq* s = f->seqs[r];
         for (uint32_t u = i + 1; u < s->loops; u++)
             for (uint32_t j = 0; j < c->n_core_blocks; j++)
                 tl_kv_copy_layer(&f->e->kv_geom, &s->kv, f->pos[r], (uint32_t)(c->n_pre_blocks + i * per + j),
                                  (uint32_t)(c->n_pre_blocks + u * per + j));
         f->ends[r] = i + 1;
+        if (z) { /* the probe's final state and logits are the row's: nothing more runs for it */
+            memcpy(f->x + r * d, f->side + p * d, d * sizeof(float));
+            memcpy(f->out[f->order[r]], z, V * sizeof(float));
+            f->done[r] = 1;
+        }
         any = true;
     }
     if (any) partition_rows(f, i + 1);
@@ -524,6 +614,7 @@ static void run_layers(fwd* f, const tl_part* part) {
     for (uint32_t i = f->first_iter; i < row_depth(f, 0); i++) { /* row 0: the deepest going on */
         while (row_depth(f, f->T - 1) <= i) f->T--;
         iteration(f, i);
+        if (f->done) probe(f, i);
         if (f->exits) take_exits(f, i);
         size_t lo = f->T; /* rows [lo, T) end at depth i + 1 */
         while (lo > 0 && row_depth(f, lo - 1) == i + 1) lo--;
@@ -543,13 +634,6 @@ static void run_layers(fwd* f, const tl_part* part) {
     if (states) memcpy(states + (size_t)(depth - 1) * d, f->x + (rows - 1) * d, d * sizeof(float));
 }
 
-/* logits[T][V] of the final states x[T][d]. */
-static void head_rows(fwd* f, const float* x, float* logits) {
-    const size_t d = f->c->d_model;
-    quantize_rows(f, x, d, d, true);
-    tl_linear_run(&f->linears[f->e->file.n_linears - 1], &f->acts, logits, f->c->vocab_size, false, f->e->pool);
-}
-
 /* logits[V] of the last row's final state (what tl_cpu_head_logits computes, in this scratch). */
 static void head_last(fwd* f, float* logits) {
     const size_t rows = f->T;
@@ -561,7 +645,8 @@ static void head_last(fwd* f, float* logits) {
 tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
                          const tl_part* part, float* last_hidden) {
     fwd f;
-    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, false, part->loop_states != NULL, false, &s->scratch);
+    const exit_needs none = {false, false, 0};
+    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, false, part->loop_states != NULL, none, &s->scratch);
     if (st != TL_OK) return st;
     f.first_iter = part->first_iter;
     f.depth = part->depth;
@@ -590,7 +675,8 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
 tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot, size_t pos0, size_t T,
                               const int8_t* q, const float* a) {
     fwd f;
-    tl_status st = begin(&f, s->engine, linears, T, 1, false, false, false, &s->scratch); /* no attention: no keys */
+    const exit_needs none = {false, false, 0};
+    tl_status st = begin(&f, s->engine, linears, T, 1, false, false, none, &s->scratch); /* no attention: no keys */
     if (st != TL_OK) return st;
     const size_t d = f.c->d_model;
     f.layer = slot;
@@ -611,16 +697,22 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
                                float* const* logits, const tl_exit* exits, uint32_t* depths) {
     const tl_engine* e = seqs[0]->engine;
     size_t max_keys = 0;
-    bool adaptive = false;
+    exit_needs needs = {false, false, 0};
     for (size_t b = 0; b < B; b++) {
         if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
-        adaptive = adaptive || (exits && tl_exit_active(&exits[b], seqs[b]->loops));
+        if (!exits || !tl_exit_active(&exits[b], seqs[b]->loops)) continue;
+        bool latent, kl, probes;
+        tl_exit_storage(&exits[b], seqs[b]->loops, &latent, &kl, &probes);
+        needs.adaptive = true;
+        needs.probes = needs.probes || probes;
+        needs.kl_rows += kl;
     }
     fwd f;
     const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
-    tl_status st = begin(&f, e, linears, B, max_keys, true, false, adaptive, &seqs[0]->scratch);
+    tl_status st = begin(&f, e, linears, B, max_keys, true, false, needs, &seqs[0]->scratch);
     if (st != TL_OK) return st;
     f.rules = exits;
+    f.out = logits;
     tl_sort_deepest_first(seqs, B, f.order);
     for (size_t r = 0; r < B; r++) {
         f.seqs[r] = seqs[f.order[r]];
@@ -630,10 +722,17 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
     }
     embed(&f);
     run_layers(&f, NULL);
-    head_rows(&f, f.x, f.logits);
+    size_t headed = B; /* rows [0, headed) need the head: all but the done ones, moved last */
+    if (f.done) {
+        partition_rows(&f, UINT32_MAX);
+        while (headed > 0 && f.done[headed - 1]) headed--;
+    }
+    f.T = headed;
+    if (headed) head_rows(&f, f.x, f.logits);
+    f.T = B;
     for (size_t r = 0; r < B; r++) {
         memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
-        memcpy(logits[f.order[r]], f.logits + r * V, V * sizeof(float));
+        if (r < headed) memcpy(logits[f.order[r]], f.logits + r * V, V * sizeof(float));
         if (depths) depths[f.order[r]] = f.ends[r];
     }
     return TL_OK;
