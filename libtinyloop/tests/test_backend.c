@@ -194,10 +194,14 @@ int main(void) {
     tl_gen_params gp = tl_gen_params_default();
     int32_t out[4];
     size_t n_out = 7;
-    gp.max_tokens = 4, gp.loops = 2, gp.exit_rule = TL_EXIT_LATENT;
-    CHECK_STATUS(tl_generate(seam, prompt, PROMPT, &gp, out, &n_out, NULL), TL_ERR_UNSUPPORTED);
-    CHECK(n_out == 0 && strcmp(tl_last_error(), "adaptive depth (exit_rule) is not on the CUDA backend yet") == 0,
-          "message: %s", tl_last_error());
+    gp.max_tokens = 4, gp.loops = 2;
+    static const uint32_t rules[] = {TL_EXIT_LATENT, TL_EXIT_KL, TL_EXIT_ARGMAX};
+    for (size_t i = 0; i < sizeof rules / sizeof *rules; i++) {
+        gp.exit_rule = rules[i];
+        CHECK_STATUS(tl_generate(seam, prompt, PROMPT, &gp, out, &n_out, NULL), TL_ERR_UNSUPPORTED);
+        CHECK(n_out == 0 && strcmp(tl_last_error(), "adaptive depth (exit_rule) is not on the CUDA backend yet") == 0,
+              "rule %u, message: %s", rules[i], tl_last_error());
+    }
     gp.exit_rule = TL_EXIT_NONE;
     CHECK_OK(tl_generate(seam, prompt, PROMPT, &gp, out, &n_out, NULL));
 
