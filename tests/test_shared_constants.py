@@ -22,7 +22,7 @@ from tinyloop import modelfile, native
 from tinyloop import params as P
 from tinyloop._library import ABI_VERSION, cdef_from_header
 from tinyloop.config import MAX_STOP_IDS, ModelConfig
-from tinyloop.engine import EXIT_RULES, LATENT_DEFAULT_THRESHOLD, SCHED_STAT_NAMES
+from tinyloop.engine import EXIT_DEFAULT_THRESHOLDS, EXIT_RULES, MAX_ARGMAX_STEPS, SCHED_STAT_NAMES
 from tinyloop.fallback import numerics
 
 from conftest import require_backend
@@ -152,16 +152,21 @@ def test_shared_structs_have_the_python_fields(header_ffi):
 
 
 def exp2_coefficients(source, function):
-    """C6 .. C0 as written in the Horner steps of `function` (each `p = ...` line's literal)."""
+    """C6 .. C0 (K6 .. K0 of log2s) as written in the Horner steps of `function` (each
+    `p = ...` line's literal; a step without one, log2s's `p = p * s`, is skipped)."""
     body = source[source.index(f" {function}("):]
     body = body[:body.index("\n}\n")]
     return [re.findall(r"(\d+\.\d+(?:e-?\d+)?)f", line)[-1]
-            for line in body.splitlines() if re.match(r"\s*(?:float |__m256 )?p = ", line)]
+            for line in body.splitlines() if re.match(r"\s*(?:float |__m256 )?p = ", line)
+            and re.search(r"\d\.\d+(?:e-?\d+)?f", line)]
 
 
 def test_exit_rules_are_the_same():
     assert [c_integer(f"TL_EXIT_{name.upper()}") for name in EXIT_RULES] == list(range(len(EXIT_RULES)))
-    assert f32_bits(c_float("TL_EXIT_LATENT_DEFAULT")) == f32_bits(LATENT_DEFAULT_THRESHOLD)
+    assert EXIT_DEFAULT_THRESHOLDS.keys() == {"latent", "kl", "argmax"}   # gate: the model file's
+    for name, value in EXIT_DEFAULT_THRESHOLDS.items():
+        assert f32_bits(c_float(f"TL_EXIT_{name.upper()}_DEFAULT")) == f32_bits(value), name
+    assert c_integer("TL_EXIT_ARGMAX_MAX") == MAX_ARGMAX_STEPS
 
 
 def test_spec_constants_are_the_same_bits():
@@ -169,6 +174,10 @@ def test_spec_constants_are_the_same_bits():
     for path, function in (("core/numerics.h", "tl_exp2s"), ("cpu/numerics_avx2.h", "tl_exp2s8")):
         assert [f32_bits(c) for c in exp2_coefficients(c_source(path), function)] == want, path
     assert f32_bits(c_float("TL_LOG2E")) == f32_bits(numerics.LOG2E)
+    want = [f32_bits(c) for c in numerics.LOG2_COEFFS[::-1]]                 # K6 .. K0 (§2.8)
+    got = exp2_coefficients(c_source("core/numerics.h"), "tl_log2s")
+    assert [f32_bits(c) for c in got] == want
+    assert f32_bits(c_float("TL_LN2")) == f32_bits(numerics.LN2)
     # every Q8 kernel's tiny-row test `amax < X` (X a literal or a #define), spec §2.2 step 2
     thresholds = [(p.name, x) for p in c_sources()
                   for x in re.findall(r"amax < ([\w.-]+?)f?\)", p.read_text())]
