@@ -161,8 +161,19 @@ static tl_status op_speculative(tl_model* m) {
 
 /* greedy's request under the latent rule with a threshold no state change stays under (every
  * decoded token exits after iteration 0, its KV copied into the deeper slots), alone and in a
- * batch beside greedy's plain request; whenever it succeeds, the tokens are its own. */
-static int32_t adaptive_reference[8];
+ * batch beside greedy's plain request and one under the kl rule at q = 1e30 (every decoded
+ * token probed after iterations 0 and 1, and exiting with the second probe); whenever it
+ * succeeds, the tokens are their own. */
+static int32_t adaptive_reference[8], kl_reference[8];
+
+static tl_gen_params kl_params(void) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 8;
+    gp.prefill_chunk = 5;
+    gp.exit_rule = TL_EXIT_KL;
+    gp.exit_threshold = 1e30f;
+    return gp;
+}
 
 static tl_gen_params adaptive_params(void) {
     tl_gen_params gp = tl_gen_params_default();
@@ -174,20 +185,21 @@ static tl_gen_params adaptive_params(void) {
 }
 
 static tl_status op_adaptive(tl_model* m) {
-    tl_gen_params gp = adaptive_params(), plain = gp;
+    tl_gen_params gp = adaptive_params(), plain = gp, kl = kl_params();
     plain.exit_rule = TL_EXIT_NONE;
-    int32_t out[2][8];
+    int32_t out[3][8];
     size_t n;
     tl_status st = tl_generate(m, prompt, 21, &gp, out[0], &n, NULL);
     if (st == TL_OK) CHECK(n == 8 && memcmp(out[0], adaptive_reference, sizeof out[0]) == 0, "adaptive tokens differ");
     if (st != TL_OK) return st;
-    tl_request req[2] = {{sizeof req[0], NULL, prompt, 21, &gp, out[0], NULL, 0},
-                         {sizeof req[1], NULL, prompt, 21, &plain, out[1], NULL, 0}};
-    tl_request* batch[2] = {&req[0], &req[1]};
-    st = tl_generate_batch(m, batch, 2);
+    tl_request req[3] = {{sizeof req[0], NULL, prompt, 21, &gp, out[0], NULL, 0},
+                         {sizeof req[1], NULL, prompt, 21, &plain, out[1], NULL, 0},
+                         {sizeof req[2], NULL, prompt, 17, &kl, out[2], NULL, 0}};
+    tl_request* batch[3] = {&req[0], &req[1], &req[2]};
+    st = tl_generate_batch(m, batch, 3);
     if (st == TL_OK)
-        CHECK(memcmp(out[0], adaptive_reference, sizeof out[0]) == 0 && memcmp(out[1], reference, sizeof out[1]) == 0,
-              "adaptive batch tokens differ");
+        CHECK(memcmp(out[0], adaptive_reference, sizeof out[0]) == 0 && memcmp(out[1], reference, sizeof out[1]) == 0 &&
+              memcmp(out[2], kl_reference, sizeof out[2]) == 0, "adaptive batch tokens differ");
     return st;
 }
 
@@ -330,6 +342,8 @@ int main(void) {
     const tl_gen_params adaptive = adaptive_params();
     size_t n_adaptive;
     CHECK_OK(tl_generate(m, prompt, 21, &adaptive, adaptive_reference, &n_adaptive, NULL));
+    const tl_gen_params kl = kl_params();
+    CHECK_OK(tl_generate(m, prompt, 17, &kl, kl_reference, &n_adaptive, NULL));
     sched_references(m);
     sweep("open", op_open, NULL);
     sweep("prefill+decode", op_prefill_decode, m);
