@@ -211,5 +211,6 @@ def test_the_cuda_backend_refuses_exit_rules(model_files):
     from conftest import require_backend
     require_backend("native-cuda")
     with tinyloop.Model(model_files["int8-gqa"], backend="native", device="cuda") as model:
-        with pytest.raises(RuntimeError, match="not on the CUDA backend yet"):
-            model.generate([1, 2, 3], exit_rule="latent")
+        for rule in ("latent", "kl", "argmax"):
+            with pytest.raises(RuntimeError, match="not on the CUDA backend yet"):
+                model.generate([1, 2, 3], exit_rule=rule)
