@@ -134,29 +134,48 @@ static tl_status op_generate(tl_model* m) {
     return greedy(m, out);
 }
 
+/* Request 0 alone, then requests 0 .. n-1 in one batch (request i: params[i] on the first
+ * lengths[i] tokens of the prompt, 8 tokens each); whenever a call succeeds, request i's tokens
+ * are want[i]. */
+static tl_status alone_then_batched(tl_model* m, const tl_gen_params* params, const size_t* lengths,
+                                    const int32_t* const* want, size_t n_requests, const char* what) {
+    int32_t out[3][8];
+    tl_request req[3];
+    tl_request* batch[3];
+    size_t n;
+    tl_status st = tl_generate(m, prompt, lengths[0], &params[0], out[0], &n, NULL);
+    if (st == TL_OK) CHECK(n == 8 && memcmp(out[0], want[0], sizeof out[0]) == 0, "%s tokens differ", what);
+    if (st != TL_OK) return st;
+    for (size_t i = 0; i < n_requests; i++) {
+        req[i] = (tl_request){sizeof req[i], NULL, prompt, lengths[i], &params[i], out[i], NULL, 0};
+        batch[i] = &req[i];
+    }
+    st = tl_generate_batch(m, batch, n_requests);
+    for (size_t i = 0; st == TL_OK && i < n_requests; i++)
+        CHECK(memcmp(out[i], want[i], sizeof out[i]) == 0, "%s batch request %zu's tokens differ", what, i);
+    return st;
+}
+
+/* greedy's 8 tokens with prefill chunks of 5 under `rule` at threshold q. */
+static tl_gen_params eight_tokens(uint32_t rule, float q) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.max_tokens = 8;
+    gp.prefill_chunk = 5;
+    gp.exit_rule = rule;
+    gp.exit_threshold = q;
+    return gp;
+}
+
 /* greedy's request decoded speculatively (drafts at depth 1, rounds of 4 rows over blocks of
  * 4), alone and in a batch beside a plain request; whenever it succeeds, the tokens are
  * greedy's. */
 static tl_status op_speculative(tl_model* m) {
-    tl_gen_params gp = tl_gen_params_default(), plain;
-    gp.max_tokens = 8;
-    gp.prefill_chunk = 5;
-    plain = gp;
-    gp.draft_loops = 1;
-    gp.n_draft = 4;
-    int32_t out[2][8];
-    size_t n;
-    tl_status st = tl_generate(m, prompt, 21, &gp, out[0], &n, NULL);
-    if (st == TL_OK) CHECK(n == 8 && memcmp(out[0], reference, sizeof reference) == 0, "speculative tokens differ");
-    if (st != TL_OK) return st;
-    tl_request req[2] = {{sizeof req[0], NULL, prompt, 21, &gp, out[0], NULL, 0},
-                         {sizeof req[1], NULL, prompt, 21, &plain, out[1], NULL, 0}};
-    tl_request* batch[2] = {&req[0], &req[1]};
-    st = tl_generate_batch(m, batch, 2);
-    if (st == TL_OK)
-        CHECK(memcmp(out[0], reference, sizeof reference) == 0 && memcmp(out[1], reference, sizeof reference) == 0,
-              "speculative batch tokens differ");
-    return st;
+    tl_gen_params params[2] = {eight_tokens(TL_EXIT_NONE, 0.0f), eight_tokens(TL_EXIT_NONE, 0.0f)};
+    params[0].draft_loops = 1;
+    params[0].n_draft = 4;
+    const size_t lengths[2] = {21, 21};
+    const int32_t* want[2] = {reference, reference};
+    return alone_then_batched(m, params, lengths, want, 2, "speculative");
 }
 
 /* greedy's request under the latent rule with a threshold no state change stays under (every
@@ -166,41 +185,12 @@ static tl_status op_speculative(tl_model* m) {
  * succeeds, the tokens are their own. */
 static int32_t adaptive_reference[8], kl_reference[8];
 
-static tl_gen_params kl_params(void) {
-    tl_gen_params gp = tl_gen_params_default();
-    gp.max_tokens = 8;
-    gp.prefill_chunk = 5;
-    gp.exit_rule = TL_EXIT_KL;
-    gp.exit_threshold = 1e30f;
-    return gp;
-}
-
-static tl_gen_params adaptive_params(void) {
-    tl_gen_params gp = tl_gen_params_default();
-    gp.max_tokens = 8;
-    gp.prefill_chunk = 5;
-    gp.exit_rule = TL_EXIT_LATENT;
-    gp.exit_threshold = 1e30f;
-    return gp;
-}
-
 static tl_status op_adaptive(tl_model* m) {
-    tl_gen_params gp = adaptive_params(), plain = gp, kl = kl_params();
-    plain.exit_rule = TL_EXIT_NONE;
-    int32_t out[3][8];
-    size_t n;
-    tl_status st = tl_generate(m, prompt, 21, &gp, out[0], &n, NULL);
-    if (st == TL_OK) CHECK(n == 8 && memcmp(out[0], adaptive_reference, sizeof out[0]) == 0, "adaptive tokens differ");
-    if (st != TL_OK) return st;
-    tl_request req[3] = {{sizeof req[0], NULL, prompt, 21, &gp, out[0], NULL, 0},
-                         {sizeof req[1], NULL, prompt, 21, &plain, out[1], NULL, 0},
-                         {sizeof req[2], NULL, prompt, 17, &kl, out[2], NULL, 0}};
-    tl_request* batch[3] = {&req[0], &req[1], &req[2]};
-    st = tl_generate_batch(m, batch, 3);
-    if (st == TL_OK)
-        CHECK(memcmp(out[0], adaptive_reference, sizeof out[0]) == 0 && memcmp(out[1], reference, sizeof out[1]) == 0 &&
-              memcmp(out[2], kl_reference, sizeof out[2]) == 0, "adaptive batch tokens differ");
-    return st;
+    const tl_gen_params params[3] = {eight_tokens(TL_EXIT_LATENT, 1e30f), eight_tokens(TL_EXIT_NONE, 0.0f),
+                                     eight_tokens(TL_EXIT_KL, 1e30f)};
+    const size_t lengths[3] = {21, 21, 17};
+    const int32_t* want[3] = {adaptive_reference, reference, kl_reference};
+    return alone_then_batched(m, params, lengths, want, 3, "adaptive");
 }
 
 /* Three requests in one batch: two prompts and a prefix continuation. */
@@ -256,7 +246,7 @@ static tl_status op_cached(tl_model* unused) {
 static int32_t sched_reference[3][8];
 
 static tl_gen_params sched_params(size_t i) {
-    tl_gen_params gp = i == 2 ? adaptive_params() : tl_gen_params_default();
+    tl_gen_params gp = i == 2 ? eight_tokens(TL_EXIT_LATENT, 1e30f) : tl_gen_params_default();
     gp.max_tokens = 8;
     if (i == 1) gp.draft_loops = 1, gp.n_draft = 3;
     return gp;
@@ -339,10 +329,10 @@ int main(void) {
     for (int i = 0; i < 21; i++) prompt[i] = (i * 37 + 11) % 256;
     tl_model* m = tu_open(path, 2, TL_ISA_AUTO, 4);
     CHECK_OK(greedy(m, reference));
-    const tl_gen_params adaptive = adaptive_params();
+    const tl_gen_params adaptive = eight_tokens(TL_EXIT_LATENT, 1e30f);
     size_t n_adaptive;
     CHECK_OK(tl_generate(m, prompt, 21, &adaptive, adaptive_reference, &n_adaptive, NULL));
-    const tl_gen_params kl = kl_params();
+    const tl_gen_params kl = eight_tokens(TL_EXIT_KL, 1e30f);
     CHECK_OK(tl_generate(m, prompt, 17, &kl, kl_reference, &n_adaptive, NULL));
     sched_references(m);
     sweep("open", op_open, NULL);
