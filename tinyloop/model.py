@@ -83,45 +83,39 @@ def _out_of_memory_as_runtime_error() -> Iterator[None]:
         raise RuntimeError("out of memory") from None
 
 
-class _DraftTally:
-    """Sums a request's Callbacks.on_draft increments and writes them into the caller's
-    `draft_stats` mapping (None: nowhere): drafted, accepted, acceptance_rate."""
+class _Tally:
+    """Sums a request's increments of two counts (a Callbacks.on_draft or on_depth) and writes
+    them into the caller's stats mapping (None: nowhere) under `names`: the first count, the
+    second, and their ratio second / first (0.0 while the first is 0)."""
+    argument = ""                  # the generation argument the mapping comes from
+    names: tuple[str, str, str] = ("", "", "")
 
     def __init__(self, out: MutableMapping[str, Any] | None) -> None:
         if out is not None and not isinstance(out, MutableMapping):
-            raise ValueError(f"draft_stats must be a dict or None, got {type(out).__name__}")
+            raise ValueError(f"{self.argument} must be a dict or None, got {type(out).__name__}")
         self.out = out
-        self.drafted = self.accepted = 0
+        self.first = self.second = 0
 
-    def __call__(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
-        self.accepted += accepted
+    def __call__(self, first: int, second: int) -> None:
+        self.first += first
+        self.second += second
 
     def report(self) -> None:
         if self.out is not None:
-            self.out.update(drafted=self.drafted, accepted=self.accepted,
-                            acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0)
+            total, part, ratio = self.names
+            self.out.update({total: self.first, part: self.second,
+                             ratio: self.second / self.first if self.first else 0.0})
 
 
-class _DepthTally:
-    """Sums a request's Callbacks.on_depth increments and writes them into the caller's
-    `depth_stats` mapping (None: nowhere): tokens (decode passes), loops (the core iterations
-    they ran), mean_loops (docs/spec.md §5.7)."""
+class _DraftTally(_Tally):
+    """draft_stats: drafted, accepted, acceptance_rate (self-speculative decoding)."""
+    argument, names = "draft_stats", ("drafted", "accepted", "acceptance_rate")
 
-    def __init__(self, out: MutableMapping[str, Any] | None) -> None:
-        if out is not None and not isinstance(out, MutableMapping):
-            raise ValueError(f"depth_stats must be a dict or None, got {type(out).__name__}")
-        self.out = out
-        self.tokens = self.loops = 0
 
-    def __call__(self, tokens: int, loops: int) -> None:
-        self.tokens += tokens
-        self.loops += loops
-
-    def report(self) -> None:
-        if self.out is not None:
-            self.out.update(tokens=self.tokens, loops=self.loops,
-                            mean_loops=self.loops / self.tokens if self.tokens else 0.0)
+class _DepthTally(_Tally):
+    """depth_stats: tokens (decode passes), loops (the core iterations they ran), mean_loops
+    (adaptive depth, docs/spec.md §5.7)."""
+    argument, names = "depth_stats", ("tokens", "loops", "mean_loops")
 
 
 class PrefixCache:
@@ -669,7 +663,13 @@ class Model:
         if len(overrides) != len(prompts):
             raise ValueError(f"per_request has {len(overrides)} entries for {len(prompts)} prompts")
         checked: list[tuple[np.ndarray, np.ndarray, GenerationParams, Callbacks]] = []
-        tallies: dict[tuple[str, int], _DraftTally | _DepthTally] = {}  # one per stats mapping
+        tallies: dict[tuple[str, int], _Tally] = {}  # one per stats mapping
+
+        def tally_of(kind: type[_Tally], stats: Any) -> _Tally | None:
+            if stats is None:
+                return None
+            return tallies.setdefault((kind.argument, id(stats)), kind(stats))
+
         for i, (prompt, extra) in enumerate(zip(prompts, overrides)):
             kwargs = {**params, **extra}
             unknown = sorted(set(kwargs) - set(REQUEST_ARGUMENTS))
@@ -677,11 +677,9 @@ class Model:
                 raise ValueError(f"request {i}: unknown generation argument(s) {unknown}")
             drafts, depths = kwargs.pop("draft_stats", None), kwargs.pop("depth_stats", None)
             try:
-                on = {name: tallies.setdefault((name, id(stats)), kind(stats))
-                      for name, stats, kind in (("on_draft", drafts, _DraftTally),
-                                                ("on_depth", depths, _DepthTally))
-                      if stats is not None}
-                checked.append(self._request(prompt, prefix, kwargs) + (Callbacks(**on),))
+                callbacks = Callbacks(on_draft=tally_of(_DraftTally, drafts),
+                                      on_depth=tally_of(_DepthTally, depths))
+                checked.append(self._request(prompt, prefix, kwargs) + (callbacks,))
             except (ValueError, RuntimeError) as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
         if prefix is not None and checked:     # a warm-start prefix deepens once, for them all

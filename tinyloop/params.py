@@ -181,10 +181,13 @@ def check_exit(exit_rule: Any, exit_threshold: Any, min_loops: Any, loops: int, 
     elif rule == "gate":
         threshold = check_real("exit_threshold", exit_threshold, 0.0, False, 1.0)
     elif rule == "argmax":          # a count of steps: an integer, also when given as a float
-        if not isinstance(exit_threshold, numbers.Real) or exit_threshold != int(exit_threshold):
+        steps = exit_threshold
+        if isinstance(steps, numbers.Real) and not _is_int(steps) and float(steps).is_integer():
+            steps = int(float(steps))
+        if not _is_int(steps):
             raise ValueError(f"exit_threshold of exit_rule 'argmax' must be an integer (steps), "
                              f"got {exit_threshold!r}")
-        threshold = check_int("exit_threshold", int(exit_threshold), 1, MAX_ARGMAX_STEPS)
+        threshold = check_int("exit_threshold", steps, 1, MAX_ARGMAX_STEPS)
     else:
         threshold = check_real("exit_threshold", exit_threshold, 0.0, False)
     minimum = 1 if min_loops is None else check_int("min_loops", min_loops, 1)
