@@ -22,6 +22,7 @@ request gets exactly Engine.generate's tokens.
 KV bytes here are the Python pool's (blocks of one layer each, BlockPool.block_nbytes), so a
 budget admits other schedules than the native one; the tokens are the same.
 """
+import collections
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class Scheduler:
         self.counters = dict.fromkeys(SCHED_STAT_NAMES, 0)
         self._refused_at = None      # the held KV when the waiting head was refused
         self._stop_ids = engine.config.stop_token_ids()
+        self._depths = collections.Counter()        # decode passes by the iterations they ran
 
     # -- KV accounting --------------------------------------------------------------------
     def _block_bytes(self, loops):
@@ -152,6 +154,10 @@ class Scheduler:
                         kv_budget_bytes=self.budget)
         counters["kv_blocks"], counters["kv_bytes"] = self._alone()
         return counters
+
+    def depth_counts(self):
+        deepest = max(self._depths, default=0)
+        return [self._depths[u] for u in range(1, deepest + 1)]
 
     def free(self):
         for r in itertools.chain(self.running, self.waiting):
@@ -328,6 +334,7 @@ class Scheduler:
         if len(r.emitted) > 1 and not r.params.n_draft:   # after a pass over an emitted token
             self.counters["decode_passes"] += 1
             self.counters["decode_loops"] += r.depth
+            self._depths[r.depth] += 1
         why = finish_reason(r.emitted, r.params, self._stop_ids)
         if why is not None:
             self._finish(r)

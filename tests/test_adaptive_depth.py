@@ -108,7 +108,7 @@ def test_scheduled_requests_replay_their_exits_when_preempted(backend, zoo, data
         with tinyloop.Scheduler(model, max_batch, data.draw(st.integers(max_batch, max_batch + 16)),
                                 budget) as scheduler:
             tokens, _, _ = run(scheduler, arrivals, kv_bound=budget)
-            stats = scheduler.stats()
+            stats, counts = scheduler.stats(), scheduler.depth_counts()
         passes = loops = 0
         for i, (_, prompt, kwargs) in enumerate(arrivals):
             depths = {}
@@ -116,6 +116,8 @@ def test_scheduled_requests_replay_their_exits_when_preempted(backend, zoo, data
             passes += depths["tokens"]
             loops += depths["loops"]
         assert (stats["decode_passes"], stats["decode_loops"]) == (passes, loops)
+        assert (sum(counts), sum(u * n for u, n in enumerate(counts, 1))) == (passes, loops)
+        assert not counts or counts[-1] > 0
 
 
 def test_a_preempted_request_replays_its_exits(numpy_or_native, models_by_backend):

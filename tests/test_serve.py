@@ -197,6 +197,12 @@ def test_adaptive_completion_equals_offline_generate_and_counts_its_loops(demo, 
         "tinyloop_decode_passes_total", "tinyloop_decode_loops_total"))
     assert (passes, loops) == (depths["tokens"], depths["loops"])
     assert loops < 6 * passes                      # the rule stopped some tokens early
+    histogram = "tinyloop_decode_loops_per_token"
+    assert after[histogram + "_sum"] == after["tinyloop_decode_loops_total"]
+    assert after[histogram + "_count"] == after["tinyloop_decode_passes_total"]
+    buckets = [after.get(f'{histogram}_bucket{{"le": "{u}.0"}}', 0) for u in range(1, 7)]
+    assert buckets == sorted(buckets) and buckets[-1] == after[histogram + "_count"]
+    assert buckets[0] < buckets[-1]                # passes of several depths
 
 
 def test_token_id_prompt_and_default_max_tokens(client, reference):

@@ -196,6 +196,11 @@ class EngineScheduler(Protocol):
     def stats(self) -> Dict[str, int]:
         """{name: int for name in SCHED_STAT_NAMES}."""
 
+    def depth_counts(self) -> List[int]:
+        """The decode passes stats() counts in decode_passes, by the core iterations they ran:
+        entry u - 1 counts those that ran u iterations, up to the deepest counted ([] before
+        any)."""
+
     def free(self) -> None:
         """Drop every request; idempotent."""
 

@@ -134,6 +134,14 @@ class NativeScheduler:
         self._engine._check(self._engine.lib.tl_sched_stats_get(self.handle, s))
         return {name: int(getattr(s, name)) for name in SCHED_STAT_NAMES}
 
+    def depth_counts(self) -> list[int]:
+        ffi, lib = self._engine.ffi, self._engine.lib
+        n = ffi.new("size_t*")
+        self._engine._check(lib.tl_sched_depth_counts(self.handle, ffi.NULL, 0, n))
+        counts = ffi.new("uint64_t[]", max(1, int(n[0])))
+        self._engine._check(lib.tl_sched_depth_counts(self.handle, counts, int(n[0]), n))
+        return [int(c) for c in counts[0:int(n[0])]]
+
     def free(self) -> None:
         if self.handle is not None:
             self._engine.ffi.release(self.handle)

@@ -111,6 +111,12 @@ class Scheduler:
         requests' rounds: tokens drafted, and drafted tokens the verifier emitted too)."""
         return self._live().stats()
 
+    def depth_counts(self) -> list[int]:
+        """The decode passes stats() counts in decode_passes by the core iterations they ran
+        (adaptive depth, docs/spec.md §5.7): entry u - 1 counts those that ran u iterations, up
+        to the deepest counted ([] before any decode pass)."""
+        return self._live().depth_counts()
+
     def close(self) -> None:
         """Drop every request; idempotent."""
         if self._engine is not None:

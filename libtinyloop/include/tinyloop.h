@@ -647,6 +647,13 @@ typedef struct tl_sched_stats {
 /* Snapshot of the scheduler's counters, filled up to out->size. */
 TL_API tl_status tl_sched_stats_get(const tl_sched* sched, tl_sched_stats* out);
 
+/* The decode passes tl_sched_stats.decode_passes counts, by the core iterations they ran:
+ * counts[u - 1] = the passes that ran u iterations (adaptive depth's exits, docs/spec.md §5.7;
+ * a pass without an exit rule runs its request's loops), for u = 1 .. min(n, *n_depths), where
+ * *n_depths (required) receives the deepest u counted so far (0 before any). counts may be NULL
+ * with n 0 (ask for *n_depths first). */
+TL_API tl_status tl_sched_depth_counts(const tl_sched* sched, uint64_t* counts, size_t n, size_t* n_depths);
+
 #ifdef __cplusplus
 }
 #endif

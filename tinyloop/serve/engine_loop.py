@@ -219,4 +219,5 @@ class EngineLoop:
             self._cancel(request)
 
     def _snapshot(self) -> dict[str, Any]:
-        return dict(self._scheduler.stats(), cache=self.model.cache_stats())
+        return dict(self._scheduler.stats(), cache=self.model.cache_stats(),
+                    depths=self._scheduler.depth_counts())

@@ -3,14 +3,16 @@
 Two kinds: what the request handlers observe (latency histograms, admitted prompt tokens,
 requests by finish reason) and what the engine counts, read from `EngineLoop.stats` at scrape
 time (requests running and waiting, tokens computed, generated, drafted and accepted,
-prefix-cache queries and hits, KV blocks). docs/serving.md lists every name.
+prefix-cache queries and hits, KV blocks, decode passes by the loops they ran).
+docs/serving.md lists every name.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily, Metric)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -71,6 +73,20 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, text, value=value(key))
         for name, text, key in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, text, value=value(key))
+        yield _depth_histogram(stats["depths"], stats["decode_loops"])
+
+
+def _depth_histogram(counts: list[int], loops: int) -> Metric:
+    """The decode passes by the core iterations they ran (adaptive depth's exits,
+    Scheduler.depth_counts): a bucket per depth up to the deepest seen, summing to the loops."""
+    running, buckets = 0, []
+    for depth, count in enumerate(counts, 1):
+        running += count
+        buckets.append((str(float(depth)), running))
+    return HistogramMetricFamily(
+        "tinyloop_decode_loops_per_token", "Decode passes by the core iterations they ran "
+        "(every token but a request's first; fewer than the request's loops where exit_rule "
+        "stopped it early)", buckets=buckets + [("+Inf", running)], sum_value=loops)
 
 
 class ServerMetrics:

@@ -84,6 +84,8 @@ struct tl_sched {
                                  or the held KV drops below refused_at                          */
     size_t refused_at;
     tl_sched_stats stats;     /* counters; running, waiting and kv_* filled on request         */
+    uint64_t depth_counts[TL_MAX_LOOPS]; /* [u - 1]: the decode passes counted that ran u iterations */
+    size_t n_depths;          /* the deepest u counted                                          */
     /* per-step scratch, [max_batch] each */
     tl_decode_rows rows;      /* the decoding requests' pass                                    */
     sched_req** row_reqs;     /* its rows' requests                                             */
@@ -649,6 +651,8 @@ static void sample_ready(tl_sched* s, size_t n_ready, step_events* ev) {
         if (why != TL_FINISH_ERROR && r->n_out > 1 && !r->speculative) { /* after a pass over an emitted token */
             s->stats.decode_passes++;
             s->stats.decode_loops += r->pass_depth;
+            s->depth_counts[r->pass_depth - 1]++;
+            if (r->pass_depth > s->n_depths) s->n_depths = r->pass_depth;
         }
         if (why != TL_FINISH_NONE) finish_request(s, r);
     }
@@ -692,5 +696,14 @@ TL_API tl_status tl_sched_stats_get(const tl_sched* s, tl_sched_stats* out) {
     v.kv_bytes = kv_alone(s, &v.kv_blocks);
     v.kv_budget_bytes = s->params.kv_budget_bytes;
     tl_copy_versioned(out, &v, sizeof v);
+    return TL_OK;
+}
+
+TL_API tl_status tl_sched_depth_counts(const tl_sched* s, uint64_t* counts, size_t n, size_t* n_depths) {
+    if (!s || !n_depths || (!counts && n > 0))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "sched or n_depths is NULL, or counts is NULL with n > 0");
+    *n_depths = s->n_depths;
+    const size_t copied = n < s->n_depths ? n : s->n_depths;
+    if (copied) memcpy(counts, s->depth_counts, copied * sizeof *counts);
     return TL_OK;
 }
