@@ -682,6 +682,8 @@ static void check_batch(tl_model* m, uint32_t V) {
 
 /* Every request through a scheduler (request i added at step i % 3); their tokens must be the
  * ones they get alone. Returns the final counters. */
+enum { TU_MAX_DEPTH = 64 }; /* deeper than any request here */
+
 static tl_sched_stats run_scheduled(tl_model* m, size_t max_batch, size_t step_tokens, size_t budget) {
     tl_sched_stats st = {.size = sizeof st};
     tl_sched_params sp = tl_sched_params_default();
@@ -708,6 +710,13 @@ static tl_sched_stats run_scheduled(tl_model* m, size_t max_batch, size_t step_t
         CHECK(n_got[i] == reqs[i].want.n && memcmp(got[i], reqs[i].want.tokens, n_got[i] * sizeof(int32_t)) == 0,
               "scheduler (batch %zu, step %zu, budget %zu): request %d got %zu tokens, want %zu", max_batch,
               step_tokens, budget, i, n_got[i], reqs[i].want.n);
+    uint64_t counts[TU_MAX_DEPTH], passes = 0, loops = 0;
+    size_t n_depths = 0;
+    CHECK_OK(tl_sched_depth_counts(s, counts, TU_MAX_DEPTH, &n_depths));
+    CHECK(n_depths <= TU_MAX_DEPTH && (n_depths == 0 || counts[n_depths - 1] > 0), "deepest count %zu", n_depths);
+    for (size_t u = 1; u <= n_depths && u <= TU_MAX_DEPTH; u++) passes += counts[u - 1], loops += u * counts[u - 1];
+    CHECK(passes == st.decode_passes && loops == st.decode_loops, "depth counts: %llu passes of %llu loops",
+          (unsigned long long)passes, (unsigned long long)loops);
     tl_sched_free(s);
     return st;
 }

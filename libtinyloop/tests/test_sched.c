@@ -281,6 +281,13 @@ static void test_bad_arguments(tl_model* m) {
     CHECK_OK(tl_sched_stats_get(s, &st));
     CHECK(st.size == offsetof(tl_sched_stats, steps) && st.running == 0 && st.waiting == 0 && st.steps == 12345,
           "a short struct is filled up to its size only");
+    size_t n_depths = 99;
+    uint64_t counts[2] = {7, 7};
+    CHECK_STATUS(tl_sched_depth_counts(s, counts, 2, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(tl_sched_depth_counts(s, NULL, 2, &n_depths), TL_ERR_INVALID_ARGUMENT);
+    CHECK_OK(tl_sched_depth_counts(s, NULL, 0, &n_depths));
+    CHECK_OK(tl_sched_depth_counts(s, counts, 2, &n_depths));
+    CHECK(n_depths == 0 && counts[0] == 7 && counts[1] == 7, "no decode pass yet: nothing counted or written");
     CHECK_OK(tl_sched_add(s, prompts[0], prompt_lengths[0], NULL, &id));
     tl_model_close(m);
     CHECK_STATUS(tl_sched_step(s, ids, tokens, finish, 32, &n), TL_ERR_CLOSED);
