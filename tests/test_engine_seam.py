@@ -49,7 +49,7 @@ IMPLEMENTATIONS = [(Engine, NativeEngine, PROTOCOL_METHODS), (Engine, PythonEngi
 
 
 def test_the_scheduler_protocol_declares_its_whole_interface():
-    assert SCHEDULER_METHODS == ["add", "cancel", "free", "stats", "step"]
+    assert SCHEDULER_METHODS == ["add", "cancel", "depth_counts", "free", "stats", "step"]
 
 
 @pytest.mark.parametrize("protocol, implementation, method", [

@@ -8,14 +8,11 @@
  * A batch may mix depths: its rows are ordered by depth, deepest first, so iteration i runs on
  * the first `active` rows (those deeper than i), and the rows whose depth is exactly i + 1 (the
  * last of those) then run coda_norm and the coda at that depth and leave with their final state.
- * A batch row may carry an exit rule (adaptive depth, docs/spec.md §5.7, core/exit_rule.h):
+ * A batch row may carry an exit rule (adaptive depth, docs/spec.md §5.7; forward_exits.c):
  * after iteration i a row whose rule fires copies its KV of iteration i into its deeper core
  * slots, moves behind the rows that go on and leaves too, running the coda in its own depth's
- * slots; rows without a rule run exactly as before. Under the kl and argmax rules a row is
- * first probed after iteration i: coda_norm and the coda on a copy of its state, in its own
- * depth's coda slots, then the head (all probed rows at once); one that exits keeps that
- * probe's final state and logits (done: no coda or head again), one that goes on overwrites
- * those coda slots later.
+ * slots (unless a kl or argmax probe has run it already: done); rows without a rule run
+ * exactly as before. The pass's state (struct fwd) is in cpu/pass.h.
  * A prefix build (loop_states) also finishes every shallower depth on a copy of the state after
  * each iteration, writing that depth's coda slots and keeping the last row's final state.
  * A chunk runs as a part pass (core/forward.h's tl_part): it may stop at a depth below the
@@ -43,61 +40,11 @@
 
 #include "base/alloc.h"
 #include "base/errors.h"
-#include "cpu/attention.h"
+#include "cpu/pass.h"
 #include "cpu/quant.h"
 #include "cpu/threadpool.h"
 
-typedef struct fwd {
-    const tl_engine* e;
-    const tl_config* c;
-    const tl_linear* linears; /* [n_linears] indexed like tl_file.linears              */
-    size_t T;                /* rows of the current step: the active ones, or a range  */
-    tl_seq** seqs;           /* [T] the sequence of each row                           */
-    size_t* pos;             /* [T] the position of each row                           */
-    int32_t* tokens;         /* [T]                                                    */
-    size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
-    uint32_t layer;          /* cache slot of the current layer                        */
-    bool simd;               /* SIMD kernels: acts need qx; AVX2 row operations         */
-    bool chunk;              /* the rows are positions pos[0] .. pos[0]+T-1 of one sequence */
-    uint32_t first_iter;     /* chunk: the first core iteration it runs (0 for a batch)  */
-    uint32_t depth;          /* chunk: the depth it runs to (a batch: unused)       */
-    uint32_t coda_depth;     /* chunk: whose coda slots its coda writes                */
-    float* x;                /* [T][d] the state the blocks run on                     */
-    float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e))       */
-    float* side;             /* [T][d] a prefix build: the state a shallower depth ends on;
-                                a batch with probes: the probed rows' copies           */
-    float* y;                /* [T][d] sandwich: a sublayer's output before its norm    */
-    float* qkv;              /* [T][qkv_dim]                                           */
-    float* o;                /* [T][hd]                                                */
-    float* gu;               /* [T][2F]                                                */
-    tl_acts acts;            /* [T][stride] for the next linear                        */
-    tl_attn_scratch* attn;   /* [pool threads]                                         */
-    size_t* order;           /* [T] batch: row r is the caller's order[r]              */
-    float* logits;           /* [T][V] batch: the rows' logits, in row order           */
-    uint32_t* ends;          /* [T] batch: the depth each row ends at (its own, or its exit's) */
-    const tl_exit* rules;    /* batch: the caller's exit rules (caller's order), or NULL */
-    tl_exit_state* exits;    /* [T] batch with an active exit rule: each row's; else NULL */
-    float* prev;             /* [T][d] with exits: the latent rule's storage            */
-    size_t* from;            /* [T] with exits: a reordering, new row r = old row from[r] */
-    void* moved;             /* [T][moved_row] with exits: a reordering's scratch       */
-    float* const* out;       /* batch: the caller's logits buffers (caller's order)     */
-    uint8_t* done;           /* [T] with probes: 1 for a row that exited with its probe's
-                                final state and logits (already in out); else NULL      */
-    size_t* probe_at;        /* [T] with probes: row r's probe row after this iteration,
-                                or SIZE_MAX                                             */
-    tl_seq** pseqs;          /* [T] with probes: the probed rows' sequences             */
-    size_t* ppos;            /* [T] with probes: their positions                        */
-    float* klz;              /* [kl rows][V] the kl rule's previous logits              */
-    int32_t* klw;            /* [kl rows][V] and its previous weights                   */
-    /* input of the quantize task */
-    const float* q_src;
-    size_t q_src_stride, q_cols;
-    bool q_rms;
-    /* input of the norm task */
-    float* rn_rows;
-    const float* rn_gain;
-    bool rn_add;
-} fwd;
+
 
 /* ---- scratch ------------------------------------------------------------------------------ */
 
@@ -124,20 +71,6 @@ enum { ATTN_TILE_MIN_ROWS = TL_AMX_MIN_TOKENS < 2 ? TL_AMX_MIN_TOKENS : 2 };
 static bool attends_on_tiles(const tl_engine* e, bool chunk, size_t T) {
     return chunk && e->isa == TL_ISA_AMX && T >= ATTN_TILE_MIN_ROWS;
 }
-
-/* The bytes of one row of the arrays a batch with exits reorders (partition_rows). */
-static size_t moved_row(const tl_config* cfg) {
-    const size_t state = cfg->d_model * sizeof(float);
-    return state > sizeof(tl_exit_state) ? state : sizeof(tl_exit_state);
-}
-
-/* What a batch's exit rules need besides the state of each row's rule: whether any row
- * probes, and how many rows keep the kl rule's previous logits. */
-typedef struct exit_needs {
-    bool adaptive;  /* some row's rule is active */
-    bool probes;    /* some row is kl or argmax  */
-    size_t kl_rows;
-} exit_needs;
 
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
  * buffers only for a batch, the exit rules' only for a batch with one (adaptive), the side
@@ -180,7 +113,7 @@ static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool bat
     f->exits = x.adaptive ? take(c, T * sizeof(tl_exit_state)) : NULL;
     f->prev = take(c, x.adaptive ? state : 0);
     f->from = take(c, x.adaptive ? T * sizeof(size_t) : 0);
-    f->moved = take(c, x.adaptive ? T * moved_row(cfg) : 0);
+    f->moved = take(c, x.adaptive ? T * tl_fwd_moved_row(cfg) : 0);
     f->done = x.probes ? take(c, T) : NULL;
     f->probe_at = take(c, x.probes ? T * sizeof(size_t) : 0);
     f->pseqs = take(c, x.probes ? T * sizeof(tl_seq*) : 0);
@@ -400,7 +333,7 @@ static void iteration(fwd* f, uint32_t i) {
 
 /* The end of depth `depth` for rows [lo, hi) of `state` (f->x or f->side): coda_norm, then the
  * coda blocks in depth `depth`'s slots. The rows' state becomes their final state. */
-static void end_depth(fwd* f, float* state, size_t lo, size_t hi, uint32_t depth) {
+void tl_fwd_end_depth(fwd* f, float* state, size_t lo, size_t hi, uint32_t depth) {
     const tl_config* c = f->c;
     if (lo == hi || !tl_has_coda(c)) return;
     const size_t d = c->d_model, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
@@ -466,132 +399,22 @@ static uint32_t row_depth(const fwd* f, size_t r) { return f->chunk ? f->depth :
 /* Whose coda slots row r's coda writes: a chunk's coda_depth, a batch row's sequence depth. */
 static uint32_t coda_of(const fwd* f, size_t r) { return f->chunk ? f->coda_depth : f->seqs[r]->loops; }
 
-static bool is_done(const fwd* f, size_t r) { return f->done && f->done[r]; }
 
 /* Rows [lo, T) end now: coda_norm and the coda, each run of rows of one coda depth at once;
  * a row done with its probe already has its final state. */
 static void end_rows(fwd* f, size_t lo) {
     for (size_t r = lo, g; r < f->T; r = g) {
         const uint32_t depth = coda_of(f, r);
-        for (g = r + 1; g < f->T && coda_of(f, g) == depth && is_done(f, g) == is_done(f, r); g++) continue;
-        if (!is_done(f, r)) end_depth(f, f->x, r, g, depth);
+        for (g = r + 1; g < f->T && coda_of(f, g) == depth && tl_fwd_done(f, g) == tl_fwd_done(f, r); g++) continue;
+        if (!tl_fwd_done(f, r)) tl_fwd_end_depth(f, f->x, r, g, depth);
     }
 }
 
 /* logits[T][V] of the final states x[T][d]. */
-static void head_rows(fwd* f, const float* x, float* logits) {
+void tl_fwd_head_rows(fwd* f, const float* x, float* logits) {
     const size_t d = f->c->d_model;
     quantize_rows(f, x, d, d, true);
     tl_linear_run(&f->linears[f->e->file.n_linears - 1], &f->acts, logits, f->c->vocab_size, false, f->e->pool);
-}
-
-/* ---- exits (docs/spec.md §5.7) ------------------------------------------------------------- */
-
-/* Each row's exit rule begun on x, the state entering iteration 0, with its storage. */
-static void begin_exits(fwd* f) {
-    const size_t d = f->c->d_model, V = f->c->vocab_size;
-    size_t k = 0; /* kl rows so far */
-    for (size_t r = 0; r < f->T; r++) {
-        const tl_exit* x = &f->rules[f->order[r]];
-        bool latent, kl, probes;
-        tl_exit_storage(x, f->seqs[r]->loops, &latent, &kl, &probes);
-        tl_exit_store store = {f->prev + r * d, NULL, NULL};
-        if (kl) {
-            store.logits = f->klz + k * V;
-            store.w = f->klw + k * V;
-            k++;
-        }
-        tl_exit_begin(&f->exits[r], x, f->seqs[r]->loops, f->x + r * d, store, &f->e->file);
-        if (f->done) f->done[r] = 0;
-    }
-}
-
-/* base[r] = old base[from[r]] for r < n, elements of `elem` bytes, through tmp. */
-static void gather(void* base, size_t elem, const size_t* from, size_t n, void* tmp) {
-    char* b = base;
-    char* t = tmp;
-    for (size_t r = 0; r < n; r++) memcpy(t + r * elem, b + from[r] * elem, elem);
-    memcpy(b, t, n * elem);
-}
-
-/* Rows [0, T) reordered, stably, so that those ending at depth `end` or before come after those
- * going on, and the done ones (probed) last: the order stays deepest first, and rows of one
- * coda depth stay together. */
-static void partition_rows(fwd* f, uint32_t end) {
-    const size_t T = f->T, state = f->c->d_model * sizeof(float);
-    size_t n = 0;
-    for (int key = 0; key < 3; key++)
-        for (size_t r = 0; r < T; r++)
-            if ((f->ends[r] > end ? 0 : is_done(f, r) ? 2 : 1) == key) f->from[n++] = r;
-    gather(f->x, state, f->from, T, f->moved);
-    if (f->c->injection) gather(f->inject, state, f->from, T, f->moved);
-    gather(f->seqs, sizeof *f->seqs, f->from, T, f->moved);
-    gather(f->pos, sizeof *f->pos, f->from, T, f->moved);
-    gather(f->tokens, sizeof *f->tokens, f->from, T, f->moved);
-    gather(f->order, sizeof *f->order, f->from, T, f->moved);
-    gather(f->ends, sizeof *f->ends, f->from, T, f->moved);
-    gather(f->exits, sizeof *f->exits, f->from, T, f->moved);
-    if (f->done) gather(f->done, sizeof *f->done, f->from, T, f->moved);
-}
-
-/* The probes after iteration i (docs/spec.md §5.7, kl and argmax): each row going deeper whose
- * rule asks for one gets a copy of its state in side (probe row probe_at[r]), which runs
- * coda_norm and the coda in its own depth's coda slots, each run of one depth at once; then
- * the head of every probed row into logits. */
-static void probe(fwd* f, uint32_t i) {
-    const size_t d = f->c->d_model, T = f->T;
-    size_t P = 0;
-    for (size_t r = 0; r < T; r++) {
-        f->probe_at[r] = SIZE_MAX;
-        if (f->ends[r] <= i + 1 || !tl_exit_probes(&f->exits[r], i)) continue;
-        f->probe_at[r] = P;
-        memcpy(f->side + P * d, f->x + r * d, d * sizeof(float));
-        f->pseqs[P] = f->seqs[r];
-        f->ppos[P++] = f->pos[r];
-    }
-    if (P == 0) return;
-    tl_seq** const seqs = f->seqs;
-    size_t* const pos = f->pos;
-    f->seqs = f->pseqs;
-    f->pos = f->ppos;
-    f->T = P;
-    for (size_t p = 0, g; p < P; p = g) { /* the rows stay deepest first: one run per depth */
-        const uint32_t depth = f->seqs[p]->loops;
-        for (g = p + 1; g < P && f->seqs[g]->loops == depth; g++) continue;
-        end_depth(f, f->side, p, g, depth);
-    }
-    head_rows(f, f->side, f->logits);
-    f->seqs = seqs;
-    f->pos = pos;
-    f->T = T;
-}
-
-/* After iteration i: every row going deeper whose rule fires exits with U = i + 1. Its KV of
- * iteration i is copied into the core slots of iterations i+1 .. L-1 at its position ("last
- * available"), its end becomes i + 1, and it moves behind the rows that go on. */
-static void take_exits(fwd* f, uint32_t i) {
-    const tl_config* c = f->c;
-    const size_t d = c->d_model, V = c->vocab_size, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
-    bool any = false;
-    for (size_t r = 0; r < f->T; r++) {
-        if (f->ends[r] <= i + 1) continue;
-        const size_t p = f->done ? f->probe_at[r] : SIZE_MAX;
-        const float* z = p == SIZE_MAX ? NULL : f->logits + p * V;
-        if (!tl_exit_after(&f->exits[r], &f->e->file, i, f->x + r * d, z)) continue;
-        const tl_seq* s = f->seqs[r];
-        for (uint32_t u = i + 1; u < s->loops; u++)
-            for (uint32_t j = 0; j < c->n_core_blocks; j++)
-                tl_kv_copy_layer(&f->e->kv_geom, &s->kv, f->pos[r], (uint32_t)(c->n_pre_blocks + i * per + j),
-                                 (uint32_t)(c->n_pre_blocks + u * per + j));
-        f->ends[r] = i + 1;
-        if (z) { /* the probe's final state and logits are the row's: nothing more runs for it */
-            memcpy(f->x + r * d, f->side + p * d, d * sizeof(float));
-            memcpy(f->out[f->order[r]], z, V * sizeof(float));
-            f->done[r] = 1;
-        }
-        any = true;
-    }
-    if (any) partition_rows(f, i + 1);
 }
 
 /* The layers of the rows (ordered deepest first) from the embedding in x, or from iteration
@@ -609,20 +432,20 @@ static void run_layers(fwd* f, const tl_part* part) {
         for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(f, b, b);
         if (c->injection) begin_injection(f);
     }
-    if (f->exits) begin_exits(f);
+    if (f->exits) tl_fwd_begin_exits(f);
     const uint32_t depth = row_depth(f, 0);
     for (uint32_t i = f->first_iter; i < row_depth(f, 0); i++) { /* row 0: the deepest going on */
         while (row_depth(f, f->T - 1) <= i) f->T--;
         iteration(f, i);
-        if (f->done) probe(f, i);
-        if (f->exits) take_exits(f, i);
+        if (f->done) tl_fwd_probe(f, i);
+        if (f->exits) tl_fwd_take_exits(f, i);
         size_t lo = f->T; /* rows [lo, T) end at depth i + 1 */
         while (lo > 0 && row_depth(f, lo - 1) == i + 1) lo--;
         if (states && lo == f->T) { /* a shallower depth of a prefix build */
             const float* final = f->x;
             if (tl_has_coda(c)) {
                 memcpy(f->side, f->x, f->T * d * sizeof(float));
-                end_depth(f, f->side, 0, f->T, i + 1);
+                tl_fwd_end_depth(f, f->side, 0, f->T, i + 1);
                 final = f->side;
             }
             memcpy(states + (size_t)i * d, final + (f->T - 1) * d, d * sizeof(float));
@@ -638,7 +461,7 @@ static void run_layers(fwd* f, const tl_part* part) {
 static void head_last(fwd* f, float* logits) {
     const size_t rows = f->T;
     f->T = 1;
-    head_rows(f, f->x + (rows - 1) * f->c->d_model, logits);
+    tl_fwd_head_rows(f, f->x + (rows - 1) * f->c->d_model, logits);
     f->T = rows;
 }
 
@@ -667,7 +490,7 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
     if (part->inject_out && f.c->injection) memcpy(part->inject_out, f.inject, state);
     if (part->hidden_all) memcpy(part->hidden_all, f.x, state);
     if (last_hidden) memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
-    if (part->logits_all) head_rows(&f, f.x, part->logits_all);
+    if (part->logits_all) tl_fwd_head_rows(&f, f.x, part->logits_all);
     if (part->logits_last) head_last(&f, part->logits_last);
     return TL_OK;
 }
@@ -724,11 +547,11 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
     run_layers(&f, NULL);
     size_t headed = B; /* rows [0, headed) need the head: all but the done ones, moved last */
     if (f.done) {
-        partition_rows(&f, UINT32_MAX);
+        tl_fwd_partition_rows(&f, UINT32_MAX);
         while (headed > 0 && f.done[headed - 1]) headed--;
     }
     f.T = headed;
-    if (headed) head_rows(&f, f.x, f.logits);
+    if (headed) tl_fwd_head_rows(&f, f.x, f.logits);
     f.T = B;
     for (size_t r = 0; r < B; r++) {
         memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
