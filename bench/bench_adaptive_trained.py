@@ -165,6 +165,8 @@ def greedy(model, prompts, loops, tokens, repeats, rule=None, threshold=None):
                 total[key] += stats[key]
         return total
     total, seconds = best_of(run, repeats)
+    if not total["tokens"]:                 # every generation stopped at once (an eos id)
+        return None, None
     return total["loops"] / total["tokens"], total["tokens"] / seconds
 
 
@@ -219,7 +221,8 @@ def row(model, loops, rule, q, tf_loops, tf_bpb, dec_loops, dec_bpb, greedy_loop
         full):
     return {"model": model, "L": loops, "rule": rule, "threshold": q, "tf loops": tf_loops,
             "tf bpb": tf_bpb, "dec loops": dec_loops, "dec bpb": dec_bpb,
-            "greedy loops": greedy_loops, "decode tok/s": speed, "speed-up": speed / full}
+            "greedy loops": greedy_loops, "decode tok/s": speed,
+            "speed-up": speed / full if speed and full else None}
 
 
 def model_file(source, workdir, label):

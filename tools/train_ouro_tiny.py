@@ -12,7 +12,10 @@ Contract:
         predicts and the exit gate means something: stage 1, all weights and the gate, on
         sum_t p(t|x) L_t - beta H(p(.|x)) per token (defaults: beta 0.1 as Ouro's stage 1a);
         then stage 2, --gate-steps steps (or --gate-minutes) of the gate alone, the LM frozen,
-        on Ouro's adaptive exit loss. --exit-threshold Q writes early_exit_threshold = Q.
+        on Ouro's adaptive exit loss (AdamW at --gate-lr, 10 warmup steps, cosine).
+        --exit-threshold Q writes early_exit_threshold = Q. --init FOLDER starts from a saved
+        folder's weights (with --steps 0: stage 2 alone). --threads T sets torch's threads (on
+        a CPU other jobs share, 1 thread runs steadier than 2).
 
 Why: the bundled demo model is an int8 file, so its "float" weights already sit on an int8
 grid; this model's weights are genuinely float, which makes int8's own loss measurable.
