@@ -52,8 +52,9 @@ def machine():
     return f"{platform.machine()} {platform.processor() or platform.system()}, python {platform.python_version()}"
 
 
-def write_results(name, rows, columns, notes=""):
-    """Write bench/results/<name>.json and .md; returns the markdown table."""
+def write_results(name, rows, columns, notes="", formats=None):
+    """Write bench/results/<name>.json and .md; returns the markdown table. `formats` maps a
+    column to its format spec in the table (floats default to two decimals)."""
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta = {"bench": name, "date": stamp, "machine": machine(), "notes": notes}
@@ -61,16 +62,19 @@ def write_results(name, rows, columns, notes=""):
     lines = [f"# {name}", "", f"{stamp}, {machine()}. {notes}".rstrip(), "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row[c]) for c in columns) + " |")
+        lines.append("| " + " | ".join(_fmt(row[c], (formats or {}).get(c)) for c in columns)
+                     + " |")
     table = "\n".join(lines) + "\n"
     (RESULTS / f"{name}.md").write_text(table)
     return table
 
 
-def _fmt(value):
+def _fmt(value, spec=None):
     if value is None:                   # a figure the row has not got (e.g. a crashed engine)
         return "—"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return format(value, spec or ".2f")
+    return str(value)
 
 
 def exit_text(returncode):
