@@ -3,6 +3,7 @@
     python bench/bench_adaptive_trained.py [--ouro [LABEL=]OURO ..] [--huginn [LABEL=]HUGINN ..]
         [--backend numba]
         [--gate-thresholds 0.3,0.5,0.7,0.9,1.0] [--latent-thresholds 0.01,0.03,0.1,0.3]
+        [--kl-thresholds 0.001,0.01,0.1]
         [--huginn-loops L[,L2..]] [--windows 8] [--prompts 4] [--tokens 64]
         [--repeats 2] [--name adaptive-trained]
 
@@ -12,7 +13,7 @@ given again for more models, LABEL naming its rows), as
 tools/train_ouro_tiny.py --objective ouro and tools/train_huginn_tiny.py make them
 (docs/performance.md, "Adaptive depth on trained models", has the commands). OURO is measured
 under the `gate` rule at --gate-thresholds, HUGINN under the `latent` rule at
---latent-thresholds (docs/spec.md §5.7), each at its depth L (the file's default_loops, or
+--latent-thresholds and the `kl` rule at --kl-thresholds (docs/spec.md §5.7), each at its depth L (the file's default_loops, or
 each of --huginn-loops), and both at every fixed depth 1..L for comparison. On the demo corpus's
 held-out split (tools/demo_corpus.py: every 40th chapter of the KJV), from its start:
 
@@ -102,9 +103,10 @@ def iteration_states(engine, tokens, loops):
     return entry, states
 
 
-def exits(engine, entry, states, rule, threshold, loops):
+def exits(engine, entry, states, logits, rule, threshold, loops):
     """Each position's exit U (1..loops) under the rule, judged by fallback/exit_rules.py on
-    its own full-depth states."""
+    its own full-depth states (and, for the rules that probe, its logits at each depth:
+    logits[i] (T, V) at depth i + 1)."""
     from tinyloop.fallback.exit_rules import exit_rule
     judge_rule = exit_rule(rule_params(rule, threshold, loops), engine.weights)
     if judge_rule is None:
@@ -113,7 +115,7 @@ def exits(engine, entry, states, rule, threshold, loops):
     for p in range(len(entry)):
         judge = judge_rule.start(entry[p])
         for i in range(loops - 1):
-            if judge.exits(i, states[i][p]):
+            if judge.exits(i, states[i][p], logits[i][p] if judge.probes else None):
                 out[p] = i + 1
                 break
     return out
@@ -182,9 +184,10 @@ def measure(name, path, rule, thresholds, loops, val, args):
         depth_bits = np.zeros((loops, len(windows), WINDOW - 1))     # [U-1, window, position]
         runs = []
         for j, wd in enumerate(windows):
+            logits = [model.logits(wd[:WINDOW], loops=u) for u in range(1, loops + 1)]
             for u in range(1, loops + 1):
-                depth_bits[u - 1, j] = bits(model.logits(wd[:WINDOW], loops=u)[1:], wd[2:])
-            runs.append(iteration_states(engine, wd[:WINDOW], loops))
+                depth_bits[u - 1, j] = bits(logits[u - 1][1:], wd[2:])
+            runs.append(iteration_states(engine, wd[:WINDOW], loops) + (logits,))
         full_speed = None
         for u in list(range(loops, 0, -1)):
             print(f"{name}: fixed depth {u} ...", flush=True)
@@ -197,8 +200,8 @@ def measure(name, path, rule, thresholds, loops, val, args):
         for q in thresholds:
             print(f"{name}: {rule} at {q} ...", flush=True)
             tf_loops, tf_bits = [], []
-            for j, (entry, states) in enumerate(runs):
-                u = exits(engine, entry, states, rule, q, loops)[1:]
+            for j, (entry, states, logits) in enumerate(runs):
+                u = exits(engine, entry, states, logits, rule, q, loops)[1:]
                 tf_loops.append(u)
                 tf_bits.append(depth_bits[u - 1, j, np.arange(WINDOW - 1)])
             dec_bits, dec_loops = [], []
@@ -253,6 +256,8 @@ def main(argv=None):
     ap.add_argument("--backend", default="numba", choices=("numpy", "numba", "native"))
     ap.add_argument("--gate-thresholds", type=floats, default=[0.3, 0.5, 0.7, 0.9, 1.0])
     ap.add_argument("--latent-thresholds", type=floats, default=[0.01, 0.03, 0.1, 0.3])
+    ap.add_argument("--kl-thresholds", type=floats, default=[],
+                    help="also run HUGINN under the kl rule at these (default: none)")
     ap.add_argument("--huginn-loops", type=lambda t: [int(v) for v in t.split(",")],
                     default=None, help="depths L to run the Huginn model at (default: its own)")
     ap.add_argument("--windows", type=int, default=8)
@@ -267,13 +272,14 @@ def main(argv=None):
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         runs = ([labelled(s, "ouro") + ("gate", args.gate_thresholds) for s in args.ouro]
-                + [labelled(s, "huginn") + ("latent", args.latent_thresholds)
-                   for s in args.huginn])
+                + [labelled(s, "huginn") + (rule, thresholds) for s in args.huginn
+                   for rule, thresholds in (("latent", args.latent_thresholds),
+                                            ("kl", args.kl_thresholds)) if thresholds])
         for n, (label, source, rule, thresholds) in enumerate(runs):
             path = model_file(source, tmp, f"{n}-{label}")
             with tinyloop.Model(path, backend="numpy") as probe:
                 config = probe.config()
-            depths = (args.huginn_loops if rule == "latent" and args.huginn_loops
+            depths = (args.huginn_loops if rule != "gate" and args.huginn_loops
                       else [config["default_loops"]])
             for loops in depths:
                 got, runtime = measure(label, path, rule, thresholds, loops, val, args)
@@ -287,7 +293,7 @@ def main(argv=None):
             f"tf = teacher-forced, dec = forced decoding, over the same {args.windows} x 255 "
             f"bytes; greedy = {args.prompts} prompts of "
             f"{PROMPT_BYTES} bytes + {args.tokens} tokens, best of {args.repeats}.")
-    formats = {"tf bpb": ".3f", "dec bpb": ".3f", "decode tok/s": ".0f"}
+    formats = {"threshold": "g", "tf bpb": ".3f", "dec bpb": ".3f", "decode tok/s": ".0f"}
     print(write_results(args.name, rows, list(rows[0]), note, formats))
     return 0
 

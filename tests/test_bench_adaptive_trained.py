@@ -31,7 +31,8 @@ def table(tmp_path_factory):
         assert bench.main(["--ouro", ouro, "--huginn", f"h={huginn}", "--huginn-loops", "2,3",
                            "--backend", "numpy", "--windows", "2", "--prompts", "1",
                            "--tokens", "3", "--repeats", "1", "--gate-thresholds", "0.5,1",
-                           "--latent-thresholds", "0.1", "--name", "t"]) == 0
+                           "--latent-thresholds", "0.1", "--kl-thresholds", "1e30",
+                           "--name", "t"]) == 0
     finally:
         patch.undo()
     return json.loads((tmp / "results" / "t.json").read_text())["rows"]
@@ -42,7 +43,17 @@ def test_a_row_per_fixed_depth_and_threshold(table):
     assert keys == ([("ouro", 3, "fixed", "")] * 3
                     + [("ouro", 3, "gate", 0.5), ("ouro", 3, "gate", 1.0)]
                     + [("h", 2, "fixed", "")] * 2 + [("h", 2, "latent", 0.1)]
-                    + [("h", 3, "fixed", "")] * 3 + [("h", 3, "latent", 0.1)])
+                    + [("h", 3, "fixed", "")] * 3 + [("h", 3, "latent", 0.1)]
+                    + [("h", 2, "fixed", "")] * 2 + [("h", 2, "kl", 1e30)]
+                    + [("h", 3, "fixed", "")] * 3 + [("h", 3, "kl", 1e30)])
+
+
+def test_kl_at_an_infinite_threshold_exits_as_soon_as_it_compares(table):
+    """kl compares iteration i with i - 1, so at q = 1e30 every token stops after iteration 1:
+    U = 2 at L = 3 (and at L = 2, the last iteration anyway), decoded and teacher-forced."""
+    for r in table:
+        if r["rule"] == "kl":
+            assert r["tf loops"] == r["dec loops"] == r["greedy loops"] == 2, r
 
 
 def test_loops_and_bits(table):
