@@ -39,8 +39,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from train_ouro_tiny import (VOCAB, NamedParameters, add_training_args, attention,  # noqa: E402
-                             rms_norm, split_corpus, swiglu, train, write_folder)
+from train_ouro_tiny import (VOCAB, NamedParameters, add_shape_args,  # noqa: E402
+                             add_training_args, attention, rms_norm, split_corpus, swiglu,
+                             train, write_folder)
 from tinyloop.quantize import rope_tables                                          # noqa: E402
 
 RMS_EPS, ROPE_BASE, SIGMA = 1e-6, 50000.0, 0.5
@@ -48,10 +49,7 @@ RMS_EPS, ROPE_BASE, SIGMA = 1e-6, 50000.0, 0.5
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", help="the checkpoint folder to write")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--ffn-dim", type=int, default=384)
+    add_shape_args(p)
     p.add_argument("--prelude", type=int, default=1)
     p.add_argument("--core", type=int, default=2)
     p.add_argument("--coda", type=int, default=1)

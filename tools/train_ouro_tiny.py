@@ -68,12 +68,17 @@ VOCAB, RMS_EPS, ROPE_THETA = 256, 1e-6, 10000.0
 GATE = ("model.early_exit_gate.weight", "model.early_exit_gate.bias")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shape_args(p):
+    """The output folder and the block widths, which every tiny trainer takes."""
     p.add_argument("out", help="the checkpoint folder to write")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--ffn-dim", type=int, default=384)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(p)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--passes", type=int, default=4, help="total_ut_steps")
     add_training_args(p)
