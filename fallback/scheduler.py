@@ -13,7 +13,9 @@ before the other requests, emitting its 1 .. K' tokens that step: the step is pl
 libtinyloop's (api/sched.c) plans it (_plan: K' fits the step's events and positions), and
 admission and the budget count K' positions for a round. A step whose new blocks would pass the
 budget preempts the newest running request: its cache is dropped and it waits at the head of
-the queue to prefill its input again. A step that fails preempts every running request, so a
+the queue to prefill its input again; a request with an exit rule (adaptive depth, docs/spec.md
+§5.7) prefills (and looks up) only its prompt and replays its emitted tokens at the depths
+they exited at, which it records, so its KV is again what it was. A step that fails preempts every running request, so a
 retried step recomputes them exactly; it returns the events emitted before the failure (rounds
 run first and emit as they go) and raises only when there are none, as libtinyloop's step does.
 The reference runs each row on its own (batching changes no result, only speed), so every
