@@ -164,8 +164,8 @@ def test_skipped_iterations_hold_the_last_computed_kv(models, exit_at):
     """The reference's decode pass: a token exiting after `exit_at` of 4 iterations leaves in
     every skipped core slot the keys and values of its last computed iteration, and the other
     iterations' slots as they were computed."""
-    from fallback.exit_rules import ForcedExit
-    from fallback.forward import decode_adaptive
+    from tinyloop.fallback.exit_rules import ForcedExit
+    from tinyloop.fallback.forward import decode_adaptive
 
     engine = models["int8-v2-coda"]._live_engine()
     cfg, loops = engine.config, 4

@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 import tinyloop
-from fallback.exit_rules import GateJudge
-from fallback.forward import forward_part, head_logits
+from tinyloop.fallback.exit_rules import GateJudge
+from tinyloop.fallback.forward import forward_part, head_logits
 
 from conftest import assert_same_bits
 from fidelity_floors import assert_faithful, cosines
