@@ -27,20 +27,20 @@ Q19_MAX = (1 << 19) - 1       # the kl rule's quantization of logit differences
 
 class ExitGate(NamedTuple):
     """The file's exit gate (spec §6.3): a 1-row int8 linear with a bias."""
-    w: np.ndarray       # (d,) int8, the final norm's gain folded in
+    w: np.ndarray       # (d,) the int8 weights as int64 (exact dot products), norm gain folded in
     scale: np.float32
     bias: np.float32
 
     @classmethod
     def from_tensors(cls, tensors):
-        return cls(np.asarray(tensors["exit_gate.w"], np.int8).reshape(-1),
+        return cls(np.asarray(tensors["exit_gate.w"], np.int8).reshape(-1).astype(np.int64),
                    F32(np.asarray(tensors["exit_gate.s"]).reshape(-1)[0]),
                    F32(np.asarray(tensors["exit_gate.b"]).reshape(-1)[0]))
 
     def probability(self, x, eps):
         """λ = sigmoid(linear(exit_gate; NQ(x)) + b) of one state x (d,) f32."""
         q, a = rms_quantize(x[None, :], eps)
-        acc = int(np.dot(q[0].astype(np.int64), self.w.astype(np.int64)))   # exact
+        acc = int(np.dot(q[0].astype(np.int64), self.w))                      # exact
         v = ((F32(acc) * a[0]) * self.scale) + self.bias
         e = exps(-v)
         return F32(1) / (F32(1) + e)
