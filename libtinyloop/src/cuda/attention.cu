@@ -543,16 +543,16 @@ tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_spa
         const unsigned heads = (unsigned)(n * H);
         a.row0 = r0;
         if (n_splits == 1) {
-            attention_kernel<<<heads, ATT_THREADS, 0, c->stream>>>(a);
+            TL_CU_LAUNCH(attention_kernel, heads, ATT_THREADS, 0, c->stream)(a);
             TL_CU_TRY(tl_cu_launched("attention kernel"));
             continue;
         }
         const dim3 grid(heads, n_splits);
-        split_scores_kernel<<<grid, ATT_THREADS, 0, c->stream>>>(a);
+        TL_CU_LAUNCH(split_scores_kernel, grid, ATT_THREADS, 0, c->stream)(a);
         TL_CU_TRY(tl_cu_launched("attention kernel (split scores)"));
-        split_sums_kernel<<<grid, ATT_THREADS, 0, c->stream>>>(a);
+        TL_CU_LAUNCH(split_sums_kernel, grid, ATT_THREADS, 0, c->stream)(a);
         TL_CU_TRY(tl_cu_launched("attention kernel (split sums)"));
-        split_merge_kernel<<<heads, MERGE_THREADS, 0, c->stream>>>(a);
+        TL_CU_LAUNCH(split_merge_kernel, heads, MERGE_THREADS, 0, c->stream)(a);
         TL_CU_TRY(tl_cu_launched("attention kernel (split merge)"));
     }
     return TL_OK;

@@ -32,6 +32,14 @@ extern "C" {
 #include "base/errors.h"
 }
 
+/* A kernel launch kernel<<<grid, block, shmem, stream>>>(args...), written
+ * TL_CU_LAUNCH(kernel, grid, block, shmem, stream)(args...): the one form that both nvcc and the
+ * tests' CPU emulation of the device (tests/cuda_emu/, whose cuda_runtime.h defines it first)
+ * compile. */
+#ifndef TL_CU_LAUNCH
+#define TL_CU_LAUNCH(kernel, grid, block, shmem, stream) kernel<<<grid, block, shmem, stream>>>
+#endif
+
 enum {
     TL_CU_TILE_M = 128,    /* tokens per tensor-core tile: activation rows are padded to it   */
     TL_CU_TILE_N = 128,    /* output rows per tile: weight rows are padded to it               */

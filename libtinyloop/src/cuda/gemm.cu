@@ -221,24 +221,28 @@ gemv_i4_kernel(const int8_t* __restrict__ A, int ld, const uint32_t* __restrict_
 static tl_status run_i8(tl_cuda* c, const int8_t* W, int ld, const int8_t* q, const gemm_out& o) {
     if (o.T >= TL_CU_GEMV_MAX_T) {
         const dim3 grid((unsigned)((o.R + BN - 1) / BN), (unsigned)((o.T + BM - 1) / BM));
-        gemm_tc_kernel<<<grid, TC_THREADS, 0, c->stream>>>(q, W, ld, o);
+        TL_CU_LAUNCH(gemm_tc_kernel, grid, TC_THREADS, 0, c->stream)(q, W, ld, o);
         return tl_cu_launched("tensor-core GEMM kernel");
     }
     const unsigned grid = (unsigned)((o.R + GEMV_WARPS - 1) / GEMV_WARPS);
-    if (o.T == 1) gemv_i8_kernel<1><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, W, ld, o);
-    else if (o.T == 2) gemv_i8_kernel<2><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, W, ld, o);
-    else if (o.T <= 4) gemv_i8_kernel<4><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, W, ld, o);
-    else gemv_i8_kernel<8><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, W, ld, o);
+    if (o.T == 1) TL_CU_LAUNCH(gemv_i8_kernel<1>, grid, GEMV_WARPS * 32, 0, c->stream)(q, W, ld, o);
+    else if (o.T == 2) TL_CU_LAUNCH(gemv_i8_kernel<2>, grid, GEMV_WARPS * 32, 0, c->stream)(q, W, ld, o);
+    else if (o.T <= 4) TL_CU_LAUNCH(gemv_i8_kernel<4>, grid, GEMV_WARPS * 32, 0, c->stream)(q, W, ld, o);
+    else TL_CU_LAUNCH(gemv_i8_kernel<8>, grid, GEMV_WARPS * 32, 0, c->stream)(q, W, ld, o);
     return tl_cu_launched("GEMV kernel");
 }
 
 static tl_status run_i4(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, const gemm_out& o) {
     const unsigned grid = (unsigned)((o.R + GEMV_WARPS - 1) / GEMV_WARPS);
     const int ld = (int)L->cols_pad, words = (int)(L->cols / 8);
-    if (o.T == 1) gemv_i4_kernel<1><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, ld, L->w4, L->m8, words, o);
-    else if (o.T == 2) gemv_i4_kernel<2><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, ld, L->w4, L->m8, words, o);
-    else if (o.T <= 4) gemv_i4_kernel<4><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, ld, L->w4, L->m8, words, o);
-    else gemv_i4_kernel<8><<<grid, GEMV_WARPS * 32, 0, c->stream>>>(q, ld, L->w4, L->m8, words, o);
+    if (o.T == 1)
+        TL_CU_LAUNCH(gemv_i4_kernel<1>, grid, GEMV_WARPS * 32, 0, c->stream)(q, ld, L->w4, L->m8, words, o);
+    else if (o.T == 2)
+        TL_CU_LAUNCH(gemv_i4_kernel<2>, grid, GEMV_WARPS * 32, 0, c->stream)(q, ld, L->w4, L->m8, words, o);
+    else if (o.T <= 4)
+        TL_CU_LAUNCH(gemv_i4_kernel<4>, grid, GEMV_WARPS * 32, 0, c->stream)(q, ld, L->w4, L->m8, words, o);
+    else
+        TL_CU_LAUNCH(gemv_i4_kernel<8>, grid, GEMV_WARPS * 32, 0, c->stream)(q, ld, L->w4, L->m8, words, o);
     return tl_cu_launched("int4 GEMV kernel");
 }
 

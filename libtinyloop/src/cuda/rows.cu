@@ -143,15 +143,15 @@ rms_norm_kernel(const float* src, const float* g, int n, float eps, int add, flo
 /* ---- launch wrappers ------------------------------------------------------------------------- */
 
 tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x) {
-    embed_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(rows, c->emb_w, c->emb_ld, c->emb_s,
-                                                             c->cfg.embed_scale, (int)c->cfg.d_model, x);
+    TL_CU_LAUNCH(embed_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
+    (rows, c->emb_w, c->emb_ld, c->emb_s, c->cfg.embed_scale, (int)c->cfg.d_model, x);
     return tl_cu_launched("embedding kernel");
 }
 
 tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
                          size_t lda, float* scale) {
-    quantize_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(x, xs, (int)n, rms ? 1 : 0, c->cfg.rms_eps, q,
-                                                                lda, scale);
+    TL_CU_LAUNCH(quantize_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
+    (x, xs, (int)n, rms ? 1 : 0, c->cfg.rms_eps, q, lda, scale);
     return tl_cu_launched(rms ? "NQ kernel" : "Q8 kernel");
 }
 
@@ -164,21 +164,20 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
     const size_t blocks = T * (cfg->n_heads + 2 * (size_t)cfg->n_kv_heads);
     if (blocks > 0x7fffffffu) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: %zu rows is too many", T);
     const unsigned grid = (unsigned)blocks;
-    rope_kv_kernel<<<grid, HEAD_THREADS, 0, c->stream>>>(rows, qkv, qkv_dim, c->rope_cos, c->rope_sin,
-                                                         (int)cfg->n_heads, (int)cfg->n_kv_heads,
-                                                         (int)cfg->head_dim, layer, block_size, head_bytes,
-                                                         kv_bits);
+    TL_CU_LAUNCH(rope_kv_kernel, grid, HEAD_THREADS, 0, c->stream)
+    (rows, qkv, qkv_dim, c->rope_cos, c->rope_sin, (int)cfg->n_heads, (int)cfg->n_kv_heads, (int)cfg->head_dim, layer,
+     block_size, head_bytes, kv_bits);
     return tl_cu_launched("RoPE / KV write kernel");
 }
 
 tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale) {
-    swiglu_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(gu, (int)c->cfg.ffn_dim, q, lda, scale);
+    TL_CU_LAUNCH(swiglu_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)(gu, (int)c->cfg.ffn_dim, q, lda, scale);
     return tl_cu_launched("SwiGLU kernel");
 }
 
 tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add) {
     if (T == 0) return TL_OK;
-    rms_norm_kernel<<<(unsigned)T, ROW_THREADS, 0, c->stream>>>(src, gain, (int)c->cfg.d_model, c->cfg.rms_eps,
-                                                                add ? 1 : 0, dst);
+    TL_CU_LAUNCH(rms_norm_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
+    (src, gain, (int)c->cfg.d_model, c->cfg.rms_eps, add ? 1 : 0, dst);
     return tl_cu_launched("RN kernel");
 }
