@@ -2,8 +2,9 @@
  *
  * usage: test_golden GOLDEN_DIR
  * Runs every case of GOLDEN_DIR/manifest.txt on every kernel path this CPU has (scalar with
- * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and
- * compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
+ * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and, where
+ * a CUDA device is available (a GPU, or the emulated one of a TINYLOOP_CUDA_EMULATION build), on
+ * it with blocks of 4, and compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
  * numpy's blob byte for byte, and that blob loads and generates the same tokens. */
 #include <stdlib.h>
 #include <string.h>
@@ -157,7 +158,20 @@ static void run_case(const char* kind, const fields* f, tl_model* m, const char*
 typedef struct config {
     tl_isa isa;
     uint32_t threads, block_size;
+    tl_device device;
 } config;
+
+static tl_model* open_on(const char* path, const config* c) {
+    tl_model_params p = tl_model_params_default();
+    p.n_threads = c->threads;
+    p.isa = c->isa;
+    p.kv_block_size = c->block_size;
+    p.device = c->device;
+    tl_model* m = NULL;
+    CHECK(tl_model_open(path, &p, &m) == TL_OK, "tl_model_open(%s) on device %d: %s", path, (int)c->device,
+          tl_last_error());
+    return m;
+}
 
 int main(int argc, char** argv) {
     if (argc != 2) {
@@ -172,12 +186,13 @@ int main(int argc, char** argv) {
         fprintf(stderr, "cannot open %s\n", path);
         return 2;
     }
-    config configs[4] = {{TL_ISA_SCALAR, 1, 16}};
+    config configs[5] = {{TL_ISA_SCALAR, 1, 16, TL_DEVICE_CPU}};
     int n_configs = 1;
     for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AMX; isa++)
-        if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4};
+        if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4, TL_DEVICE_CPU};
+    if (tl_device_check(TL_DEVICE_CUDA) == TL_OK) configs[n_configs++] = (config){TL_ISA_AUTO, 1, 4, TL_DEVICE_CUDA};
     char line[4096], model_name[256] = "";
-    tl_model* models[4] = {NULL};
+    tl_model* models[5] = {NULL};
     int n_cases = 0;
     while (fgets(line, sizeof line, manifest)) {
         char kind[32];
@@ -198,12 +213,13 @@ int main(int argc, char** argv) {
             snprintf(path, sizeof path, "%s/%s", golden_dir, model_name);
             for (int c = 0; c < n_configs; c++) {
                 tl_model_free(models[c]);
-                models[c] = tu_open(path, configs[c].threads, configs[c].isa, configs[c].block_size);
+                models[c] = open_on(path, &configs[c]);
             }
         }
         for (int c = 0; c < n_configs; c++) {
             char where[512];
-            snprintf(where, sizeof where, "%s isa %d threads %u", model_name, configs[c].isa, configs[c].threads);
+            snprintf(where, sizeof where, "%s %s isa %d threads %u", model_name,
+                     configs[c].device == TL_DEVICE_CUDA ? "cuda" : "cpu", configs[c].isa, configs[c].threads);
             if (models[c]) run_case(kind, &f, models[c], where);
         }
         n_cases++;
@@ -211,7 +227,8 @@ int main(int argc, char** argv) {
     }
     fclose(manifest);
     for (int c = 0; c < n_configs; c++) tl_model_free(models[c]);
-    printf("test_golden: %d cases x %d kernel paths\n", n_cases, n_configs);
+    printf("test_golden: %d cases x %d kernel paths (%s)\n", n_cases, n_configs,
+           configs[n_configs - 1].device == TL_DEVICE_CUDA ? "the last on CUDA" : "CPU only");
     CHECK(n_cases > 0, "no cases in the manifest");
     return tu_finish("test_golden");
 }

@@ -69,6 +69,8 @@ struct block_run {
     std::vector<thread_slot> threads;
     std::vector<warp_slots> warps;
     fiber scheduler;
+    std::vector<size_t> round;  /* the threads this round runs, in order */
+    size_t next;          /* round[next] runs after the current thread */
     size_t current;
     bool in_thread;       /* a thread runs (else the scheduler does) */
     int barrier_or;
@@ -120,21 +122,27 @@ void arrange(std::vector<size_t>& items, uint64_t* rng) {
     }
 }
 
+/* The current thread stops (in state st): the next one of the round runs, straight from this
+ * fiber, or the scheduler once the round is over. */
+void yield(block_run* b, state st, bool exiting) {
+    thread_slot& t = b->threads[b->current];
+    t.st = st;
+    if (b->next == b->round.size()) {
+        b->in_thread = false;
+        fiber_switch(&t.f, &b->scheduler, exiting);
+        return;
+    }
+    const size_t i = b->round[b->next++];
+    b->current = i;
+    threadIdx = b->threads[i].tid;
+    fiber_switch(&t.f, &b->threads[i].f, exiting);
+}
+
 void thread_main(void*) {
     fiber_started();
     block_run* b = running;
     (*b->body)();
-    thread_slot& t = b->threads[b->current];
-    t.st = state::done;
-    fiber_switch(&t.f, &b->scheduler, true);
-}
-
-void resume(block_run* b, size_t i) {
-    b->current = i;
-    threadIdx = b->threads[i].tid;
-    b->in_thread = true;
-    fiber_switch(&b->scheduler, &b->threads[i].f, false);
-    b->in_thread = false;
+    yield(b, state::done, true);
 }
 
 /* Release what can go on once no thread is runnable: each warp whose lanes all wait in a warp
@@ -195,17 +203,20 @@ void run_block(block_run* b) {
         t.exchanges = 0;
         t.waiting = "";
     }
-    std::vector<size_t> ready;
     for (;;) {
-        ready.clear();
+        b->round.clear();
         for (size_t i = 0; i < n; i++)
-            if (b->threads[i].st == state::runnable) ready.push_back(i);
-        if (ready.empty()) {
+            if (b->threads[i].st == state::runnable) b->round.push_back(i);
+        if (b->round.empty()) {
             if (!release(b)) return; /* every thread is done */
             continue;
         }
-        arrange(ready, &b->rng);
-        for (size_t i : ready) resume(b, i);
+        arrange(b->round, &b->rng);
+        b->current = b->round[0];
+        b->next = 1;
+        threadIdx = b->threads[b->current].tid;
+        b->in_thread = true;
+        fiber_switch(&b->scheduler, &b->threads[b->current].f, false);
     }
 }
 
@@ -228,9 +239,8 @@ uint64_t warp_exchange(unsigned mask, uint64_t value, int src, bool xor_mode, co
     const unsigned gen = t.exchanges++ & 1;
     const int lane = (int)(i % 32);
     w.value[gen][lane] = value;
-    t.st = state::at_warp;
     t.waiting = what;
-    fiber_switch(&t.f, &b->scheduler, false);
+    yield(b, state::at_warp, false);
     return w.value[gen][xor_mode ? (lane ^ src) : (src & 31)];
 }
 
@@ -239,9 +249,8 @@ int block_barrier(int predicate) {
     if (!b) kernel_fault("__syncthreads called outside a kernel");
     thread_slot& t = b->threads[b->current];
     t.predicate = predicate;
-    t.st = state::at_barrier;
     t.waiting = "__syncthreads";
-    fiber_switch(&t.f, &b->scheduler, false);
+    yield(b, state::at_barrier, false);
     return b->barrier_or;
 }
 

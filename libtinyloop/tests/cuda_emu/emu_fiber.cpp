@@ -78,19 +78,21 @@ void fiber_init(fiber* f, void* stack_lo, size_t size, void (*entry)(void*), voi
 }
 
 #ifdef TL_EMU_ASAN
-/* The bounds of the stack that switched into the current fiber last: the OS thread's own, whose
- * fiber record (stack_lo NULL) learns them here. */
-static thread_local const void* from_lo;
-static thread_local size_t from_size;
+/* The bounds of the OS thread's own stack (a fiber record with stack_lo NULL), learned when the
+ * first fiber starts: the scheduler, on that stack, starts it. */
+static thread_local const void* os_lo;
+static thread_local size_t os_size;
 #endif
 
 void fiber_switch(fiber* from, fiber* to, bool exiting) {
 #ifdef TL_EMU_ASAN
-    const void* lo = to->stack_lo ? to->stack_lo : from_lo;
-    const size_t size = to->stack_lo ? to->stack_size : from_size;
+    const void* lo = to->stack_lo ? to->stack_lo : os_lo;
+    const size_t size = to->stack_lo ? to->stack_size : os_size;
     __sanitizer_start_switch_fiber(exiting ? NULL : &from->fake_stack, lo, size);
     tl_emu_swap(&from->sp, to->sp);
-    __sanitizer_finish_switch_fiber(from->fake_stack, &from_lo, &from_size);
+    const void* ignored_lo;
+    size_t ignored_size;
+    __sanitizer_finish_switch_fiber(from->fake_stack, &ignored_lo, &ignored_size);
 #else
     (void)exiting;
     tl_emu_swap(&from->sp, to->sp);
@@ -99,7 +101,13 @@ void fiber_switch(fiber* from, fiber* to, bool exiting) {
 
 void fiber_started() {
 #ifdef TL_EMU_ASAN
-    __sanitizer_finish_switch_fiber(NULL, &from_lo, &from_size);
+    const void* lo;
+    size_t size;
+    __sanitizer_finish_switch_fiber(NULL, &lo, &size);
+    if (!os_lo) {
+        os_lo = lo;
+        os_size = size;
+    }
 #endif
 }
 
