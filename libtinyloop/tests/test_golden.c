@@ -4,7 +4,8 @@
  * Runs every case of GOLDEN_DIR/manifest.txt on every kernel path this CPU has (scalar with
  * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and, where
  * a CUDA device is available (a GPU, or the emulated one of a TINYLOOP_CUDA_EMULATION build), on
- * it with blocks of 4, and compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
+ * it with blocks of 4 (only every n-th case of each model with TINYLOOP_GOLDEN_CUDA_EVERY=n: the
+ * emulation is slow), and compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
  * numpy's blob byte for byte, and that blob loads and generates the same tokens. */
 #include <stdlib.h>
 #include <string.h>
@@ -191,9 +192,11 @@ int main(int argc, char** argv) {
     for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AMX; isa++)
         if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4, TL_DEVICE_CPU};
     if (tl_device_check(TL_DEVICE_CUDA) == TL_OK) configs[n_configs++] = (config){TL_ISA_AUTO, 1, 4, TL_DEVICE_CUDA};
+    const char* every_env = getenv("TINYLOOP_GOLDEN_CUDA_EVERY");
+    const int cuda_every = every_env && atoi(every_env) > 1 ? atoi(every_env) : 1;
     char line[4096], model_name[256] = "";
     tl_model* models[5] = {NULL};
-    int n_cases = 0;
+    int n_cases = 0, n_cuda = 0, model_case = 0;
     while (fgets(line, sizeof line, manifest)) {
         char kind[32];
         fields f = {0};
@@ -215,20 +218,24 @@ int main(int argc, char** argv) {
                 tl_model_free(models[c]);
                 models[c] = open_on(path, &configs[c]);
             }
+            model_case = 0;
         }
         for (int c = 0; c < n_configs; c++) {
+            if (configs[c].device == TL_DEVICE_CUDA && model_case % cuda_every != 0) continue;
+            n_cuda += configs[c].device == TL_DEVICE_CUDA;
             char where[512];
             snprintf(where, sizeof where, "%s %s isa %d threads %u", model_name,
                      configs[c].device == TL_DEVICE_CUDA ? "cuda" : "cpu", configs[c].isa, configs[c].threads);
             if (models[c]) run_case(kind, &f, models[c], where);
         }
         n_cases++;
+        model_case++;
         if (tu_failures > 30) break;
     }
     fclose(manifest);
     for (int c = 0; c < n_configs; c++) tl_model_free(models[c]);
-    printf("test_golden: %d cases x %d kernel paths (%s)\n", n_cases, n_configs,
-           configs[n_configs - 1].device == TL_DEVICE_CUDA ? "the last on CUDA" : "CPU only");
+    printf("test_golden: %d cases x %d kernel paths on the CPU, %d on CUDA\n", n_cases,
+           n_configs - (configs[n_configs - 1].device == TL_DEVICE_CUDA), n_cuda);
     CHECK(n_cases > 0, "no cases in the manifest");
     return tu_finish("test_golden");
 }

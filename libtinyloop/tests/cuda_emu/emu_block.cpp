@@ -117,7 +117,8 @@ void arrange(std::vector<size_t>& items, uint64_t* rng) {
     case order::forward: break;
     case order::reverse: std::reverse(items.begin(), items.end()); break;
     case order::random:
-        for (size_t i = items.size(); i > 1; i--) std::swap(items[i - 1], items[next_random(rng) % i]);
+        for (size_t i = items.size(); i > 1; i--)
+            std::swap(items[i - 1], items[(size_t)(((unsigned __int128)next_random(rng) * i) >> 64)]);
         break;
     }
 }

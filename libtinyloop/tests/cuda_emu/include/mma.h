@@ -1,8 +1,10 @@
 /* mma.h (CPU emulation, tests only) — nvcuda::wmma for 16 x 16 x 16 tiles of 8-bit integers
  * accumulated in 32-bit integers, with the instruction's exact integer result (sums mod 2^32).
  *
- * Each lane holds a whole fragment (the hardware spreads it over the warp's lanes; no code here may
- * index a fragment's elements, so nothing can tell). The memory side keeps the hardware's rules:
+ * Each lane holds whole A and B fragments but owns only its share of an accumulator, elements e
+ * with e % 32 == lane, as the hardware spreads fragments over the warp's lanes (no code here may
+ * index a fragment's elements, so nothing can tell): mma_sync computes that share, store_matrix_sync
+ * writes it. The memory side keeps the hardware's rules:
  * load_matrix_sync reads the tile when the calling lane reaches it, store_matrix_sync writes only
  * the calling lane's share of the tile (elements e with e % 32 == lane), and neither synchronizes
  * the warp: a lane that reads the stored tile before a __syncwarp sees its neighbours' elements
@@ -62,19 +64,17 @@ inline void fill_fragment(fragment<accumulator, 16, 16, 16, T>& f, T value) {
     for (int i = 0; i < 256; i++) f.v[i] = value;
 }
 
-/* d = a * b + c over 32-bit integers, each sum mod 2^32 as the instruction (the library's exact
- * sums never wrap). */
+/* d = a * b + c over 32-bit integers (the calling lane's share of d), each sum mod 2^32 as the
+ * instruction (the library's exact sums never wrap). */
 template <typename TA, typename TB, typename LA, typename LB>
 inline void mma_sync(fragment<accumulator, 16, 16, 16, int>& d, const fragment<matrix_a, 16, 16, 16, TA, LA>& a,
                      const fragment<matrix_b, 16, 16, 16, TB, LB>& b, const fragment<accumulator, 16, 16, 16, int>& c) {
-    int out[256];
-    for (int m = 0; m < 16; m++)
-        for (int n = 0; n < 16; n++) {
-            uint32_t s = (uint32_t)c.v[m * 16 + n];
-            for (int k = 0; k < 16; k++) s += (uint32_t)((int)a.v[m * 16 + k] * (int)b.v[k * 16 + n]);
-            out[m * 16 + n] = (int)s;
-        }
-    for (int i = 0; i < 256; i++) d.v[i] = out[i];
+    for (int e = tl_emu::lane_id(); e < 256; e += 32) {
+        const int m = e / 16, n = e % 16;
+        uint32_t s = (uint32_t)c.v[e];
+        for (int k = 0; k < 16; k++) s += (uint32_t)((int)a.v[m * 16 + k] * (int)b.v[k * 16 + n]);
+        d.v[e] = (int)s;
+    }
 }
 
 template <typename T>
