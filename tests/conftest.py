@@ -26,6 +26,10 @@ settings.register_profile("dev", max_examples=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
+# the libtinyloop CUDA backend on the CPU emulation of the device (libtinyloop/run_cuda_emulation.sh):
+# a pass costs a second or more there
+settings.register_profile("emulated", max_examples=3, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("deep", max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

@@ -33,6 +33,7 @@ def _error_types(lib: Any) -> dict[int, type[Exception]]:
     table: dict[int, type[Exception]] = {status: ValueError for status in value_errors}
     table[lib.TL_ERR_BAD_FILE] = ModelFormatError
     table[lib.TL_ERR_IO] = OSError
+    table[lib.TL_ERR_OUT_OF_MEMORY] = MemoryError     # the Engine contract: a step may be retried
     return table
 
 

@@ -5,7 +5,8 @@
  * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and, where
  * a CUDA device is available (a GPU, or the emulated one of a TINYLOOP_CUDA_EMULATION build), on
  * it with blocks of 4 (only every n-th case of each model with TINYLOOP_GOLDEN_CUDA_EVERY=n: the
- * emulation is slow), and compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
+ * emulation is slow; only there with TINYLOOP_GOLDEN_DEVICE=cuda), and compares logits by bit
+ * pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
  * numpy's blob byte for byte, and that blob loads and generates the same tokens. */
 #include <stdlib.h>
 #include <string.h>
@@ -187,11 +188,14 @@ int main(int argc, char** argv) {
         fprintf(stderr, "cannot open %s\n", path);
         return 2;
     }
+    const char* only = getenv("TINYLOOP_GOLDEN_DEVICE");
+    const bool cuda_only = only && strcmp(only, "cuda") == 0;
     config configs[5] = {{TL_ISA_SCALAR, 1, 16, TL_DEVICE_CPU}};
-    int n_configs = 1;
-    for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AMX; isa++)
+    int n_configs = cuda_only ? 0 : 1;
+    for (tl_isa isa = TL_ISA_AVX2; !cuda_only && isa <= TL_ISA_AMX; isa++)
         if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4, TL_DEVICE_CPU};
     if (tl_device_check(TL_DEVICE_CUDA) == TL_OK) configs[n_configs++] = (config){TL_ISA_AUTO, 1, 4, TL_DEVICE_CUDA};
+    CHECK(n_configs > 0, "TINYLOOP_GOLDEN_DEVICE=cuda, but no CUDA device: %s", tl_last_error());
     const char* every_env = getenv("TINYLOOP_GOLDEN_CUDA_EVERY");
     const int cuda_every = every_env && atoi(every_env) > 1 ? atoi(every_env) : 1;
     char line[4096], model_name[256] = "";
@@ -235,7 +239,7 @@ int main(int argc, char** argv) {
     fclose(manifest);
     for (int c = 0; c < n_configs; c++) tl_model_free(models[c]);
     printf("test_golden: %d cases x %d kernel paths on the CPU, %d on CUDA\n", n_cases,
-           n_configs - (configs[n_configs - 1].device == TL_DEVICE_CUDA), n_cuda);
+           n_configs - (n_configs > 0 && configs[n_configs - 1].device == TL_DEVICE_CUDA), n_cuda);
     CHECK(n_cases > 0, "no cases in the manifest");
     return tu_finish("test_golden");
 }

@@ -18,6 +18,7 @@
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define TL_EMU_ASAN 1
+enum { TOP_UNPOISON = 16 << 10 };
 #endif
 
 extern "C" void tl_emu_swap(void** save_sp, void* next_sp);
@@ -60,7 +61,11 @@ namespace tl_emu {
 
 void fiber_init(fiber* f, void* stack_lo, size_t size, void (*entry)(void*), void* arg) {
 #ifdef TL_EMU_ASAN
-    __asan_unpoison_memory_region(stack_lo, size); /* no stale red zones from the last fiber here */
+    /* The last fiber on this stack left the red zones of the frames it never returned from
+     * (near the top: it exits from inside a switch) poisoned: clear them before the stores below.
+     * Deeper down, each new frame sets its own shadow when it is entered. */
+    const size_t stale = size < (size_t)TOP_UNPOISON ? size : (size_t)TOP_UNPOISON;
+    __asan_unpoison_memory_region((char*)stack_lo + size - stale, stale);
 #endif
     const uintptr_t top = ((uintptr_t)stack_lo + size) & ~(uintptr_t)15;
     uint64_t* s = (uint64_t*)(top - 72); /* S + 56 = top - 16 */

@@ -20,7 +20,7 @@
  *   - cudaGraphExecUpdate succeeds only for the same sequence of node kinds and kernels.
  * Failures on purpose: TINYLOOP_CUDA_EMU_FAIL="call:n[,call:n...]" makes the n-th use (from 1)
  * of each named call fail (allocations with cudaErrorMemoryAllocation, others with
- * cudaErrorUnknown); the count restarts when the variable changes. One lock serializes the
+ * cudaErrorUnknown); the count restarts whenever the variable is set. One lock serializes the
  * device: calls from several host threads are safe. TINYLOOP_CUDA_EMU_REPORT names a file that
  * gets each kernel's launch count at exit. */
 #include <pthread.h>
@@ -140,7 +140,8 @@ struct device_state {
     tl_emu_stream legacy;                      /* the NULL stream            */
     std::vector<tl_emu_stream*> streams;       /* created ones               */
     std::map<std::string, unsigned long> calls;  /* injectable calls so far    */
-    std::string fail_spec;                     /* TINYLOOP_CUDA_EMU_FAIL seen */
+    const char* fail_env = nullptr;            /* TINYLOOP_CUDA_EMU_FAIL seen: its storage */
+    std::string fail_spec;                     /*   and its text                           */
     std::map<std::string, unsigned long> launches;
 };
 
@@ -163,7 +164,8 @@ bool injected(const char* call) {
     device_state& d = dev();
     const char* spec = getenv("TINYLOOP_CUDA_EMU_FAIL");
     const std::string now = spec ? spec : "";
-    if (now != d.fail_spec) {
+    if (spec != d.fail_env || now != d.fail_spec) { /* set again (new storage) or changed */
+        d.fail_env = spec;
         d.fail_spec = now;
         d.calls.clear();
     }

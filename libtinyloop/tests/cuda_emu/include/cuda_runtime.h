@@ -68,7 +68,8 @@ struct __attribute__((aligned(16))) int4 {
     int x, y, z, w;
 };
 
-/* The running thread's coordinates (emu_block.cpp sets them before resuming a thread). */
+/* The running thread's coordinates (emu_block.cpp sets them before resuming a thread). Code
+ * that reads them is compiled with -fno-extern-tls-init: no initialization wrapper per access. */
 extern thread_local uint3 threadIdx;
 extern thread_local uint3 blockIdx;
 extern thread_local dim3 blockDim;
