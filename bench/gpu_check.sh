@@ -9,8 +9,10 @@
 # is fetched. Steps, most important first, each with a time limit so the whole script ends
 # within 8 minutes:
 #  1. build libtinyloop with TINYLOOP_CUDA=ON (sm_90 unless CUDA_ARCH says otherwise) + ctest;
-#  2. the cross-backend suite with backend "native-cuda" (tests/test_cross_backend.py):
-#     tokens and logits identical to numpy on every path;
+#  2. first, what CI already runs on the CPU emulation of the device: the properties that reach
+#     every CUDA kernel and branch (tests/cuda_properties.sh) and the numpy golden vectors on
+#     CUDA (test_golden); then the cross-backend suite with backend "native-cuda"
+#     (tests/test_cross_backend.py): tokens and logits identical to numpy on every path;
 #  3. benches: prefill/decode/request on the 407M-like shape (bench_backends.py --shape full,
 #     CUDA and the CPU side by side, identical tokens checked), the prefix-cache table
 #     (bench_prefix_cache.py --full) on CUDA, and the achieved fraction of the GPU's peaks;
@@ -83,6 +85,9 @@ mkdir -p "$TINYLOOP_BENCH_MODELS"
 python3 -c 'from tinyloop.quickbench import bench_model
 for fmt in ("int8", "int4"): print(bench_model("full", fmt, "."))' >"$OUT/models.txt" 2>&1 &
 models=$!
+step cuda_properties 90 bash tests/cuda_properties.sh
+step golden_cuda 60 bash -c 'python3 "$REPO/libtinyloop/tests/make_golden.py" "$WORK/golden" >/dev/null &&
+    TINYLOOP_GOLDEN_DEVICE=cuda "$WORK/build/tests/test_golden" "$WORK/golden"'
 step cross_backend_cuda 90 env TINYLOOP_TEST_BACKENDS=native-cuda TINYLOOP_REQUIRE_BACKENDS=native-cuda \
     python3 -m pytest -q -p no:cacheprovider -rs tests/test_cross_backend.py tests/test_device.py
 wait "$models"

@@ -3,11 +3,10 @@
 # test-only emulation of the device (tests/cuda_emu/, docs/gpu.md), bit for bit against the numpy
 # reference. CI runs it on every submission (about 10 minutes on 2 cores):
 #   1. a release build with gcov on the device code: the Python properties that reach every
-#      kernel and branch on backend "native-cuda" (cross-backend, batches of mixed depths,
-#      windows, chunk sizes, prefix splits, the int4 KV mode, hidden-state prefixes, speculative
-#      decoding, warm start, the scheduler), one of them again with CUDA graphs off, and the
-#      failure paths the emulation injects (tests/test_cuda_emulation.py); then the kernels
-#      launched and the coverage of src/cuda/ (lines and branches per file);
+#      kernel and branch on backend "native-cuda" (tests/cuda_properties.sh), one of them again
+#      with CUDA graphs off, and the failure paths the emulation injects
+#      (tests/test_cuda_emulation.py); then the kernels launched and the coverage of src/cuda/
+#      (lines and branches per file);
 #   2. an ASan + UBSan build (-O2 -g; every device load and store a checked host access): the
 #      emulation's own tests, test_model, and the numpy golden vectors on the emulated device
 #      (every 8th case of each model: every model of make_golden.py, 42 cases).
@@ -34,29 +33,14 @@ cmake -S "$here" -B "$work/release" -DCMAKE_BUILD_TYPE=Release -DTINYLOOP_CUDA_E
 cmake --build "$work/release" -j "$jobs" >/dev/null
 cp "$here/include/tinyloop.h" "$work/release/"   # the package reads the header beside the library
 export TINYLOOP_CUDA_EMU_REPORT="$work/launches.txt"
-run_pytest() {  # run_pytest [ENV=VALUE ...] -- PYTEST ARGS: on the emulated library, native-cuda only
-  local envs=()
-  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
-  shift
-  (cd "$repo" && env "${envs[@]}" TINYLOOP_LIBRARY="$work/release/libtinyloop.so" TINYLOOP_TEST_BACKENDS=native-cuda \
-    TINYLOOP_REQUIRE_BACKENDS=native-cuda HYPOTHESIS_PROFILE=emulated \
-    python3 -m pytest -q -p no:cacheprovider -n "$jobs" --dist worksteal "$@")
-}
-properties=(test_cross_backend
-            test_each_request_gets_what_it_gets_alone test_continuations_of_one_prefix
-            test_windowed_engine_equals_naive_definition test_every_chunk_size_gives_identical_logits
-            test_prefix_split_anywhere_gives_the_same_continuation
-            test_int4_logits_match_numpy test_int4_prefixes_batches_and_drafts_match_numpy
-            test_h8_prefixes_generate_exactly_what_kv_prefixes_and_generate_do
-            test_threads_generating_from_one_h_prefix
-            test_speculative_generation_is_plain_generation test_an_extended_prefix_is_a_prefix_built_at_its
-            test_every_request_gets_what_it_gets_alone)
-selected=$(printf ' or %s' "${properties[@]}")
-run_pytest TINYLOOP_DEVICE=cuda -- -k "${selected# or }" tests/test_cross_backend.py tests/test_batch.py \
-  tests/test_window.py tests/test_paths.py tests/test_kv_int4.py tests/test_hidden_prefix.py \
-  tests/test_speculative.py tests/test_warm_start.py tests/test_scheduler.py
-run_pytest TINYLOOP_REQUIRE_EMULATION=1 -- tests/test_cuda_emulation.py
-run_pytest TINYLOOP_CUDA_GRAPHS=0 -- -k test_generation_matches_numpy tests/test_cross_backend.py
+lib=(TINYLOOP_LIBRARY="$work/release/libtinyloop.so" HYPOTHESIS_PROFILE=emulated)
+parallel=(-n "$jobs" --dist worksteal)
+env "${lib[@]}" bash "$repo/tests/cuda_properties.sh" "${parallel[@]}"
+(cd "$repo" && env "${lib[@]}" TINYLOOP_TEST_BACKENDS=native-cuda TINYLOOP_REQUIRE_BACKENDS=native-cuda \
+  TINYLOOP_CUDA_GRAPHS=0 python3 -m pytest -q -p no:cacheprovider -k test_generation_matches_numpy \
+  tests/test_cross_backend.py)
+(cd "$repo" && env "${lib[@]}" TINYLOOP_REQUIRE_EMULATION=1 \
+  python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/test_cuda_emulation.py)
 echo "-- kernels launched (plain launches and graph replays):"
 sort "$work/launches.txt" | awk '{n[$1] += $2} END {for (k in n) printf "   %-28s %d\n", k, n[k]}' | sort
 echo "-- coverage of src/cuda/ (gcov):"

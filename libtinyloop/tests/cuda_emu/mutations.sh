@@ -46,7 +46,7 @@ verdict() {
         -DPython3_EXECUTABLE="$(command -v "$python")" >"$b.log" 2>&1 &&
         cmake --build "$b" -j "$(nproc)" --target test_golden >>"$b.log" 2>&1 || {
         echo "$1: the build failed"; tail -n 20 "$b.log"; status=1; return; }
-    if TINYLOOP_GOLDEN_CUDA_EVERY=8 TINYLOOP_CUDA_EMU_SMS=8 "$b/tests/test_golden" "$work/golden" >"$b.run" 2>&1; then
+    if TINYLOOP_GOLDEN_DEVICE=cuda TINYLOOP_GOLDEN_CUDA_EVERY=8 TINYLOOP_CUDA_EMU_SMS=8 "$b/tests/test_golden" "$work/golden" >"$b.run" 2>&1; then
         got=pass
     else
         got=fail
