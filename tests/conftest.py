@@ -170,6 +170,22 @@ def generate_on_threads(model, calls, n_threads=4):
     return got
 
 
+def run_retrying_failed_steps(scheduler, ids):
+    """Step `scheduler` until it has no work, stepping again after each step that raises
+    MemoryError (the Scheduler's contract: such a step may be retried). Returns ({id: tokens
+    emitted}, the number of steps that raised)."""
+    got, raised = {i: [] for i in ids}, 0
+    while scheduler.has_work:
+        try:
+            events = scheduler.step()
+        except MemoryError:
+            raised += 1
+            continue
+        for e in events:
+            got[e.id].append(e.token)
+    return got, raised
+
+
 def same_bits(a, b):
     """Arrays equal bit for bit (float32 compared through their uint32 patterns)."""
     return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))

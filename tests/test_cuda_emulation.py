@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_retrying_failed_steps
 
 import tinyloop
 
@@ -102,15 +103,8 @@ def test_a_scheduler_step_out_of_device_memory_raises_memory_error_and_is_retrie
             inject(f"cudaMallocFromPoolAsync:{n}")
             with tinyloop.Scheduler(m, max_batch=3, step_tokens=8) as s:
                 ids = [s.add(p, max_tokens=NEW, temperature=0.8, seed=i) for i, p in enumerate(prompts)]
-                got = {i: [] for i in ids}
-                while s.has_work:
-                    try:
-                        events = s.step()
-                    except MemoryError:
-                        raised += 1
-                        continue
-                    for e in events:
-                        got[e.id].append(e.token)
+                got, failed_steps = run_retrying_failed_steps(s, ids)
+            raised += failed_steps
             assert [got[i] for i in ids] == want, n
     assert raised > 0, "no step ran out of device memory"
 

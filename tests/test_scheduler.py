@@ -13,7 +13,7 @@ import pytest
 from hypothesis import strategies as st
 
 import tinyloop
-from conftest import backend_given, simulated
+from conftest import backend_given, run_retrying_failed_steps, simulated
 from strategies import engine_settings, model_shapes, prompts, sampling
 
 
@@ -250,14 +250,6 @@ def test_a_failed_step_is_retried_exactly(monkeypatch, models_by_backend):
     monkeypatch.setattr(policy, "decode_pass", failing_once)
     with tinyloop.Scheduler(model, max_batch=3, step_tokens=3) as s:
         ids = [s.add(p, max_tokens=6, temperature=0.9, seed=i) for i, p in enumerate(prompts_)]
-        got, raised = {i: [] for i in ids}, 0
-        while s.has_work:
-            try:
-                events = s.step()
-            except MemoryError:
-                raised += 1
-                continue
-            for e in events:
-                got[e.id].append(e.token)
+        got, raised = run_retrying_failed_steps(s, ids)
         assert raised == 1 and s.stats()["preemptions"] > 0
     assert [got[i] for i in ids] == want

@@ -20,17 +20,9 @@
 
 #include <mma.h>
 
-static int failures;
-
-#define EXPECT(cond, ...)                                                               \
-    do {                                                                                \
-        if (!(cond)) {                                                                  \
-            failures++;                                                                 \
-            fprintf(stderr, "%s:%d: EXPECT(%s) failed: ", __FILE__, __LINE__, #cond);   \
-            fprintf(stderr, __VA_ARGS__);                                               \
-            fputc('\n', stderr);                                                        \
-        }                                                                               \
-    } while (0)
+extern "C" {
+#include "test_util.h"
+}
 
 enum { N = 128 };
 
@@ -57,8 +49,8 @@ static bool neighbours_seen(int base, bool barrier) {
 }
 
 static void test_barriers() {
-    EXPECT(neighbours_seen(1000, true), "with __syncthreads every thread sees its neighbour's write");
-    EXPECT(!neighbours_seen(2000, false), "without __syncthreads some thread reads before its neighbour wrote");
+    CHECK(neighbours_seen(1000, true), "with __syncthreads every thread sees its neighbour's write");
+    CHECK(!neighbours_seen(2000, false), "without __syncthreads some thread reads before its neighbour wrote");
 }
 
 /* out[block * 64 + t] = warp sum of t by shuffles; ors[block] = __syncthreads_or(t == block). */
@@ -80,13 +72,13 @@ static void test_warps() {
     cudaMemcpy(ors, o, sizeof ors, cudaMemcpyDeviceToHost);
     for (int i = 0; i < 128; i++) {
         const int w = i % 64 / 32;
-        EXPECT(h[i] == 32 * 31 / 2 + 32 * 32 * w, "thread %d: warp sum %d", i, h[i]);
+        CHECK(h[i] == 32 * 31 / 2 + 32 * 32 * w, "thread %d: warp sum %d", i, h[i]);
     }
-    EXPECT(ors[0] == 1 && ors[1] == 1, "__syncthreads_or: %d %d", ors[0], ors[1]);
+    CHECK(ors[0] == 1 && ors[1] == 1, "__syncthreads_or: %d %d", ors[0], ors[1]);
     cudaFree(d);
     cudaFree(o);
-    EXPECT(__dp4a((int)0x80ff7f01, (int)0x7f7f7f7f, 5) == 5 + 127 * (1 + 127 - 1 - 128), "dp4a");
-    EXPECT(__dp4a((int)0x80808080, (int)0x80808080, 0x7fffffff) == (int)(0x7fffffffu + 4u * 16384u), "dp4a wraps");
+    CHECK(__dp4a((int)0x80ff7f01, (int)0x7f7f7f7f, 5) == 5 + 127 * (1 + 127 - 1 - 128), "dp4a");
+    CHECK(__dp4a((int)0x80808080, (int)0x80808080, 0x7fffffff) == (int)(0x7fffffffu + 4u * 16384u), "dp4a wraps");
 }
 
 using namespace nvcuda;
@@ -134,8 +126,8 @@ static void test_wmma() {
                     for (int k = 0; k < 16; k++) want += a[m * 16 + k] * bt[n * 16 + k];
                     all_lanes_right &= out[lane * 256 + m * 16 + n] == want;
                 }
-        if (sync) EXPECT(all_lanes_right, "wmma with __syncwarp: every lane reads a * b + 3");
-        else EXPECT(!all_lanes_right, "wmma without __syncwarp: a lane reads elements not yet stored");
+        if (sync) CHECK(all_lanes_right, "wmma with __syncwarp: every lane reads a * b + 3");
+        else CHECK(!all_lanes_right, "wmma without __syncwarp: a lane reads elements not yet stored");
         cudaFree(da), cudaFree(db), cudaFree(dc), cudaFree(dout);
     }
 }
@@ -150,15 +142,15 @@ static void test_streams_and_poison() {
     cudaMallocHost((void**)&pinned, 32 * sizeof(int));
     unsigned char fresh;
     memcpy(&fresh, pinned, 1);
-    EXPECT(fresh == 0x7f || getenv("TINYLOOP_CUDA_EMU_POISON"), "fresh pinned memory: %#x", fresh);
+    CHECK(fresh == 0x7f || getenv("TINYLOOP_CUDA_EMU_POISON"), "fresh pinned memory: %#x", fresh);
     TL_CU_LAUNCH(fill_kernel, 1, 32, 0, st)(d, 42);
     cudaMemcpyAsync(pinned, d, 32 * sizeof(int), cudaMemcpyDeviceToHost, st);
-    EXPECT(pinned[5] != 42, "the copy ran before the host waited");
-    EXPECT(cudaStreamSynchronize(st) == cudaSuccess, "sync");
-    EXPECT(pinned[5] == 42, "after the wait: %d", pinned[5]);
-    EXPECT(cudaMemcpy(pinned, d, 4, cudaMemcpyHostToDevice) == cudaErrorInvalidValue, "a copy with swapped ends");
-    EXPECT(cudaGetLastError() == cudaErrorInvalidValue && cudaGetLastError() == cudaSuccess, "last error, once");
-    EXPECT(cudaMemcpyAsync(d + 31, pinned, 8, cudaMemcpyHostToDevice, st) == cudaErrorInvalidValue,
+    CHECK(pinned[5] != 42, "the copy ran before the host waited");
+    CHECK(cudaStreamSynchronize(st) == cudaSuccess, "sync");
+    CHECK(pinned[5] == 42, "after the wait: %d", pinned[5]);
+    CHECK(cudaMemcpy(pinned, d, 4, cudaMemcpyHostToDevice) == cudaErrorInvalidValue, "a copy with swapped ends");
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue && cudaGetLastError() == cudaSuccess, "last error, once");
+    CHECK(cudaMemcpyAsync(d + 31, pinned, 8, cudaMemcpyHostToDevice, st) == cudaErrorInvalidValue,
            "a copy past the end of its allocation");
     cudaGetLastError();
     cudaFreeHost(pinned);
@@ -173,21 +165,21 @@ static void test_graphs() {
     cudaMalloc((void**)&d, 32 * sizeof(int));
     cudaMallocHost((void**)&h, 32 * sizeof(int));
     cudaGraph_t g;
-    EXPECT(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess, "begin capture");
+    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) == cudaSuccess, "begin capture");
     TL_CU_LAUNCH(fill_kernel, 1, 32, 0, st)(d, 7);
     cudaMemcpyAsync(h, d, 32 * sizeof(int), cudaMemcpyDeviceToHost, st);
-    EXPECT(cudaStreamEndCapture(st, &g) == cudaSuccess && g, "end capture");
+    CHECK(cudaStreamEndCapture(st, &g) == cudaSuccess && g, "end capture");
     cudaStreamSynchronize(st);
-    EXPECT(h[0] != 7, "a capture runs nothing");
+    CHECK(h[0] != 7, "a capture runs nothing");
     cudaGraphExec_t exec;
-    EXPECT(cudaGraphInstantiate(&exec, g, 0) == cudaSuccess, "instantiate");
+    CHECK(cudaGraphInstantiate(&exec, g, 0) == cudaSuccess, "instantiate");
     cudaGraphLaunch(exec, st);
     cudaStreamSynchronize(st);
-    EXPECT(h[0] == 7 && h[31] == 7, "replay: %d", h[0]);
+    CHECK(h[0] == 7 && h[31] == 7, "replay: %d", h[0]);
     h[0] = 0;
     cudaGraphLaunch(exec, st);
     cudaStreamSynchronize(st);
-    EXPECT(h[0] == 7, "second replay: %d", h[0]);
+    CHECK(h[0] == 7, "second replay: %d", h[0]);
 
     cudaGraph_t g2, g3;
     cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
@@ -195,23 +187,23 @@ static void test_graphs() {
     cudaMemcpyAsync(h, d, 32 * sizeof(int), cudaMemcpyDeviceToHost, st);
     cudaStreamEndCapture(st, &g2);
     cudaGraphExecUpdateResultInfo info;
-    EXPECT(cudaGraphExecUpdate(exec, g2, &info) == cudaSuccess, "update with new arguments");
+    CHECK(cudaGraphExecUpdate(exec, g2, &info) == cudaSuccess, "update with new arguments");
     cudaGraphLaunch(exec, st);
     cudaStreamSynchronize(st);
-    EXPECT(h[0] == 9, "updated replay: %d", h[0]);
+    CHECK(h[0] == 9, "updated replay: %d", h[0]);
     cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
     TL_CU_LAUNCH(fill_kernel, 1, 32, 0, st)(d, 1);
     cudaStreamEndCapture(st, &g3);
-    EXPECT(cudaGraphExecUpdate(exec, g3, &info) == cudaErrorGraphExecUpdateFailure &&
+    CHECK(cudaGraphExecUpdate(exec, g3, &info) == cudaErrorGraphExecUpdateFailure &&
                info.result == cudaGraphExecUpdateErrorTopologyChanged, "another topology is refused");
     cudaGetLastError();
 
     cudaGraph_t bad;
     cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
-    EXPECT(cudaStreamSynchronize(st) == cudaErrorStreamCaptureUnsupported, "a sync while capturing");
+    CHECK(cudaStreamSynchronize(st) == cudaErrorStreamCaptureUnsupported, "a sync while capturing");
     void* p;
-    EXPECT(cudaMalloc(&p, 16) == cudaErrorStreamCaptureUnsupported, "cudaMalloc while capturing");
-    EXPECT(cudaStreamEndCapture(st, &bad) == cudaErrorStreamCaptureInvalidated && !bad, "the capture is invalid");
+    CHECK(cudaMalloc(&p, 16) == cudaErrorStreamCaptureUnsupported, "cudaMalloc while capturing");
+    CHECK(cudaStreamEndCapture(st, &bad) == cudaErrorStreamCaptureInvalidated && !bad, "the capture is invalid");
     cudaGetLastError();
     cudaGraphDestroy(g), cudaGraphDestroy(g2), cudaGraphDestroy(g3);
     cudaGraphExecDestroy(exec);
@@ -223,9 +215,9 @@ static void test_graphs() {
 static void test_injected_failures() {
     setenv("TINYLOOP_CUDA_EMU_FAIL", "cudaMalloc:2,cudaGraphInstantiate:1", 1);
     void *a, *b, *c;
-    EXPECT(cudaMalloc(&a, 8) == cudaSuccess, "first cudaMalloc");
-    EXPECT(cudaMalloc(&b, 8) == cudaErrorMemoryAllocation && !b, "second cudaMalloc fails on purpose");
-    EXPECT(cudaMalloc(&c, 8) == cudaSuccess, "third cudaMalloc");
+    CHECK(cudaMalloc(&a, 8) == cudaSuccess, "first cudaMalloc");
+    CHECK(cudaMalloc(&b, 8) == cudaErrorMemoryAllocation && !b, "second cudaMalloc fails on purpose");
+    CHECK(cudaMalloc(&c, 8) == cudaSuccess, "third cudaMalloc");
     unsetenv("TINYLOOP_CUDA_EMU_FAIL");
     cudaGetLastError();
     cudaFree(a);
@@ -277,7 +269,7 @@ static void expect_fault(void (*kernel)(int*), unsigned threads, const char* mes
     close(pipe_fd[0]);
     int status = 0;
     waitpid(pid, &status, 0);
-    EXPECT(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT && strstr(text, message),
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT && strstr(text, message),
            "want an abort saying \"%s\"; got status %#x and: %s", message, status, text);
 }
 
@@ -296,6 +288,5 @@ int main() {
     test_graphs();
     test_injected_failures();
     test_faults();
-    printf("test_cuda_emu: %s\n", failures ? "FAILED" : "ok");
-    return failures ? 1 : 0;
+    return tu_finish("test_cuda_emu");
 }
