@@ -17,6 +17,10 @@ typedef struct tl_scratch {
     size_t bytes;
 } tl_scratch;
 
+/* Make s hold at least `bytes` (contents not kept); when that fails, TL_ERR_OUT_OF_MEMORY
+ * naming `what`, and s unchanged. */
+tl_status tl_scratch_fit(tl_scratch* s, size_t bytes, const char* what);
+
 struct tl_seq {
     tl_engine* engine;      /* holds a reference                                          */
     uint32_t loops;         /* L                                                          */
