@@ -150,7 +150,7 @@ struct tl_cuda {
     int sm_count;                 /* multiprocessors: how far decode attention splits       */
     /* scratch of tl_cuda_forward (device, from `pool` when there is one, unless noted) */
     tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, att_split, io, logits, states;
-    tl_cu_buf e;                  /* [T][d] the injected input (injection)                  */
+    tl_cu_buf inject;             /* [T][d] the injected term linear(adapter_inject; Q8(e)) */
     tl_cu_buf sub;                /* [T][d] a sublayer's output before its norm (sandwich)  */
     tl_cu_buf xcopy;              /* [T][d] the state a prefix build's coda runs on         */
     tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
@@ -286,6 +286,8 @@ tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda
  * t < T of d floats; dst may be src. */
 tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add);
 
+/* x[t][i] = x[t][i] + v[t][i], rows t < T of d floats (one f32 addition each). */
+tl_status tl_cu_add_rows(tl_cuda* c, float* x, const float* v, size_t T);
 /* gemm.cu */
 /* y[t][j] (stride ys) = or += ((f32)acc * scale[t]) * L->scale[j] (+ L->bias[j]), t < T, j < R, from the
  * activations q [T_pad][L->cols_pad]. int4 linears of T >= TL_CU_GEMV_MAX_T (or without w4) use

@@ -4,9 +4,12 @@
  * into pinned host memory, one synchronization, and a memcpy of the outputs to the caller's
  * buffers. And tl_cuda_kv_from_rows: a block's K/V write alone, from given layer input rows.
  *
- * The embedding (times embed_scale), then the steps of cuda/pass.h (the prelude, the iterations
- * with their step norm, adapter and core blocks, each depth's coda_norm and coda), each on a
- * range of rows. A block on rows [lo, hi) of a state (x, or a prefix build's copy):
+ * The embedding (times embed_scale), then the steps of cuda/pass.h (the prelude, the injection,
+ * the iterations with their step norm, adapter and core blocks, each depth's coda_norm and coda),
+ * each on a range of rows. The injected term linear(adapter_inject; Q8(e)) is computed once, at
+ * the injection, and added into every iteration's adapter output: the one f32 addition x + v
+ * the epilogue of an accumulating linear would make.
+ * A block on rows [lo, hi) of a state (x, or a prefix build's copy):
  *   NQ(x) -> qkv linear (+ bias) -> RoPE + K/V write into its slot (every row of the range,
  *   before any attention reads) -> attention -> Q8(o) -> out linear -> residual -> NQ(x)
  *   -> gate_up linear -> SwiGLU + Q8 -> down linear -> residual,
@@ -20,7 +23,7 @@
  * qkv [T][(H + 2G) * D], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8, ascale [T],
  * raw [T_pad][max int4 rows_pad] i32, scores [rows per launch][H][key_stride], att_split (split
  * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d],
- * and as the model needs them e [T][d] (injection), sub [T][d] (sandwich), xcopy [T][d] (a
+ * and as the model needs them inject [T][d] (injection), sub [T][d] (sandwich), xcopy [T][d] (a
  * prefix build with a coda);
  * pinned host: host_io stages rows + spans (kv_from_rows: rows, q, a), host_out the outputs,
  * host_capture [T][d] a capture's rows. Device scratch comes from the model's stream-ordered
@@ -191,7 +194,7 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     TL_CU_TRY(reserve(c, &c->io, io_bytes, false, "rows and spans"));
     TL_CU_TRY(reserve(c, &c->logits, L.n_logits * V * sizeof(float), false, "logits"));
     TL_CU_TRY(reserve(c, &c->states, L.loops * d * sizeof(float), false, "loop states"));
-    TL_CU_TRY(reserve(c, &c->e, cfg->injection ? T * d * sizeof(float) : 0, false, "injected input"));
+    TL_CU_TRY(reserve(c, &c->inject, cfg->injection ? T * d * sizeof(float) : 0, false, "injected terms"));
     TL_CU_TRY(reserve(c, &c->sub, cfg->block_layout == TL_LAYOUT_SANDWICH ? T * d * sizeof(float) : 0, false,
                       "sublayer output"));
     TL_CU_TRY(reserve(c, &c->xcopy, L.loops && tl_has_coda(cfg) ? T * d * sizeof(float) : 0, false,
@@ -308,30 +311,32 @@ static tl_status step_norm(void* ctx, tl_cu_norm which, size_t lo, size_t hi, tl
     return tl_cu_rms_norm(p->c, x, which == TL_CU_STEP_NORM ? p->c->step_norm : p->c->coda_norm, hi - lo, x, false);
 }
 
-/* e = x, then x = 0 (docs/spec.md §4.4: the state entering iteration 0), rows [0, hi). */
-static tl_status step_inject(void* ctx, size_t hi) {
-    const pass* p = (const pass*)ctx;
-    const size_t bytes = hi * p->c->cfg.d_model * sizeof(float);
-    TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(p->c->e.p, p->x, bytes, cudaMemcpyDeviceToDevice, p->c->stream),
-                          "cudaMemcpyAsync (injected input)"));
-    return tl_cu_check(cudaMemsetAsync(p->x, 0, bytes, p->c->stream), "cudaMemsetAsync (initial state)");
-}
-
-/* x = linear(adapter_state; Q8(x)) + linear(adapter_inject; Q8(e)) (docs/spec.md §4.4), rows
- * [0, hi): the first linear's output, then the second one's added in its epilogue. */
-static tl_status step_adapter(void* ctx, size_t hi) {
-    const pass* p = (const pass*)ctx;
+/* linear(L; Q8(x)) of rows [0, hi) into y (the adapter's two linears, docs/spec.md §4.4). */
+static tl_status adapter_linear(const pass* p, uint32_t which, size_t hi, float* y) {
     tl_cuda* c = p->c;
     const size_t d = c->cfg.d_model;
-    const tl_cu_linear* state = &c->lin[tl_adapter_linear_index(&c->cfg, 0)];
-    const tl_cu_linear* inject = &c->lin[tl_adapter_linear_index(&c->cfg, 1)];
+    const tl_cu_linear* L = &c->lin[tl_adapter_linear_index(&c->cfg, which)];
     int8_t* acts = (int8_t*)c->acts.p;
     float* ascale = (float*)c->ascale.p;
-    int32_t* raw = (int32_t*)c->raw.p;
-    TL_CU_TRY(tl_cu_quantize(c, p->x, d, d, hi, false, acts, state->cols_pad, ascale));
-    TL_CU_TRY(tl_cu_linear_run(c, state, acts, ascale, hi, p->x, d, false, raw));
-    TL_CU_TRY(tl_cu_quantize(c, (const float*)c->e.p, d, d, hi, false, acts, inject->cols_pad, ascale));
-    return tl_cu_linear_run(c, inject, acts, ascale, hi, p->x, d, true, raw);
+    TL_CU_TRY(tl_cu_quantize(c, p->x, d, d, hi, false, acts, L->cols_pad, ascale));
+    return tl_cu_linear_run(c, L, acts, ascale, hi, y, d, false, (int32_t*)c->raw.p);
+}
+
+/* inject = linear(adapter_inject; Q8(e)) on the prelude's output e in x, the same term at every
+ * iteration; then x = 0 (docs/spec.md §4.4: the state entering iteration 0), rows [0, hi). */
+static tl_status step_inject(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    TL_CU_TRY(adapter_linear(p, 1, hi, (float*)p->c->inject.p));
+    return tl_cu_check(cudaMemsetAsync(p->x, 0, hi * p->c->cfg.d_model * sizeof(float), p->c->stream),
+                       "cudaMemsetAsync (initial state)");
+}
+
+/* x = linear(adapter_state; Q8(x)) + inject (docs/spec.md §4.4), rows [0, hi): the linear's
+ * output, then the injected term added to it. */
+static tl_status step_adapter(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    TL_CU_TRY(adapter_linear(p, 0, hi, p->x));
+    return tl_cu_add_rows(p->c, p->x, (const float*)p->c->inject.p, hi);
 }
 
 /* xcopy = x, rows [0, hi). */

@@ -11,10 +11,10 @@
  * beyond:
  *
  *   prelude block b          slot b, every row, on x
- *   injection                e = x, then x = 0 (every row)
+ *   injection                inj = linear(adapter_inject; Q8(x)), x = 0 (every row)
  *   iteration i              rows [0, active), those with loops > i:
  *     step norm (i >= 1)       x = RN(x, g_step)
- *     adapter (injection)      x = adapter(x, e)
+ *     adapter (injection)      x = linear(adapter_state; Q8(x)) + inj
  *     core block j             slot n_layers(i) + j
  *     rows [ended, active)     on x: the coda of depth i + 1 (then their state is final)
  *     build: rows [0, ended)   copy = x, then on the copy the coda of depth i + 1
@@ -47,9 +47,10 @@ typedef struct tl_cu_pass_steps {
     tl_status (*block)(void* ctx, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on);
     /* state = RN(state, gain of `which`), rows [lo, hi). */
     tl_status (*norm)(void* ctx, tl_cu_norm which, size_t lo, size_t hi, tl_cu_state on);
-    /* e = x, then x = 0, rows [0, hi). */
+    /* inj = linear(adapter_inject; Q8(x)) (the injected term, docs/spec.md §4.4), then x = 0,
+     * rows [0, hi). */
     tl_status (*inject)(void* ctx, size_t hi);
-    /* x = adapter(x, e), rows [0, hi). */
+    /* x = linear(adapter_state; Q8(x)) + inj, rows [0, hi). */
     tl_status (*adapter)(void* ctx, size_t hi);
     /* copy = x, rows [0, hi). */
     tl_status (*copy)(void* ctx, size_t hi);
