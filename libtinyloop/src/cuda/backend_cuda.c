@@ -261,6 +261,9 @@ static int kv_download(void* ctx, void* host, const void* device, size_t bytes) 
 static int kv_upload(void* ctx, void* device, const void* host, size_t bytes) {
     return tl_cuda_block_upload(ctx, device, host, bytes);
 }
+static int kv_copy(void* ctx, void* dst, const void* src, size_t bytes) {
+    return tl_cuda_block_copy(ctx, dst, src, bytes);
+}
 
 /* No exit rules yet (adaptive false): requests with one are refused. */
 static const tl_backend_iface cuda_iface = {.forward = cuda_forward,
@@ -285,7 +288,8 @@ tl_status tl_backend_cuda_new(tl_engine* e, int device, tl_backend** out) {
     for (size_t i = 0; i < e->file.n_linears; i++)
         if (i + 1 < e->file.n_linears || !tl_linear_reads_src(&cb->head)) tl_file_release_linear(&e->file, i);
     cb->kv = (tl_kv_allocator){
-        .alloc = kv_alloc, .free = kv_free, .ctx = cb->c, .download = kv_download, .upload = kv_upload};
+        .alloc = kv_alloc, .free = kv_free, .ctx = cb->c, .download = kv_download, .upload = kv_upload,
+        .copy = kv_copy};
     cb->base = (tl_backend){&cuda_iface, &cb->kv};
     *out = &cb->base;
     return TL_OK;

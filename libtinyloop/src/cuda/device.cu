@@ -405,7 +405,8 @@ extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
     return p;
 }
 
-/* One copy between host memory and block data on the model's stream, waited for. */
+/* One copy between host memory and block data, or between two blocks' data, on the model's
+ * stream, waited for. */
 static int block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return 0;
     if (!c) return -1;
@@ -428,6 +429,10 @@ extern "C" int tl_cuda_block_download(tl_cuda* c, void* host, const void* data, 
 
 extern "C" int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes) {
     return block_copy(c, data, host, bytes, cudaMemcpyHostToDevice);
+}
+
+extern "C" int tl_cuda_block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes) {
+    return block_copy(c, dst, src, bytes, cudaMemcpyDeviceToDevice);
 }
 
 extern "C" void tl_cuda_block_free(tl_cuda* c, void* data) {

@@ -48,6 +48,8 @@ void tl_cuda_block_free(tl_cuda* c, void* data);
  * the model's stream; 0 on success, -1 on a CUDA error. Thread-safe. */
 int tl_cuda_block_download(tl_cuda* c, void* host, const void* data, size_t bytes);
 int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes);
+/* Copy `bytes` of block data to other block data (both device addresses), likewise. */
+int tl_cuda_block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes);
 
 /* A run of `count` consecutive positions from `start` whose (kq, vq, sk, sv) live in the block
  * data at device address `data` (kvcache.h layout: per (layer, kv head) head_bytes from
