@@ -2,8 +2,10 @@
  *
  * usage: test_golden GOLDEN_DIR
  * Runs every case of GOLDEN_DIR/manifest.txt on every kernel path this CPU has (scalar with
- * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and
- * compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
+ * one thread and blocks of 16; each SIMD path with three threads and blocks of 4) and, where
+ * a CUDA device is available (a GPU, or the emulated one of a TINYLOOP_CUDA_EMULATION build), on
+ * it with blocks of 4 (only every n-th case of each model with TINYLOOP_GOLDEN_CUDA_EVERY=n: the
+ * emulation is slow), and compares logits by bit pattern and tokens exactly; a hidden-state prefix (hprefix) also saves
  * numpy's blob byte for byte, and that blob loads and generates the same tokens. */
 #include <stdlib.h>
 #include <string.h>
@@ -157,7 +159,20 @@ static void run_case(const char* kind, const fields* f, tl_model* m, const char*
 typedef struct config {
     tl_isa isa;
     uint32_t threads, block_size;
+    tl_device device;
 } config;
+
+static tl_model* open_on(const char* path, const config* c) {
+    tl_model_params p = tl_model_params_default();
+    p.n_threads = c->threads;
+    p.isa = c->isa;
+    p.kv_block_size = c->block_size;
+    p.device = c->device;
+    tl_model* m = NULL;
+    CHECK(tl_model_open(path, &p, &m) == TL_OK, "tl_model_open(%s) on device %d: %s", path, (int)c->device,
+          tl_last_error());
+    return m;
+}
 
 int main(int argc, char** argv) {
     if (argc != 2) {
@@ -172,13 +187,16 @@ int main(int argc, char** argv) {
         fprintf(stderr, "cannot open %s\n", path);
         return 2;
     }
-    config configs[4] = {{TL_ISA_SCALAR, 1, 16}};
+    config configs[5] = {{TL_ISA_SCALAR, 1, 16, TL_DEVICE_CPU}};
     int n_configs = 1;
     for (tl_isa isa = TL_ISA_AVX2; isa <= TL_ISA_AMX; isa++)
-        if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4};
+        if (tl_cpu_supports(isa)) configs[n_configs++] = (config){isa, 3, 4, TL_DEVICE_CPU};
+    if (tl_device_check(TL_DEVICE_CUDA) == TL_OK) configs[n_configs++] = (config){TL_ISA_AUTO, 1, 4, TL_DEVICE_CUDA};
+    const char* every_env = getenv("TINYLOOP_GOLDEN_CUDA_EVERY");
+    const int cuda_every = every_env && atoi(every_env) > 1 ? atoi(every_env) : 1;
     char line[4096], model_name[256] = "";
-    tl_model* models[4] = {NULL};
-    int n_cases = 0;
+    tl_model* models[5] = {NULL};
+    int n_cases = 0, n_cuda = 0, model_case = 0;
     while (fgets(line, sizeof line, manifest)) {
         char kind[32];
         fields f = {0};
@@ -198,20 +216,26 @@ int main(int argc, char** argv) {
             snprintf(path, sizeof path, "%s/%s", golden_dir, model_name);
             for (int c = 0; c < n_configs; c++) {
                 tl_model_free(models[c]);
-                models[c] = tu_open(path, configs[c].threads, configs[c].isa, configs[c].block_size);
+                models[c] = open_on(path, &configs[c]);
             }
+            model_case = 0;
         }
         for (int c = 0; c < n_configs; c++) {
+            if (configs[c].device == TL_DEVICE_CUDA && model_case % cuda_every != 0) continue;
+            n_cuda += configs[c].device == TL_DEVICE_CUDA;
             char where[512];
-            snprintf(where, sizeof where, "%s isa %d threads %u", model_name, configs[c].isa, configs[c].threads);
+            snprintf(where, sizeof where, "%s %s isa %d threads %u", model_name,
+                     configs[c].device == TL_DEVICE_CUDA ? "cuda" : "cpu", configs[c].isa, configs[c].threads);
             if (models[c]) run_case(kind, &f, models[c], where);
         }
         n_cases++;
+        model_case++;
         if (tu_failures > 30) break;
     }
     fclose(manifest);
     for (int c = 0; c < n_configs; c++) tl_model_free(models[c]);
-    printf("test_golden: %d cases x %d kernel paths\n", n_cases, n_configs);
+    printf("test_golden: %d cases x %d kernel paths on the CPU, %d on CUDA\n", n_cases,
+           n_configs - (configs[n_configs - 1].device == TL_DEVICE_CUDA), n_cuda);
     CHECK(n_cases > 0, "no cases in the manifest");
     return tu_finish("test_golden");
 }
