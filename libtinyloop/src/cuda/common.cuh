@@ -154,7 +154,8 @@ struct tl_cuda {
     tl_cu_buf inject;             /* [T][d] the injected term linear(adapter_inject; Q8(e)) */
     tl_cu_buf sub;                /* [T][d] a sublayer's output before its norm (sandwich)  */
     tl_cu_buf xcopy;              /* [T][d] the state a prefix build's coda runs on         */
-    tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
+    tl_cu_buf host_io;            /* pinned host staging of rows + spans (and a resumed
+                                     part's states and injected terms)                      */
     tl_cu_buf host_out;           /* pinned host staging of the outputs                     */
     tl_cu_buf host_capture;       /* pinned host [T][d]: a block's input rows (a prefix build
                                      capturing them, docs/spec.md §5.4.1)                   */
