@@ -132,8 +132,8 @@ def test_blob_bytes_follow_the_layout(models):
 
 @pytest.mark.parametrize("loader", ["numpy", "native"])
 def test_a_warm_start_blob_without_states_extends_by_rebuilding(models, loader):
-    """The blob of a backend without a part pass (libtinyloop on CUDA) keeps no states: it
-    loads as a warm-start prefix, saves the same bytes, and a deeper request rebuilds it."""
+    """The blob of a backend without a resuming pass (spec §7.3) keeps no states: it loads as a
+    warm-start prefix, saves the same bytes, and a deeper request rebuilds it."""
     if loader == "native":
         require_backend("native")
     model = models["int8-v2-coda"]

@@ -4,7 +4,9 @@ by extend(L), in one step or several, is bit for bit a prefix built at L: the sa
 every generation from it (tokens and logits, at L or any shallower depth, any window and chunk)
 the same. It is extended once however many calls ask; the stored states cost 4 * d_model bytes
 a token (twice that with injection); a prefix built without warm start is refused with a
-message saying how to build one; on native, generations run while another thread extends.
+message saying how to build one; on native, generations run while another thread extends; on
+libtinyloop's CUDA backend a warm-start prefix keeps its states and, extended by resuming on the
+device, is the numpy reference's byte for byte.
 """
 import threading
 
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 import tinyloop
 
-from conftest import assert_same_generation, backend_given
+from conftest import assert_same_generation, backend_given, require_backend
 from strategies import drawn_model, prompts, sampling
 
 REFUSED = (r"loops mismatch: prefix built at loops=2, requested 4 \(a prefix serves loops <= "
@@ -93,6 +95,32 @@ def test_warm_start_keeps_4_d_bytes_a_token_twice_with_injection(on_fast_backend
     warm = model.build_prefix_cache(prompt, loops=2, warm_start=True)
     assert (plain.warm_start, warm.warm_start) == (False, True)
     assert warm.nbytes - plain.nbytes == 4 * model.config()["d_model"] * len(prompt) * states
+
+
+@pytest.mark.parametrize("shape", ["int8-gqa", "int8-v2-coda", "int4-v2-sandwich"])
+@pytest.mark.parametrize("window", [0, 9])
+def test_the_cuda_backend_extends_a_prefix_as_numpy_does(model_files, shape, window):
+    """libtinyloop's CUDA backend resumes a warm-start prefix from its kept states (part passes
+    on the device, the old layers of each block copied there): at every step its blob is
+    numpy's, states and KV alike, and so is what it generates."""
+    require_backend("native-cuda")
+    prompt = [t % 120 + 1 for t in range(30)]
+    request = dict(suffix=[5, 6], max_tokens=5, temperature=0.7, seed=3, return_logits=True)
+    with tinyloop.Model(model_files[shape], backend="numpy") as numpy_model, \
+            tinyloop.Model(model_files[shape], backend="native", device="cuda") as cuda_model:
+        want = numpy_model.build_prefix_cache(prompt, loops=1, cache_window=window,
+                                              warm_start=True)
+        got = cuda_model.build_prefix_cache(prompt, loops=1, cache_window=window, warm_start=True,
+                                            prefill_chunk=7)
+        assert got.to_bytes() == want.to_bytes()
+        for loops, chunk in ((2, 11), (4, None)):
+            want.extend(loops)
+            got.extend(loops, prefill_chunk=chunk)
+            assert got.loops == loops and got.to_bytes() == want.to_bytes()
+        for loops in (1, 4):
+            assert_same_generation(
+                cuda_model.generate_from_prefix_cache(got, loops=loops, **request),
+                numpy_model.generate_from_prefix_cache(want, loops=loops, **request))
 
 
 def test_a_prefix_without_warm_start_is_refused_and_says_how(on_fast_backend):

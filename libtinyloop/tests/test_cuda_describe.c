@@ -6,7 +6,10 @@
  *    layer inputs (a hidden-state prefix's rebuild), or refuses positions outside its live blocks;
  *  - the pass schedule of cuda/pass.h (which rows run which step, on which state, writing which
  *    cache slot), recorded per row and compared with docs/spec.md §1 / §4 / §5.4 written out
- *    independently: the slot table's formulas, not tl_slot_at. */
+ *    independently: the slot table's formulas, not tl_slot_at; for whole passes (mixed depths,
+ *    prefix builds) and for part passes (core/forward.h's tl_part): a draft (its coda in a deeper
+ *    depth's slots, its state kept), the verification resumed from it, a warm-start build's
+ *    base and its extension. */
 #include <stdbool.h>
 #include <string.h>
 
@@ -125,7 +128,7 @@ static void test_describe(void) {
 /* ---- the pass schedule ------------------------------------------------------------------------ */
 
 enum { MAX_ROWS = 8, MAX_EVENTS = 256 };
-enum { EV_BLOCK, EV_NORM, EV_INJECT, EV_ADAPTER, EV_COPY, EV_STATE };
+enum { EV_BLOCK, EV_NORM, EV_INJECT, EV_ADAPTER, EV_COPY, EV_STATE, EV_KEEP };
 
 /* One step as one row saw it: BLOCK (a = slot, b = block), NORM (a = tl_cu_norm), STATE
  * (a = depth), on state `on`. */
@@ -177,26 +180,36 @@ static tl_status rec_state(void* ctx, uint32_t depth, size_t row, tl_cu_state on
     record(tr, row, row + 1, (event){EV_STATE, depth, 0, on});
     return TL_OK;
 }
+static tl_status rec_keep(void* ctx, size_t hi) {
+    record(ctx, 0, hi, (event){EV_KEEP, 0, 0, TL_CU_ON_X});
+    return TL_OK;
+}
 
-/* What docs/spec.md says one row of depth L goes through; `build`: a prefix build's last row. */
-static size_t expected(const tl_config* c, uint32_t L, bool build, event* out) {
+/* What docs/spec.md says one row of depth L goes through in part `part` of a pass (§5.6: from
+ * iteration first_iter, its coda in depth coda_depth's slots); `build`: a prefix build's last
+ * row. */
+static size_t expected(const tl_config* c, uint32_t L, const tl_cu_part* part, bool build, event* out) {
     const uint32_t n_pre = c->n_pre_blocks, k = c->n_core_blocks, n_coda = c->n_coda_blocks;
     const bool coda = c->coda_norm || n_coda;
     size_t n = 0;
-    for (uint32_t b = 0; b < n_pre; b++) out[n++] = (event){EV_BLOCK, b, b, TL_CU_ON_X};
-    if (c->injection) out[n++] = (event){EV_INJECT, 0, 0, TL_CU_ON_X};
-    for (uint32_t i = 0; i < L; i++) {
+    if (part->first_iter == 0) {
+        for (uint32_t b = 0; b < n_pre; b++) out[n++] = (event){EV_BLOCK, b, b, TL_CU_ON_X};
+        if (c->injection) out[n++] = (event){EV_INJECT, 0, 0, TL_CU_ON_X};
+    }
+    for (uint32_t i = part->first_iter; i < L; i++) {
         if (c->step_norm && i >= 1) out[n++] = (event){EV_NORM, TL_CU_STEP_NORM, 0, TL_CU_ON_X};
         if (c->injection) out[n++] = (event){EV_ADAPTER, 0, 0, TL_CU_ON_X};
         for (uint32_t j = 0; j < k; j++) out[n++] = (event){EV_BLOCK, n_pre + i * (k + n_coda) + j, n_pre + j, TL_CU_ON_X};
         /* the depth i + 1 ends: on x at the row's own depth, on a copy before it (a build) */
         const bool last = i + 1 == L;
         if (!last && !build) continue;
+        if (last && part->keep) out[n++] = (event){EV_KEEP, 0, 0, TL_CU_ON_X};
         const tl_cu_state on = last || !coda ? TL_CU_ON_X : TL_CU_ON_COPY;
+        const uint32_t depth = last && part->coda_depth ? part->coda_depth : i + 1; /* whose coda slots */
         if (on == TL_CU_ON_COPY) out[n++] = (event){EV_COPY, 0, 0, TL_CU_ON_COPY};
         if (c->coda_norm) out[n++] = (event){EV_NORM, TL_CU_CODA_NORM, 0, on};
         for (uint32_t j = 0; j < n_coda; j++)
-            out[n++] = (event){EV_BLOCK, n_pre + i * (k + n_coda) + k + j, n_pre + k + j, on};
+            out[n++] = (event){EV_BLOCK, n_pre + (depth - 1) * (k + n_coda) + k + j, n_pre + k + j, on};
         if (build) out[n++] = (event){EV_STATE, i + 1, 0, on};
     }
     return n;
@@ -204,23 +217,25 @@ static size_t expected(const tl_config* c, uint32_t L, bool build, event* out) {
 
 static bool same_event(event a, event b) { return a.kind == b.kind && a.a == b.a && a.b == b.b && a.on == b.on; }
 
-/* Walk a pass of rows of the given depths (deepest first) and compare each row's trace. */
-static void check_schedule(const char* what, const tl_config* c, const uint32_t* loops, size_t T, bool build) {
+/* Walk part `part` of a pass of rows of the given depths (deepest first) and compare each row's
+ * trace. */
+static void check_part(const char* what, const tl_config* c, const uint32_t* loops, size_t T, const tl_cu_part* part) {
     static trace tr;
     memset(&tr, 0, sizeof tr);
     tr.T = T;
-    tr.one_sequence = build;
+    const bool build = part->build;
+    tr.one_sequence = build || part->first_iter || part->coda_depth || part->keep;
     tr.state_row = T;
     tl_cuda_row rows[MAX_ROWS];
     memset(rows, 0, sizeof rows);
     for (size_t t = 0; t < T; t++) rows[t].loops = loops[t];
-    const tl_cu_pass_steps steps = {&tr, rec_block, rec_norm, rec_inject, rec_adapter, rec_copy, rec_state};
-    CHECK_OK(tl_cu_pass_walk(c, rows, T, build, &steps));
+    const tl_cu_pass_steps steps = {&tr, rec_block, rec_norm, rec_inject, rec_adapter, rec_copy, rec_state, rec_keep};
+    CHECK_OK(tl_cu_pass_walk(c, rows, T, part, &steps));
     CHECK(!build || tr.state_row == T - 1, "%s: states of row %zu", what, tr.state_row);
     event want[MAX_EVENTS];
     for (size_t t = 0; t < T; t++) {
         /* only the last row of a build keeps states; every row of a build runs every depth */
-        size_t n = expected(c, loops[t], build, want);
+        size_t n = expected(c, loops[t], part, build, want);
         if (build && t + 1 < T) { /* drop the STATE events: the other rows record none */
             size_t kept = 0;
             for (size_t i = 0; i < n; i++)
@@ -234,10 +249,40 @@ static void check_schedule(const char* what, const tl_config* c, const uint32_t*
                   i, g.kind, g.a, g.b, (int)g.on, w.kind, w.a, w.b, (int)w.on);
             if (!same_event(g, w)) break;
         }
+        /* a draft's coda writes the deeper depth's slots; every other slot is the row's own */
+        const uint32_t deepest = part->coda_depth > loops[t] ? part->coda_depth : loops[t];
         for (size_t i = 0; i < tr.n[t]; i++)
             if (tr.ev[t][i].kind == EV_BLOCK)
-                CHECK(tr.ev[t][i].a < tl_n_layers(c, loops[t]), "%s: row %zu writes slot %u of %zu", what, t,
-                      tr.ev[t][i].a, tl_n_layers(c, loops[t]));
+                CHECK(tr.ev[t][i].a < tl_n_layers(c, deepest), "%s: row %zu writes slot %u of %zu", what, t,
+                      tr.ev[t][i].a, tl_n_layers(c, deepest));
+    }
+}
+
+/* check_part of the whole pass (or a whole prefix build). */
+static void check_schedule(const char* what, const tl_config* c, const uint32_t* loops, size_t T, bool build) {
+    const tl_cu_part whole = {.build = build};
+    check_part(what, c, loops, T, &whole);
+}
+
+/* The parts of self-speculative decoding and warm start (docs/spec.md §5.6, §5.4) on T rows of
+ * one sequence at depth L, split at L_d: a draft to L_d (its coda in depth L's slots, its state
+ * kept) and its verification from L_d; a warm-start build's base at L_d (states kept) and its
+ * extension to L. */
+static void check_parts(const char* name, const tl_config* c, size_t T, uint32_t L, uint32_t Ld) {
+    uint32_t draft[MAX_ROWS], verify[MAX_ROWS];
+    for (size_t t = 0; t < T; t++) {
+        draft[t] = Ld;
+        verify[t] = L;
+    }
+    const tl_cu_part parts[4] = {{.coda_depth = L, .keep = true},
+                                 {.first_iter = Ld},
+                                 {.build = true, .keep = true},
+                                 {.first_iter = Ld, .build = true, .keep = true}};
+    const char* kinds[4] = {"draft", "verification", "warm build", "extension"};
+    for (int i = 0; i < 4; i++) {
+        char what[128];
+        snprintf(what, sizeof what, "%s, %zu rows, L=%u, L_d=%u: %s", name, T, L, Ld, kinds[i]);
+        check_part(what, c, i % 2 ? verify : draft, T, &parts[i]);
     }
 }
 
@@ -268,6 +313,11 @@ static void test_schedule(void) {
         check_schedule(what, configs[i], one, 3, true);
         snprintf(what, sizeof what, "%s, one row at depth 1, build", names[i]);
         check_schedule(what, configs[i], single, 1, true);
+        for (uint32_t L = 2; L <= 4; L++)
+            for (uint32_t Ld = 1; Ld < L; Ld++) {
+                check_parts(names[i], configs[i], 1, L, Ld);
+                check_parts(names[i], configs[i], 3, L, Ld);
+            }
     }
 }
 

@@ -823,8 +823,8 @@ static int fake_copy(void* ctx, void* to, const void* from, size_t bytes) {
  * file, and a fetch fills a device block with the same values; without hooks, neither. */
 static void test_tier_device(void) {
     char* dir = fresh_dir("device");
-    const tl_kv_allocator dev = {fake_alloc, fake_free, NULL, fake_copy, fake_copy};
-    const tl_kv_allocator no_copy = {fake_alloc, fake_free, NULL, NULL, NULL};
+    const tl_kv_allocator dev = {fake_alloc, fake_free, NULL, fake_copy, fake_copy, fake_copy};
+    const tl_kv_allocator no_copy = {fake_alloc, fake_free, NULL, NULL, NULL, NULL};
     const tl_block_model host = block_model(8);
     tl_block_model m = host;
     m.geom.device = &dev;

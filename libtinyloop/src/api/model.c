@@ -28,16 +28,21 @@ struct tl_model {
 
 void tl_engine_ref(tl_engine* e) { atomic_fetch_add(&e->refs, 1); }
 
-TL_API tl_status tl_device_check(tl_device device) {
+/* tl_device_check, and *n_devices = the CUDA devices its probe found (0 unless `device` is
+ * TL_DEVICE_CUDA): one probe serves both. */
+static tl_status device_check(tl_device device, int* n_devices) {
+    *n_devices = 0;
     switch (device) {
     case TL_DEVICE_AUTO:
     case TL_DEVICE_CPU: return TL_OK;
-    case TL_DEVICE_CUDA: {
-        int n_devices = 0;
-        return tl_cuda_probe(&n_devices);
-    }
+    case TL_DEVICE_CUDA: return tl_cuda_probe(n_devices);
     }
     return tl_fail(TL_ERR_INVALID_ARGUMENT, "device must be 0 (auto), 1 (cpu) or 2 (cuda), got %d", (int)device);
+}
+
+TL_API tl_status tl_device_check(tl_device device) {
+    int n_devices;
+    return device_check(device, &n_devices);
 }
 
 static void engine_destroy(tl_engine* e) {
@@ -142,16 +147,13 @@ static tl_status resolve_params(const tl_model_params* given, tl_model_params* p
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "prefix_cache_dir needs prefix_cache_bytes > 0");
     tl_status st = resolve_isa(&p->isa);
     if (st != TL_OK) return st;
-    st = tl_device_check(p->device);
+    int n_devices;
+    st = device_check(p->device, &n_devices);
     if (st != TL_OK) return st;
     if (p->device == TL_DEVICE_AUTO) p->device = TL_DEVICE_CPU; /* CUDA joins auto once verified */
-    if (p->device == TL_DEVICE_CUDA) {
-        int n_devices = 0;
-        tl_cuda_probe(&n_devices);
-        if (p->device_index < 0 || p->device_index >= n_devices)
-            return tl_fail(TL_ERR_INVALID_ARGUMENT, "device_index %d: this machine has %d CUDA device(s)",
-                           (int)p->device_index, n_devices);
-    }
+    if (p->device == TL_DEVICE_CUDA && (p->device_index < 0 || p->device_index >= n_devices))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "device_index %d: this machine has %d CUDA device(s)",
+                       (int)p->device_index, n_devices);
     return TL_OK;
 }
 

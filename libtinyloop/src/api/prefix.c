@@ -11,8 +11,9 @@
  * term and earlier layers' KV, so resuming is the whole pass; the coda slots of each new depth
  * are written on a copy of the state, as a build writes them. With a window the extension
  * computes every position (the released ones in temporary blocks) and releases outside the
- * window at the end, as a build does. A backend without a part pass keeps no states: its
- * extension rebuilds the prefix from its tokens (same result, full cost).
+ * window at the end, as a build does. The old layers are copied where the blocks live (on a
+ * device, by its allocator's copy). A backend without a part pass, or without that copy, keeps
+ * no states: its extension rebuilds the prefix from its tokens (same result, full cost).
  *
  * Hidden-state storage (TL_PREFIX_STORE_H8 / _H4, docs/spec.md §5.4.1): the build's sequence
  * captures every layer's input rows (core/hidden.h), the prefix keeps those instead of the KV
@@ -26,7 +27,9 @@
 #include "core/forward.h"
 #include "core/seq.h"
 
-bool tl_prefix_can_resume(const tl_engine* e) { return tl_has_part_pass(e) && !e->kv_geom.device; }
+bool tl_prefix_can_resume(const tl_engine* e) {
+    return tl_has_part_pass(e) && (!e->kv_geom.device || e->kv_geom.device->copy);
+}
 
 static void free_buffers(tl_prefix* p) {
     tl_hidden_free(p->hidden);
@@ -209,10 +212,11 @@ static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_state
      * block's data is [layer][kv head][head_bytes], so the old layers are a byte prefix of the
      * new block's. A block for positions the window had released gets no old layers: only the
      * new ones are read before run_chunks releases it again. */
-    for (size_t i = 0; i < s->kv.n_spans; i++) {
+    for (size_t i = 0; st == TL_OK && i < s->kv.n_spans; i++) {
         const tl_kv_block* old = p->kv.spans[i].block;
-        if (old) memcpy(s->kv.spans[i].block->data, old->data, (size_t)old->n_layers * g->n_kv_heads * g->head_bytes);
+        if (old) st = tl_kv_copy_block_layers(g, s->kv.spans[i].block, old, old->n_layers);
     }
+    if (st != TL_OK) return st;
     const size_t d = tl_engine_config(s->engine)->d_model;
     memcpy(loop_states, p->loop_states, (size_t)p->loops * d * sizeof(float));
     const tl_part whole = {.first_iter = p->loops, .depth = s->loops, .state_in = p->states,

@@ -9,6 +9,15 @@
 #include "base/errors.h"
 #include "core/forward.h"
 
+tl_status tl_scratch_fit(tl_scratch* s, size_t bytes, const char* what) {
+    if (bytes <= s->bytes) return TL_OK;
+    void* grown = tl_alloc(bytes);
+    if (!grown) return tl_fail_oom(what);
+    tl_free(s->base);
+    *s = (tl_scratch){grown, bytes};
+    return TL_OK;
+}
+
 tl_status tl_seq_check_depth(const tl_engine* e, uint32_t loops) {
     const size_t n_layers = tl_n_layers(tl_engine_config(e), loops);
     if (n_layers <= TL_MAX_CACHE_LAYERS) return TL_OK;

@@ -17,4 +17,19 @@ size_t tl_alloc_size(const void* p);             /* the size requested for p    
  * then injection switches itself off. n < 0 switches it off. Process-wide. */
 void tl_alloc_fail_after(int64_t n);
 
+/* Buffers laid out one after another in one arena, each at a 64-byte boundary: a layout
+ * function takes them all with base NULL to measure (used = the arena's bytes), then again from
+ * the arena's base. */
+typedef struct tl_carve {
+    size_t used;
+    char* base;
+} tl_carve;
+
+/* The next `bytes` of the arena (NULL while measuring). */
+static inline void* tl_take(tl_carve* c, size_t bytes) {
+    void* p = c->base ? c->base + c->used : NULL;
+    c->used += (bytes + 63) / 64 * 64;
+    return p;
+}
+
 #endif

@@ -181,3 +181,13 @@ void tl_kv_copy_layer(const tl_kv_geom* g, const tl_kv_table* t, size_t pos, uin
         tl_kv_value_scales(g, span->block, to, h)[slot] = tl_kv_value_scales(g, span->block, from, h)[slot];
     }
 }
+
+tl_status tl_kv_copy_block_layers(const tl_kv_geom* g, tl_kv_block* dst, const tl_kv_block* src, uint32_t n_layers) {
+    const size_t bytes = (size_t)n_layers * g->n_kv_heads * g->head_bytes;
+    if (!dst->device) {
+        memcpy(dst->data, src->data, bytes);
+        return TL_OK;
+    }
+    if (dst->device->copy(dst->device->ctx, dst->data, src->data, bytes) == 0) return TL_OK;
+    return tl_fail(TL_ERR_INTERNAL, "copying %zu bytes of KV block data on the device failed", bytes);
+}

@@ -26,13 +26,15 @@
  * alloc returns `bytes` of zero-filled device memory, or NULL when out of memory. download and
  * upload copy `bytes` between host memory and device data (after the writes already queued on
  * it), returning 0 on success; NULL where the device offers no copy (a prefix blob then cannot
- * be saved or loaded). Every call is thread-safe. */
+ * be saved or loaded). copy does the same between two device data (NULL: a warm-start prefix
+ * then keeps no states, core/seq.h). Every call is thread-safe. */
 typedef struct tl_kv_allocator {
     void* (*alloc)(void* ctx, size_t bytes);
     void (*free)(void* ctx, void* data);
     void* ctx;
     int (*download)(void* ctx, void* host, const void* device, size_t bytes);
     int (*upload)(void* ctx, void* device, const void* host, size_t bytes);
+    int (*copy)(void* ctx, void* dst, const void* src, size_t bytes);
 } tl_kv_allocator;
 
 typedef struct tl_kv_geom {
@@ -97,6 +99,10 @@ size_t tl_kv_alone_bytes(const tl_kv_table* t, size_t* n_blocks);
 size_t tl_kv_new_blocks(const tl_kv_table* t, const tl_kv_geom* g, uint32_t n_layers, size_t n, size_t T);
 /* Index of the span holding position pos (which must be covered). */
 size_t tl_kv_find(const tl_kv_table* t, size_t pos);
+/* The first n_layers layers of block src's data into block dst's (each has at least that many):
+ * a memcpy in host memory, the allocator's copy on a device (which must have one);
+ * TL_ERR_INTERNAL when that copy fails. */
+tl_status tl_kv_copy_block_layers(const tl_kv_geom* g, tl_kv_block* dst, const tl_kv_block* src, uint32_t n_layers);
 /* Position pos's keys, values and their scales of layer `from` copied into layer `to`, every kv
  * head (int8 and int4 rows alike; docs/spec.md §5.7's "last available" KV of a token that exits
  * early). Host blocks only; pos must be covered by a block the table holds alone. */

@@ -17,6 +17,10 @@ typedef struct tl_scratch {
     size_t bytes;
 } tl_scratch;
 
+/* Make s hold at least `bytes` (contents not kept); when that fails, TL_ERR_OUT_OF_MEMORY
+ * naming `what`, and s unchanged. */
+tl_status tl_scratch_fit(tl_scratch* s, size_t bytes, const char* what);
+
 struct tl_seq {
     tl_engine* engine;      /* holds a reference                                          */
     uint32_t loops;         /* L                                                          */
@@ -49,8 +53,8 @@ struct tl_prefix {
     tl_kv_table kv;         /* blocks immutable once written; every depth's coda slots    */
     float* loop_states;     /* [L_b][d]: last token's final state at depth i + 1           */
     float* states;          /* warm start: [n][d] each token's state after iteration L_b-1
-                               (before the coda); NULL without warm start or on a backend
-                               without a part pass (which extends by rebuilding)           */
+                               (before the coda); NULL without warm start or where
+                               tl_prefix_can_resume is false (extended by rebuilding)      */
     float* injects;         /* with states and injection: [n][d] each token's injected term */
     tl_hidden_rows* hidden; /* a hidden-state prefix (docs/spec.md §5.4.1): its layer input
                                rows, kv then empty; NULL for a kv prefix                   */
@@ -59,7 +63,8 @@ struct tl_prefix {
 };
 
 /* Whether a warm-start prefix can keep what an extension resumes from (states, injects): the
- * backend has a part pass and KV blocks in host memory (the extension copies their old layers). */
+ * backend has a part pass, and its KV blocks are in host memory or its device copies block data
+ * (the extension copies their old layers). */
 bool tl_prefix_can_resume(const tl_engine* e);
 /* An empty prefix of n tokens at depth `loops` (a reference to e taken), with its locks and
  * buffers: tokens, loop_states (zeroed) and, when `states`, states and (with injection)

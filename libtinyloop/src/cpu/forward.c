@@ -50,18 +50,6 @@
 
 enum { KEYS_STEP = 256 }; /* attention scratch grows by this many keys at a time */
 
-typedef struct carve {
-    size_t used;
-    char* base;
-} carve;
-
-/* Reserve `bytes` (64-byte aligned) of the arena; with base NULL only measures. */
-static void* take(carve* c, size_t bytes) {
-    void* p = c->base ? c->base + c->used : NULL;
-    c->used += (bytes + 63) / 64 * 64;
-    return p;
-}
-
 /* Chunks of this many rows or more run attention on AMX tiles (tl_attend_tile), which read each
  * key block once for all the rows of a tile: from two rows on that beats per-row attention
  * (a verify pass of 4 / 8 rows, 15% / 27% faster on the demo model); the emulated build, whose
@@ -75,51 +63,51 @@ static bool attends_on_tiles(const tl_engine* e, bool chunk, size_t T) {
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
  * buffers only for a batch, the exit rules' only for a batch with one (adaptive), the side
  * state only for a prefix build or a batch with probes. */
-static void layout(fwd* f, carve* c, unsigned workers, size_t max_keys, bool batch, bool build, exit_needs x) {
+static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, bool batch, bool build, exit_needs x) {
     const tl_config* cfg = f->c;
     const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
     if (cfg->ffn_dim > kmax) kmax = cfg->ffn_dim;
     kmax = tl_acts_stride(kmax);
-    f->seqs = take(c, T * sizeof(tl_seq*));
-    f->pos = take(c, T * sizeof(size_t));
-    f->tokens = take(c, T * sizeof(int32_t));
-    f->x = take(c, state);
-    f->inject = take(c, cfg->injection ? state : 0);
-    f->side = take(c, (build && tl_has_coda(cfg)) || x.probes ? state : 0);
-    f->y = take(c, cfg->block_layout == TL_LAYOUT_SANDWICH ? state : 0);
-    f->qkv = take(c, T * f->qkv_dim * sizeof(float));
-    f->o = take(c, T * f->hd * sizeof(float));
-    f->gu = take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
-    f->acts.q = take(c, T * kmax);
-    f->acts.tiled = take(c, tl_acts_tiled_bytes(f->e->isa, T, kmax));
-    f->acts.qx = take(c, T * kmax);
-    f->acts.scale = take(c, T * sizeof(float));
+    f->seqs = tl_take(c, T * sizeof(tl_seq*));
+    f->pos = tl_take(c, T * sizeof(size_t));
+    f->tokens = tl_take(c, T * sizeof(int32_t));
+    f->x = tl_take(c, state);
+    f->inject = tl_take(c, cfg->injection ? state : 0);
+    f->side = tl_take(c, (build && tl_has_coda(cfg)) || x.probes ? state : 0);
+    f->y = tl_take(c, cfg->block_layout == TL_LAYOUT_SANDWICH ? state : 0);
+    f->qkv = tl_take(c, T * f->qkv_dim * sizeof(float));
+    f->o = tl_take(c, T * f->hd * sizeof(float));
+    f->gu = tl_take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
+    f->acts.q = tl_take(c, T * kmax);
+    f->acts.tiled = tl_take(c, tl_acts_tiled_bytes(f->e->isa, T, kmax));
+    f->acts.qx = tl_take(c, T * kmax);
+    f->acts.scale = tl_take(c, T * sizeof(float));
     f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, T, kmax);
-    f->acts.scratch = take(c, workers * f->acts.scratch_bytes);
-    f->attn = take(c, workers * sizeof(tl_attn_scratch));
+    f->acts.scratch = tl_take(c, workers * f->acts.scratch_bytes);
+    f->attn = tl_take(c, workers * sizeof(tl_attn_scratch));
     /* only where run_block runs attention on tiles: the tile scratch grows with the whole history */
     const bool tiles = attends_on_tiles(f->e, !batch, T);
     const size_t tile_bytes = tiles ? tl_attn_tile_bytes(max_keys, D) : 0;
     for (unsigned w = 0; w < workers; w++) {
-        tl_attn_scratch s = {take(c, max_keys * sizeof(float)), take(c, max_keys * sizeof(int32_t)),
-                             take(c, D * sizeof(int64_t)), take(c, D), take(c, D * sizeof(int16_t)),
-                             take(c, tile_bytes), take(c, tl_attn_rows_bytes(&f->e->kv_geom))};
+        tl_attn_scratch s = {tl_take(c, max_keys * sizeof(float)), tl_take(c, max_keys * sizeof(int32_t)),
+                             tl_take(c, D * sizeof(int64_t)), tl_take(c, D), tl_take(c, D * sizeof(int16_t)),
+                             tl_take(c, tile_bytes), tl_take(c, tl_attn_rows_bytes(&f->e->kv_geom))};
         if (f->attn) f->attn[w] = s;
     }
-    f->order = take(c, batch ? T * sizeof(size_t) : 0);
-    f->logits = take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
-    f->ends = take(c, batch ? T * sizeof(uint32_t) : 0);
-    f->exits = x.adaptive ? take(c, T * sizeof(tl_exit_state)) : NULL;
-    f->prev = take(c, x.adaptive ? state : 0);
-    f->from = take(c, x.adaptive ? T * sizeof(size_t) : 0);
-    f->moved = take(c, x.adaptive ? T * tl_fwd_moved_row(cfg) : 0);
-    f->done = x.probes ? take(c, T) : NULL;
-    f->probe_at = take(c, x.probes ? T * sizeof(size_t) : 0);
-    f->pseqs = take(c, x.probes ? T * sizeof(tl_seq*) : 0);
-    f->ppos = take(c, x.probes ? T * sizeof(size_t) : 0);
-    f->klz = take(c, x.kl_rows * cfg->vocab_size * sizeof(float));
-    f->klw = take(c, x.kl_rows * cfg->vocab_size * sizeof(int32_t));
+    f->order = tl_take(c, batch ? T * sizeof(size_t) : 0);
+    f->logits = tl_take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
+    f->ends = tl_take(c, batch ? T * sizeof(uint32_t) : 0);
+    f->exits = x.adaptive ? tl_take(c, T * sizeof(tl_exit_state)) : NULL;
+    f->prev = tl_take(c, x.adaptive ? state : 0);
+    f->from = tl_take(c, x.adaptive ? T * sizeof(size_t) : 0);
+    f->moved = tl_take(c, x.adaptive ? T * tl_fwd_moved_row(cfg) : 0);
+    f->done = x.probes ? tl_take(c, T) : NULL;
+    f->probe_at = tl_take(c, x.probes ? T * sizeof(size_t) : 0);
+    f->pseqs = tl_take(c, x.probes ? T * sizeof(tl_seq*) : 0);
+    f->ppos = tl_take(c, x.probes ? T * sizeof(size_t) : 0);
+    f->klz = tl_take(c, x.kl_rows * cfg->vocab_size * sizeof(float));
+    f->klw = tl_take(c, x.kl_rows * cfg->vocab_size * sizeof(int32_t));
 }
 
 /* ---- per-token tasks ------------------------------------------------------------------------ */
@@ -380,15 +368,11 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     f->chunk = !batch;
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
-    carve arena = {0, NULL};
+    tl_carve arena = {0, NULL};
     layout(f, &arena, workers, max_keys, batch, build, x);
-    if (arena.used > scratch->bytes) {
-        void* grown = tl_alloc(arena.used);
-        if (!grown) return tl_fail_oom("forward scratch");
-        tl_free(scratch->base);
-        *scratch = (tl_scratch){grown, arena.used};
-    }
-    arena = (carve){0, scratch->base};
+    const tl_status st = tl_scratch_fit(scratch, arena.used, "forward scratch");
+    if (st != TL_OK) return st;
+    arena = (tl_carve){0, scratch->base};
     layout(f, &arena, workers, max_keys, batch, build, x);
     return TL_OK;
 }

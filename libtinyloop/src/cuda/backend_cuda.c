@@ -4,9 +4,13 @@
  * data allocated on the device. Rows run deepest first (tl_sort_deepest_first); rows of one
  * sequence share one span range. The head of a saved hidden state (tl_head_logits) runs on the
  * host with the one linear the backend repacks there (cpu/forward.h): a pass computes its own
- * logits on the device. A hidden-state prefix (docs/spec.md §5.4.1) is built by chunk passes
- * that hand each block's input rows to the sequence's capture, and rebuilt through
- * kv_from_rows, the K/V write of one slot from given rows (tl_cuda_kv_from_rows). */
+ * logits on the device. A part pass (core/forward.h's tl_part: a draft, its verification, a
+ * warm-start prefix's build and extension) is a pass of one sequence whose rows run to the
+ * part's depth, resumed from and keeping states in host memory (tl_cuda_batch's part fields);
+ * the whole pass is its whole part. A hidden-state prefix (docs/spec.md §5.4.1) is built by chunk
+ * passes that hand each block's input rows to the sequence's capture, and rebuilt through
+ * kv_from_rows, the K/V write of one slot from given rows (tl_cuda_kv_from_rows). The host arrays
+ * of a call live in its sequence's scratch (the stage below): no allocation per pass. */
 #include "cuda/backend_cuda.h"
 
 #include <stdio.h>
@@ -59,11 +63,18 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
     return n_spans;
 }
 
-/* tl_cuda_batch.capture of a chunk pass of sequence ctx (rows at positions ctx->n ..): its
- * layer inputs to the hidden-state rows it builds (docs/spec.md §5.4.1). */
+/* Where a chunk pass of a hidden-state prefix build hands its layer inputs: its sequence, and
+ * the position of its first row. */
+typedef struct capture_at {
+    const tl_seq* s;
+    size_t pos0;
+} capture_at;
+
+/* tl_cuda_batch.capture of such a pass: its layer inputs to the hidden-state rows it builds
+ * (docs/spec.md §5.4.1). */
 static void capture_rows(void* ctx, uint32_t slot, size_t row0, size_t n, const float* x) {
-    const tl_seq* s = ctx;
-    tl_hidden_capture(s->capture, slot, s->n + row0, n, x);
+    const capture_at* at = ctx;
+    tl_hidden_capture(at->s->capture, slot, at->pos0 + row0, n, x);
 }
 
 bool tl_cuda_describe_writes(const tl_seq* s, size_t pos0, size_t T, tl_cuda_row* rows) {
@@ -75,52 +86,107 @@ bool tl_cuda_describe_writes(const tl_seq* s, size_t pos0, size_t T, tl_cuda_row
     return true;
 }
 
-/* Rows t < T: token tokens[t] of seqs[t] at position pos[t] (KV reserved), deepest first.
- * Writes hidden [T][d], logits [T][V], logits_last [V] of row T-1 and, making the pass a prefix
- * build's, loop_states of row T-1 (each output but hidden may be NULL); with `capture` (a chunk
- * pass of that one sequence, positions capture->n ..), its layer inputs to capture->capture. */
-static tl_status run_rows(tl_cuda* c, tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
-                          float* hidden, float* logits, float* logits_last, float* loop_states, tl_seq* capture) {
-    const tl_engine* e = seqs[0]->engine;
-    const size_t n_spans_max = tl_cuda_count_spans(seqs, T);
-    tl_cuda_row* rows = tl_alloc_zeroed(T, sizeof *rows);
-    tl_cuda_span* spans = tl_alloc_zeroed(n_spans_max ? n_spans_max : 1, sizeof *spans);
-    if (!rows || !spans) {
-        tl_free(rows);
-        tl_free(spans);
-        return tl_fail_oom("CUDA batch description");
-    }
+/* ---- host scratch ------------------------------------------------------------------------- */
+
+/* The host arrays of one call, laid out in its sequence's scratch (a batch: its first
+ * sequence's, as the CPU pass borrows it; core/seq.h), which grows to the largest call so far
+ * and is never freed per pass. A sequence has one user at a time, so the scratch needs no lock
+ * while the device calls serialize on the tl_cuda's. */
+typedef struct stage {
+    tl_seq** seqs;       /* [T] each row's sequence                           */
+    size_t* pos;         /* [T] its position                                   */
+    int32_t* tokens;     /* [T] its token                                      */
+    size_t* order;       /* [T] a batch: row r is the caller's order[r]        */
+    tl_cuda_row* rows;   /* [T] the rows tl_cuda_describe writes               */
+    tl_cuda_span* spans; /* [n_spans] and their spans                          */
+    float* hidden;       /* [T][d] the rows' final states                      */
+    float* logits;       /* [T][V] a batch: the rows' logits, in row order     */
+} stage;
+
+static void lay_out(stage* st, tl_carve* c, const tl_config* cfg, size_t T, size_t n_spans, bool batch) {
+    st->seqs = tl_take(c, T * sizeof *st->seqs);
+    st->pos = tl_take(c, T * sizeof *st->pos);
+    st->tokens = tl_take(c, T * sizeof *st->tokens);
+    st->order = tl_take(c, batch ? T * sizeof *st->order : 0);
+    st->rows = tl_take(c, T * sizeof *st->rows);
+    st->spans = tl_take(c, n_spans * sizeof *st->spans);
+    st->hidden = tl_take(c, T * cfg->d_model * sizeof(float));
+    st->logits = tl_take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
+}
+
+/* The stage of T rows whose sequences have at most n_spans live spans, in `scratch` (grown
+ * first if it does not fit: the call's only allocation; on failure nothing has changed). */
+static tl_status stage_begin(stage* st, tl_scratch* scratch, const tl_config* cfg, size_t T, size_t n_spans,
+                             bool batch) {
+    tl_carve arena = {0, NULL};
+    lay_out(st, &arena, cfg, T, n_spans, batch);
+    const tl_status status = tl_scratch_fit(scratch, arena.used, "CUDA pass scratch");
+    if (status != TL_OK) return status;
+    arena = (tl_carve){0, scratch->base};
+    lay_out(st, &arena, cfg, T, n_spans, batch);
+    return TL_OK;
+}
+
+/* ---- passes ------------------------------------------------------------------------------- */
+
+/* Rows t < T of the stage (seqs, pos, tokens filled; deepest first) described into its rows and
+ * spans, then b (its outputs and part set; hidden the stage's unless given) run on the device.
+ * `depth` (0: each sequence's) overrides every row's loops: the depth a part runs to. */
+static tl_status run_rows(tl_cuda* c, stage* st, size_t T, uint32_t depth, tl_cuda_batch* b) {
+    const tl_engine* e = st->seqs[0]->engine;
     uint32_t max_keys;
-    const size_t n_spans = tl_cuda_describe(seqs, pos, tokens, T, rows, spans, &max_keys);
-    const tl_cuda_batch batch = {T, rows, spans, n_spans, max_keys, e->kv_geom.block_size, e->kv_geom.head_bytes,
-                                 e->kv_geom.kv_bits, hidden, logits, logits_last, loop_states,
-                                 capture ? capture_rows : NULL, capture};
-    const tl_status st = tl_cuda_forward(c, &batch);
-    tl_free(rows);
-    tl_free(spans);
-    return st;
+    b->n_spans = tl_cuda_describe(st->seqs, st->pos, st->tokens, T, st->rows, st->spans, &max_keys);
+    for (size_t t = 0; depth && t < T; t++) st->rows[t].loops = depth;
+    b->T = T;
+    b->rows = st->rows;
+    b->spans = st->spans;
+    b->max_keys = max_keys;
+    b->block_size = e->kv_geom.block_size;
+    b->head_bytes = e->kv_geom.head_bytes;
+    b->kv_bits = e->kv_geom.kv_bits;
+    if (!b->hidden) b->hidden = st->hidden;
+    return tl_cuda_forward(c, b);
+}
+
+/* tl_forward_part of s on the device, and with last_hidden (NULL or [d]) the last row's final
+ * state too: tl_forward is the whole part (first_iter 0, depth s->loops) at pos0 = s->n. */
+static tl_status run_part(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0, const tl_part* part,
+                          float* last_hidden) {
+    const tl_config* cfg = tl_engine_config(s->engine);
+    const uint32_t coda_depth = part->coda_depth ? part->coda_depth : part->depth;
+    if (part->first_iter >= part->depth || part->depth > s->loops || coda_depth > s->loops)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA part pass: first_iter %u, depth %u, coda_depth %u on a "
+                       "sequence of depth %u", part->first_iter, part->depth, coda_depth, s->loops);
+    stage st;
+    tl_status status = stage_begin(&st, &s->scratch, cfg, T, tl_cuda_count_spans(&s, 1), false);
+    if (status != TL_OK) return status;
+    for (size_t t = 0; t < T; t++) {
+        st.seqs[t] = s;
+        st.pos[t] = pos0 + t;
+        st.tokens[t] = part->first_iter ? 0 : tokens[t]; /* a resumed part runs no embedding */
+    }
+    capture_at at = {s, pos0};
+    tl_cuda_batch batch = {.hidden = part->hidden_all, .logits = part->logits_all, .logits_last = part->logits_last,
+                           .loop_states = part->loop_states, .first_iter = part->first_iter,
+                           .coda_depth = part->coda_depth, .state_in = part->state_in, .inject_in = part->inject_in,
+                           .state_out = part->state_out, .inject_out = part->inject_out,
+                           .capture = s->capture ? capture_rows : NULL, .capture_ctx = &at};
+    status = run_rows(((cuda_backend*)b)->c, &st, T, part->depth, &batch);
+    const size_t d = cfg->d_model;
+    if (status == TL_OK && last_hidden) memcpy(last_hidden, batch.hidden + (T - 1) * d, d * sizeof(float));
+    return status;
 }
 
 static tl_status cuda_forward(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, float* logits_all,
                               float* logits_last, float* last_hidden, float* loop_states) {
-    const size_t d = tl_engine_config(s->engine)->d_model;
-    tl_seq** seqs = tl_alloc(T * sizeof *seqs);
-    size_t* pos = tl_alloc(T * sizeof *pos);
-    float* hidden = tl_alloc(T * d * sizeof(float));
-    tl_status st = seqs && pos && hidden ? TL_OK : tl_fail_oom("CUDA chunk scratch");
-    if (st == TL_OK) {
-        for (size_t t = 0; t < T; t++) {
-            seqs[t] = s;
-            pos[t] = s->n + t;
-        }
-        st = run_rows(((cuda_backend*)b)->c, seqs, pos, tokens, T, hidden, logits_all, logits_last, loop_states,
-                      s->capture ? s : NULL);
-    }
-    if (st == TL_OK) memcpy(last_hidden, hidden + (T - 1) * d, d * sizeof(float));
-    tl_free(seqs);
-    tl_free(pos);
-    tl_free(hidden);
-    return st;
+    const tl_part whole = {.depth = s->loops, .logits_all = logits_all, .logits_last = logits_last,
+                           .loop_states = loop_states};
+    return run_part(b, s, tokens, T, s->n, &whole, last_hidden);
+}
+
+static tl_status cuda_forward_part(tl_backend* b, tl_seq* s, const int32_t* tokens, size_t T, size_t pos0,
+                                   const tl_part* part) {
+    return run_part(b, s, tokens, T, pos0, part, NULL);
 }
 
 /* Without exit rules (adaptive is false: tl_gen_check refuses them here), every row runs to its
@@ -132,55 +198,42 @@ static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const in
             return tl_fail(TL_ERR_UNSUPPORTED, "adaptive depth (exit_rule) is not on the CUDA backend yet");
     const tl_config* c = tl_engine_config(seqs[0]->engine);
     const size_t d = c->d_model, V = c->vocab_size;
-    size_t* order = tl_alloc(B * sizeof *order);
-    tl_seq** sorted = tl_alloc(B * sizeof *sorted);
-    size_t* pos = tl_alloc(B * sizeof *pos);
-    int32_t* sorted_tokens = tl_alloc(B * sizeof *sorted_tokens);
-    float* hidden = tl_alloc(B * d * sizeof(float));
-    float* sorted_logits = tl_alloc(B * V * sizeof(float));
-    tl_status st = order && sorted && pos && sorted_tokens && hidden && sorted_logits
-        ? TL_OK : tl_fail_oom("CUDA batch scratch");
-    if (st == TL_OK) {
-        tl_sort_deepest_first(seqs, B, order);
-        for (size_t r = 0; r < B; r++) {
-            sorted[r] = seqs[order[r]];
-            pos[r] = sorted[r]->n;
-            sorted_tokens[r] = tokens[order[r]];
-        }
-        st = run_rows(((cuda_backend*)b)->c, sorted, pos, sorted_tokens, B, hidden, sorted_logits, NULL, NULL, NULL);
+    /* the spans of the callers' order bound the sorted rows' (the stable sort keeps a
+     * sequence's consecutive rows together) */
+    stage st;
+    tl_status status = stage_begin(&st, &seqs[0]->scratch, c, B, tl_cuda_count_spans(seqs, B), true);
+    if (status != TL_OK) return status;
+    tl_sort_deepest_first(seqs, B, st.order);
+    for (size_t r = 0; r < B; r++) {
+        st.seqs[r] = seqs[st.order[r]];
+        st.pos[r] = st.seqs[r]->n;
+        st.tokens[r] = tokens[st.order[r]];
     }
-    for (size_t r = 0; st == TL_OK && r < B; r++) {
-        memcpy(sorted[r]->last_hidden, hidden + r * d, d * sizeof(float));
-        memcpy(logits[order[r]], sorted_logits + r * V, V * sizeof(float));
-        if (depths) depths[order[r]] = sorted[r]->loops;
+    tl_cuda_batch batch = {.logits = st.logits};
+    status = run_rows(((cuda_backend*)b)->c, &st, B, 0, &batch);
+    for (size_t r = 0; status == TL_OK && r < B; r++) {
+        memcpy(st.seqs[r]->last_hidden, st.hidden + r * d, d * sizeof(float));
+        memcpy(logits[st.order[r]], st.logits + r * V, V * sizeof(float));
+        if (depths) depths[st.order[r]] = st.seqs[r]->loops;
     }
-    tl_free(order);
-    tl_free(sorted);
-    tl_free(pos);
-    tl_free(sorted_tokens);
-    tl_free(hidden);
-    tl_free(sorted_logits);
-    return st;
+    return status;
 }
 
 static tl_status cuda_kv_from_rows(tl_backend* b, tl_seq* s, uint32_t slot, size_t pos0, size_t T, const int8_t* q,
                                    const float* a) {
     const tl_engine* e = s->engine;
     if (T == 0) return TL_OK;
-    tl_cuda_row* rows = tl_alloc(T * sizeof *rows);
-    if (!rows) return tl_fail_oom("CUDA KV rows");
+    if (slot >= s->n_layers)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: slot %u of a sequence of %u", slot, s->n_layers);
+    tl_status st = tl_scratch_fit(&s->scratch, T * sizeof(tl_cuda_row), "CUDA KV rows"); /* the rows, as a pass's */
+    if (st != TL_OK) return st;
+    tl_cuda_row* rows = s->scratch.base;
+    if (!tl_cuda_describe_writes(s, pos0, T, rows))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: positions %zu .. %zu are not reserved", pos0,
+                       pos0 + T - 1);
     const tl_cuda_kv_rows batch = {T, rows, slot, e->kv_geom.block_size, e->kv_geom.head_bytes, e->kv_geom.kv_bits,
                                    q, a};
-    tl_status st;
-    if (slot >= s->n_layers)
-        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: slot %u of a sequence of %u", slot, s->n_layers);
-    else if (!tl_cuda_describe_writes(s, pos0, T, rows))
-        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA KV from rows: positions %zu .. %zu are not reserved", pos0,
-                     pos0 + T - 1);
-    else
-        st = tl_cuda_kv_from_rows(((cuda_backend*)b)->c, &batch);
-    tl_free(rows);
-    return st;
+    return tl_cuda_kv_from_rows(((cuda_backend*)b)->c, &batch);
 }
 
 static tl_status cuda_head_logits(tl_backend* b, const tl_engine* e, const float* x, float* logits) {
@@ -208,15 +261,17 @@ static int kv_download(void* ctx, void* host, const void* device, size_t bytes) 
 static int kv_upload(void* ctx, void* device, const void* host, size_t bytes) {
     return tl_cuda_block_upload(ctx, device, host, bytes);
 }
+static int kv_copy(void* ctx, void* dst, const void* src, size_t bytes) {
+    return tl_cuda_block_copy(ctx, dst, src, bytes);
+}
 
-/* No part pass yet: speculative requests decode plainly, and tl_prefix_extend rebuilds a prefix.
- * No exit rules yet (adaptive false): requests with one are refused. */
+/* No exit rules yet (adaptive false): requests with one are refused. */
 static const tl_backend_iface cuda_iface = {.forward = cuda_forward,
                                             .forward_batch = cuda_forward_batch,
                                             .head_logits = cuda_head_logits,
                                             .info = cuda_info,
                                             .free = cuda_free,
-                                            .forward_part = NULL,
+                                            .forward_part = cuda_forward_part,
                                             .kv_from_rows = cuda_kv_from_rows,
                                             .adaptive = false};
 
@@ -233,7 +288,8 @@ tl_status tl_backend_cuda_new(tl_engine* e, int device, tl_backend** out) {
     for (size_t i = 0; i < e->file.n_linears; i++)
         if (i + 1 < e->file.n_linears || !tl_linear_reads_src(&cb->head)) tl_file_release_linear(&e->file, i);
     cb->kv = (tl_kv_allocator){
-        .alloc = kv_alloc, .free = kv_free, .ctx = cb->c, .download = kv_download, .upload = kv_upload};
+        .alloc = kv_alloc, .free = kv_free, .ctx = cb->c, .download = kv_download, .upload = kv_upload,
+        .copy = kv_copy};
     cb->base = (tl_backend){&cuda_iface, &cb->kv};
     *out = &cb->base;
     return TL_OK;

@@ -88,6 +88,7 @@ typedef struct tl_cu_pass_shape {
     size_t head_bytes;
     uint32_t kv_bits;                   /* 8, or 4: packed Q4 KV rows                           */
     uint32_t loops;                     /* of the deepest row (row 0)                           */
+    uint32_t first_iter, coda_depth;    /* the part of the pass it runs (tl_cuda_batch's)       */
     uint32_t outputs;                   /* which outputs the pass copies back (forward.cu)      */
     uint32_t depth[TL_CU_GRAPH_MAX_T];  /* each row's loops (graph passes; 0 beyond T)          */
 } tl_cu_pass_shape;
@@ -150,10 +151,11 @@ struct tl_cuda {
     int sm_count;                 /* multiprocessors: how far decode attention splits       */
     /* scratch of tl_cuda_forward (device, from `pool` when there is one, unless noted) */
     tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, att_split, io, logits, states;
-    tl_cu_buf e;                  /* [T][d] the injected input (injection)                  */
+    tl_cu_buf inject;             /* [T][d] the injected term linear(adapter_inject; Q8(e)) */
     tl_cu_buf sub;                /* [T][d] a sublayer's output before its norm (sandwich)  */
     tl_cu_buf xcopy;              /* [T][d] the state a prefix build's coda runs on         */
-    tl_cu_buf host_io;            /* pinned host staging of rows + spans                    */
+    tl_cu_buf host_io;            /* pinned host staging of rows + spans (and a resumed
+                                     part's states and injected terms)                      */
     tl_cu_buf host_out;           /* pinned host staging of the outputs                     */
     tl_cu_buf host_capture;       /* pinned host [T][d]: a block's input rows (a prefix build
                                      capturing them, docs/spec.md §5.4.1)                   */
@@ -285,6 +287,8 @@ tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda
 /* dst[t] = RN(src[t], gain) (docs/spec.md §2.7), or dst[t] + RN(src[t], gain) when add, rows
  * t < T of d floats; dst may be src. */
 tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add);
+/* x[t][i] = x[t][i] + v[t][i], rows t < T of d floats (one f32 addition each). */
+tl_status tl_cu_add_rows(tl_cuda* c, float* x, const float* v, size_t T);
 
 /* gemm.cu */
 /* y[t][j] (stride ys) = or += ((f32)acc * scale[t]) * L->scale[j] (+ L->bias[j]), t < T, j < R, from the

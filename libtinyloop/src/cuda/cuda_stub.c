@@ -30,6 +30,10 @@ int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes)
     (void)c, (void)data, (void)host, (void)bytes;
     return -1;
 }
+int tl_cuda_block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes) {
+    (void)c, (void)dst, (void)src, (void)bytes;
+    return -1;
+}
 
 tl_status tl_cuda_forward(tl_cuda* c, const tl_cuda_batch* batch) {
     (void)c;

@@ -345,7 +345,7 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     cudaFree(c->rope_cos);
     cudaFree(c->rope_sin);
     tl_cu_buf* bufs[] = {&c->x,      &c->qkv,       &c->o,  &c->gu,     &c->acts,   &c->ascale, &c->raw,
-                         &c->scores, &c->att_split, &c->io, &c->logits, &c->states, &c->e,      &c->sub,
+                         &c->scores, &c->att_split, &c->io, &c->logits, &c->states, &c->inject, &c->sub,
                          &c->xcopy};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tl_cu_scratch_release(c, bufs[i]);
     if (c->stream_made) cudaStreamSynchronize(c->stream); /* the pool's frees are done */
@@ -405,7 +405,8 @@ extern "C" void* tl_cuda_block_alloc(tl_cuda* c, size_t bytes) {
     return p;
 }
 
-/* One copy between host memory and block data on the model's stream, waited for. */
+/* One copy between host memory and block data, or between two blocks' data, on the model's
+ * stream, waited for. */
 static int block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return 0;
     if (!c) return -1;
@@ -428,6 +429,10 @@ extern "C" int tl_cuda_block_download(tl_cuda* c, void* host, const void* data, 
 
 extern "C" int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes) {
     return block_copy(c, data, host, bytes, cudaMemcpyHostToDevice);
+}
+
+extern "C" int tl_cuda_block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes) {
+    return block_copy(c, dst, src, bytes, cudaMemcpyDeviceToDevice);
 }
 
 extern "C" void tl_cuda_block_free(tl_cuda* c, void* data) {

@@ -48,6 +48,8 @@ void tl_cuda_block_free(tl_cuda* c, void* data);
  * the model's stream; 0 on success, -1 on a CUDA error. Thread-safe. */
 int tl_cuda_block_download(tl_cuda* c, void* host, const void* data, size_t bytes);
 int tl_cuda_block_upload(tl_cuda* c, void* data, const void* host, size_t bytes);
+/* Copy `bytes` of block data to other block data (both device addresses), likewise. */
+int tl_cuda_block_copy(tl_cuda* c, void* dst, const void* src, size_t bytes);
 
 /* A run of `count` consecutive positions from `start` whose (kq, vq, sk, sv) live in the block
  * data at device address `data` (kvcache.h layout: per (layer, kv head) head_bytes from
@@ -71,11 +73,13 @@ typedef struct tl_cuda_row {
     uint32_t n_spans;      /*   cover every key visible to the row (released ones omitted)   */
 } tl_cuda_row;
 
-/* A forward pass of T rows (docs/spec.md §4). Rows are ordered by loops, deepest first; the
- * order of the steps and the rows each runs on is cuda/pass.h's. Rows of one sequence sit at
- * consecutive positions and share a span range; a row attends to keys j <= pos (and
- * j > pos - window) including the keys other rows of this batch write in the same slot, so
- * every KV write of a block precedes that block's attention. */
+/* A forward pass of T rows (docs/spec.md §4), or a part of one (core/forward.h's tl_part). Rows
+ * are ordered by loops, deepest first; the order of the steps and the rows each runs on is
+ * cuda/pass.h's. Rows of one sequence sit at consecutive positions and share a span range; a row
+ * attends to keys j <= pos (and j > pos - window) including the keys other rows of this batch
+ * write in the same slot, so every KV write of a block precedes that block's attention. A part
+ * (first_iter, coda_depth, state_out, inject_out) and a prefix build (loop_states) are passes of
+ * one sequence: every row has the same loops, the depth the part runs to. */
 typedef struct tl_cuda_batch {
     size_t T;
     const tl_cuda_row* rows;    /* [T] host memory                                          */
@@ -90,9 +94,22 @@ typedef struct tl_cuda_batch {
     float* logits;              /* [T][V] head of each final state; NULL = not wanted       */
     float* logits_last;         /* [V] head of row T-1's final state only; NULL = not wanted */
     float* loop_states;         /* [loops][d] makes the pass a prefix build's (docs/spec.md §5.4):
-                                   every depth 1 .. loops runs its coda, writing its coda slots,
-                                   and loop_states[i] = row T-1's final state (the head's input)
-                                   at depth i + 1; NULL = a plain pass                         */
+                                   every depth first_iter+1 .. loops runs its coda, writing its
+                                   coda slots, and loop_states[i] = row T-1's final state (the
+                                   head's input) at depth i + 1 (i >= first_iter; the rows before
+                                   are left as they were); NULL = a plain pass                  */
+    /* a part pass (core/forward.h's tl_part); all zero = the whole pass */
+    uint32_t first_iter;        /* 0: from the embedding; else the rows enter core iteration
+                                   first_iter (< loops) with state_in and inject_in            */
+    uint32_t coda_depth;        /* whose coda slots the coda writes; 0 = the rows' loops       */
+    const float* state_in;      /* [T][d] host, with first_iter > 0: each row's state after
+                                   iteration first_iter - 1                                     */
+    const float* inject_in;     /* [T][d] host, with first_iter > 0 and injection: each row's
+                                   injected term linear(adapter_inject; Q8(e))                 */
+    float* state_out;           /* [T][d] each row's state after iteration loops - 1 (before
+                                   the coda); NULL = not wanted                                */
+    float* inject_out;          /* [T][d] each row's injected term (injection only); NULL = not
+                                   wanted                                                      */
     /* a hidden-state prefix build's (docs/spec.md §5.4.1): called once for every block the pass
      * runs, with its cache slot and the rows [row0, row0 + n) of the state it runs on, x [n][d]
      * (host memory, valid during the call): the layer input its attention's NQ reads. NULL =

@@ -4,9 +4,15 @@
  * into pinned host memory, one synchronization, and a memcpy of the outputs to the caller's
  * buffers. And tl_cuda_kv_from_rows: a block's K/V write alone, from given layer input rows.
  *
- * The embedding (times embed_scale), then the steps of cuda/pass.h (the prelude, the iterations
- * with their step norm, adapter and core blocks, each depth's coda_norm and coda), each on a
- * range of rows. A block on rows [lo, hi) of a state (x, or a prefix build's copy):
+ * The embedding (times embed_scale), then the steps of cuda/pass.h (the prelude, the injection,
+ * the iterations with their step norm, adapter and core blocks, each depth's coda_norm and coda),
+ * each on a range of rows. A part pass (core/forward.h's tl_part) resumed at first_iter > 0
+ * starts instead from the states and injected terms it is given, copied into x and inject with
+ * the rows; a part may also keep the state after its last iteration (state_out, copied out
+ * before the coda runs) and its injected terms. The injected term linear(adapter_inject; Q8(e))
+ * is computed once, at the injection, and added into every iteration's adapter output: the one
+ * f32 addition x + v the epilogue of an accumulating linear would make.
+ * A block on rows [lo, hi) of a state (x, or a prefix build's copy):
  *   NQ(x) -> qkv linear (+ bias) -> RoPE + K/V write into its slot (every row of the range,
  *   before any attention reads) -> attention -> Q8(o) -> out linear -> residual -> NQ(x)
  *   -> gate_up linear -> SwiGLU + Q8 -> down linear -> residual,
@@ -20,23 +26,25 @@
  * qkv [T][(H + 2G) * D], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8, ascale [T],
  * raw [T_pad][max int4 rows_pad] i32, scores [rows per launch][H][key_stride], att_split (split
  * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d],
- * and as the model needs them e [T][d] (injection), sub [T][d] (sandwich), xcopy [T][d] (a
+ * and as the model needs them inject [T][d] (injection), sub [T][d] (sandwich), xcopy [T][d] (a
  * prefix build with a coda);
- * pinned host: host_io stages rows + spans (kv_from_rows: rows, q, a), host_out the outputs,
- * host_capture [T][d] a capture's rows. Device scratch comes from the model's stream-ordered
- * pool (c->pool): a buffer grows (old one freed, new one allocated, both queued on c->stream)
- * only in reserve_pass or reserve_kv_write, before the first launch, and that never
- * synchronizes the device; nothing allocates or frees between launches.
+ * pinned host: host_io stages rows + spans (a resumed part's states and injected terms too;
+ * kv_from_rows: rows, q, a), host_out the outputs, host_capture [T][d] a capture's rows.
+ * Device scratch comes from the model's stream-ordered pool (c->pool): a buffer grows (old one
+ * freed, new one allocated, both queued on c->stream) only in reserve_pass or reserve_kv_write,
+ * before the first launch, and that never synchronizes the device; nothing allocates or frees
+ * between launches.
  *
  * CUDA graphs (decode, T <= TL_CU_GRAPH_MAX_T): each pass shape (tl_cu_pass_shape: row count,
- * each row's depth, the scores' key stride, which outputs and so whether it is a prefix build's:
- * all that cuda/pass.h's schedule reads) is captured once into an executable graph, kept in a
- * small cache (least recently used out), and replayed with cudaGraphLaunch on every later pass
- * of that shape. Why a replay gives the plain path's bits, by construction:
- * launch_pass takes its kernel arguments only from the shape and from the scratch addresses, and
- * every value that changes per step (tokens, positions, windows, K/V write slots, the span tables
- * and so the keys each row sees) lives in device memory (io), rewritten by the rows/spans copy
- * before each launch and read there by the kernels. A moved scratch buffer drops every graph.
+ * each row's depth, the part (first iteration, coda depth), the scores' key stride, which outputs
+ * and so whether it is a prefix build's: all that cuda/pass.h's schedule reads) is captured once
+ * into an executable graph, kept in a small cache (least recently used out), and replayed with
+ * cudaGraphLaunch on every later pass of that shape. Why a replay gives the plain path's bits,
+ * by construction: launch_pass takes its kernel arguments only from the shape and from the
+ * scratch addresses, and every value that changes per step (tokens, positions, windows, K/V
+ * write slots, the span tables and so the keys each row sees, a resumed part's states) lives in
+ * device memory (io, x, inject), rewritten by the copies before each launch and read there by
+ * the kernels. A moved scratch buffer drops every graph.
  * So a replay is exactly the launches the plain path would make for this batch (same kernels,
  * same arguments, same order, same stream), and graphs on or off cannot change a bit. The key
  * stride is max_keys rounded up to a power of two (attention reads only keys below each row's
@@ -53,6 +61,8 @@ enum {
     OUT_LOGITS_LAST = 2, /* logits of the last row                                            */
     OUT_STATES = 4,      /* a prefix build: every depth's coda, the last row's state at each  */
     OUT_CAPTURE = 8,     /* a hidden-state prefix build: each block's input rows (never a graph) */
+    OUT_KEPT = 16,       /* a part's state_out: the state after the last iteration           */
+    OUT_INJECT = 32,     /* a part's inject_out: the injected terms                          */
     MIN_KEY_STRIDE = 64
 };
 
@@ -93,6 +103,11 @@ static bool writes_ok(const tl_config* cfg, const tl_cuda_row* r, uint32_t block
            tl_n_layers(cfg, r->loops) <= TL_MAX_CACHE_LAYERS;
 }
 
+/* Whether b is a part or a prefix build: a pass of one sequence, every row at one depth. */
+static bool one_depth(const tl_cuda_batch* b) {
+    return b->loop_states || b->first_iter || b->coda_depth || b->state_out || b->inject_out;
+}
+
 static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t* max_keys) {
     const tl_config* cfg = &c->cfg;
     uint32_t keys = b->max_keys;
@@ -100,13 +115,21 @@ static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t*
         const tl_cuda_row* r = &b->rows[t];
         if (r->token < 0 || (uint32_t)r->token >= cfg->vocab_size || !writes_ok(cfg, r, b->block_size) ||
             (size_t)r->first_span + r->n_spans > b->n_spans || (t > 0 && r->loops > b->rows[t - 1].loops) ||
-            (b->loop_states && r->loops != b->rows[0].loops)) /* a prefix build is one sequence */
+            (one_depth(b) && r->loops != b->rows[0].loops))
             return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad row %zu (token %d, position %u, loops %u)", t,
                            (int)r->token, r->pos, r->loops);
         if (r->pos + 1 > keys) keys = r->pos + 1;
     }
     if (b->block_size == 0 || (b->n_spans && !b->spans))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad span table");
+    const uint32_t loops = b->rows[0].loops;
+    if (b->first_iter >= loops)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: first_iter %u, rows of loops %u", b->first_iter, loops);
+    if (b->first_iter && (!b->state_in || (cfg->injection && !b->inject_in)))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: first_iter %u without state_in%s", b->first_iter,
+                       cfg->injection ? " and inject_in" : "");
+    if (b->coda_depth && tl_n_layers(cfg, b->coda_depth) > TL_MAX_CACHE_LAYERS)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: coda_depth %u", b->coda_depth);
     *max_keys = keys;
     return TL_OK;
 }
@@ -130,8 +153,11 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
     s.head_bytes = b->head_bytes;
     s.kv_bits = b->kv_bits;
     s.loops = b->rows[0].loops;
+    s.first_iter = b->first_iter;
+    s.coda_depth = b->coda_depth;
     s.outputs = (b->logits ? OUT_LOGITS : 0) | (b->logits_last ? OUT_LOGITS_LAST : 0) |
-                (b->loop_states ? OUT_STATES : 0) | (b->capture ? OUT_CAPTURE : 0);
+                (b->loop_states ? OUT_STATES : 0) | (b->capture ? OUT_CAPTURE : 0) | (b->state_out ? OUT_KEPT : 0) |
+                (b->inject_out && c->cfg.injection ? OUT_INJECT : 0);
     for (size_t t = 0; b->T <= TL_CU_GRAPH_MAX_T && t < b->T; t++) s.depth[t] = b->rows[t].loops;
     return s;
 }
@@ -139,13 +165,15 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
 static bool same_shape(const tl_cu_pass_shape* a, const tl_cu_pass_shape* b) {
     return a->T == b->T && a->key_stride == b->key_stride && a->block_size == b->block_size &&
            a->head_bytes == b->head_bytes && a->kv_bits == b->kv_bits && a->loops == b->loops &&
-           a->outputs == b->outputs && memcmp(a->depth, b->depth, sizeof a->depth) == 0;
+           a->first_iter == b->first_iter && a->coda_depth == b->coda_depth && a->outputs == b->outputs &&
+           memcmp(a->depth, b->depth, sizeof a->depth) == 0;
 }
 
 /* Where a pass's outputs sit in host_out (in floats): hidden [T][d], logits [n_logits][V]
- * (every row, or the last one), states [loops][d] (a prefix build: its rows' common depth). */
+ * (every row, or the last one), states [loops][d] (a prefix build: its rows' common depth; rows
+ * first_iter .. loops-1 written), kept [T][d] (state_out), inject [T][d] (inject_out). */
 typedef struct out_layout {
-    size_t logits, n_logits, states, loops, floats;
+    size_t logits, n_logits, states, loops, kept, inject, floats;
 } out_layout;
 
 static out_layout out_layout_of(const tl_cuda* c, const tl_cu_pass_shape* s) {
@@ -155,12 +183,20 @@ static out_layout out_layout_of(const tl_cuda* c, const tl_cu_pass_shape* s) {
     L.n_logits = (s->outputs & OUT_LOGITS) ? s->T : (s->outputs & OUT_LOGITS_LAST) ? 1 : 0;
     L.states = L.logits + L.n_logits * c->cfg.vocab_size;
     L.loops = (s->outputs & OUT_STATES) ? s->loops : 0;
-    L.floats = L.states + L.loops * d;
+    L.kept = L.states + L.loops * d;
+    L.inject = L.kept + ((s->outputs & OUT_KEPT) ? (size_t)s->T * d : 0);
+    L.floats = L.inject + ((s->outputs & OUT_INJECT) ? (size_t)s->T * d : 0);
     return L;
 }
 
 /* Bytes of the rows part of io (the spans follow it). */
 static size_t rows_bytes(size_t T) { return tl_cu_round_up(T * sizeof(tl_cuda_row), 64); }
+
+/* Where host_io stages a resumed part's states (its injected terms follow them, [T][d] each):
+ * after the rows and n_spans spans. */
+static size_t states_in_at(size_t T, size_t n_spans) {
+    return tl_cu_round_up(rows_bytes(T) + n_spans * sizeof(tl_cuda_span), 64);
+}
 
 /* The buffers of a K/V write of T rows (write_kv): activations, their scales, qkv, int4 sums. */
 static tl_status reserve_kv_write(tl_cuda* c, size_t T) {
@@ -180,6 +216,7 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     const size_t F = cfg->ffn_dim, V = cfg->vocab_size;
     const size_t score_rows = tl_cu_attention_rows(c, T, s->key_stride);
     const size_t io_bytes = rows_bytes(T) + n_spans * sizeof(tl_cuda_span);
+    const size_t states_in = s->first_iter ? (cfg->injection ? 2 : 1) * T * d * sizeof(float) : 0;
     const out_layout L = out_layout_of(c, s);
     TL_CU_TRY(reserve(c, &c->x, T * d * sizeof(float), false, "x"));
     TL_CU_TRY(reserve_kv_write(c, T));
@@ -191,12 +228,12 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     TL_CU_TRY(reserve(c, &c->io, io_bytes, false, "rows and spans"));
     TL_CU_TRY(reserve(c, &c->logits, L.n_logits * V * sizeof(float), false, "logits"));
     TL_CU_TRY(reserve(c, &c->states, L.loops * d * sizeof(float), false, "loop states"));
-    TL_CU_TRY(reserve(c, &c->e, cfg->injection ? T * d * sizeof(float) : 0, false, "injected input"));
+    TL_CU_TRY(reserve(c, &c->inject, cfg->injection ? T * d * sizeof(float) : 0, false, "injected terms"));
     TL_CU_TRY(reserve(c, &c->sub, cfg->block_layout == TL_LAYOUT_SANDWICH ? T * d * sizeof(float) : 0, false,
                       "sublayer output"));
     TL_CU_TRY(reserve(c, &c->xcopy, L.loops && tl_has_coda(cfg) ? T * d * sizeof(float) : 0, false,
                       "prefix build state"));
-    TL_CU_TRY(reserve(c, &c->host_io, io_bytes, true, "rows and spans (host)"));
+    TL_CU_TRY(reserve(c, &c->host_io, states_in_at(T, n_spans) + states_in, true, "rows and spans (host)"));
     TL_CU_TRY(reserve(c, &c->host_capture, (s->outputs & OUT_CAPTURE) ? T * d * sizeof(float) : 0, true,
                       "layer inputs (host)"));
     return reserve(c, &c->host_out, L.floats * sizeof(float), true, "outputs (host)");
@@ -213,6 +250,8 @@ typedef struct pass {
     float* x;                  /* [T][d] the residual stream          */
     float* xcopy;              /* [T][d] a prefix build's coda state  */
     float* states;             /* [loops][d]                          */
+    float* inject;             /* [T][d] the injected terms           */
+    float* kept;               /* [T][d] pinned host: state_out       */
     const tl_cuda_batch* b;    /* the batch: its capture, if any      */
 } pass;
 
@@ -308,30 +347,32 @@ static tl_status step_norm(void* ctx, tl_cu_norm which, size_t lo, size_t hi, tl
     return tl_cu_rms_norm(p->c, x, which == TL_CU_STEP_NORM ? p->c->step_norm : p->c->coda_norm, hi - lo, x, false);
 }
 
-/* e = x, then x = 0 (docs/spec.md §4.4: the state entering iteration 0), rows [0, hi). */
-static tl_status step_inject(void* ctx, size_t hi) {
-    const pass* p = (const pass*)ctx;
-    const size_t bytes = hi * p->c->cfg.d_model * sizeof(float);
-    TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(p->c->e.p, p->x, bytes, cudaMemcpyDeviceToDevice, p->c->stream),
-                          "cudaMemcpyAsync (injected input)"));
-    return tl_cu_check(cudaMemsetAsync(p->x, 0, bytes, p->c->stream), "cudaMemsetAsync (initial state)");
-}
-
-/* x = linear(adapter_state; Q8(x)) + linear(adapter_inject; Q8(e)) (docs/spec.md §4.4), rows
- * [0, hi): the first linear's output, then the second one's added in its epilogue. */
-static tl_status step_adapter(void* ctx, size_t hi) {
-    const pass* p = (const pass*)ctx;
+/* linear(L; Q8(x)) of rows [0, hi) into y (the adapter's two linears, docs/spec.md §4.4). */
+static tl_status adapter_linear(const pass* p, uint32_t which, size_t hi, float* y) {
     tl_cuda* c = p->c;
     const size_t d = c->cfg.d_model;
-    const tl_cu_linear* state = &c->lin[tl_adapter_linear_index(&c->cfg, 0)];
-    const tl_cu_linear* inject = &c->lin[tl_adapter_linear_index(&c->cfg, 1)];
+    const tl_cu_linear* L = &c->lin[tl_adapter_linear_index(&c->cfg, which)];
     int8_t* acts = (int8_t*)c->acts.p;
     float* ascale = (float*)c->ascale.p;
-    int32_t* raw = (int32_t*)c->raw.p;
-    TL_CU_TRY(tl_cu_quantize(c, p->x, d, d, hi, false, acts, state->cols_pad, ascale));
-    TL_CU_TRY(tl_cu_linear_run(c, state, acts, ascale, hi, p->x, d, false, raw));
-    TL_CU_TRY(tl_cu_quantize(c, (const float*)c->e.p, d, d, hi, false, acts, inject->cols_pad, ascale));
-    return tl_cu_linear_run(c, inject, acts, ascale, hi, p->x, d, true, raw);
+    TL_CU_TRY(tl_cu_quantize(c, p->x, d, d, hi, false, acts, L->cols_pad, ascale));
+    return tl_cu_linear_run(c, L, acts, ascale, hi, y, d, false, (int32_t*)c->raw.p);
+}
+
+/* inject = linear(adapter_inject; Q8(e)) on the prelude's output e in x, the same term at every
+ * iteration; then x = 0 (docs/spec.md §4.4: the state entering iteration 0), rows [0, hi). */
+static tl_status step_inject(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    TL_CU_TRY(adapter_linear(p, 1, hi, p->inject));
+    return tl_cu_check(cudaMemsetAsync(p->x, 0, hi * p->c->cfg.d_model * sizeof(float), p->c->stream),
+                       "cudaMemsetAsync (initial state)");
+}
+
+/* x = linear(adapter_state; Q8(x)) + inject (docs/spec.md §4.4), rows [0, hi): the linear's
+ * output, then the injected term added to it. */
+static tl_status step_adapter(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    TL_CU_TRY(adapter_linear(p, 0, hi, p->x));
+    return tl_cu_add_rows(p->c, p->x, p->inject, hi);
 }
 
 /* xcopy = x, rows [0, hi). */
@@ -340,6 +381,14 @@ static tl_status step_copy(void* ctx, size_t hi) {
     return tl_cu_check(cudaMemcpyAsync(p->xcopy, p->x, hi * p->c->cfg.d_model * sizeof(float),
                                        cudaMemcpyDeviceToDevice, p->c->stream),
                        "cudaMemcpyAsync (prefix build state)");
+}
+
+/* kept = x, rows [0, hi): the part's state_out, straight into host_out. */
+static tl_status step_keep(void* ctx, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    return tl_cu_check(cudaMemcpyAsync(p->kept, p->x, hi * p->c->cfg.d_model * sizeof(float), cudaMemcpyDeviceToHost,
+                                       p->c->stream),
+                       "cudaMemcpyAsync (state out)");
 }
 
 /* states[depth - 1] = row `row` of state `on`. */
@@ -351,11 +400,12 @@ static tl_status step_state(void* ctx, uint32_t depth, size_t row, tl_cu_state o
                        "cudaMemcpyAsync (loop state)");
 }
 
-/* Every launch and copy of a pass of shape s on c->stream, in order: embedding, the steps of
- * cuda/pass.h, the head, the outputs into host_out. Its arguments come from s and c's scratch
- * only; of the batch b it reads each row's loops, which a graph shape records, and its capture
- * (OUT_CAPTURE in the shape). Nothing here allocates, and only a pass with a capture (never a
- * graph's) synchronizes, so any other may run inside a stream capture. */
+/* Every launch and copy of a pass of shape s on c->stream, in order: embedding (a resumed part:
+ * none, its states are in x), the steps of cuda/pass.h, the head, the outputs into host_out. Its
+ * arguments come from s and c's scratch only; of the batch b it reads each row's loops, which a
+ * graph shape records, and its capture (OUT_CAPTURE in the shape). Nothing here allocates, and
+ * only a pass with a capture (never a graph's) synchronizes, so any other may run inside a
+ * stream capture. */
 static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cuda_batch* b) {
     const tl_config* cfg = &c->cfg;
     const size_t T = s->T, d = cfg->d_model, V = cfg->vocab_size;
@@ -368,11 +418,15 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
     const tl_cuda_row* rows = (const tl_cuda_row*)c->io.p;
     cudaStream_t st = c->stream;
 
-    TL_CU_TRY(tl_cu_embed(c, rows, T, x));
+    if (s->first_iter == 0) TL_CU_TRY(tl_cu_embed(c, rows, T, x));
     pass p = {c, s, rows, (const tl_cuda_span*)((char*)c->io.p + rows_bytes(T)),
-              tl_cu_attention_rows(c, T, s->key_stride), x, (float*)c->xcopy.p, (float*)c->states.p, b};
-    const tl_cu_pass_steps steps = {&p, step_block, step_norm, step_inject, step_adapter, step_copy, step_state};
-    TL_CU_TRY(tl_cu_pass_walk(cfg, b->rows, T, (s->outputs & OUT_STATES) != 0, &steps));
+              tl_cu_attention_rows(c, T, s->key_stride), x, (float*)c->xcopy.p, (float*)c->states.p,
+              (float*)c->inject.p, out + L.kept, b};
+    const tl_cu_pass_steps steps = {&p, step_block, step_norm, step_inject, step_adapter, step_copy, step_state,
+                                    step_keep};
+    const tl_cu_part part = {s->first_iter, s->coda_depth, (s->outputs & OUT_STATES) != 0,
+                             (s->outputs & OUT_KEPT) != 0};
+    TL_CU_TRY(tl_cu_pass_walk(cfg, b->rows, T, &part, &steps));
     if (L.n_logits) {
         const tl_cu_linear* head = &c->lin[c->n_lin - 1];
         const size_t first = T - L.n_logits; /* every row, or the last one */
@@ -385,10 +439,16 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
         TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out + L.logits, logits, L.n_logits * V * sizeof(float),
                                               cudaMemcpyDeviceToHost, st),
                               "cudaMemcpyAsync (logits)"));
+    const size_t skipped = (size_t)s->first_iter * d; /* the states a resumed part leaves alone */
     if (L.loops)
-        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out + L.states, p.states, L.loops * d * sizeof(float),
+        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out + L.states + skipped, p.states + skipped,
+                                              L.loops * d * sizeof(float) - skipped * sizeof(float),
                                               cudaMemcpyDeviceToHost, st),
                               "cudaMemcpyAsync (loop states)"));
+    if (s->outputs & OUT_INJECT)
+        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out + L.inject, p.inject, T * d * sizeof(float), cudaMemcpyDeviceToHost,
+                                              st),
+                              "cudaMemcpyAsync (injected terms)"));
     return TL_OK;
 }
 
@@ -467,13 +527,24 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
     TL_CU_TRY(reserve_pass(c, &shape, b->n_spans));
     cudaStream_t st = c->stream;
 
-    /* rows and spans: one copy */
+    /* rows and spans: one copy; a resumed part's states into x, its injected terms into inject */
     char* host_io = (char*)c->host_io.p;
-    const size_t rb = rows_bytes(T), io_bytes = rb + b->n_spans * sizeof(tl_cuda_span);
+    const size_t rb = rows_bytes(T), io_bytes = rb + b->n_spans * sizeof(tl_cuda_span), state = T * d * sizeof(float);
     memcpy(host_io, b->rows, T * sizeof(tl_cuda_row));
     if (b->n_spans) memcpy(host_io + rb, b->spans, b->n_spans * sizeof(tl_cuda_span));
     TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->io.p, host_io, io_bytes, cudaMemcpyHostToDevice, st),
                           "cudaMemcpyAsync (rows and spans)"));
+    char* states_in = host_io + states_in_at(T, b->n_spans);
+    if (b->first_iter) {
+        memcpy(states_in, b->state_in, state);
+        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->x.p, states_in, state, cudaMemcpyHostToDevice, st),
+                              "cudaMemcpyAsync (states in)"));
+    }
+    if (b->first_iter && cfg->injection) {
+        memcpy(states_in + state, b->inject_in, state);
+        TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->inject.p, states_in + state, state, cudaMemcpyHostToDevice, st),
+                              "cudaMemcpyAsync (injected terms in)"));
+    }
 
     bool launched = false;
     if (T <= TL_CU_GRAPH_MAX_T && !c->graphs_off && !b->capture) {
@@ -488,7 +559,10 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
     memcpy(b->hidden, out, T * d * sizeof(float));
     if (b->logits) memcpy(b->logits, out + L.logits, T * V * sizeof(float));
     if (b->logits_last) memcpy(b->logits_last, out + L.logits + (L.n_logits - 1) * V, V * sizeof(float));
-    if (L.loops) memcpy(b->loop_states, out + L.states, L.loops * d * sizeof(float));
+    const size_t skipped = (size_t)b->first_iter * d;
+    if (L.loops) memcpy(b->loop_states + skipped, out + L.states + skipped, (L.loops * d - skipped) * sizeof(float));
+    if (b->state_out) memcpy(b->state_out, out + L.kept, T * d * sizeof(float));
+    if (shape.outputs & OUT_INJECT) memcpy(b->inject_out, out + L.inject, T * d * sizeof(float));
     return TL_OK;
 }
 

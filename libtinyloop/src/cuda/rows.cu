@@ -1,7 +1,7 @@
 /* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
  * Q8 / NQ of activation rows, RoPE + the Q8 (int4 KV mode: packed Q4) K/V write into the paged
- * cache, SwiGLU + Q8, and the RMSNorm with a gain RN (step norm, coda norm, sandwich and post
- * residuals).
+ * cache, SwiGLU + Q8, the RMSNorm with a gain RN (step norm, coda norm, sandwich and post
+ * residuals), and the addition of the injected term into the adapter's output.
  * One thread block per row (per (row, head) for RoPE/KV); every element-wise f32 step is the
  * host's own numerics.h function, so each value is bit-identical to cpu/quant.c / cpu/forward.c.
  *
@@ -140,6 +140,12 @@ rms_norm_kernel(const float* src, const float* g, int n, float eps, int add, flo
     }
 }
 
+/* x[t][i] = x[t][i] + v[t][i]. grid T. */
+static __global__ void __launch_bounds__(ROW_THREADS) add_rows_kernel(float* x, const float* v, int d) {
+    const size_t row = (size_t)blockIdx.x * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) x[row + i] = x[row + i] + v[row + i];
+}
+
 /* ---- launch wrappers ------------------------------------------------------------------------- */
 
 tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x) {
@@ -180,4 +186,10 @@ tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t
     TL_CU_LAUNCH(rms_norm_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
     (src, gain, (int)c->cfg.d_model, c->cfg.rms_eps, add ? 1 : 0, dst);
     return tl_cu_launched("RN kernel");
+}
+
+tl_status tl_cu_add_rows(tl_cuda* c, float* x, const float* v, size_t T) {
+    if (T == 0) return TL_OK;
+    TL_CU_LAUNCH(add_rows_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)(x, v, (int)c->cfg.d_model);
+    return tl_cu_launched("row addition kernel");
 }
