@@ -4,9 +4,9 @@
 # reference. CI runs it on every submission (about 10 minutes on 2 cores):
 #   1. a release build with gcov on the device code: the Python properties that reach every
 #      kernel and branch on backend "native-cuda" (tests/cuda_properties.sh), one of them again
-#      with CUDA graphs off, and the failure paths the emulation injects
-#      (tests/test_cuda_emulation.py); then the kernels launched and the coverage of src/cuda/
-#      (lines and branches per file);
+#      with CUDA graphs off, the failure paths the emulation injects
+#      (tests/test_cuda_emulation.py), and the part pass against the CPU's (test_cuda_part); then
+#      the kernels launched and the coverage of src/cuda/ (lines and branches per file);
 #   2. an ASan + UBSan build (-O2 -g; every device load and store a checked host access): the
 #      emulation's own tests, test_model, and the numpy golden vectors on the emulated device
 #      (every 8th case of each model: every model of make_golden.py, 42 cases).
@@ -29,8 +29,8 @@ echo "== CUDA emulation in $work: order ${TINYLOOP_CUDA_EMU_ORDER:-random}, seed
 
 echo "== 1/2 release build with coverage, the Python properties on native-cuda (at ${SECONDS} s)"
 cmake -S "$here" -B "$work/release" -DCMAKE_BUILD_TYPE=Release -DTINYLOOP_CUDA_EMULATION=ON \
-    -DTINYLOOP_BUILD_TESTS=OFF -DCMAKE_CXX_FLAGS=--coverage -DCMAKE_SHARED_LINKER_FLAGS=--coverage >/dev/null
-cmake --build "$work/release" -j "$jobs" >/dev/null
+    -DCMAKE_CXX_FLAGS=--coverage -DCMAKE_SHARED_LINKER_FLAGS=--coverage -DCMAKE_EXE_LINKER_FLAGS=--coverage >/dev/null
+cmake --build "$work/release" -j "$jobs" --target tinyloop test_cuda_part >/dev/null
 cp "$here/include/tinyloop.h" "$work/release/"   # the package reads the header beside the library
 export TINYLOOP_CUDA_EMU_REPORT="$work/launches.txt"
 lib=(TINYLOOP_LIBRARY="$work/release/libtinyloop.so" HYPOTHESIS_PROFILE=emulated)
@@ -41,6 +41,7 @@ env "${lib[@]}" bash "$repo/tests/cuda_properties.sh" "${parallel[@]}"
   tests/test_cross_backend.py)
 (cd "$repo" && env "${lib[@]}" TINYLOOP_REQUIRE_EMULATION=1 \
   python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/test_cuda_emulation.py)
+"$work/release/tests/test_cuda_part"   # the part pass against the CPU's, bit for bit
 echo "-- kernels launched (plain launches and graph replays):"
 sort "$work/launches.txt" | awk '{n[$1] += $2} END {for (k in n) printf "   %-28s %d\n", k, n[k]}' | sort
 echo "-- coverage of src/cuda/ (gcov):"
