@@ -246,7 +246,7 @@ class DiskTier:
         holds in its order; BlockFileError naming the first broken."""
         config, size = self.config, len(data)
         if size < HEADER.size:
-            _fail(f"file too small: {size} bytes < {HEADER.size}-byte header")
+            _fail(f"too small: {size} bytes < the {HEADER.size}-byte header")
         h = Header._make(HEADER.unpack_from(data))
         if h.magic != MAGIC:
             _fail(f"bad magic {h.magic!r}, expected {MAGIC!r}")
@@ -263,9 +263,9 @@ class DiskTier:
             _fail("this block was written by another model")
         if h.kv_mode != self.kv_mode:
             _fail(f"kv_mode: {h.kv_mode}, this model's is {self.kv_mode}")
-        if (h.n_kv_heads, h.head_dim) != (config.n_kv_heads, config.head_dim):
-            _fail(f"geometry: G={h.n_kv_heads}, D={h.head_dim}, this model's "
-                  f"G={config.n_kv_heads}, D={config.head_dim}")
+        for field, want in (("n_kv_heads", config.n_kv_heads), ("head_dim", config.head_dim)):
+            if getattr(h, field) != want:
+                _fail(f"{field}: {getattr(h, field)}, this model has {want}")
         bs, end = h.block_size, (h.block_index + 1) * h.block_size
         if not 1 <= bs <= MAX_BLOCK_SIZE:
             _fail(f"block_size: {bs} out of range (1 .. {MAX_BLOCK_SIZE})")

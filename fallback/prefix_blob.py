@@ -101,7 +101,7 @@ def _check_header(engine, mv):
     """The header of blob `mv`, after every rule on it (size to ranges) holds."""
     config, size = engine.config, mv.nbytes
     if size < HEADER.size:
-        _fail(f"blob too small: {size} bytes < {HEADER.size}-byte header")
+        _fail(f"too small: {size} bytes < the {HEADER.size}-byte header")
     h = Header._make(HEADER.unpack_from(mv))
     if h.magic != MAGIC:
         _fail(f"bad magic {h.magic!r}, expected {MAGIC!r}")
