@@ -306,6 +306,37 @@ def test_a_template_that_refuses_or_drops_a_reply_leaves_eos_as_the_end_of_turn(
         assert model.tokenizer.end_of_turn_id == tiny_tokenizer().token_to_id("</s>")
 
 
+@pytest.mark.parametrize("template, message", [
+    ("{{ messages[0]['content'] + 1 }}", "the chat template failed on the messages: TypeError"),
+    ("{{ 1 // 0 }}", "the chat template failed on the messages: ZeroDivisionError"),
+    ("{{ x" + "[" * 200 + " }}", "the chat template does not compile: it nests too deeply"),
+])
+def test_a_template_that_crashes_is_a_value_error_and_leaves_eos_as_the_end_of_turn(
+        tmp_path, template, message):
+    """Found by fuzzing the tokenizer metadata (libtinyloop/tests/fuzz/fuzz_python.py): a
+    template's own bug used to escape as TypeError, ZeroDivisionError or RecursionError."""
+    path = hf_model(tmp_path / "m.tinyloop", config_text=tokenizer_config(chat_template=template))
+    with open_model(path) as model:
+        assert model.tokenizer.end_of_turn_id == tiny_tokenizer().token_to_id("</s>")
+        with pytest.raises(ValueError, match=message):
+            model.tokenizer.chat_template.render([{"role": "user", "content": "hi"}])
+
+
+def test_a_tokenizer_json_the_tokenizers_package_cannot_run_is_refused(tmp_path):
+    """Found by fuzzing: tokenizers accepts a post-processor naming a special token the file
+    does not define, then panics on every encode (pyo3's PanicException, a BaseException)."""
+    tok = json.loads(tiny_tokenizer().to_str())
+    specials = tok["post_processor"]["special_tokens"]
+    specials["<r>"] = specials.pop("<s>")
+    path = tmp_path / "m.tinyloop"
+    tinyloop.random_model(path, seed=7, meta={"meta.tokenizer_json": json.dumps(tok)},
+                          vocab_size=VOCAB, tokenizer="hf", max_seq_len=64)
+    with open_model(path) as model:
+        with pytest.raises(tinyloop.ModelFormatError,
+                           match="meta.tokenizer_json: the tokenizers package cannot run it"):
+            model.encode("hi")
+
+
 def test_a_bytes_model_skips_its_stop_ids_when_asked(tmp_path):
     path = tmp_path / "b.tinyloop"
     tinyloop.random_model(path, vocab_size=300, tokenizer="bytes", eos_id=256,

@@ -98,6 +98,8 @@ def _compile(source: str) -> Any:
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ValueError(f"the chat template does not compile (line {exc.lineno}): "
                          f"{exc.message}") from None
+    except RecursionError:  # jinja2's parser recurses once per nested bracket
+        raise ValueError("the chat template does not compile: it nests too deeply") from None
 
 
 class ChatTemplate:
@@ -122,3 +124,6 @@ class ChatTemplate:
             return str(template.render(**context))
         except _jinja2().exceptions.TemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from None
+        except Exception as exc:  # the template's own bug (1 / 0, + on a string): its fault
+            raise ValueError(f"the chat template failed on the messages: {type(exc).__name__}: "
+                             f"{exc}") from None

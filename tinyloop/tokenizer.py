@@ -164,6 +164,32 @@ class ByteTokenizer:
         return bytes(P.check_tokens("tokens", ids, 256).tolist()).decode("utf-8", "replace")
 
 
+class _PanicsAsFormatErrors:
+    """A `tokenizers.Tokenizer` whose methods turn a panic of the package's Rust code into
+    ModelFormatError: it accepts some tokenizer.json files it then cannot run (a post-processor
+    naming a special token the file does not define panics on every encode), and pyo3's
+    PanicException is a BaseException that would escape every `except Exception`."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._tokenizer, name)
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except Exception:
+                raise
+            except BaseException as exc:
+                if type(exc).__name__ != "PanicException":
+                    raise
+                raise ModelFormatError("meta.tokenizer_json: the tokenizers package cannot run "
+                                       f"it ({name} failed: {exc})") from None
+        return call
+
+
 class HfTokenizer:
     """A Hugging Face fast tokenizer: `tokenizer.json` run by the `tokenizers` package.
 
@@ -181,7 +207,7 @@ class HfTokenizer:
     def __init__(self, tokenizer_json: str, tokenizer_config: Optional[str], config: ModelConfig):
         tokenizers = _optional_package("tokenizers")
         try:
-            self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+            self._tokenizer = _PanicsAsFormatErrors(tokenizers.Tokenizer.from_str(tokenizer_json))
         except Exception as exc:  # the Rust parser raises a bare Exception
             raise ModelFormatError(f"meta.tokenizer_json is not a tokenizer.json: {exc}") from None
         settings = _settings(tokenizer_config)
@@ -209,6 +235,7 @@ class HfTokenizer:
         self.eos_id = self._token_id("eos_token")
         self._added = self._special_flags(settings)
         self.chat_template = _chat_template(settings, self.special_tokens)
+        self._tokenizer.encode(END_OF_TURN_PROBE)  # a pipeline that cannot run is refused here
 
     @functools.cached_property
     def end_of_turn_id(self) -> Optional[int]:
