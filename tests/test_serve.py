@@ -369,6 +369,53 @@ def test_burst_beyond_the_kv_budget_loses_nothing(reference):
         assert "kv_budget_bytes" in response.json()["error"]["message"]
 
 
+def test_beyond_max_batch_and_max_queue_a_request_is_answered_429_with_retry_after(reference):
+    """max_batch 2 + max_queue 2: four slow streams hold the engine, so a fifth request is a
+    429 with Retry-After and the OpenAI error body, counted in /metrics, and costs the engine
+    nothing; closing the streams frees their room. Then a flood of 16 at once: every answer is
+    a 200 equal to offline generate or a 429, and the 429s are the count /metrics adds."""
+    with serving(max_batch=2, step_tokens=64, max_queue=2, prefix_cache_bytes=0) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        streams = [client.completions.create(model=DEMO, prompt=PROMPTS[i], max_tokens=900,
+                                             seed=i, stream=True, extra_body=dict(loops=SLOW_LOOPS))
+                   for i in range(4)]          # each returns once the engine holds it
+        response = httpx.post(url + "/v1/completions",
+                              json=dict(model=DEMO, prompt=PROMPTS[4], max_tokens=4))
+        error = error_of(response, 429)
+        assert (error["type"], error["code"], error["param"]) == ("rate_limit_exceeded",
+                                                                  "queue_full", None)
+        assert "max_batch + max_queue = 4" in error["message"]
+        assert response.headers["Retry-After"] == "1"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=DEMO, prompt=PROMPTS[4], max_tokens=4)
+        assert metrics(url)["tinyloop_requests_rejected_total"] == 2
+        for stream in streams:
+            stream.close()
+        wait_for(url, idle)
+
+        calls = [(f"{PROMPTS[i % len(PROMPTS)]} {i}:", 300 + i) for i in range(16)]
+        answers = [None] * len(calls)
+
+        def one(i):
+            prompt, seed = calls[i]
+            answers[i] = httpx.post(url + "/v1/completions", timeout=120, json=dict(
+                model=DEMO, prompt=prompt, max_tokens=12, seed=seed))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        statuses = [answer.status_code for answer in answers]
+        assert set(statuses) <= {200, 429} and 200 in statuses, statuses
+        for (prompt, seed), answer in zip(calls, answers):
+            if answer.status_code == 200:
+                assert answer.json()["choices"][0]["text"] == offline(reference, prompt, 12, seed)[0]
+            else:
+                assert answer.headers["Retry-After"] == "1"
+        assert metrics(url)["tinyloop_requests_rejected_total"] == 2 + statuses.count(429)
+
+
 # -- chat --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):

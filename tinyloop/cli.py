@@ -36,6 +36,7 @@ from .hf import convert
 from .model import DEFAULT_PREFIX_CACHE_BYTES, KV_MODES
 from .modelfile import read_meta
 from .quickbench import SHAPES, bench_model, describe, shared_prefix, speed
+from .scheduler import DEFAULT_MAX_QUEUE
 from .tokenizer import TextStream
 
 PROGRESS_CHUNK = 256       # prompt tokens per chunk when a progress display is on
@@ -228,6 +229,7 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> int:
                            "pip install 'tinyloop[serve]'") from None
     app = create_app(args.model, model_name=args.model_name, max_batch=args.max_batch,
                      step_tokens=args.step_tokens, kv_budget_bytes=args.kv_budget,
+                     max_queue=args.max_queue,
                      prefix_cache_bytes=args.prefix_cache_bytes, backend=args.backend,
                      threads=args.threads, device=args.device, kv_mode=args.kv_mode,
                      prefix_cache_dir=args.prefix_cache_dir,
@@ -477,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--step-tokens", type=integer(1), default=512,
                        help="positions one scheduler step computes at most, >= --max-batch "
                             "(default: %(default)s)")
+    serve.add_argument("--max-queue", type=integer(0), default=DEFAULT_MAX_QUEUE,
+                       help="requests that may wait beyond --max-batch running; more are answered "
+                            "429 with Retry-After (default: %(default)s)")
     serve.add_argument("--kv-budget", type=integer(0), default=0,
                        help="KV bytes the running requests may hold; beyond it the newest is "
                             "preempted and recomputed later, 0 = no limit (default: %(default)s)")

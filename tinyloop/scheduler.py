@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_BATCH = 32
 DEFAULT_STEP_TOKENS = 512
+# A server's bound on the requests that wait beyond max_batch running (serve/engine_loop.py).
+DEFAULT_MAX_QUEUE = 256
 
 
 class SchedulerEvent(NamedTuple):

@@ -5,8 +5,9 @@ Routes: POST /v1/completions and /v1/chat/completions (handler.py does the work)
 (Prometheus text). The model is opened on a background thread when the app starts, so the
 server answers /health at once; the EngineLoop starts once it is open and stops, with the
 model, when the app shuts down. Every error is the OpenAI error body: 400 for a bad request
-(the field named), 404 for an unknown path or model, 503 while loading, 500 if the engine
-fails. A client that disconnects cancels its request, streaming or not.
+(the field named), 404 for an unknown path or model, 429 with Retry-After while the engine
+holds max_batch + max_queue requests, 503 while loading, 500 if the engine fails. A client
+that disconnects cancels its request, streaming or not.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..model import DEFAULT_PREFIX_CACHE_BYTES, Model
+from ..scheduler import DEFAULT_MAX_QUEUE
 from .engine_loop import EngineLoop
 from .handler import Handler, check_servable, served_name
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -97,7 +99,8 @@ class _Server:
 
 def create_app(model: ModelSource = None, *,
                model_name: Optional[str] = None, max_batch: int = 32, step_tokens: int = 512,
-               kv_budget_bytes: int = 0, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+               kv_budget_bytes: int = 0, max_queue: int = DEFAULT_MAX_QUEUE,
+               prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
                backend: str = "auto", threads: Optional[int] = None,
                device: str = "auto", kv_mode: Optional[str] = None,
                prefix_cache_dir: Optional[str] = None,
@@ -109,14 +112,15 @@ def create_app(model: ModelSource = None, *,
     directory starts warm), or an open Model (the caller keeps owning it; those options are
     then unused). `model_name` is the id
     requests name (default: the model's name, else its file name). max_batch, step_tokens and
-    kv_budget_bytes are the Scheduler's."""
+    kv_budget_bytes are the Scheduler's; beyond max_batch running, max_queue requests may wait,
+    and more are answered 429 with Retry-After."""
     server = _Server(model, model_name,
                      dict(backend=backend, threads=threads, device=device, kv_mode=kv_mode,
                           prefix_cache_bytes=prefix_cache_bytes,
                           prefix_cache_dir=prefix_cache_dir,
                           prefix_cache_disk_bytes=prefix_cache_disk_bytes),
                      dict(max_batch=max_batch, step_tokens=step_tokens,
-                          kv_budget_bytes=kv_budget_bytes))
+                          kv_budget_bytes=kv_budget_bytes, max_queue=max_queue))
 
     async def completions(request: Request) -> Response:
         return await _generate(server, request, chat=False)
@@ -187,7 +191,7 @@ def _error(status: int, message: str, kind: str, param: Optional[str] = None,
 
 async def _request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
-    return JSONResponse(exc.body, status_code=exc.status)
+    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -9,7 +9,9 @@ loop only ever await. An exception never ends the thread: a refused add fails th
 retried step loses no token, and requests finishing or cancelled meanwhile free memory), and
 only after OUT_OF_MEMORY_RETRIES failures in a row, or on any other error, does a failed step
 fail the requests it was running, which are cancelled, while later requests are served as
-before.
+before. The requests it holds at once (running and waiting) are bounded: max_batch +
+max_queue; `submit` beyond that raises Overloaded at once, so a flood of clients costs no
+memory beyond that bound (the server answers 429 with Retry-After).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
-from ..scheduler import Scheduler, SchedulerEvent
+from ..scheduler import DEFAULT_MAX_QUEUE, Scheduler, SchedulerEvent
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("tinyloop.serve")
 OUT_OF_MEMORY_RETRIES = 50       # consecutive steps out of memory before the requests fail
 OUT_OF_MEMORY_PAUSE = 0.02       # seconds between them
+
+
+class Overloaded(Exception):
+    """The engine holds max_batch + max_queue requests already: retry later."""
 
 
 class _Request:
@@ -75,13 +81,19 @@ class EngineLoop:
 
     `stats` is the latest snapshot, taken by the engine thread after it applies the queued
     adds and cancels and after every step: the Scheduler's stats() plus the model's
-    prefix-cache counters under "cache"."""
+    prefix-cache counters under "cache". The engine holds at most max_batch + max_queue
+    requests at once: a request counts from its submit until it leaves the engine (refused,
+    finished, cancelled or failed), whether or not its caller still reads its events."""
 
     def __init__(self, model: Model, *, max_batch: int = 32, step_tokens: int = 512,
-                 kv_budget_bytes: int = 0):
+                 kv_budget_bytes: int = 0, max_queue: int = DEFAULT_MAX_QUEUE):
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         self.model = model
         self._scheduler = Scheduler(model, max_batch=max_batch, step_tokens=step_tokens,
                                     kv_budget_bytes=kv_budget_bytes)
+        self.max_requests = max_batch + max_queue
+        self._held = 0                    # requests submitted, not yet out of the engine (_wake)
         self._wake = threading.Condition()
         self._commands: collections.deque[tuple[str, _Request, tuple[Any, ...]]] = (
             collections.deque())
@@ -107,9 +119,16 @@ class EngineLoop:
     # -- the asyncio side ---------------------------------------------------------------------
     async def submit(self, prompt_ids: Any, **gen_kwargs: Any) -> RequestEvents:
         """Add a request (Scheduler.add's arguments); returns its events once it is admitted.
-        Raises what Scheduler.add raises (ValueError for a request it refuses)."""
+        Raises Overloaded when max_batch + max_queue requests are already held, and what
+        Scheduler.add raises (ValueError for a request it refuses)."""
+        with self._wake:
+            if self._held >= self.max_requests:
+                raise Overloaded(f"the server holds {self._held} requests, as many as it takes at "
+                                 f"once (max_batch + max_queue = {self.max_requests}); retry later")
+            self._held += 1
         request = _Request(asyncio.get_running_loop())
         if not self._post("add", request, (prompt_ids, gen_kwargs)):
+            self._release()
             raise RuntimeError("the server is shutting down")
         try:
             admitted = await request.queue.get()
@@ -119,6 +138,11 @@ class EngineLoop:
         if isinstance(admitted, BaseException):
             raise admitted
         return RequestEvents(self, request)
+
+    def _release(self) -> None:
+        """A request left the engine (or never reached it)."""
+        with self._wake:
+            self._held -= 1
 
     async def generate(self, prompt_ids: Any, **gen_kwargs: Any) -> AsyncIterator[SchedulerEvent]:
         """Yields each SchedulerEvent of the request; closing the iterator cancels it."""
@@ -182,6 +206,7 @@ class EngineLoop:
         try:
             rid = self._scheduler.add(prompt_ids, **gen_kwargs)
         except Exception as exc:          # refused: only this request fails
+            self._release()
             self._deliver(request, exc)
             return
         request.rid = rid
@@ -191,6 +216,7 @@ class EngineLoop:
     def _cancel(self, request: _Request) -> None:
         if request.rid is not None and self._running.pop(request.rid, None) is not None:
             self._drop(request.rid)
+            self._release()
 
     def _drop(self, rid: int) -> None:
         """Cancel `rid` in the Scheduler; a Scheduler that fails here has nothing to free."""
@@ -204,12 +230,14 @@ class EngineLoop:
             request = self._running[event.id]
             if event.finish is not None:
                 del self._running[event.id]
+                self._release()
             self._deliver(request, event)
 
     def _fail_running(self, error: BaseException) -> None:
         running, self._running = self._running, {}
         for rid, request in running.items():
             self._drop(rid)
+            self._release()
             self._deliver(request, error)
 
     def _deliver(self, request: _Request, item: Any) -> None:

@@ -11,7 +11,8 @@ The reply's text is detokenized incrementally with TextStream (never a broken UT
 character) with special tokens dropped; text stop sequences are matched on that text, the
 text is cut where the first one starts (it is not included, as in the OpenAI API), the
 finish_reason is "stop" and the request is cancelled in the engine. While streaming, text that
-might be the start of a stop sequence is held back until it is known not to be one.
+might be the start of a stop sequence is held back until it is known not to be one. A request
+the engine has no room for (Overloaded) is a 429 with Retry-After: RETRY_AFTER_SECONDS.
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Union
 
 from ..tokenizer import TextStream
-from .engine_loop import EngineLoop, RequestEvents
+from .engine_loop import EngineLoop, Overloaded, RequestEvents
 from .metrics import ServerMetrics
 from .schema import GenerationRequest, RequestError, chat_request, check_model, completion_request
+
+RETRY_AFTER_SECONDS = 1     # what a 429 asks a client to wait: a step frees room within that
 
 if TYPE_CHECKING:
     from ..model import Model
@@ -129,6 +132,10 @@ class Handler:
             events = await self.engine.submit(request.prompt_ids, **request.sampling)
         except ValueError as exc:           # the Scheduler refused it (e.g. the KV budget)
             raise RequestError(str(exc), request.prompt_field) from None
+        except Overloaded as exc:           # as many requests as the engine takes at once
+            self.metrics.rejected.inc()
+            raise RequestError(str(exc), None, 429, "rate_limit_exceeded", "queue_full",
+                               {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         run = Run(self, request, events, arrival)
         shape = _Shape(chat, self.model_id)

@@ -109,6 +109,9 @@ class ServerMetrics:
                                 ["finish_reason"], registry=self.registry)
         for reason in FINISH_REASONS:            # every series exists from the start
             self.requests.labels(reason)
+        self.rejected = Counter("tinyloop_requests_rejected", "Requests answered 429: the engine "
+                                "held max_batch + max_queue requests already",
+                                registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,8 +8,9 @@ cache on), EngineLoop and Handler, and returns their DeploymentHandle:
         streams (token, finish) pairs: Scheduler.add's arguments in, its events out, so the
         tokens equal Model.generate's for the same arguments on whichever replica runs it;
     handle.options(stream=True).respond.remote(body, chat)
-        the OpenAI handling of `tinyloop serve` (handler.py): first (status, payload), the
-        response body or error body; for `stream: true` (200, None) and then the SSE lines;
+        the OpenAI handling of `tinyloop serve` (handler.py): first (status, payload,
+        headers), the response body or error body and its headers (a 429's Retry-After); for
+        `stream: true` (200, None, {}) and then the SSE lines;
     handle.broadcast("cache_stats").results()
         every replica's Model.cache_stats().
 
@@ -164,12 +165,12 @@ class Replica:
         try:
             reply = await self.handler.respond(body, chat)
         except RequestError as exc:
-            yield exc.status, exc.body
+            yield exc.status, exc.body, exc.headers
             return
         if isinstance(reply, dict):
-            yield 200, reply
+            yield 200, reply, {}
             return
-        yield 200, None
+        yield 200, None, {}
         async for line in reply:
             yield line
 
@@ -216,12 +217,12 @@ class Ingress:
         body = parse_json(await request.body())
         reply: Any = self.replicas.respond.remote(body, chat)     # streamed
         try:
-            status, payload = await reply.__anext__()
+            status, payload, headers = await reply.__anext__()
         except BaseException:             # this request was cancelled (the client went away)
             reply.cancel()
             raise
         if payload is not None:
-            return JSONResponse(payload, status_code=status)
+            return JSONResponse(payload, status_code=status, headers=headers)
         return StreamingResponse(_lines(reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -246,7 +247,7 @@ def deploy(model_path: Optional[str | os.PathLike[str]] = None, num_replicas: in
     the replicas' handle once every replica is ready.
 
     model_options are Model's (backend, threads, block_size, prefix_cache_bytes, ...),
-    engine_options EngineLoop's (max_batch, step_tokens, kv_budget_bytes). routing: "prefix"
+    engine_options EngineLoop's (max_batch, step_tokens, kv_budget_bytes, max_queue). routing: "prefix"
     or "round_robin". A replica takes at most `max_ongoing_requests` requests at once (default
     the engine's max_batch, 32); beyond that the router sends a request elsewhere or queues it.
     ray_actor_options are each replica's Ray resources (default {"num_cpus": threads or 1}).

@@ -46,12 +46,15 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 
 class RequestError(Exception):
     """A request the server cannot answer: HTTP `status` (400 by default) with the OpenAI
-    error body of type `kind` naming the field `param`."""
+    error body of type `kind` naming the field `param`, and the response `headers` (e.g.
+    Retry-After)."""
 
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: Optional[str] = None):
+                 kind: str = "invalid_request_error", code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.param, self.status, self.kind, self.code = param, status, kind, code
+        self.headers = headers or {}
 
     @property
     def body(self) -> dict[str, Any]:
