@@ -5,14 +5,15 @@
  *
  * Invariants: the load succeeds, or fails as TL_ERR_BAD_FILE with a "bad prefix blob: " message
  * (or TL_ERR_OUT_OF_MEMORY), and returns a prefix exactly when it succeeds. A blob it accepts
- * saves back to the same bytes (§7.3: the writer's form is the only one a reader accepts), and
- * a generation continuing it runs: finite logits, or TL_ERR_NUMERIC, or TL_ERR_SEQ_TOO_LONG
- * when the blob already fills the context. */
+ * saves back to the same bytes when its kv_start is the one this model's writer picks (§7.3,
+ * blocks of 4); one written with other blocks (kv_start earlier, §7.4) saves in this writer's
+ * form, which loads and saves back to itself. A generation continuing it runs: finite logits,
+ * or TL_ERR_NUMERIC, or TL_ERR_SEQ_TOO_LONG when the blob already fills the context. */
 #include <string.h>
 
 #include "fuzz_util.h"
 
-enum { KV_MODE_AT = 40, MAX_NEW = 2 };
+enum { KV_MODE_AT = 40, WINDOW_AT = 48, N_TOKENS_AT = 56, KV_START_AT = 64, MAX_NEW = 2, BLOCK = 4 };
 
 static tl_model* models[2]; /* by tl_kv_mode */
 static uint32_t vocab;
@@ -25,17 +26,48 @@ int LLVMFuzzerInitialize(int* argc, char*** argv) {
     return 0;
 }
 
-static void check_saves_back(const tl_prefix* p, const uint8_t* blob, size_t n) {
-    size_t need = 0, wrote = 0;
-    FUZZ_REQUIRE(tl_prefix_save(p, NULL, 0, &need) == TL_OK, "size query: %s", tl_last_error());
-    FUZZ_REQUIRE(need == n, "an accepted %zu-byte blob saves as %zu bytes", n, need);
-    uint8_t* again = malloc(n);
-    FUZZ_REQUIRE(again != NULL, "%zu bytes", n);
-    FUZZ_REQUIRE(tl_prefix_save(p, again, n, &wrote) == TL_OK && wrote == n, "save: %s", tl_last_error());
-    for (size_t i = 0; i < n; i++)
-        FUZZ_REQUIRE(again[i] == blob[i], "an accepted blob saves back with byte %zu changed (%u, was %u)", i,
-                     again[i], blob[i]);
-    free(again);
+/* The kv_start a writer with blocks of BLOCK stores a version-1 blob from (§7.3). */
+static uint64_t written_kv_start(uint64_t n, uint32_t window) {
+    if (window == 0) return 0;
+    if (window == 1) return n;
+    const uint64_t first = n + 1 > window ? n + 1 - window : 0;
+    return first / BLOCK * BLOCK;
+}
+
+/* p saved: malloc'd, *n its size. */
+static uint8_t* saved(const tl_prefix* p, size_t* n) {
+    size_t wrote = 0;
+    FUZZ_REQUIRE(tl_prefix_save(p, NULL, 0, n) == TL_OK, "size query: %s", tl_last_error());
+    uint8_t* bytes = malloc(*n);
+    FUZZ_REQUIRE(bytes != NULL, "%zu bytes", *n);
+    FUZZ_REQUIRE(tl_prefix_save(p, bytes, *n, &wrote) == TL_OK && wrote == *n, "save: %s", tl_last_error());
+    return bytes;
+}
+
+static void require_same(const uint8_t* a, size_t na, const uint8_t* b, size_t nb, const char* what) {
+    FUZZ_REQUIRE(na == nb, "%s: %zu bytes, was %zu", what, na, nb);
+    for (size_t i = 0; i < na; i++)
+        FUZZ_REQUIRE(a[i] == b[i], "%s: byte %zu is %u, was %u", what, i, a[i], b[i]);
+}
+
+static void check_saves_back(tl_model* m, const tl_prefix* p, const uint8_t* blob, size_t n) {
+    size_t n1 = 0;
+    uint8_t* once = saved(p, &n1);
+    const int writers_form = tu_get_u32(blob + 8) != 1 ||
+                             tu_get_u64(blob + KV_START_AT) ==
+                                 written_kv_start(tu_get_u64(blob + N_TOKENS_AT), tu_get_u32(blob + WINDOW_AT));
+    if (writers_form) {
+        require_same(once, n1, blob, n, "an accepted blob saved again");
+    } else {
+        tl_prefix* q = NULL;
+        FUZZ_REQUIRE(tl_prefix_load(m, once, n1, &q) == TL_OK, "the saved form does not load: %s", tl_last_error());
+        size_t n2 = 0;
+        uint8_t* twice = saved(q, &n2);
+        require_same(twice, n2, once, n1, "the saved form saved again");
+        free(twice);
+        tl_prefix_free(q);
+    }
+    free(once);
 }
 
 static void check_continues(const tl_prefix* p) {
@@ -60,14 +92,15 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     uint8_t* blob = fuzz_sealed_copy(data, size);
     const int int4 = size >= KV_MODE_AT + 4 && tu_get_u32(blob + KV_MODE_AT) == TL_KV_INT4;
     tl_prefix* p = NULL;
-    const tl_status st = tl_prefix_load(models[int4 ? TL_KV_INT4 : TL_KV_INT8], blob, size, &p);
+    tl_model* m = models[int4 ? TL_KV_INT4 : TL_KV_INT8];
+    const tl_status st = tl_prefix_load(m, blob, size, &p);
     FUZZ_REQUIRE(st == TL_OK || st == TL_ERR_OUT_OF_MEMORY ||
                  (st == TL_ERR_BAD_FILE && strncmp(tl_last_error(), "bad prefix blob: ", 17) == 0),
                  "status %d (%s)", st, tl_last_error());
     fuzz_verdict(st);
     FUZZ_REQUIRE((st == TL_OK) == (p != NULL), "status %d with prefix %p", st, (void*)p);
     if (p) {
-        check_saves_back(p, blob, size);
+        check_saves_back(m, p, blob, size);
         check_continues(p);
     }
     tl_prefix_free(p);
