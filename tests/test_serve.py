@@ -369,6 +369,37 @@ def test_burst_beyond_the_kv_budget_loses_nothing(reference):
         assert "kv_budget_bytes" in response.json()["error"]["message"]
 
 
+def test_a_prefix_another_tenant_cached_is_no_hit_and_costs_the_same_work(demo, reference):
+    """cache_salt isolates tenants (docs/serving.md "Tenants"): tenant b asking for the prompt
+    tenant a has cached takes no cached prompt token and prefills the whole prompt, exactly
+    the work of a prompt nobody cached, so no latency tells b what a asked; only b's own
+    repeat hits, as much as a's did. Every reply is offline generate's."""
+    prompt = ("You are the assistant of a tenant whose instructions nobody else may learn. " * 3
+              + "Question:")
+    unseen = prompt.swapcase()                      # the same length, no block in common
+
+    def ask(text, salt):
+        """(cached prompt tokens, prefilled tokens) of one request, checked against generate."""
+        before = wait_for(demo, idle)
+        body = dict(model=DEMO, prompt=text, max_tokens=6, seed=9)
+        if salt is not None:
+            body["cache_salt"] = salt
+        reply = httpx.post(demo + "/v1/completions", json=body, timeout=60)
+        assert reply.json()["choices"][0]["text"] == offline(reference, text, 6, 9)[0]
+        after = wait_for(demo, idle)
+        return tuple(after[name] - before[name] for name in
+                     ("tinyloop_cached_prompt_tokens_total", "tinyloop_prefill_tokens_total"))
+
+    cold = ask(unseen, "tenant-b")
+    assert cold[0] == 0 and cold[1] >= len(unseen)
+    assert ask(prompt, "tenant-a")[0] == 0
+    own = ask(prompt, "tenant-a")
+    assert own[0] > 0                               # a's own repeat hits
+    assert ask(prompt, "tenant-b") == cold          # a's blocks: no hit, the same work
+    assert ask(prompt, None) == cold                # nor for the default tenant (no salt)
+    assert ask(prompt, "tenant-b") == own           # b's own repeat hits as a's did
+
+
 def test_beyond_max_batch_and_max_queue_a_request_is_answered_429_with_retry_after(reference):
     """max_batch 2 + max_queue 2: four slow streams hold the engine, so a fifth request is a
     429 with Retry-After and the OpenAI error body, counted in /metrics, and costs the engine
