@@ -16,10 +16,12 @@ read with the kernel set's `to_host` and written through the pool's `store`
 The index: the tier's files, those found at open (every regular *.tlblock, oldest modification
 time first, ties by name) and those read or written since, least recently used first, with
 their sizes; a write first removes its least recently used files until the new one fits under
-the byte budget (0: no limit), and goes to a temporary file renamed over the name. Not
+the byte budget (0: no limit), and goes to a temporary file renamed over the name (open
+removes the temporary files of writers that no longer run, killed before their rename). Not
 thread-safe: the prefix cache calls it under its lock. Not here: which blocks are cached or
 evicted (fallback/prefix_cache.py).
 """
+import contextlib
 import errno
 import itertools
 import os
@@ -93,6 +95,9 @@ class DiskTier:
         found = []
         with os.scandir(self.directory) as entries:
             for entry in entries:
+                if _stale_temp(entry.name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
                 if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
                     st = entry.stat()
                     found.append((st.st_mtime_ns, entry.name, st.st_size))
@@ -314,6 +319,22 @@ class DiskTier:
                     self.pool.release(block)
             raise
         return blocks
+
+
+def _stale_temp(name):
+    """Whether `name` is a temporary file ".<name>.<pid>.<n>.tmp" of a writer that no longer
+    runs on this host (killed between writing it and renaming it), which open removes."""
+    parts = name.split(".")
+    if not (name.startswith(".") and len(parts) >= 5 and parts[-1] == "tmp"
+            and parts[-2].isdigit() and parts[-3].isdigit() and int(parts[-3]) > 0):
+        return False
+    try:
+        os.kill(int(parts[-3]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:                       # it runs, as another user
+        return False
+    return False
 
 
 def _make_directory(directory):

@@ -13,9 +13,11 @@ START_TIMEOUT = 60          # seconds for the server to load its model and answe
 
 
 @contextlib.contextmanager
-def serve_process(args, log_path):
+def serve_process(args, log_path, killed=False):
     """Yield the URL of `tinyloop serve *args --port PORT` once /health answers 200; then
-    Ctrl-C it and assert that it exits with 0 (its log, at `log_path`, in the message)."""
+    Ctrl-C it and assert that it exits with 0 (its log, at `log_path`, in the message).
+    killed=True yields (URL, the process) instead, for a caller that kills it (SIGKILL: no
+    shutdown runs); it must have exited by the end."""
     with socket.socket() as probe:            # a free port (released for the server to take)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -28,15 +30,16 @@ def serve_process(args, log_path):
             while not healthy(url):
                 assert process.poll() is None and time.monotonic() < deadline, log_text(log)
                 time.sleep(0.1)
-            yield url
+            yield (url, process) if killed else url
         finally:
-            process.send_signal(signal.SIGINT)
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
             try:
                 code = process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
                 raise
-        assert code == 0, log_text(log)
+        assert code == (-signal.SIGKILL if killed else 0), log_text(log)
 
 
 def healthy(url):

@@ -10,8 +10,13 @@ a repeated chat from disk with the same reply.
 """
 import os
 import shutil
+import signal
 import stat
 import struct
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -476,6 +481,86 @@ def serve_once(backend, model, directory, tmp_path, name):
                    parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
                    for s in family.samples}
     return reply.choices[0].message.content, reply.usage, metrics
+
+
+def dead_pid():
+    """The id of a process that no longer runs (a child's, reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def stale_temps(directory):
+    return [n for n in os.listdir(directory) if n.endswith(".tmp")]
+
+
+def test_a_killed_writers_temporary_file_is_removed_at_open(backend, paths, tmp_path):
+    """§4.3.1: a writer killed between creating `.<name>.<pid>.<n>.tmp` and renaming it leaves
+    the file; the next open removes it (no budget would ever count it), keeps those of a
+    process still running, and counts the block files as before."""
+    with open_model(backend, paths["gqa"], 1 << 20, tmp_path) as model:
+        model.generate(SHARED[0], max_tokens=1)                # close: 5 files
+    name = tlblocks(tmp_path)[0]
+    stale, live = f".{name}.{dead_pid()}.0.tmp", f".{name}.{os.getpid()}.1.tmp"
+    for temp in (stale, live):
+        (tmp_path / temp).write_bytes(b"partial")
+    with open_model(backend, paths["gqa"], 1 << 20, tmp_path) as model:
+        assert stale_temps(tmp_path) == [live]
+        assert model.cache_stats()["disk_bytes"] == sum(
+            os.path.getsize(tmp_path / n) for n in tlblocks(tmp_path))
+
+
+def test_a_server_killed_while_spilling_restarts_with_the_same_answers(tmp_path):
+    """kill -9 of `tinyloop serve` while eight chats run and its prefix cache (room for a few
+    blocks) spills on every eviction; a server started again on the directory counts exactly
+    the block files there, leaves no temporary file of the killed one, and answers every chat
+    as a fresh model with no cache does (no file it reads is torn: each was renamed whole)."""
+    pytest.importorskip("starlette")
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from tiny_hf import hf_model
+    model_path = hf_model(tmp_path / "chat.tinyloop")
+    chats = [[dict(CHAT[0], content=f"{CHAT[0]['content']} number {i}"), CHAT[1]]
+             for i in range(8)]
+    cache = tmp_path / "cache"
+    args = [str(model_path), "--model-name", "chat", "--max-batch", "4", "--step-tokens", "64",
+            "--prefix-cache-bytes", "40000", "--prefix-cache-dir", str(cache)]
+
+    def ask(url, messages):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        return client.chat.completions.create(model="chat", messages=messages, seed=5,
+                                              max_completion_tokens=6).choices[0].message.content
+
+    with serve_process(args, tmp_path / "killed.log", killed=True) as (url, process):
+        for messages in chats[:4]:
+            ask(url, messages)                              # fill the cache, spill
+        threads = [threading.Thread(target=_quietly, args=(ask, url, m)) for m in chats[4:]]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.2)
+        process.send_signal(signal.SIGKILL)
+        for thread in threads:
+            thread.join()
+        killed_pid = process.pid
+    assert tlblocks(cache), "the killed server had spilled nothing"
+    (cache / f".{tlblocks(cache)[0]}.{killed_pid}.0.tmp").write_bytes(b"torn")  # as a kill leaves
+    with serve_process(args, tmp_path / "again.log") as url:
+        disk_bytes = float(httpx.get(url + "/metrics").text.split(
+            "\ntinyloop_prefix_cache_disk_bytes ")[1].split()[0])
+        assert disk_bytes == sum(os.path.getsize(cache / n) for n in tlblocks(cache))
+        assert not stale_temps(cache)
+        answers = [ask(url, messages) for messages in chats]
+    no_cache = [str(model_path), "--model-name", "chat", "--prefix-cache-bytes", "0"]
+    with serve_process(no_cache, tmp_path / "fresh.log") as url:
+        assert answers == [ask(url, messages) for messages in chats]
+
+
+def _quietly(call, *args):
+    """call(*args), its failure ignored (a request to a server being killed)."""
+    try:
+        call(*args)
+    except Exception:
+        pass
 
 
 def test_a_restarted_server_answers_a_repeated_chat_from_disk(backend, tmp_path):

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "base/alloc.h" /* tl_alloc_fail_after */
@@ -768,6 +769,50 @@ static void test_tier_budget(void) {
     drop_dir(dir);
 }
 
+/* A process id that no longer runs: a child's, reaped. */
+static pid_t dead_pid(void) {
+    const pid_t child = fork();
+    if (child == 0) _exit(0);
+    int status = 0;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child, "fork / waitpid");
+    return child;
+}
+
+/* A writer killed between creating its temporary file and renaming it leaves the file: the
+ * next open removes it (a budget would never count it), keeps a running process's, and counts
+ * the block files as before. */
+static void test_stale_temps(void) {
+    char* dir = fresh_dir("temps");
+    const tl_block_model m = block_model(8);
+    uint64_t rng = 5;
+    int32_t tokens[BS];
+    for (int i = 0; i < BS; i++) tokens[i] = tu_uniform(&rng, 0, (int32_t)V - 1);
+    const tl_block_place at = {"", 0, 0, 0, tokens};
+    char name[32], stale[128], live[128], odd[128], path[1024];
+    file_name(&m, &at, name);
+    tl_pdisk* d = NULL;
+    CHECK_OK(tl_pdisk_open(dir, 0, &m, &d));
+    tl_kv_table t = {0};
+    CHECK(tl_pdisk_spill(d, &at, name_of(&m, &at), random_block(&m, &t, 2, 0, &rng)), "spill");
+    const size_t bytes = tl_pdisk_bytes(d);
+    tl_pdisk_free(d);
+    snprintf(stale, sizeof stale, ".%s.%ld.0.tmp", name, (long)dead_pid());
+    snprintf(live, sizeof live, ".%s.%ld.1.tmp", name, (long)getpid());
+    snprintf(odd, sizeof odd, ".%s.x.2.tmp", name); /* not a pid: not ours to remove */
+    const char* temps[] = {stale, live, odd};
+    for (int k = 0; k < 3; k++) {
+        snprintf(path, sizeof path, "%s/%s", dir, temps[k]);
+        write_path(path, (const uint8_t*)"partial", 7);
+    }
+    CHECK_OK(tl_pdisk_open(dir, 0, &m, &d));
+    CHECK(!exists(dir, stale), "a dead writer's temporary file was left");
+    CHECK(exists(dir, live) && exists(dir, odd), "a running writer's (or a foreign) temporary file was removed");
+    CHECK(exists(dir, name) && tl_pdisk_bytes(d) == bytes, "disk bytes %zu, were %zu", tl_pdisk_bytes(d), bytes);
+    tl_pdisk_free(d);
+    tl_kv_clear(&t);
+    drop_dir(dir);
+}
+
 /* A file another tier (process) wrote joins this tier's index when a fetch reads it: counted in
  * its bytes, the most recently used, at its size now (a deeper file that replaced a counted one). */
 static void test_tier_join(void) {
@@ -1195,6 +1240,7 @@ int main(void) {
     const setup other = make_model("pdisk-other.tinyloop", other_spec);
     const setup coda = make_model("pdisk-coda.tinyloop", tu_spec_coda());
     test_open_errors(&plain);
+    test_stale_temps();
     test_tier_budget();
     test_tier_join();
     test_tier_device();

@@ -27,6 +27,10 @@ ENGINE_GAUGES = (
     ("tinyloop_requests_waiting", "Requests waiting to be scheduled", "waiting"),
     ("tinyloop_kv_blocks", "KV blocks the running requests hold", "kv_blocks"),
     ("tinyloop_kv_bytes", "KV bytes the running requests hold privately", "kv_bytes"),
+    ("tinyloop_prefix_cache_disk_bytes", "Bytes of the prefix cache's block files on disk",
+     "cache.disk_bytes"),
+    ("tinyloop_prefix_cache_disk_budget_bytes", "Budget of those files (0: no limit)",
+     "cache.disk_budget_bytes"),
 )
 ENGINE_COUNTERS = (
     ("tinyloop_prefill_tokens", "Prompt positions computed by prefill (recomputation after a "

@@ -3,12 +3,15 @@
  * The index is a chained hash table of entries keyed by file name, beside a use list, least
  * recently used first: the files found at open in modification-time order (ties by name),
  * then each file as it is written or read. Every file operation is relative to a descriptor of
- * the directory, opened once. */
+ * the directory, opened once. A write goes through a temporary file ".<name>.<pid>.<n>.tmp";
+ * open removes those whose writer no longer runs (killed between create and rename), which no
+ * budget would ever count otherwise. */
 #include "core/pcache_disk.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -138,12 +141,31 @@ static bool is_block_name(const char* name) {
     return n > suffix && strcmp(name + n - suffix, ".tlblock") == 0;
 }
 
+/* Whether `name` is a temporary file of a writer that no longer runs on this host:
+ * ".<name>.<pid>.<n>.tmp" with no process <pid> (a writer on another host sharing the directory
+ * may lose its write, never see a partial file: its rename then fails). */
+static bool is_stale_temp(const char* name) {
+    const size_t n = strlen(name), suffix = strlen(".tmp");
+    if (name[0] != '.' || n <= suffix || strcmp(name + n - suffix, ".tmp") != 0) return false;
+    const char* end = name + n - suffix; /* the '.' before "tmp" */
+    const char* serial = end;
+    while (serial > name && serial[-1] != '.') serial--;
+    if (serial <= name + 1 || serial == end) return false;
+    const char* pid = serial - 1;
+    while (pid > name && pid[-1] != '.') pid--;
+    char* stop = NULL;
+    const long writer = strtol(pid, &stop, 10);
+    if (stop != serial - 1 || writer <= 0) return false;
+    return kill((pid_t)writer, 0) != 0 && errno == ESRCH;
+}
+
 static void free_found(found* f, size_t n) {
     for (size_t i = 0; i < n; i++) tl_free(f[i].name);
     tl_free(f);
 }
 
-/* The regular *.tlblock files of the directory into *out (least recently modified first). */
+/* The regular *.tlblock files of the directory into *out (least recently modified first); the
+ * stale temporary files go. */
 static tl_status list_files(tl_pdisk* d, const char* path, found** out, size_t* n_out) {
     *out = NULL;
     *n_out = 0;
@@ -159,6 +181,7 @@ static tl_status list_files(tl_pdisk* d, const char* path, found** out, size_t* 
     tl_status st = TL_OK;
     for (struct dirent* de; st == TL_OK && (de = readdir(dir));) {
         struct stat s;
+        if (is_stale_temp(de->d_name)) unlinkat(d->dir, de->d_name, 0);
         if (!is_block_name(de->d_name) || fstatat(d->dir, de->d_name, &s, AT_SYMLINK_NOFOLLOW) != 0 ||
             !S_ISREG(s.st_mode))
             continue;
