@@ -81,7 +81,7 @@ class DiskTier:
         self.model_checksum, self.model_file_bytes = model_identity
         self.kv_mode = KV_MODE_CODES[pool.kv_bits]
         self.record = record_dtype(row_bytes(config, pool.kv_bits))
-        self.spilled_blocks = self.disk_hit_blocks = 0
+        self.spilled_blocks = self.disk_hit_blocks = self.disk_write_failures = 0
         self._temp_names = itertools.count()
         _make_directory(self.directory)
         self._files = self._scan()          # name -> bytes, least recently used first
@@ -89,6 +89,7 @@ class DiskTier:
 
     def stats(self):
         return {"spilled_blocks": self.spilled_blocks, "disk_hit_blocks": self.disk_hit_blocks,
+                "disk_write_failures": self.disk_write_failures,
                 "disk_bytes": self.disk_bytes, "disk_budget_bytes": self.budget}
 
     def _scan(self):
@@ -151,6 +152,7 @@ class DiskTier:
         if self.budget and self.disk_bytes - old + len(data) > self.budget:
             return False                    # a file that could not be removed
         if not self._write(name, data):
+            self.disk_write_failures += 1     # a full disk, an I/O error: memory goes on
             return False
         self.disk_bytes += len(data) - self._files.pop(name, 0)
         self._files[name] = len(data)

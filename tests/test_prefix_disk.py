@@ -8,6 +8,7 @@ file is a miss that changes nothing; numpy and native write the same bytes and r
 other's files; bad arguments are refused. The server restarted on the same directory answers
 a repeated chat from disk with the same reply.
 """
+import json
 import os
 import shutil
 import signal
@@ -508,6 +509,41 @@ def test_a_killed_writers_temporary_file_is_removed_at_open(backend, paths, tmp_
         assert stale_temps(tmp_path) == [live]
         assert model.cache_stats()["disk_bytes"] == sum(
             os.path.getsize(tmp_path / n) for n in tlblocks(tmp_path))
+
+
+FULL_DISK_RUN = """
+import json, resource, sys
+import tinyloop
+from tinyloop.quickbench import backend_kwargs
+backend, path, directory, budget, prompts = json.loads(sys.argv[1])
+limit = 200          # bytes: below any block file, so every write fails as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+with tinyloop.Model(path, **backend_kwargs(backend), block_size=4, prefix_cache_bytes=budget,
+                    prefix_cache_dir=directory) as model:
+    out = [model.generate(p, max_tokens=3) for p in prompts]
+    stats = model.cache_stats()
+print(json.dumps([out, stats]))
+"""
+
+
+def test_a_full_disk_leaves_the_cache_in_memory_and_counts_the_failed_writes(backend, paths,
+                                                                              tmp_path):
+    """§4.3.1 under a full disk (a process whose file size limit is below any block file, so
+    every write fails as with ENOSPC): every generation is still the cache-less one, each
+    spill is counted in disk_write_failures and none in spilled_blocks, and the directory holds
+    no file, not even a temporary one."""
+    require_backend(backend)
+    run = subprocess.run([sys.executable, "-c", FULL_DISK_RUN,
+                          json.dumps([backend, str(paths["gqa"]), str(tmp_path),
+                                      block_bytes(backend, 4), SINGLES])],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out, stats = json.loads(run.stdout)
+    with open_model(backend, paths["gqa"]) as plain:
+        assert out == [plain.generate(p, max_tokens=3) for p in SINGLES]
+    assert stats["spilled_blocks"] == 0 and stats["disk_bytes"] == 0
+    assert stats["disk_write_failures"] == len(SINGLES) - 1   # each evicted by the next
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_server_killed_while_spilling_restarts_with_the_same_answers(tmp_path):

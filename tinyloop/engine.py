@@ -37,7 +37,8 @@ SCHED_STAT_NAMES = ("running", "waiting", "steps", "prompt_tokens", "cached_toke
 # Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
 CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
                     "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes",
-                    "spilled_blocks", "disk_hit_blocks", "disk_bytes", "disk_budget_bytes")
+                    "spilled_blocks", "disk_hit_blocks", "disk_bytes", "disk_budget_bytes",
+                    "disk_write_failures")
 # Adaptive depth's exit rules (docs/spec.md §5.7), by tl_exit_rule value.
 EXIT_RULES = ("none", "gate", "latent", "kl", "argmax")
 # The default thresholds of the rules that work on any model (Huginn's "auto" values); the gate

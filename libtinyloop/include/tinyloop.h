@@ -257,6 +257,9 @@ typedef struct tl_prefix_cache_stats {
     uint64_t disk_hit_blocks;  /* blocks lookups read back from it                           */
     size_t disk_bytes;         /* bytes of the tier's files now                               */
     size_t disk_budget_bytes;  /* tl_model_params.prefix_cache_disk_bytes (0: no limit)       */
+    uint64_t disk_write_failures; /* spills whose file could not be written (a full disk, an I/O
+                                     error): the cache goes on in memory; a caller built before
+                                     this field passes a smaller size and gets the fields above */
 } tl_prefix_cache_stats;
 
 /* Snapshot of the counters. Thread-safe. TL_ERR_CLOSED after tl_model_close. */

@@ -25,6 +25,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -813,6 +815,42 @@ static void test_stale_temps(void) {
     drop_dir(dir);
 }
 
+/* A full disk (here: a file size limit below one block file, so every write fails as it would
+ * with ENOSPC): the spill is not written and counted as a failed write, no file or temporary
+ * file is left, the tier's bytes stay 0, and a later spill with room succeeds. */
+static void test_full_disk(void) {
+    char* dir = fresh_dir("full");
+    const tl_block_model m = block_model(8);
+    uint64_t rng = 9;
+    int32_t tokens[BS];
+    for (int i = 0; i < BS; i++) tokens[i] = tu_uniform(&rng, 0, (int32_t)V - 1);
+    const tl_block_place at = {"", 0, 0, 0, tokens};
+    tl_pdisk* d = NULL;
+    CHECK_OK(tl_pdisk_open(dir, 0, &m, &d));
+    tl_kv_table t = {0};
+    tl_kv_block* b = random_block(&m, &t, 2, 0, &rng);
+    struct rlimit was;
+    CHECK(getrlimit(RLIMIT_FSIZE, &was) == 0, "getrlimit");
+    void (*old_handler)(int) = signal(SIGXFSZ, SIG_IGN); /* the write fails with EFBIG instead */
+    const struct rlimit small = {HEADER, was.rlim_max};
+    CHECK(setrlimit(RLIMIT_FSIZE, &small) == 0, "setrlimit");
+    const bool written = tl_pdisk_spill(d, &at, name_of(&m, &at), b);
+    CHECK(setrlimit(RLIMIT_FSIZE, &was) == 0, "setrlimit back");
+    signal(SIGXFSZ, old_handler);
+    CHECK(!written && tl_pdisk_failed_writes(d) == 1 && tl_pdisk_bytes(d) == 0,
+          "a write past the limit: written %d, failed writes %llu, bytes %zu", written,
+          (unsigned long long)tl_pdisk_failed_writes(d), tl_pdisk_bytes(d));
+    listing* l = malloc(sizeof *l);
+    list_dir(dir, l);
+    CHECK(l->n == 0, "a failed write left %zu files (%s)", l->n, l->n ? l->names[0] : "");
+    free(l);
+    CHECK(tl_pdisk_spill(d, &at, name_of(&m, &at), b) && tl_pdisk_failed_writes(d) == 1,
+          "with room again the spill was not written");
+    tl_pdisk_free(d);
+    tl_kv_clear(&t);
+    drop_dir(dir);
+}
+
 /* A file another tier (process) wrote joins this tier's index when a fetch reads it: counted in
  * its bytes, the most recently used, at its size now (a deeper file that replaced a counted one). */
 static void test_tier_join(void) {
@@ -1241,6 +1279,7 @@ int main(void) {
     const setup coda = make_model("pdisk-coda.tinyloop", tu_spec_coda());
     test_open_errors(&plain);
     test_stale_temps();
+    test_full_disk();
     test_tier_budget();
     test_tier_join();
     test_tier_device();

@@ -55,6 +55,8 @@ ENGINE_COUNTERS = (
      "cache.spilled_blocks"),
     ("tinyloop_prefix_cache_disk_hit_blocks", "Prefix-cache blocks read back from the disk tier",
      "cache.disk_hit_blocks"),
+    ("tinyloop_prefix_cache_disk_write_failures", "Spills whose block file could not be written "
+     "(a full disk, an I/O error): the cache goes on in memory", "cache.disk_write_failures"),
 )
 
 

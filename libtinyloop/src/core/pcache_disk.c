@@ -40,6 +40,7 @@ struct tl_pdisk {
     size_t n_buckets, n_entries;
     entry* oldest;
     entry* newest;
+    uint64_t failed_writes; /* spills whose file could not be written */
 };
 
 /* Temporary files of this process are told apart by this counter (models may share a dir). */
@@ -258,6 +259,7 @@ void tl_pdisk_free(tl_pdisk* d) {
 }
 
 size_t tl_pdisk_bytes(const tl_pdisk* d) { return d->bytes; }
+uint64_t tl_pdisk_failed_writes(const tl_pdisk* d) { return d->failed_writes; }
 size_t tl_pdisk_budget(const tl_pdisk* d) { return d->budget; }
 const tl_block_model* tl_pdisk_model(const tl_pdisk* d) { return &d->model; }
 
@@ -355,7 +357,10 @@ bool tl_pdisk_spill(tl_pdisk* d, const tl_block_place* at, uint64_t name, tl_kv_
         unlinkat(d->dir, victim->name, 0);
         drop(d, victim);
     }
-    ok = ok && write_file(d, file, buf, n);
+    if (ok && !write_file(d, file, buf, n)) {
+        d->failed_writes++;
+        ok = false;
+    }
     tl_free(buf);
     if (!ok) return false;
     if (old) drop(d, old);

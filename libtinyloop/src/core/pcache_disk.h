@@ -40,9 +40,12 @@ bool tl_pdisk_spill(tl_pdisk* d, const tl_block_place* at, uint64_t name, tl_kv_
  * miss, t unchanged. */
 bool tl_pdisk_fetch(tl_pdisk* d, const tl_block_place* at, uint64_t name, uint32_t n_layers, tl_kv_table* t);
 
-/* Bytes of the files the tier counts now; its budget (0 = no limit); the model it serves. */
+/* Bytes of the files the tier counts now; its budget (0 = no limit); the model it serves; the
+ * spills whose file could not be written (a full disk, an I/O error: the block stays in memory
+ * only until evicted). */
 size_t tl_pdisk_bytes(const tl_pdisk* d);
 size_t tl_pdisk_budget(const tl_pdisk* d);
 const tl_block_model* tl_pdisk_model(const tl_pdisk* d);
+uint64_t tl_pdisk_failed_writes(const tl_pdisk* d);
 
 #endif

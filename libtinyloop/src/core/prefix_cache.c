@@ -444,7 +444,7 @@ void tl_pcache_insert(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
 tl_prefix_cache_stats tl_pcache_stats(tl_pcache* c) {
     pthread_mutex_lock(&c->lock);
     tl_prefix_cache_stats stats = c->stats;
-    if (c->disk) stats.disk_bytes = tl_pdisk_bytes(c->disk);
+    if (c->disk) stats.disk_bytes = tl_pdisk_bytes(c->disk), stats.disk_write_failures = tl_pdisk_failed_writes(c->disk);
     pthread_mutex_unlock(&c->lock);
     stats.size = sizeof stats;
     return stats;
