@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
@@ -754,6 +755,52 @@ def test_the_server_survives_a_barrage_of_bad_requests(demo, client, reference):
                 assert http.post("/v1/completions", content=content).status_code == 400
     assert healthy(demo)
     check_completion(client, reference, SAMPLINGS[2])
+
+
+# Hypothesis-drawn request bodies: every field the endpoints read, each a valid value or any
+# JSON (small numbers, so a valid draw never runs long), plus unknown keys.
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40)
+                    | st.sampled_from([1 << 31, 1 << 63, -(1 << 63), 10 ** 30])
+                    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+MESSAGE = st.fixed_dictionaries({}, optional={"role": st.sampled_from(
+    ["user", "assistant", "system", "developer", "tool"]) | JSON, "content": st.text(max_size=30)
+    | st.lists(st.fixed_dictionaries({"type": st.just("text") | JSON, "text": st.text(max_size=9)
+                                      | JSON}), max_size=2) | JSON, "name": JSON})
+FIELDS = {
+    "model": st.sampled_from([DEMO, "tiny-chat"]) | JSON,
+    "prompt": st.text(max_size=40) | st.lists(st.integers(-3, 300), max_size=8) | JSON,
+    "messages": st.lists(MESSAGE, max_size=3) | JSON,
+    "max_tokens": st.integers(-1, 6) | JSON, "max_completion_tokens": st.integers(-1, 6) | JSON,
+    "temperature": st.floats(-1, 3) | JSON, "top_p": st.floats(-0.5, 1.5) | JSON,
+    "top_k": st.integers(-1, 60) | JSON, "repetition_penalty": st.floats(0, 2) | JSON,
+    "seed": st.integers(-1, 1 << 64) | JSON, "loops": st.integers(-1, 5) | JSON,
+    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | JSON,
+    "stream": st.booleans() | JSON, "stream_options": JSON, "n": st.integers(0, 2) | JSON,
+    "cache_salt": st.text(max_size=6) | JSON, "draft_loops": st.integers(-1, 3) | JSON,
+    "n_draft": st.integers(-1, 5) | JSON, "exit_rule": st.sampled_from(
+        ["none", "gate", "latent", "kl", "argmax"]) | JSON, "exit_threshold": JSON,
+    "min_loops": JSON, "logprobs": JSON, "echo": JSON, "user": JSON, "frobnicate": JSON}
+BODIES = st.fixed_dictionaries({}, optional=FIELDS)
+
+
+@given(body=BODIES | JSON, chat=st.booleans())
+@settings(deadline=None)
+def test_any_request_body_gets_an_openai_answer_never_a_500(demo, chat_url, body, chat):
+    """Whatever the body: a 200 with a completion (or an event stream ending in [DONE]), or
+    an OpenAI error body (400, 404; 429 when full), within the timeout: never a 500 or a hang."""
+    url = chat_url if chat else demo
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    response = httpx.post(url + path, content=json.dumps(body), timeout=60,  # NaN, Infinity too
+                          headers={"content-type": "application/json"})
+    assert response.status_code in (200, 400, 404, 429), response.text
+    if response.status_code != 200:
+        error_of(response, response.status_code)
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.rstrip().endswith("data: [DONE]"), response.text
+    else:
+        assert response.json()["choices"], response.text
 
 
 def test_health_is_503_until_the_model_has_loaded(tmp_path):
