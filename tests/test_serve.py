@@ -309,6 +309,36 @@ def test_a_client_that_gives_up_cancels_its_request(demo):
     assert generated < 1000                     # it stopped early
 
 
+def test_slow_and_half_closed_clients_do_not_stall_the_server(demo, client, reference):
+    """32 clients that send their headers a few bytes at a time and never finish (slowloris),
+    and 8 that send a whole streaming request, half-close their side and never read: meanwhile
+    a normal request is answered as offline generate, the half-closed requests leave the engine
+    (ASGI reports a half-close as a disconnect, which cancels the request) instead of holding
+    it, and once the slow clients go the server is healthy and serves as before."""
+    address = httpx.URL(demo)
+    slow = [socket.create_connection((address.host, address.port)) for _ in range(32)]
+    for sock in slow:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: tinyloop\r\nContent-Le")
+    half = []
+    for i in range(8):
+        body = json.dumps(dict(model=DEMO, prompt=PROMPTS[i], max_tokens=300, seed=i,
+                               stream=True, loops=SLOW_LOOPS)).encode()
+        sock = socket.create_connection((address.host, address.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: tinyloop\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        sock.shutdown(socket.SHUT_WR)
+        half.append(sock)
+    check_completion(client, reference, SAMPLINGS[0])
+    for sock in slow:
+        sock.sendall(b"ngth: ")                  # still trickling
+    wait_for(demo, idle, timeout=60)             # a half-close is a disconnect: cancelled
+    for sock in slow + half:
+        sock.close()
+    assert healthy(demo)
+    check_completion(client, reference, SAMPLINGS[1])
+
+
 # -- metrics -----------------------------------------------------------------------------------
 def test_metrics_count_requests_tokens_and_cache_hits(demo, client):
     prompt = " ".join(PROMPTS) * 3                          # long enough for whole KV blocks
