@@ -478,6 +478,35 @@ def test_beyond_max_batch_and_max_queue_a_request_is_answered_429_with_retry_aft
         assert metrics(url)["tinyloop_requests_rejected_total"] == 2 + statuses.count(429)
 
 
+def test_256_concurrent_streams_against_a_small_kv_budget_lose_nothing(reference):
+    """256 streamed completions at once against room for the KV of a few requests (32 run at a
+    time, the rest queued, the newest preempted and recomputed): every stream's text is offline
+    generate's, and the engine ends idle."""
+    with serving(max_batch=32, step_tokens=128, kv_budget_bytes=12 * kv_block_bytes(reference),
+                 prefix_cache_bytes=0) as url:
+        calls = [(f"{PROMPTS[i % len(PROMPTS)]} {i}:", 1000 + i) for i in range(256)]
+
+        async def one(http, prompt, seed):
+            body = dict(model=DEMO, prompt=prompt, max_tokens=6, seed=seed, stream=True)
+            text = ""
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+        async def all_at_once():
+            limits = httpx.Limits(max_connections=256)
+            async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+                return await asyncio.gather(*(one(http, p, s) for p, s in calls))
+
+        texts = asyncio.run(all_at_once())
+        assert texts == [offline(reference, p, 6, s)[0] for p, s in calls]
+        assert metrics(url)["tinyloop_preemptions_total"] > 0
+        wait_for(url, idle)
+
+
 # -- chat --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
