@@ -246,10 +246,11 @@ class Model:
             P.check_int("threads", threads, 1, P.MAX_THREADS)
         path = demo_model_path() if path is None else os.fspath(path)
         self.path = path
-        self._engine: Engine[Any] | None = open_engine(
-            backend, path, block_size=self._block_size, threads=threads,
-            prefix_cache_bytes=cache_bytes, device=device, kv_mode=self.kv_mode,
-            prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=disk_bytes)
+        with _out_of_memory_as_runtime_error():
+            self._engine: Engine[Any] | None = open_engine(
+                backend, path, block_size=self._block_size, threads=threads,
+                prefix_cache_bytes=cache_bytes, device=device, kv_mode=self.kv_mode,
+                prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=disk_bytes)
         runtime = self._engine.runtime()
         self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
