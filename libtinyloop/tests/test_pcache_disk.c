@@ -783,21 +783,44 @@ static pid_t dead_pid(void) {
 /* A writer killed between creating its temporary file and renaming it leaves the file: the
  * next open removes it (a budget would never count it), keeps a running process's, and counts
  * the block files as before. */
-static void test_stale_temps(void) {
-    char* dir = fresh_dir("temps");
-    const tl_block_model m = block_model(8);
-    uint64_t rng = 5;
+/* A tier with no budget in a fresh directory `name`, and one block of 2 layers at block 0 of
+ * random tokens (no salt) to spill into it. */
+typedef struct one_block {
+    char* dir;
+    tl_block_model m;
     int32_t tokens[BS];
-    for (int i = 0; i < BS; i++) tokens[i] = tu_uniform(&rng, 0, (int32_t)V - 1);
-    const tl_block_place at = {"", 0, 0, 0, tokens};
+    tl_block_place at;
+    tl_kv_table t;
+    tl_kv_block* b;
+    tl_pdisk* d;
+} one_block;
+
+static void one_block_open(one_block* o, const char* name, uint64_t seed) {
+    o->dir = fresh_dir(name);
+    o->m = block_model(8);
+    for (int i = 0; i < BS; i++) o->tokens[i] = tu_uniform(&seed, 0, (int32_t)V - 1);
+    o->at = (tl_block_place){"", 0, 0, 0, o->tokens};
+    o->t = (tl_kv_table){0};
+    o->b = random_block(&o->m, &o->t, 2, 0, &seed);
+    o->d = NULL;
+    CHECK_OK(tl_pdisk_open(o->dir, 0, &o->m, &o->d));
+}
+
+static void one_block_close(one_block* o) {
+    tl_pdisk_free(o->d);
+    tl_kv_clear(&o->t);
+    drop_dir(o->dir);
+}
+
+static void test_stale_temps(void) {
+    one_block o;
+    one_block_open(&o, "temps", 5);
+    const char* dir = o.dir;
     char name[32], stale[128], live[128], odd[128], path[1024];
-    file_name(&m, &at, name);
-    tl_pdisk* d = NULL;
-    CHECK_OK(tl_pdisk_open(dir, 0, &m, &d));
-    tl_kv_table t = {0};
-    CHECK(tl_pdisk_spill(d, &at, name_of(&m, &at), random_block(&m, &t, 2, 0, &rng)), "spill");
-    const size_t bytes = tl_pdisk_bytes(d);
-    tl_pdisk_free(d);
+    file_name(&o.m, &o.at, name);
+    CHECK(tl_pdisk_spill(o.d, &o.at, name_of(&o.m, &o.at), o.b), "spill");
+    const size_t bytes = tl_pdisk_bytes(o.d);
+    tl_pdisk_free(o.d);
     snprintf(stale, sizeof stale, ".%s.%ld.0.tmp", name, (long)dead_pid());
     snprintf(live, sizeof live, ".%s.%ld.1.tmp", name, (long)getpid());
     snprintf(odd, sizeof odd, ".%s.x.2.tmp", name); /* not a pid: not ours to remove */
@@ -806,49 +829,37 @@ static void test_stale_temps(void) {
         snprintf(path, sizeof path, "%s/%s", dir, temps[k]);
         write_path(path, (const uint8_t*)"partial", 7);
     }
-    CHECK_OK(tl_pdisk_open(dir, 0, &m, &d));
+    CHECK_OK(tl_pdisk_open(dir, 0, &o.m, &o.d));
     CHECK(!exists(dir, stale), "a dead writer's temporary file was left");
     CHECK(exists(dir, live) && exists(dir, odd), "a running writer's (or a foreign) temporary file was removed");
-    CHECK(exists(dir, name) && tl_pdisk_bytes(d) == bytes, "disk bytes %zu, were %zu", tl_pdisk_bytes(d), bytes);
-    tl_pdisk_free(d);
-    tl_kv_clear(&t);
-    drop_dir(dir);
+    CHECK(exists(dir, name) && tl_pdisk_bytes(o.d) == bytes, "disk bytes %zu, were %zu", tl_pdisk_bytes(o.d), bytes);
+    one_block_close(&o);
 }
 
 /* A full disk (here: a file size limit below one block file, so every write fails as it would
  * with ENOSPC): the spill is not written and counted as a failed write, no file or temporary
  * file is left, the tier's bytes stay 0, and a later spill with room succeeds. */
 static void test_full_disk(void) {
-    char* dir = fresh_dir("full");
-    const tl_block_model m = block_model(8);
-    uint64_t rng = 9;
-    int32_t tokens[BS];
-    for (int i = 0; i < BS; i++) tokens[i] = tu_uniform(&rng, 0, (int32_t)V - 1);
-    const tl_block_place at = {"", 0, 0, 0, tokens};
-    tl_pdisk* d = NULL;
-    CHECK_OK(tl_pdisk_open(dir, 0, &m, &d));
-    tl_kv_table t = {0};
-    tl_kv_block* b = random_block(&m, &t, 2, 0, &rng);
+    one_block o;
+    one_block_open(&o, "full", 9);
     struct rlimit was;
     CHECK(getrlimit(RLIMIT_FSIZE, &was) == 0, "getrlimit");
     void (*old_handler)(int) = signal(SIGXFSZ, SIG_IGN); /* the write fails with EFBIG instead */
     const struct rlimit small = {HEADER, was.rlim_max};
     CHECK(setrlimit(RLIMIT_FSIZE, &small) == 0, "setrlimit");
-    const bool written = tl_pdisk_spill(d, &at, name_of(&m, &at), b);
+    const bool written = tl_pdisk_spill(o.d, &o.at, name_of(&o.m, &o.at), o.b);
     CHECK(setrlimit(RLIMIT_FSIZE, &was) == 0, "setrlimit back");
     signal(SIGXFSZ, old_handler);
-    CHECK(!written && tl_pdisk_failed_writes(d) == 1 && tl_pdisk_bytes(d) == 0,
+    CHECK(!written && tl_pdisk_failed_writes(o.d) == 1 && tl_pdisk_bytes(o.d) == 0,
           "a write past the limit: written %d, failed writes %llu, bytes %zu", written,
-          (unsigned long long)tl_pdisk_failed_writes(d), tl_pdisk_bytes(d));
+          (unsigned long long)tl_pdisk_failed_writes(o.d), tl_pdisk_bytes(o.d));
     listing* l = malloc(sizeof *l);
-    list_dir(dir, l);
+    list_dir(o.dir, l);
     CHECK(l->n == 0, "a failed write left %zu files (%s)", l->n, l->n ? l->names[0] : "");
     free(l);
-    CHECK(tl_pdisk_spill(d, &at, name_of(&m, &at), b) && tl_pdisk_failed_writes(d) == 1,
+    CHECK(tl_pdisk_spill(o.d, &o.at, name_of(&o.m, &o.at), o.b) && tl_pdisk_failed_writes(o.d) == 1,
           "with room again the spill was not written");
-    tl_pdisk_free(d);
-    tl_kv_clear(&t);
-    drop_dir(dir);
+    one_block_close(&o);
 }
 
 /* A file another tier (process) wrote joins this tier's index when a fetch reads it: counted in
