@@ -13,18 +13,20 @@ START_TIMEOUT = 60          # seconds for the server to load its model and answe
 
 
 @contextlib.contextmanager
-def serve_process(args, log_path, killed=False):
+def serve_process(args, log_path, killed=False, preexec_fn=None):
     """Yield the URL of `tinyloop serve *args --port PORT` once /health answers 200; then
     Ctrl-C it and assert that it exits with 0 (its log, at `log_path`, in the message).
     killed=True yields (URL, the process) instead, for a caller that kills it (SIGKILL: no
-    shutdown runs); it must have exited by the end."""
+    shutdown runs); it must have exited by the end. preexec_fn runs in the server's process
+    before it starts (e.g. a resource limit)."""
     with socket.socket() as probe:            # a free port (released for the server to take)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w+") as log:
         process = subprocess.Popen([sys.executable, "-m", "tinyloop", "serve", *args,
-                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=preexec_fn)
         try:
             deadline = time.monotonic() + START_TIMEOUT
             while not healthy(url):

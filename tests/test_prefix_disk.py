@@ -546,6 +546,45 @@ def test_a_full_disk_leaves_the_cache_in_memory_and_counts_the_failed_writes(bac
     assert os.listdir(tmp_path) == []
 
 
+def test_a_server_on_a_full_disk_serves_from_memory_and_says_so_in_metrics(tmp_path):
+    """`tinyloop serve` whose disk tier cannot write a file (a file-size limit below any block
+    file: every write fails as on a full disk) answers every chat as a server with no cache
+    does, spills nothing and counts each failed write in /metrics."""
+    pytest.importorskip("starlette")
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    parser = pytest.importorskip("prometheus_client.parser")
+    import resource
+    from tiny_hf import hf_model
+    model_path = hf_model(tmp_path / "chat.tinyloop")
+    chats = [[dict(CHAT[0], content=f"{CHAT[0]['content']} number {i}"), CHAT[1]]
+             for i in range(6)]
+    cache = tmp_path / "cache"
+
+    def full_disk():
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))
+
+    def ask(url, messages):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        return client.chat.completions.create(model="chat", messages=messages, seed=5,
+                                              max_completion_tokens=6).choices[0].message.content
+
+    args = [str(model_path), "--model-name", "chat", "--prefix-cache-bytes", "40000",
+            "--prefix-cache-dir", str(cache)]
+    with serve_process(args, os.devnull, preexec_fn=full_disk) as url:
+        answers = [ask(url, messages) for messages in chats]
+        values = {s.name: s.value for family in
+                  parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
+                  for s in family.samples}
+    assert values["tinyloop_prefix_cache_disk_write_failures_total"] > 0
+    assert values["tinyloop_prefix_cache_spilled_blocks_total"] == 0
+    assert values["tinyloop_prefix_cache_disk_bytes"] == 0 and not os.listdir(cache)
+    no_cache = [str(model_path), "--model-name", "chat", "--prefix-cache-bytes", "0"]
+    with serve_process(no_cache, tmp_path / "fresh.log") as url:
+        assert answers == [ask(url, messages) for messages in chats]
+
+
 def test_a_server_killed_while_spilling_restarts_with_the_same_answers(tmp_path):
     """kill -9 of `tinyloop serve` while eight chats run and its prefix cache (room for a few
     blocks) spills on every eviction; a server started again on the directory counts exactly
