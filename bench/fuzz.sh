@@ -3,10 +3,9 @@
 # executions (default 1,000,000), then each Python target (atheris) for PYTHON_SECONDS seconds
 # (default 600), the readers-agree check on everything the C fuzzers kept, and a table of
 # executions, edges covered and findings per target (also into bench/results/fuzz.md). The
-# grown corpora are kept in
-# WORK/grown/<target>/ for the next run or a triage; a finding's input is under
-# WORK/<target>/findings/ and becomes a regress-* input of libtinyloop/tests/fuzz/corpus/ with
-# its fix. Needs clang (apt-get install clang-14 libclang-rt-14-dev), atheris (pip install
+# grown corpora are kept in WORK/grown/<target>/ for the next run or a triage; a finding's
+# input is under WORK/<target>/findings/ and becomes a regress-* input of
+# libtinyloop/tests/fuzz/corpus/ with its fix. Needs clang (apt-get install clang-14 libclang-rt-14-dev), atheris (pip install
 # atheris) and this repository's tinyloop importable by python3.
 # usage: bench/fuzz.sh [WORK_DIR]      env: RUNS, PYTHON_SECONDS, JOBS (default 2)
 set -euo pipefail
