@@ -468,8 +468,6 @@ def serve_once(backend, model, directory, tmp_path, name):
     """`tinyloop serve --prefix-cache-dir DIR` in a process of its own: one chat request
     (the official openai client), the metrics, then Ctrl-C (the model closes and spills)."""
     openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
-    parser = pytest.importorskip("prometheus_client.parser")
     args = [str(model), "--model-name", "chat", "--max-batch", "2", "--step-tokens", "64",
             *(["--backend", backend] if backend not in LIBRARY_BACKENDS else
               ["--backend", "native", "--device", "cuda" if backend == "native-cuda" else "cpu"]),
@@ -478,9 +476,7 @@ def serve_once(backend, model, directory, tmp_path, name):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(model="chat", messages=CHAT, seed=3,
                                                max_completion_tokens=8)
-        metrics = {s.name: s.value for family in
-                   parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
-                   for s in family.samples}
+        metrics = served_metrics(url)
     return reply.choices[0].message.content, reply.usage, metrics
 
 
@@ -546,70 +542,72 @@ def test_a_full_disk_leaves_the_cache_in_memory_and_counts_the_failed_writes(bac
     assert os.listdir(tmp_path) == []
 
 
+# Eight chats differing in their system prompts: many blocks for a small cache to spill.
+CHATS = [[dict(CHAT[0], content=f"{CHAT[0]['content']} number {i}"), CHAT[1]] for i in range(8)]
+
+
+def ask_chat(url, messages):
+    """A served chat's reply (seed 5, 6 tokens), through the official openai client."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return client.chat.completions.create(model="chat", messages=messages, seed=5,
+                                          max_completion_tokens=6).choices[0].message.content
+
+
+def served_metrics(url):
+    parser = pytest.importorskip("prometheus_client.parser")
+    httpx = pytest.importorskip("httpx")
+    return {s.name: s.value for family in
+            parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
+            for s in family.samples}
+
+
+def assert_answers_of_a_server_without_cache(model_path, answers, tmp_path):
+    no_cache = [str(model_path), "--model-name", "chat", "--prefix-cache-bytes", "0"]
+    with serve_process(no_cache, tmp_path / "fresh.log") as url:
+        assert answers == [ask_chat(url, messages) for messages in CHATS]
+
+
 def test_a_server_on_a_full_disk_serves_from_memory_and_says_so_in_metrics(tmp_path):
     """`tinyloop serve` whose disk tier cannot write a file (a file-size limit below any block
     file: every write fails as on a full disk) answers every chat as a server with no cache
     does, spills nothing and counts each failed write in /metrics."""
     pytest.importorskip("starlette")
-    openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
-    parser = pytest.importorskip("prometheus_client.parser")
     import resource
     from tiny_hf import hf_model
     model_path = hf_model(tmp_path / "chat.tinyloop")
-    chats = [[dict(CHAT[0], content=f"{CHAT[0]['content']} number {i}"), CHAT[1]]
-             for i in range(6)]
     cache = tmp_path / "cache"
 
     def full_disk():
         hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
         resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))
 
-    def ask(url, messages):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        return client.chat.completions.create(model="chat", messages=messages, seed=5,
-                                              max_completion_tokens=6).choices[0].message.content
-
     args = [str(model_path), "--model-name", "chat", "--prefix-cache-bytes", "40000",
             "--prefix-cache-dir", str(cache)]
     with serve_process(args, os.devnull, preexec_fn=full_disk) as url:
-        answers = [ask(url, messages) for messages in chats]
-        values = {s.name: s.value for family in
-                  parser.text_string_to_metric_families(httpx.get(url + "/metrics").text)
-                  for s in family.samples}
+        answers = [ask_chat(url, messages) for messages in CHATS]
+        values = served_metrics(url)
     assert values["tinyloop_prefix_cache_disk_write_failures_total"] > 0
     assert values["tinyloop_prefix_cache_spilled_blocks_total"] == 0
     assert values["tinyloop_prefix_cache_disk_bytes"] == 0 and not os.listdir(cache)
-    no_cache = [str(model_path), "--model-name", "chat", "--prefix-cache-bytes", "0"]
-    with serve_process(no_cache, tmp_path / "fresh.log") as url:
-        assert answers == [ask(url, messages) for messages in chats]
+    assert_answers_of_a_server_without_cache(model_path, answers, tmp_path)
 
 
 def test_a_server_killed_while_spilling_restarts_with_the_same_answers(tmp_path):
-    """kill -9 of `tinyloop serve` while eight chats run and its prefix cache (room for a few
+    """kill -9 of `tinyloop serve` while four chats run and its prefix cache (room for a few
     blocks) spills on every eviction; a server started again on the directory counts exactly
     the block files there, leaves no temporary file of the killed one, and answers every chat
     as a fresh model with no cache does (no file it reads is torn: each was renamed whole)."""
     pytest.importorskip("starlette")
-    openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
     from tiny_hf import hf_model
     model_path = hf_model(tmp_path / "chat.tinyloop")
-    chats = [[dict(CHAT[0], content=f"{CHAT[0]['content']} number {i}"), CHAT[1]]
-             for i in range(8)]
     cache = tmp_path / "cache"
     args = [str(model_path), "--model-name", "chat", "--max-batch", "4", "--step-tokens", "64",
             "--prefix-cache-bytes", "40000", "--prefix-cache-dir", str(cache)]
-
-    def ask(url, messages):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        return client.chat.completions.create(model="chat", messages=messages, seed=5,
-                                              max_completion_tokens=6).choices[0].message.content
-
     with serve_process(args, tmp_path / "killed.log", killed=True) as (url, process):
-        for messages in chats[:4]:
-            ask(url, messages)                              # fill the cache, spill
-        threads = [threading.Thread(target=_quietly, args=(ask, url, m)) for m in chats[4:]]
+        for messages in CHATS[:4]:
+            ask_chat(url, messages)                         # fill the cache, spill
+        threads = [threading.Thread(target=_quietly, args=(ask_chat, url, m)) for m in CHATS[4:]]
         for thread in threads:
             thread.start()
         time.sleep(0.2)
@@ -620,14 +618,11 @@ def test_a_server_killed_while_spilling_restarts_with_the_same_answers(tmp_path)
     assert tlblocks(cache), "the killed server had spilled nothing"
     (cache / f".{tlblocks(cache)[0]}.{killed_pid}.0.tmp").write_bytes(b"torn")  # as a kill leaves
     with serve_process(args, tmp_path / "again.log") as url:
-        disk_bytes = float(httpx.get(url + "/metrics").text.split(
-            "\ntinyloop_prefix_cache_disk_bytes ")[1].split()[0])
+        disk_bytes = served_metrics(url)["tinyloop_prefix_cache_disk_bytes"]
         assert disk_bytes == sum(os.path.getsize(cache / n) for n in tlblocks(cache))
         assert not stale_temps(cache)
-        answers = [ask(url, messages) for messages in chats]
-    no_cache = [str(model_path), "--model-name", "chat", "--prefix-cache-bytes", "0"]
-    with serve_process(no_cache, tmp_path / "fresh.log") as url:
-        assert answers == [ask(url, messages) for messages in chats]
+        answers = [ask_chat(url, messages) for messages in CHATS]
+    assert_answers_of_a_server_without_cache(model_path, answers, tmp_path)
 
 
 def _quietly(call, *args):
