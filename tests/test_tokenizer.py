@@ -324,7 +324,8 @@ def test_a_template_that_crashes_is_a_value_error_and_leaves_eos_as_the_end_of_t
 
 def test_a_tokenizer_json_the_tokenizers_package_cannot_run_is_refused(tmp_path):
     """Found by fuzzing: tokenizers accepts a post-processor naming a special token the file
-    does not define, then panics on every encode (pyo3's PanicException, a BaseException)."""
+    does not define, then panics on every encode (pyo3's PanicException, a BaseException):
+    a ModelFormatError naming the file instead."""
     tok = json.loads(tiny_tokenizer().to_str())
     specials = tok["post_processor"]["special_tokens"]
     specials["<r>"] = specials.pop("<s>")

@@ -235,7 +235,6 @@ class HfTokenizer:
         self.eos_id = self._token_id("eos_token")
         self._added = self._special_flags(settings)
         self.chat_template = _chat_template(settings, self.special_tokens)
-        self._tokenizer.encode(END_OF_TURN_PROBE)  # a pipeline that cannot run is refused here
 
     @functools.cached_property
     def end_of_turn_id(self) -> Optional[int]:
