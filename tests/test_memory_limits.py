@@ -63,12 +63,12 @@ report = {}
 report["open"] = refused(open_model, RuntimeError)
 model = open_model()                                          # memory back: it opens
 want = model.generate(PROMPT, max_tokens=4, return_logits=True)
-report["generate"] = refused(lambda: model.generate(PROMPT * 8, max_tokens=4), RuntimeError)
-report["prefix"] = refused(lambda: model.build_prefix_cache(PROMPT * 8), RuntimeError)
+report["generate"] = refused(lambda: model.generate(PROMPT * 4, max_tokens=4), RuntimeError)
+report["prefix"] = refused(lambda: model.build_prefix_cache(PROMPT * 4), RuntimeError)
 got = model.generate(PROMPT, max_tokens=4, return_logits=True)
 prefix = model.build_prefix_cache(PROMPT[:100])
 cont = model.generate_from_prefix_cache(prefix, suffix=PROMPT[100:], max_tokens=4, return_logits=True)
-LONG = PROMPT * 8
+LONG = PROMPT * 4
 with tinyloop.Scheduler(model, max_batch=4, step_tokens=2048) as scheduler:
     rid = scheduler.add(LONG, max_tokens=4)
     report["step"] = refused(lambda: [scheduler.step() for _ in range(50)], MemoryError)
