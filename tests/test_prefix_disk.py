@@ -512,6 +512,9 @@ import json, resource, sys
 import tinyloop
 from tinyloop.quickbench import backend_kwargs
 backend, path, directory, budget, prompts = json.loads(sys.argv[1])
+with tinyloop.Model(path, **backend_kwargs(backend), block_size=4,
+                    prefix_cache_bytes=budget) as warm:   # numba compiles (and caches) first
+    [warm.generate(p, max_tokens=3) for p in prompts]
 limit = 200          # bytes: below any block file, so every write fails as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 with tinyloop.Model(path, **backend_kwargs(backend), block_size=4, prefix_cache_bytes=budget,
