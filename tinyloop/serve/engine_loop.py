@@ -21,6 +21,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
+from .. import params as P
 from ..scheduler import DEFAULT_MAX_QUEUE, Scheduler, SchedulerEvent
 
 if TYPE_CHECKING:
@@ -87,8 +88,7 @@ class EngineLoop:
 
     def __init__(self, model: Model, *, max_batch: int = 32, step_tokens: int = 512,
                  kv_budget_bytes: int = 0, max_queue: int = DEFAULT_MAX_QUEUE):
-        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
-            raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        max_queue = P.check_int("max_queue", max_queue, 0)
         self.model = model
         self._scheduler = Scheduler(model, max_batch=max_batch, step_tokens=step_tokens,
                                     kv_budget_bytes=kv_budget_bytes)
