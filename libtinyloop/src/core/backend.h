@@ -65,6 +65,11 @@ typedef struct tl_backend_iface {
      * them. Fails like tl_forward. */
     tl_status (*kv_from_rows)(tl_backend* b, tl_seq* s, uint32_t slot, size_t pos0, size_t T, const int8_t* q,
                               const float* a);
+    /* Spans of S sequences in one pass, each counts[b] tokens: core/forward.h's tl_forward_spans.
+     * Optional: NULL when the backend has none (then a scheduler step runs its decodes and its
+     * prefill chunks as separate passes). */
+    tl_status (*forward_spans)(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, const size_t* counts,
+                               size_t S, float* const* logits, const tl_exit* exits, uint32_t* depths);
     /* Whether forward_batch runs exit rules (adaptive depth, docs/spec.md §5.7); without it, a
      * request with an exit rule is refused and every row the core hands it runs to its depth. */
     bool adaptive;

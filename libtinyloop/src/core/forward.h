@@ -77,6 +77,23 @@ static inline tl_status tl_forward_batch(tl_seq* const* seqs, const int32_t* tok
     return b->iface->forward_batch(b, seqs, tokens, B, logits, exits, depths);
 }
 
+/* The next counts[b] tokens of each of S sequences of one engine in one pass (a scheduler step's
+ * decode rows and prefill chunks together, so the step reads each weight once): sequence
+ * seqs[b] (KV reserved for positions n .. n + counts[b] - 1) runs its tokens, which follow
+ * the spans before it in `tokens`. As tl_forward_batch, which is the case of every count 1,
+ * but: logits[b] may be NULL (no head), else it receives the logits of the span's last row;
+ * last_hidden and depths[b] are the last row's; a span of more than one row must have an
+ * inactive exit rule (it runs to its sequence's depth, as tl_forward does). Each span's
+ * result is bit-identical to running it alone. Only on a backend with tl_has_mixed_pass. */
+static inline tl_status tl_forward_spans(tl_seq* const* seqs, const int32_t* tokens, const size_t* counts, size_t S,
+                                         float* const* logits, const tl_exit* exits, uint32_t* depths) {
+    tl_backend* b = seqs[0]->engine->backend;
+    return b->iface->forward_spans(b, seqs, tokens, counts, S, logits, exits, depths);
+}
+
+/* Whether the engine's backend runs spans of several tokens in its batch pass. */
+static inline bool tl_has_mixed_pass(const tl_engine* e) { return e->backend->iface->forward_spans != NULL; }
+
 /* Whether the engine's backend runs exit rules in its batch pass. */
 static inline bool tl_has_adaptive_pass(const tl_engine* e) { return e->backend->iface->adaptive; }
 

@@ -37,7 +37,12 @@ static tl_status cpu_kv_from_rows(tl_backend* b, tl_seq* s, uint32_t slot, size_
 
 static tl_status cpu_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
                                    float* const* logits, const tl_exit* exits, uint32_t* depths) {
-    return tl_cpu_forward_batch(((cpu_backend*)b)->linears, seqs, tokens, B, logits, exits, depths);
+    return tl_cpu_forward_spans(((cpu_backend*)b)->linears, seqs, tokens, NULL, B, logits, exits, depths);
+}
+
+static tl_status cpu_forward_spans(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, const size_t* counts,
+                                   size_t S, float* const* logits, const tl_exit* exits, uint32_t* depths) {
+    return tl_cpu_forward_spans(((cpu_backend*)b)->linears, seqs, tokens, counts, S, logits, exits, depths);
 }
 
 static tl_status cpu_head_logits(tl_backend* b, const tl_engine* e, const float* x, float* logits) {
@@ -60,6 +65,7 @@ static void cpu_free(tl_backend* b) {
 
 static const tl_backend_iface cpu_iface = {.forward = cpu_forward,
                                            .forward_batch = cpu_forward_batch,
+                                           .forward_spans = cpu_forward_spans,
                                            .head_logits = cpu_head_logits,
                                            .info = cpu_info,
                                            .free = cpu_free,

@@ -50,20 +50,23 @@
 
 enum { KEYS_STEP = 256 }; /* attention scratch grows by this many keys at a time */
 
-/* Chunks of this many rows or more run attention on AMX tiles (tl_attend_tile), which read each
- * key block once for all the rows of a tile: from two rows on that beats per-row attention
- * (a verify pass of 4 / 8 rows, 15% / 27% faster on the demo model); the emulated build, whose
- * linears take tiles from one row on, runs every chunk's attention on them too. */
+/* Runs of this many rows or more at consecutive positions of one sequence (a chunk, a prefill
+ * span of a batch) run attention on AMX tiles (tl_attend_tile), which read each key block once
+ * for all the rows of a tile: from two rows on that beats per-row attention (a verify pass of
+ * 4 / 8 rows, 15% / 27% faster on the demo model); the emulated build, whose linears take tiles
+ * from one row on, runs every row's attention on them too. */
 enum { ATTN_TILE_MIN_ROWS = TL_AMX_MIN_TOKENS < 2 ? TL_AMX_MIN_TOKENS : 2 };
 
-static bool attends_on_tiles(const tl_engine* e, bool chunk, size_t T) {
-    return chunk && e->isa == TL_ISA_AMX && T >= ATTN_TILE_MIN_ROWS;
+static bool attends_on_tiles(const tl_engine* e, size_t run) {
+    return e->isa == TL_ISA_AMX && run >= ATTN_TILE_MIN_ROWS;
 }
 
-/* Lays out every buffer of f in the arena at c (measure first with c->base == NULL); the batch
+/* Lays out every buffer of f in the arena at c (measure first with c->base == NULL): S > 0 for
+ * a batch of S spans, whose longest is max_run rows (a chunk: S = 0, max_run = T). The batch
  * buffers only for a batch, the exit rules' only for a batch with one (adaptive), the side
  * state only for a prefix build or a batch with probes. */
-static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, bool batch, bool build, exit_needs x) {
+static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_t S, size_t max_run, bool build,
+                   exit_needs x) {
     const tl_config* cfg = f->c;
     const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
@@ -86,8 +89,9 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, bool 
     f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, T, kmax);
     f->acts.scratch = tl_take(c, workers * f->acts.scratch_bytes);
     f->attn = tl_take(c, workers * sizeof(tl_attn_scratch));
+    f->items = tl_take(c, T * sizeof(attn_item));
     /* only where run_block runs attention on tiles: the tile scratch grows with the whole history */
-    const bool tiles = attends_on_tiles(f->e, !batch, T);
+    const bool tiles = attends_on_tiles(f->e, max_run);
     const size_t tile_bytes = tiles ? tl_attn_tile_bytes(max_keys, D) : 0;
     for (unsigned w = 0; w < workers; w++) {
         tl_attn_scratch s = {tl_take(c, max_keys * sizeof(float)), tl_take(c, max_keys * sizeof(int32_t)),
@@ -95,9 +99,12 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, bool 
                              tl_take(c, tile_bytes), tl_take(c, tl_attn_rows_bytes(&f->e->kv_geom))};
         if (f->attn) f->attn[w] = s;
     }
-    f->order = tl_take(c, batch ? T * sizeof(size_t) : 0);
-    f->logits = tl_take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
-    f->ends = tl_take(c, batch ? T * sizeof(uint32_t) : 0);
+    f->order = tl_take(c, S ? T * sizeof(size_t) : 0);
+    f->first = tl_take(c, S * sizeof(size_t));
+    f->heads = tl_take(c, S * cfg->d_model * sizeof(float));
+    f->head_span = tl_take(c, S * sizeof(size_t));
+    f->logits = tl_take(c, S * cfg->vocab_size * sizeof(float));
+    f->ends = tl_take(c, S ? T * sizeof(uint32_t) : 0);
     f->exits = x.adaptive ? tl_take(c, T * sizeof(tl_exit_state)) : NULL;
     f->prev = tl_take(c, x.adaptive ? state : 0);
     f->from = tl_take(c, x.adaptive ? T * sizeof(size_t) : 0);
@@ -202,29 +209,39 @@ static void task_kv_write(void* ctx, size_t t, unsigned worker) {
     }
 }
 
-/* item = t * H + h: o[t][h] = attention of query head h of token t. */
+/* f->items = the layer's attention work: each run of rows at consecutive positions of one
+ * sequence long enough for tiles (attends_on_tiles) by tiles of TL_ATTN_TILE rows from its
+ * first, every other row alone. Returns the items' count. */
+static size_t plan_attention(fwd* f) {
+    size_t n = 0;
+    for (size_t r = 0, g; r < f->T; r = g) {
+        for (g = r + 1; g < f->T && f->seqs[g] == f->seqs[r] && f->pos[g] == f->pos[g - 1] + 1; g++) continue;
+        const bool tiles = attends_on_tiles(f->e, g - r);
+        for (size_t t = r; t < g; t += tiles ? TL_ATTN_TILE : 1) {
+            const size_t m = !tiles ? 1 : g - t < TL_ATTN_TILE ? g - t : TL_ATTN_TILE;
+            f->items[n++] = (attn_item){t, m, tiles};
+        }
+    }
+    return n;
+}
+
+/* item = i * H + h: query head h of the rows of attention item i: o[t][h] = attention of
+ * query head h of row t, for a tile all its rows at once (tl_attend_tile). */
 static void task_attention(void* ctx, size_t item, unsigned worker) {
     fwd* f = ctx;
     const tl_config* c = f->c;
-    const size_t H = c->n_heads, D = c->head_dim, t = item / H, h = item % H;
+    const size_t H = c->n_heads, D = c->head_dim, h = item % H;
+    const attn_item* a = &f->items[item / H];
     const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
-    const tl_seq* s = f->seqs[t];
-    tl_attend(f->e->isa == TL_ISA_SCALAR ? &tl_attn_scalar : &tl_attn_avx2, &f->e->kv_geom, &s->kv,
-              f->layer, kv_head, f->pos[t], s->window, f->qkv + t * f->qkv_dim + h * D,
-              f->o + t * f->hd + h * D, &f->attn[worker]);
-}
-
-/* item = tile * H + h, on AMX for a chunk: o[t][h] for query head h of the rows t of tile
- * `tile` (16 rows, fewer in the last), all at once (tl_attend_tile). */
-static void task_attention_tile(void* ctx, size_t item, unsigned worker) {
-    fwd* f = ctx;
-    const tl_config* c = f->c;
-    const size_t H = c->n_heads, D = c->head_dim, t0 = item / H * TL_ATTN_TILE, h = item % H;
-    const size_t m = f->T - t0 < TL_ATTN_TILE ? f->T - t0 : TL_ATTN_TILE;
-    const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
-    const tl_seq* s = f->seqs[t0];
-    tl_attend_tile(&tl_attn_avx2, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[t0], m, s->window,
-                   f->qkv + t0 * f->qkv_dim + h * D, f->qkv_dim, f->o + t0 * f->hd + h * D, f->hd, &f->attn[worker]);
+    const tl_seq* s = f->seqs[a->t0];
+    const float* q = f->qkv + a->t0 * f->qkv_dim + h * D;
+    float* o = f->o + a->t0 * f->hd + h * D;
+    if (a->tile)
+        tl_attend_tile(&tl_attn_avx2, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[a->t0], a->m, s->window,
+                       q, f->qkv_dim, o, f->hd, &f->attn[worker]);
+    else
+        tl_attend(f->e->isa == TL_ISA_SCALAR ? &tl_attn_scalar : &tl_attn_avx2, &f->e->kv_geom, &s->kv, f->layer,
+                  kv_head, f->pos[a->t0], s->window, q, o, &f->attn[worker]);
 }
 
 /* gate := silu(gate) * up, then acts row t = Q8 of it. */
@@ -277,10 +294,7 @@ static void run_block(fwd* f, uint32_t block, size_t slot) {
     if (f->chunk && f->seqs[0]->capture) tl_hidden_capture(f->seqs[0]->capture, f->layer, f->pos[0], f->T, f->x);
     quantize_rows(f, f->x, d, d, true);
     write_kv(f, block);
-    if (attends_on_tiles(f->e, f->chunk, f->T))
-        tl_pool_run(pool, (f->T + TL_ATTN_TILE - 1) / TL_ATTN_TILE * c->n_heads, task_attention_tile, f);
-    else
-        tl_pool_run(pool, f->T * c->n_heads, task_attention, f);
+    tl_pool_run(pool, plan_attention(f) * c->n_heads, task_attention, f);
     quantize_rows(f, f->o, f->hd, f->hd, false);
     residual(f, &part[TL_PART_OUT], vec->attn_post_norm);
 
@@ -355,8 +369,8 @@ static void embed(fwd* f) {
 
 /* Lay out the scratch of T rows whose positions are all below max_keys in `scratch`, growing it
  * first if they do not fit: the pass's only allocation, and on failure nothing has changed. */
-static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, size_t T, size_t max_keys, bool batch,
-                       bool build, exit_needs x, tl_scratch* scratch) {
+static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, size_t T, size_t max_keys, size_t S,
+                       size_t max_run, bool build, exit_needs x, tl_scratch* scratch) {
     memset(f, 0, sizeof *f);
     f->e = e;
     f->c = tl_engine_config(e);
@@ -365,15 +379,15 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     f->qkv_dim = ((size_t)f->c->n_heads + 2 * (size_t)f->c->n_kv_heads) * f->c->head_dim;
     f->hd = (size_t)f->c->n_heads * f->c->head_dim;
     f->simd = e->isa != TL_ISA_SCALAR;
-    f->chunk = !batch;
+    f->chunk = S == 0;
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
     tl_carve arena = {0, NULL};
-    layout(f, &arena, workers, max_keys, batch, build, x);
+    layout(f, &arena, workers, max_keys, S, max_run, build, x);
     const tl_status st = tl_scratch_fit(scratch, arena.used, "forward scratch");
     if (st != TL_OK) return st;
     arena = (tl_carve){0, scratch->base};
-    layout(f, &arena, workers, max_keys, batch, build, x);
+    layout(f, &arena, workers, max_keys, S, max_run, build, x);
     return TL_OK;
 }
 
@@ -453,7 +467,7 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
                          const tl_part* part, float* last_hidden) {
     fwd f;
     const exit_needs none = {false, false, 0};
-    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, false, part->loop_states != NULL, none, &s->scratch);
+    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, 0, T, part->loop_states != NULL, none, &s->scratch);
     if (st != TL_OK) return st;
     f.first_iter = part->first_iter;
     f.depth = part->depth;
@@ -483,7 +497,7 @@ tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot
                               const int8_t* q, const float* a) {
     fwd f;
     const exit_needs none = {false, false, 0};
-    tl_status st = begin(&f, s->engine, linears, T, 1, false, false, none, &s->scratch); /* no attention: no keys */
+    tl_status st = begin(&f, s->engine, linears, T, 1, 0, 0, false, none, &s->scratch); /* no attention */
     if (st != TL_OK) return st;
     const size_t d = f.c->d_model;
     f.layer = slot;
@@ -500,13 +514,20 @@ tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot
     return TL_OK;
 }
 
-tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                               float* const* logits, const tl_exit* exits, uint32_t* depths) {
+tl_status tl_cpu_forward_spans(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens,
+                               const size_t* counts, size_t S, float* const* logits, const tl_exit* exits,
+                               uint32_t* depths) {
     const tl_engine* e = seqs[0]->engine;
-    size_t max_keys = 0;
+    size_t rows = 0, max_keys = 0, max_run = 0, widest = 0;
     exit_needs needs = {false, false, 0};
-    for (size_t b = 0; b < B; b++) {
-        if (seqs[b]->n + 1 > max_keys) max_keys = seqs[b]->n + 1;
+    for (size_t b = 0; b < S; b++) {
+        const size_t n = counts ? counts[b] : 1;
+        rows += n;
+        if (seqs[b]->n + n > max_keys) max_keys = seqs[b]->n + n;
+        if (n > max_run) {
+            max_run = n;
+            widest = b;
+        }
         if (!exits || !tl_exit_active(&exits[b], seqs[b]->loops)) continue;
         bool latent, kl, probes;
         tl_exit_storage(&exits[b], seqs[b]->loops, &latent, &kl, &probes);
@@ -516,32 +537,41 @@ tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, co
     }
     fwd f;
     const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
-    tl_status st = begin(&f, e, linears, B, max_keys, true, false, needs, &seqs[0]->scratch);
+    /* the widest span's arena: the one a prefill's own chunks grow anyway */
+    tl_status st = begin(&f, e, linears, rows, max_keys, S, max_run, false, needs, &seqs[widest]->scratch);
     if (st != TL_OK) return st;
     f.rules = exits;
     f.out = logits;
-    tl_sort_deepest_first(seqs, B, f.order);
-    for (size_t r = 0; r < B; r++) {
-        f.seqs[r] = seqs[f.order[r]];
-        f.pos[r] = f.seqs[r]->n;
-        f.tokens[r] = tokens[f.order[r]];
-        f.ends[r] = f.seqs[r]->loops;
+    for (size_t b = 0, t = 0; b < S; t += counts ? counts[b] : 1, b++) f.first[b] = t;
+    size_t* spans = f.head_span; /* the spans deepest first, until the head needs head_span */
+    tl_sort_deepest_first(seqs, S, spans);
+    for (size_t k = 0, r = 0; k < S; k++) {
+        const size_t b = spans[k], n = counts ? counts[b] : 1;
+        for (size_t i = 0; i < n; i++, r++) {
+            f.seqs[r] = seqs[b];
+            f.pos[r] = seqs[b]->n + i;
+            f.tokens[r] = tokens[f.first[b] + i];
+            f.ends[r] = seqs[b]->loops;
+            f.order[r] = b;
+        }
     }
     embed(&f);
     run_layers(&f, NULL);
-    size_t headed = B; /* rows [0, headed) need the head: all but the done ones, moved last */
-    if (f.done) {
-        tl_fwd_partition_rows(&f, UINT32_MAX);
-        while (headed > 0 && f.done[headed - 1]) headed--;
-    }
-    f.T = headed;
-    if (headed) tl_fwd_head_rows(&f, f.x, f.logits);
-    f.T = B;
-    for (size_t r = 0; r < B; r++) {
+    if (f.done) tl_fwd_partition_rows(&f, UINT32_MAX);
+    size_t heads = 0; /* the last rows of the spans that want logits, but the done ones (probed) */
+    for (size_t r = 0; r < rows; r++) {
+        const size_t b = f.order[r];
+        if (f.pos[r] + 1 != f.seqs[r]->n + (counts ? counts[b] : 1)) continue;
         memcpy(f.seqs[r]->last_hidden, f.x + r * d, d * sizeof(float));
-        if (r < headed) memcpy(logits[f.order[r]], f.logits + r * V, V * sizeof(float));
-        if (depths) depths[f.order[r]] = f.ends[r];
+        if (depths) depths[b] = f.ends[r];
+        if (logits[b] && !tl_fwd_done(&f, r)) {
+            memcpy(f.heads + heads * d, f.x + r * d, d * sizeof(float));
+            f.head_span[heads++] = b;
+        }
     }
+    f.T = heads;
+    if (heads) tl_fwd_head_rows(&f, f.heads, f.logits);
+    for (size_t h = 0; h < heads; h++) memcpy(logits[f.head_span[h]], f.logits + h * V, V * sizeof(float));
     return TL_OK;
 }
 

@@ -19,9 +19,10 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
  * only with TL_ERR_OUT_OF_MEMORY, before touching the cache. */
 tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot, size_t pos0, size_t T,
                               const int8_t* q, const float* a);
-/* tl_forward_batch on the CPU. */
-tl_status tl_cpu_forward_batch(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                               float* const* logits, const tl_exit* exits, uint32_t* depths);
+/* tl_forward_spans on the CPU; with counts NULL (one token per sequence), tl_forward_batch. */
+tl_status tl_cpu_forward_spans(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens,
+                               const size_t* counts, size_t S, float* const* logits, const tl_exit* exits,
+                               uint32_t* depths);
 /* tl_head_logits with the prepared head linear `head`. */
 tl_status tl_cpu_head_logits(const tl_linear* head, const tl_engine* e, const float* x, float* logits);
 

@@ -12,6 +12,13 @@
 #include "cpu/attention.h"
 #include "cpu/matmul.h"
 
+/* One unit of a layer's attention: row t0 alone, or (tile) the m <= TL_ATTN_TILE rows t0 ..
+ * t0+m-1, consecutive positions of one sequence, at once (tl_attend_tile). */
+typedef struct attn_item {
+    size_t t0, m;
+    bool tile;
+} attn_item;
+
 /* One pass over T rows: its inputs, the arena's buffers (forward.c's layout) and the
  * inputs of the tasks it hands the pool. */
 typedef struct fwd {
@@ -25,7 +32,8 @@ typedef struct fwd {
     size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
     uint32_t layer;          /* cache slot of the current layer                        */
     bool simd;               /* SIMD kernels: acts need qx; AVX2 row operations         */
-    bool chunk;              /* the rows are positions pos[0] .. pos[0]+T-1 of one sequence */
+    bool chunk;              /* the rows are positions pos[0] .. pos[0]+T-1 of one sequence;
+                                else a batch: the spans of S sequences (tl_cpu_forward_spans) */
     uint32_t first_iter;     /* chunk: the first core iteration it runs (0 for a batch)  */
     uint32_t depth;          /* chunk: the depth it runs to (a batch: unused)       */
     uint32_t coda_depth;     /* chunk: whose coda slots its coda writes                */
@@ -39,8 +47,12 @@ typedef struct fwd {
     float* gu;               /* [T][2F]                                                */
     tl_acts acts;            /* [T][stride] for the next linear                        */
     tl_attn_scratch* attn;   /* [pool threads]                                         */
-    size_t* order;           /* [T] batch: row r is the caller's order[r]              */
-    float* logits;           /* [T][V] batch: the rows' logits, in row order           */
+    attn_item* items;        /* [T] the current layer's attention work (plan_attention) */
+    size_t* order;           /* [T] batch: row r belongs to the caller's span order[r]  */
+    size_t* first;           /* [S] batch: span b's first token in the caller's tokens   */
+    float* heads;            /* [S][d] batch: the final states the head runs on         */
+    size_t* head_span;       /* [S] batch: heads row h is span head_span[h]'s last row  */
+    float* logits;           /* [S][V] batch: the head's (or the probes') logits, in row order */
     uint32_t* ends;          /* [T] batch: the depth each row ends at (its own, or its exit's) */
     const tl_exit* rules;    /* batch: the caller's exit rules (caller's order), or NULL */
     tl_exit_state* exits;    /* [T] batch with an active exit rule: each row's; else NULL */
