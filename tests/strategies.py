@@ -1,5 +1,5 @@
 """Hypothesis strategies shared by the suites: small valid model shapes, prompts, sampling
-settings, and the engine settings (threads, KV block size) that must never change a result.
+settings, adaptive-depth requests, and the engine settings (threads, KV block size) that must never change a result.
 
 A model shape is a dict of `tinyloop.random_model` keyword arguments; `conftest.ModelZoo` turns
 it into a file, written once per shape.
@@ -107,3 +107,24 @@ def sampling(draw):
                 top_p=draw(st.floats(0.05, 1.0)),
                 repetition_penalty=draw(st.floats(0.5, 2.0)),
                 seed=draw(st.integers(0, 2**64 - 1)))
+
+
+# Thresholds of each rule, from "exits almost never" to "exits as soon as it may".
+THRESHOLDS = {"gate": [0.05, 0.3, 0.6, 0.9, 1.0], "latent": [1e-3, 0.05, 0.2, 0.5, 0.9, 1e30],
+              "kl": [1e-4, 1e-2, 0.1, 1.0, 1e30], "argmax": [1, 2, 3]}
+
+
+@st.composite
+def exit_kwargs(draw, config):
+    """A rule the model has ("gate" only with an exit gate), a threshold, min_loops, loops."""
+    loops = draw(st.integers(1, 5))
+    rule = draw(st.sampled_from([r for r in THRESHOLDS if r != "gate" or config["exit_gate"]]))
+    return dict(loops=loops, exit_rule=rule, exit_threshold=draw(st.sampled_from(THRESHOLDS[rule])),
+                min_loops=draw(st.integers(1, loops)))
+
+
+@st.composite
+def adaptive_request(draw, config, max_tokens=8):
+    """Sampling settings, an exit rule (exit_kwargs) and max_tokens."""
+    return dict(draw(sampling()), **draw(exit_kwargs(config)),
+                max_tokens=draw(st.integers(1, max_tokens)))

@@ -11,29 +11,8 @@ from hypothesis import strategies as st
 
 import tinyloop
 from conftest import assert_same_bits, assert_same_generation, backend_given, simulated
-from strategies import engine_settings, model_shapes, prompts, sampling
+from strategies import adaptive_request, engine_settings, model_shapes, prompts, sampling
 from test_scheduler import need_of, run
-
-# Thresholds of each rule, from "exits almost never" to "exits as soon as it may".
-THRESHOLDS = {"gate": [0.05, 0.3, 0.6, 0.9, 1.0], "latent": [1e-3, 0.05, 0.2, 0.5, 0.9, 1e30],
-              "kl": [1e-4, 1e-2, 0.1, 1.0, 1e30], "argmax": [1, 2, 3]}
-
-
-@st.composite
-def exit_kwargs(draw, config):
-    """A rule the model has ("gate" only with an exit gate), a threshold, min_loops, loops."""
-    loops = draw(st.integers(1, 5))
-    rule = draw(st.sampled_from([r for r in THRESHOLDS if r != "gate" or config["exit_gate"]]))
-    return dict(loops=loops, exit_rule=rule, exit_threshold=draw(st.sampled_from(THRESHOLDS[rule])),
-                min_loops=draw(st.integers(1, loops)))
-
-
-@st.composite
-def adaptive_request(draw, config, max_tokens=8):
-    """Sampling settings, an exit rule (exit_kwargs) and max_tokens."""
-    return dict(draw(sampling()), **draw(exit_kwargs(config)),
-                max_tokens=draw(st.integers(1, max_tokens)))
-
 
 def drawn_adaptive_model(data, zoo, backend, **kwargs):
     if backend == "native-cuda":        # test_the_cuda_backend_refuses_exit_rules instead

@@ -4,9 +4,13 @@ tokens are exactly what Model.generate gives it alone; a cancelled request's are
 them. Preemption under a tight KV budget loses nothing, a long prompt is prefilled in chunks
 between the running decodes, the prefix cache serves prompts that share a prefix, speculative
 requests among plain ones get plain decoding's tokens (their rounds counted), and bad
-arguments are named.
+arguments are named. On libtinyloop's CPU backend a step's decodes and prompt chunks run as one
+mixed pass: it emits exactly the events of separate passes (TINYLOOP_MIXED_PASS=0), step by
+step.
 """
 import collections
+import contextlib
+import os
 import re
 
 import pytest
@@ -14,7 +18,7 @@ from hypothesis import strategies as st
 
 import tinyloop
 from conftest import backend_given, run_retrying_failed_steps, simulated
-from strategies import engine_settings, model_shapes, prompts, sampling
+from strategies import adaptive_request, engine_settings, model_shapes, prompts, sampling
 
 
 def need_of(model, prompt, **kwargs):
@@ -110,6 +114,78 @@ def test_every_request_gets_what_it_gets_alone(backend, zoo, data):
         assert stats["finished"] + stats["cancelled"] == len(arrivals)
         assert stats["generated_tokens"] == sum(map(len, tokens.values()))
         assert stats["accepted_tokens"] <= stats["drafted_tokens"]
+
+
+@contextlib.contextmanager
+def separate_passes():
+    """Schedulers created inside run a step's decodes and prompt chunks as separate passes."""
+    os.environ["TINYLOOP_MIXED_PASS"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["TINYLOOP_MIXED_PASS"]
+
+
+def events_by_step(model, arrivals, max_batch, step_tokens, budget):
+    """Each step's events (id, token, finish) of a schedule of `arrivals`, and its counters."""
+    steps = []
+    with tinyloop.Scheduler(model, max_batch, step_tokens, budget) as scheduler:
+        for step in range(10_000):
+            for at, prompt, kwargs in arrivals:
+                if at == step:
+                    scheduler.add(prompt, **kwargs)
+            steps.append(scheduler.step())
+            if step >= max(at for at, _, _ in arrivals) and not scheduler.has_work:
+                return steps, scheduler.stats()
+    raise AssertionError("the scheduler did not finish")
+
+
+@backend_given(data=st.data())
+def test_the_mixed_pass_emits_what_separate_passes_emit(backend, zoo, data):
+    """Plain, windowed, speculative and adaptive requests (not on CUDA, which has no exit rules
+    yet) arriving while others decode: each step's events are the same with one mixed pass as
+    with separate passes (the Python engines run rows alone either way)."""
+    shape = data.draw(model_shapes(tiny=simulated(backend)), "shape")
+    cache_bytes = data.draw(st.sampled_from([0, 1 << 20]), "prefix cache bytes")
+    with zoo.open(shape, backend, **data.draw(engine_settings(), "engine"),
+                  prefix_cache_bytes=cache_bytes) as model:
+        config = model.config()
+        vocab = config["vocab_size"]
+        arrivals = data.draw(st.lists(st.tuples(
+            st.integers(0, 6), prompts(vocab, max_size=30),
+            request_kwargs(vocab) if backend == "native-cuda" else
+            st.one_of(request_kwargs(vocab), adaptive_request(config))), min_size=2, max_size=6), "arrivals")
+        max_batch = data.draw(st.integers(2, 4))
+        step_tokens = data.draw(st.integers(max_batch, max_batch + 12))
+        budget = 0
+        if data.draw(st.booleans(), "tight KV budget"):
+            budget = max(need_of(model, p, **kw) for _, p, kw in arrivals)
+        mixed, mixed_stats = events_by_step(model, arrivals, max_batch, step_tokens, budget)
+        model.clear_prefix_cache()
+        with separate_passes():
+            separate, separate_stats = events_by_step(model, arrivals, max_batch, step_tokens, budget)
+    assert mixed == separate
+    assert separate_stats["mixed_passes"] == 0
+    assert {k: v for k, v in mixed_stats.items() if k != "mixed_passes"} == \
+        {k: v for k, v in separate_stats.items() if k != "mixed_passes"}
+
+
+def test_a_step_with_decodes_and_a_prompt_chunk_is_one_pass(numpy_or_native, models_by_backend):
+    """A request decoding while a long prompt is prefilled: on libtinyloop every such step is one
+    mixed pass (counted); the Python engines run rows alone and count none."""
+    model = models_by_backend(numpy_or_native)["int8-gqa"]
+    try:
+        with tinyloop.Scheduler(model, max_batch=2, step_tokens=8) as s:
+            s.add([1, 2, 3], max_tokens=12, temperature=0.0)
+            s.step()                                 # its prompt alone; its first token
+            s.add(list(range(1, 40)), max_tokens=2)
+            while s.has_work:
+                s.step()
+            stats = s.stats()
+    finally:
+        model.clear_prefix_cache()                   # the other tests' prompts start the same
+    assert stats["generated_tokens"] == 12 + 2       # so the decodes outlast the prefill
+    assert stats["mixed_passes"] == (-(-39 // 7) if numpy_or_native == "native" else 0)
 
 
 def test_a_burst_beyond_the_kv_budget_is_preempted_and_loses_nothing(numpy_or_native, zoo):

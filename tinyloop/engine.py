@@ -33,7 +33,7 @@ FINISH_REASONS = (None, "stop", "length", "error")
 SCHED_STAT_NAMES = ("running", "waiting", "steps", "prompt_tokens", "cached_tokens",
                     "generated_tokens", "preemptions", "finished", "cancelled", "kv_blocks",
                     "kv_bytes", "kv_budget_bytes", "drafted_tokens", "accepted_tokens",
-                    "decode_passes", "decode_loops")
+                    "decode_passes", "decode_loops", "mixed_passes")
 # Counters of the automatic prefix cache, in the order of tl_prefix_cache_stats (docs/api.md).
 CACHE_STAT_NAMES = ("lookups", "hit_tokens", "prefilled_tokens", "inserted_blocks",
                     "evicted_blocks", "blocks", "bytes_in_use", "budget_bytes",

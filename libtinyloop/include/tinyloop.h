@@ -548,7 +548,9 @@ TL_API tl_status tl_generate_batch(tl_model* model, tl_request* const* requests,
  * n_draft > 0, one round of self-speculative decoding (alone, emitting 1 .. K' tokens; plain
  * decoding in the batched pass on a backend without a part pass), and the prompts being
  * prefilled get chunks from what is left of the step's token budget, so a long prompt never
- * stalls the running streams. Every prompt goes through the automatic prefix cache (when the
+ * stalls the running streams; the decode rows and the prompt chunks run as one mixed pass that
+ * reads each weight once (TINYLOOP_MIXED_PASS=0 when the scheduler is created: separate
+ * passes, the same bits). Every prompt goes through the automatic prefix cache (when the
  * model has one), under its request's cache_salt; each chunk offers it its full blocks. When a
  * step would take the running requests' KV past the budget, the newest running request is
  * preempted: its KV is dropped and it waits at the head of the queue to be recomputed (its
@@ -645,6 +647,9 @@ typedef struct tl_sched_stats {
                                   depth, for a preempted plain request's recomputation; replays
                                   are not counted): decode_loops / decode_passes is the mean
                                   depth per decoded token                                     */
+    uint64_t mixed_passes;     /* steps whose decode rows and prompt chunks ran as one pass,
+                                  reading each weight once (0 with TINYLOOP_MIXED_PASS=0 set
+                                  when the scheduler was created)                             */
 } tl_sched_stats;
 
 /* Snapshot of the scheduler's counters, filled up to out->size. */

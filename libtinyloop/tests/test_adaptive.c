@@ -498,8 +498,8 @@ static void check_reference(tl_model* m, uint32_t L, tl_exit x, const char* what
         int32_t token = argmax(la, V);
         uint32_t U = 0;
         tl_kv_mark mark;
-        tl_decode_rows row = {&a, &token, &la, &x, &U, &mark};
-        CHECK_OK(tl_gen_decode_rows(e, &row, 1));
+        tl_decode_rows row = {.seqs = &a, .tokens = &token, .logits = &la, .exits = &x, .depths = &U, .marks = &mark};
+        CHECK_OK(tl_gen_run_rows(e, &row, 1));
         const size_t pos = b->n;
         CHECK_OK(tl_kv_reserve(&b->kv, &e->kv_geom, b->n_layers, pos, 1));
         for (uint32_t i = 0; i + 1 < L; i++) {

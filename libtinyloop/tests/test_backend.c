@@ -71,8 +71,8 @@ static void rec_release(void* ctx, void* data) {
     free(data);
 }
 
-static const tl_backend_iface rec_iface = {rec_forward, rec_forward_batch, rec_head_logits, rec_info, rec_free,
-                                           NULL, NULL, false};
+static const tl_backend_iface rec_iface = {.forward = rec_forward, .forward_batch = rec_forward_batch,
+                                           .head_logits = rec_head_logits, .info = rec_info, .free = rec_free};
 
 /* Every live block of s has its data outside its header: it came from the allocator. */
 static int blocks_on_device(const tl_seq* s, const recorder* r) {

@@ -6,7 +6,9 @@
  * than its capacity and step budget allow, nor more than one for a plain request; a cancelled
  * request emits nothing more; the counters add up (drafted and accepted tokens too, equal to
  * tl_generate's when no step caps a round); bad arguments, callbacks, a too small event array
- * and a closed model are refused with the right status. */
+ * and a closed model are refused with the right status. Steps run their decodes and prompt
+ * chunks as one mixed pass (counted), or with TINYLOOP_MIXED_PASS=0 as separate passes (for some
+ * seeds): the tokens are the same. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -173,6 +175,7 @@ static void run_schedules(tl_model* m, const expected* want, size_t fits, tl_sch
         total->preemptions += runs[i].preemptions;
         total->drafted_tokens += runs[i].drafted_tokens;
         total->accepted_tokens += runs[i].accepted_tokens;
+        total->mixed_passes += runs[i].mixed_passes;
     }
 }
 
@@ -303,17 +306,20 @@ int main(void) {
     const char* path = tu_write_model("sched", &spec);
     /* with a prefix cache, a prompt's full blocks are shared once offered to it and count
        against its budget: the scheduler's budget preempts only without one */
-    tl_sched_stats cached = {0}, uncached = {0}, speculative = {0};
+    tl_sched_stats cached = {0}, uncached = {0}, speculative = {0}, separate = {0};
     for (size_t cache_bytes = 0; cache_bytes <= (1 << 20); cache_bytes += 1 << 20) {
         tl_model* m = tu_open_cached(path, cache_bytes);
         if (!m) return tu_finish("test_sched");
         for (uint64_t seed = 1; seed <= 12; seed++) {
-            const int drafting = seed > 8;
+            const int drafting = seed > 8, separate_passes = seed % 4 == 3;
             make_requests(seed, drafting ? seed > 10 : seed > 4, drafting);
             expected want;
             generate_alone(m, &want);
-            tl_sched_stats* total = drafting ? &speculative : cache_bytes ? &cached : &uncached;
+            tl_sched_stats* total = separate_passes ? &separate : drafting ? &speculative : cache_bytes ? &cached
+                                                                                                       : &uncached;
+            if (separate_passes) setenv("TINYLOOP_MIXED_PASS", "0", 1);
             run_schedules(m, &want, fitting_budget(m), total);
+            unsetenv("TINYLOOP_MIXED_PASS");
             tl_model_prefix_cache_clear(m);
         }
         tl_model_free(m);
@@ -325,14 +331,19 @@ int main(void) {
           "drafted %llu without speculative requests; accepted %llu with them",
           (unsigned long long)(cached.drafted_tokens + uncached.drafted_tokens),
           (unsigned long long)speculative.accepted_tokens);
+    CHECK(cached.mixed_passes > 0 && uncached.mixed_passes > 0 && speculative.mixed_passes > 0 &&
+          separate.mixed_passes == 0, "mixed passes: %llu, %llu, %llu; %llu with TINYLOOP_MIXED_PASS=0",
+          (unsigned long long)cached.mixed_passes, (unsigned long long)uncached.mixed_passes,
+          (unsigned long long)speculative.mixed_passes, (unsigned long long)separate.mixed_passes);
     tl_model* m = tu_open_cached(path, 1 << 20);
     if (!m) return tu_finish("test_sched");
     test_cancel(m);
     test_bad_arguments(m);
     tl_model_free(m);
     printf("test_sched: %llu preemptions without a prefix cache, %llu with one, %llu with speculative requests "
-           "(%llu of %llu drafted tokens accepted)\n", (unsigned long long)uncached.preemptions,
+           "(%llu of %llu drafted tokens accepted); %llu mixed passes\n", (unsigned long long)uncached.preemptions,
            (unsigned long long)cached.preemptions, (unsigned long long)speculative.preemptions,
-           (unsigned long long)speculative.accepted_tokens, (unsigned long long)speculative.drafted_tokens);
+           (unsigned long long)speculative.accepted_tokens, (unsigned long long)speculative.drafted_tokens,
+           (unsigned long long)(cached.mixed_passes + uncached.mixed_passes + speculative.mixed_passes));
     return tu_finish("test_sched");
 }

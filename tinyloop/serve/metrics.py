@@ -48,6 +48,8 @@ ENGINE_COUNTERS = (
      "decode_passes"),
     ("tinyloop_decode_loops", "Core iterations the decode passes ran: over tinyloop_decode_passes, "
      "the mean loops per token that adaptive depth (exit_rule) leaves", "decode_loops"),
+    ("tinyloop_mixed_passes", "Scheduler steps whose decodes and prompt chunks ran as one pass "
+     "(each weight read once)", "mixed_passes"),
     ("tinyloop_prefix_cache_queries", "Prefix-cache lookups", "cache.lookups"),
     ("tinyloop_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
      "cache.hit_tokens"),

@@ -106,7 +106,7 @@ static tl_status batch_alloc(batch* b, size_t n) {
     b->next = tl_alloc_zeroed(n, sizeof *b->next);
     b->live_index = tl_alloc_zeroed(n, sizeof *b->live_index);
     return b->params && b->streams && b->specs && b->next && b->live_index &&
-                   tl_decode_rows_alloc(&b->live, n) == TL_OK
+                   tl_decode_rows_alloc(&b->live, n, 0) == TL_OK
                ? TL_OK : tl_fail_oom("batch");
 }
 
@@ -172,14 +172,17 @@ static tl_status check_room(const tl_engine* e, const batch* b, size_t n_live) {
     return TL_OK;
 }
 
-tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity) {
+tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity, size_t span_tokens) {
+    memset(rows, 0, sizeof *rows);
     rows->seqs = tl_alloc_zeroed(capacity, sizeof *rows->seqs);
-    rows->tokens = tl_alloc_zeroed(capacity, sizeof *rows->tokens);
+    rows->tokens = tl_alloc_zeroed(span_tokens ? span_tokens : capacity, sizeof *rows->tokens);
     rows->logits = tl_alloc_zeroed(capacity, sizeof *rows->logits);
     rows->exits = tl_alloc_zeroed(capacity, sizeof *rows->exits);
     rows->depths = tl_alloc_zeroed(capacity, sizeof *rows->depths);
     rows->marks = tl_alloc_zeroed(capacity, sizeof *rows->marks);
-    return rows->seqs && rows->tokens && rows->logits && rows->exits && rows->depths && rows->marks
+    if (span_tokens) rows->counts = tl_alloc_zeroed(capacity, sizeof *rows->counts);
+    return rows->seqs && rows->tokens && rows->logits && rows->exits && rows->depths && rows->marks &&
+                   (!span_tokens || rows->counts)
                ? TL_OK : tl_fail_oom("decode rows");
 }
 
@@ -190,28 +193,34 @@ void tl_decode_rows_free(tl_decode_rows* rows) {
     tl_free(rows->exits);
     tl_free(rows->depths);
     tl_free(rows->marks);
+    tl_free(rows->counts);
     memset(rows, 0, sizeof *rows);
 }
 
-tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
+tl_status tl_gen_run_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
     tl_seq* const* seqs = rows->seqs;
     tl_kv_mark* marks = rows->marks;
     tl_status st = TL_OK;
     size_t tried = 0;  /* tables given a reservation attempt (a failed one changes nothing) */
+    bool spans = false;
     for (; st == TL_OK && tried < n; tried++) {
         tl_seq* s = seqs[tried];
+        const size_t T = rows->counts ? rows->counts[tried] : 1;
+        spans = spans || T > 1;
         marks[tried] = tl_kv_mark_now(&s->kv);
-        st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, 1);
+        st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, T);
     }
-    if (st == TL_OK) st = tl_forward_batch(seqs, rows->tokens, n, rows->logits, rows->exits, rows->depths);
+    if (st == TL_OK)
+        st = spans ? tl_forward_spans(seqs, rows->tokens, rows->counts, n, rows->logits, rows->exits, rows->depths)
+                   : tl_forward_batch(seqs, rows->tokens, n, rows->logits, rows->exits, rows->depths);
     if (st != TL_OK) {
         for (size_t j = 0; j < tried; j++) tl_kv_rollback(&seqs[j]->kv, marks[j]);
         return st;
     }
     for (size_t j = 0; j < n; j++) {
         tl_seq* s = seqs[j];
-        s->n++;
-        tl_kv_release_outside(&s->kv, s->n, s->window);
+        s->n += rows->counts ? rows->counts[j] : 1;
+        if (!rows->keep_window) tl_kv_release_outside(&s->kv, s->n, s->window);
     }
     return TL_OK;
 }
@@ -221,7 +230,7 @@ tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
 static tl_status step(tl_engine* e, batch* b, size_t n_live) {
     tl_status st = tl_engine_check_open(e);
     if (st == TL_OK) st = check_room(e, b, n_live);
-    if (st == TL_OK && n_live) st = tl_gen_decode_rows(e, &b->live, n_live);
+    if (st == TL_OK && n_live) st = tl_gen_run_rows(e, &b->live, n_live);
     for (size_t j = 0; st == TL_OK && j < n_live; j++)
         tl_depth_count(b->params[b->live_index[j]].depth_stats, b->live.depths[j]);
     for (size_t i = 0; st == TL_OK && i < b->n; i++)

@@ -207,8 +207,9 @@ static tl_status decode_one(tl_engine* e, tl_stream* s, int32_t token) {
     tl_exit rule = tl_gen_exit(s->p);
     uint32_t depth;
     tl_kv_mark mark;
-    tl_decode_rows row = {&s->seq, &token, &s->logits, &rule, &depth, &mark};
-    st = tl_gen_decode_rows(e, &row, 1);
+    tl_decode_rows row = {.seqs = &s->seq, .tokens = &token, .logits = &s->logits, .exits = &rule, .depths = &depth,
+                          .marks = &mark};
+    st = tl_gen_run_rows(e, &row, 1);
     if (st == TL_OK) tl_depth_count(s->p->depth_stats, depth);
     return st;
 }

@@ -3,14 +3,19 @@
  * A request's `input` is its prompt followed by the tokens it has emitted; its sequence holds
  * the KV of input[0 .. seq->n). A running request is in one of two phases:
  *  - prefill: seq->n < prefill_end (the input's length when it was admitted); it gets prompt
- *    chunks from the step's token budget, run with tl_seq_run, and when the chunk that reaches
+ *    chunks from the step's token budget, and when the chunk that reaches
  *    prefill_end is done its blocks are offered to the prefix cache and its first token is
  *    sampled from that chunk's logits;
  *  - decode: seq->n == input length - 1 (the last emitted token is not run yet); the decoding
- *    requests run their token in one tl_gen_decode_rows pass and sample the next, except the
+ *    requests run their token in one tl_gen_run_rows pass and sample the next, except the
  *    speculative ones (n_draft > 0 on a backend with a part pass), which each run one round of
  *    self-speculative decoding alone (tl_spec_round: its draft and verify passes are its own)
  *    and emit 1..K' tokens.
+ * On a backend with a mixed pass (tl_has_mixed_pass; TINYLOOP_MIXED_PASS=0 turns it off for
+ * comparisons) the decode rows and every prefill's prompt chunk run as the spans of one pass
+ * (tl_forward_spans), which reads each weight once per step; without one, the decodes run in
+ * one batched pass and then each prompt chunk alone (tl_seq_run). Either way every span's
+ * logits and KV are those of running it alone.
  * Admission (arrival order) looks the input up in the prefix cache and takes the request while
  * a batch slot is free and the blocks its prefill will write, plus those the decoding requests
  * will open meanwhile, fit the KV budget; a refused head is tried again once the held KV
@@ -40,6 +45,7 @@
  * pass forced to exit at its recorded U (no sampling): its prefill phase ends one position
  * before its input's end, and the last emitted token is decoded as any other, under its rule. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/alloc.h"
@@ -63,6 +69,8 @@ typedef struct sched_req {
     bool speculative;         /* decodes by rounds (n_draft > 0 and the backend has a part pass) */
     tl_spec spec;             /* the rounds' scratch and counts, when speculative (else zeroed) */
     size_t round;             /* this step's K', when speculative and decoding (plan_step)     */
+    size_t chunk_from, chunk_to; /* this step's prefill positions [from, to), set by collect_rows
+                                 (equal when it has none)                                       */
     uint32_t* depths;         /* [max_tokens] with an exit rule that can fire: the U of each
                                  emitted token's decode pass (the replays'); NULL without one  */
     uint32_t pass_depth;      /* the iterations the pass that filled stream.logits ran for its
@@ -86,8 +94,10 @@ struct tl_sched {
     tl_sched_stats stats;     /* counters; running, waiting and kv_* filled on request         */
     uint64_t depth_counts[TL_MAX_LOOPS]; /* [u - 1]: the decode passes counted that ran u iterations */
     size_t n_depths;          /* the deepest u counted                                          */
+    bool mixed;               /* a step's decodes and prompt chunks run as one pass             */
     /* per-step scratch, [max_batch] each */
-    tl_decode_rows rows;      /* the decoding requests' pass                                    */
+    tl_decode_rows rows;      /* the step's pass: decode rows, then (mixed) prompt chunk spans;
+                                 its tokens [step_tokens]                                       */
     sched_req** row_reqs;     /* its rows' requests                                             */
     sched_req** ready;        /* requests whose logits this step filled, to sample             */
 };
@@ -196,7 +206,10 @@ TL_API tl_status tl_sched_create(tl_model* model, const tl_sched_params* params,
     s->params = p;
     s->next_id = 1;
     const size_t B = p.max_batch;
-    const tl_status rows = tl_decode_rows_alloc(&s->rows, B);
+    const char* mixed = getenv("TINYLOOP_MIXED_PASS");
+    s->mixed = tl_has_mixed_pass(e) && !(mixed && strcmp(mixed, "0") == 0);
+    const tl_status rows = tl_decode_rows_alloc(&s->rows, B, p.step_tokens);
+    s->rows.keep_window = true;
     s->row_reqs = tl_alloc_zeroed(B, sizeof *s->row_reqs);
     s->ready = tl_alloc_zeroed(B, sizeof *s->ready);
     if (rows != TL_OK || !s->row_reqs || !s->ready) {
@@ -564,63 +577,110 @@ static tl_status run_rounds(tl_sched* s, step_events* ev) {
     return TL_OK;
 }
 
-/* Every other decoding request's pending token, in one batched pass. */
-static tl_status run_decodes(tl_sched* s, size_t* n_ready) {
-    size_t n = 0;
+/* Row j of the step's pass: r's next `count` input tokens, at tokens[*n_tokens ..]. */
+static void put_row(tl_sched* s, size_t j, sched_req* r, size_t count, tl_exit exit, float* logits,
+                    size_t* n_tokens) {
+    const tl_seq* q = r->stream.seq;
+    s->rows.seqs[j] = r->stream.seq;
+    s->rows.counts[j] = count;
+    s->rows.exits[j] = exit;
+    s->rows.logits[j] = logits;
+    s->row_reqs[j] = r;
+    memcpy(s->rows.tokens + *n_tokens, r->input + q->n, count * sizeof *r->input);
+    *n_tokens += count;
+}
+
+/* The positions of r's prefill chunk of T that run as a prompt chunk (the rest are replays). */
+static size_t prompt_part(const sched_req* r, size_t T) {
+    const size_t n = r->stream.seq->n, end = min_size(n + T, chunked_end(r));
+    return end > n ? end - n : 0;
+}
+
+/* The rows of the step's pass: every decoding request but the speculative ones (rows
+ * [0, *n_decodes)), then, in a mixed step, each prefill's prompt chunk as a span. Each running
+ * request's chunk of the `budget` positions (empty for a decoding one) is recorded in
+ * chunk_from, chunk_to either way. Returns the rows. */
+static size_t collect_rows(tl_sched* s, size_t budget, size_t* n_decodes) {
+    size_t n = 0, n_tokens = 0;
+    for (sched_req* r = s->running.head; r; r = r->next)
+        if (decoding(r) && !r->speculative) put_row(s, n++, r, 1, tl_gen_exit(&r->p), r->stream.logits, &n_tokens);
+    *n_decodes = n;
     for (sched_req* r = s->running.head; r; r = r->next) {
-        if (!decoding(r) || r->speculative) continue;
-        s->rows.seqs[n] = r->stream.seq;
-        s->row_reqs[n] = r;
-        s->rows.tokens[n] = r->input[r->stream.seq->n];
-        s->rows.exits[n] = tl_gen_exit(&r->p);
-        s->rows.logits[n++] = r->stream.logits;
+        const size_t T = decoding(r) ? 0 : chunk_of(r, budget);
+        r->chunk_from = r->stream.seq->n;
+        r->chunk_to = r->chunk_from + T;
+        budget -= T;
+        const size_t prompt = prompt_part(r, T);
+        if (s->mixed && prompt)
+            put_row(s, n++, r, prompt, (tl_exit){TL_EXIT_NONE, 0.0f, 0},
+                    r->chunk_to == input_length(r) ? r->stream.logits : NULL, &n_tokens);
     }
-    if (n == 0) return TL_OK;
-    tl_status st = tl_gen_decode_rows(s->engine, &s->rows, n);
-    if (st != TL_OK) return st;
+    return n;
+}
+
+/* Collect the step's rows and run them in one pass. A pass out of memory preempts the newest
+ * request (its memory may be what the others need) and runs once more, so the oldest keeps
+ * going. */
+static tl_status run_rows(tl_sched* s, size_t budget, size_t* n_rows, size_t* n_decodes) {
+    *n_rows = collect_rows(s, budget, n_decodes);
+    tl_status st = *n_rows ? tl_gen_run_rows(s->engine, &s->rows, *n_rows) : TL_OK;
+    if (st == TL_ERR_OUT_OF_MEMORY && s->running.n > 1) {
+        preempt_newest(s);
+        *n_rows = collect_rows(s, budget, n_decodes);
+        st = *n_rows ? tl_gen_run_rows(s->engine, &s->rows, *n_rows) : TL_OK;
+    }
+    if (st == TL_OK && *n_decodes && *n_rows > *n_decodes) s->stats.mixed_passes++;
+    return st;
+}
+
+/* The decode rows ran: their depths recorded, their windows released, their requests ready. */
+static void end_decodes(tl_sched* s, size_t n, size_t* n_ready) {
     for (size_t j = 0; j < n; j++) {
         sched_req* r = s->row_reqs[j];
+        tl_seq* q = r->stream.seq;
         r->pass_depth = s->rows.depths[j];
-        if (r->depths) r->depths[r->stream.seq->n - 1 - r->n_prompt] = s->rows.depths[j];
+        if (r->depths) r->depths[q->n - 1 - r->n_prompt] = s->rows.depths[j];
+        tl_kv_release_outside(&q->kv, q->n, q->window);
+        s->ready[(*n_ready)++] = r;
     }
-    memcpy(s->ready + *n_ready, s->row_reqs, n * sizeof *s->ready);
-    *n_ready += n;
-    return TL_OK;
 }
 
 /* Replay r's emitted token at its next position: a decode pass forced to exit at the depth it
  * ran when it was decoded (docs/spec.md §5.7); its logits are not sampled. */
 static tl_status replay(tl_sched* s, sched_req* r) {
     tl_seq* q = r->stream.seq;
-    s->rows.seqs[0] = q;
-    s->rows.tokens[0] = r->input[q->n];
-    s->rows.logits[0] = r->stream.logits;
-    s->rows.exits[0] = (tl_exit){TL_EXIT_FORCED, 0.0f, r->depths[q->n - r->n_prompt]};
-    return tl_gen_decode_rows(s->engine, &s->rows, 1);
+    size_t n_tokens = 0;
+    put_row(s, 0, r, 1, (tl_exit){TL_EXIT_FORCED, 0.0f, r->depths[q->n - r->n_prompt]}, r->stream.logits,
+            &n_tokens);
+    const tl_status st = tl_gen_run_rows(s->engine, &s->rows, 1);
+    if (st == TL_OK) tl_kv_release_outside(&q->kv, q->n, q->window);
+    return st;
 }
 
-/* T positions of r's prefill phase: a prompt chunk (the whole input's positions for a request
- * without an exit rule), then replays (chunked_end). Each prompt chunk offers the prefix cache
- * its full blocks (a preempted prefill then resumes from them); the one that ends the phase on
- * the input's last position leaves the logits to sample from. */
-static tl_status run_chunk(tl_sched* s, sched_req* r, size_t T, size_t* n_ready) {
+/* The rest of r's prefill chunk, positions [chunk_from, chunk_to): its prompt chunk (run here
+ * unless the mixed pass ran it) offers the prefix cache its full blocks (a preempted prefill
+ * then resumes from them), then the replays (chunked_end); the chunk that ends the phase on the
+ * input's last position leaves the logits to sample. */
+static tl_status end_chunk(tl_sched* s, sched_req* r, size_t* n_ready) {
     tl_engine* e = s->engine;
     tl_seq* q = r->stream.seq;
-    const size_t end = q->n + T, chunked = min_size(end, chunked_end(r));
-    const bool sample = end == input_length(r);
+    const size_t chunked = min_size(r->chunk_to, chunked_end(r));
+    const bool sample = r->chunk_to == input_length(r);
     tl_status st;
     if (q->n < chunked) {
         const size_t n = chunked - q->n;
-        const tl_run_opts opts = {.logits_last = sample ? r->stream.logits : NULL, .keep_window = e->pcache != NULL};
+        const tl_run_opts opts = {.logits_last = sample ? r->stream.logits : NULL, .keep_window = true};
         if ((st = tl_seq_run(q, r->input + q->n, n, n, &opts)) != TL_OK) return st;
-        s->stats.prompt_tokens += n;
+    }
+    if (r->chunk_from < chunked) {
+        s->stats.prompt_tokens += chunked - r->chunk_from;
         if (e->pcache) {
             const tl_pcache_key key = tl_gen_cache_key(e, q, &r->p);
             tl_pcache_insert(e->pcache, &key, r->input, q->n, &q->kv);
-            if (q->n == chunked_end(r)) tl_kv_release_outside(&q->kv, q->n, q->window);
         }
+        if (!e->pcache || q->n == chunked_end(r)) tl_kv_release_outside(&q->kv, q->n, q->window);
     }
-    for (; q->n < end; s->stats.prompt_tokens++)
+    for (; q->n < r->chunk_to; s->stats.prompt_tokens++)
         if ((st = replay(s, r)) != TL_OK) return st;
     if (sample) {
         r->pass_depth = r->p.loops;
@@ -629,14 +689,16 @@ static tl_status run_chunk(tl_sched* s, sched_req* r, size_t T, size_t* n_ready)
     return TL_OK;
 }
 
-static tl_status run_prefills(tl_sched* s, size_t budget, size_t* n_ready) {
-    for (sched_req* r = s->running.head; r && budget; r = r->next) {
-        if (decoding(r)) continue;
-        const size_t T = chunk_of(r, budget);
-        tl_status st = run_chunk(s, r, T, n_ready);
-        if (st != TL_OK) return st;
-        budget -= T;
-    }
+/* The step's passes: the decode rows (and, mixed, the prompt chunks) in one, then the rest of
+ * each prefill's chunk in running order. Without the mixed pass the decodes go first alone,
+ * then each prompt chunk. */
+static tl_status run_passes(tl_sched* s, size_t budget, size_t* n_ready) {
+    size_t n_rows, n_decodes;
+    tl_status st = run_rows(s, budget, &n_rows, &n_decodes);
+    if (st != TL_OK) return st;
+    end_decodes(s, n_decodes, n_ready);
+    for (sched_req* r = s->running.head; r; r = r->next)
+        if (r->chunk_to > r->chunk_from && (st = end_chunk(s, r, n_ready)) != TL_OK) return st;
     return TL_OK;
 }
 
@@ -673,14 +735,7 @@ TL_API tl_status tl_sched_step(tl_sched* s, uint64_t* ids, int32_t* tokens, uint
     step_events ev = {ids, tokens, finish, 0};
     size_t n_ready = 0;
     st = run_rounds(s, &ev);
-    if (st == TL_OK) {
-        st = run_decodes(s, &n_ready);
-        if (st == TL_ERR_OUT_OF_MEMORY && s->running.n > 1) {
-            preempt_newest(s);            /* its memory may be what the others need */
-            st = run_decodes(s, &n_ready);
-        }
-    }
-    if (st == TL_OK) st = run_prefills(s, prefill_positions, &n_ready);
+    if (st == TL_OK) st = run_passes(s, prefill_positions, &n_ready);
     sample_ready(s, n_ready, &ev);
     *n_events = ev.n;
     s->stats.steps++;

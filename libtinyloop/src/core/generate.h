@@ -20,25 +20,33 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
 /* The automatic prefix cache's place (docs/spec.md §4.3) of a request p run in sequence s. */
 tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen_params* p);
 
-/* The rows of one batched decode pass, [capacity] each: row j runs tokens[j] in seqs[j] under
- * exit rule exits[j] (docs/spec.md §5.7; rule TL_EXIT_NONE for a plain row), writes its logits
- * to logits[j] ([V]) and the core iterations it ran to depths[j]; marks is the pass's scratch. */
+/* The rows of one batched pass, [capacity] each: row j runs the next tokens of seqs[j] under exit
+ * rule exits[j] (docs/spec.md §5.7; rule TL_EXIT_NONE for a plain row), writes its logits to
+ * logits[j] ([V]; NULL: none) and the core iterations it ran to depths[j]; marks is the pass's
+ * scratch. A row is one token (a decode) unless counts is set: then row j is a span of
+ * counts[j] tokens (a prefill chunk; only on a backend with tl_has_mixed_pass), its tokens
+ * following the rows before it in `tokens`, and its logits those of its last token. */
 typedef struct tl_decode_rows {
     tl_seq** seqs;
-    int32_t* tokens;
+    int32_t* tokens;       /* [token capacity]                                                 */
     float** logits;
     tl_exit* exits;
     uint32_t* depths;
     tl_kv_mark* marks;
+    size_t* counts;        /* NULL: one token per row                                          */
+    bool keep_window;      /* leave the blocks outside each window (the caller releases them)  */
 } tl_decode_rows;
 
-tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity);
+/* Rows for `capacity` sequences of one token each (span_tokens 0), or of spans of
+ * span_tokens tokens in all (with counts). */
+tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity, size_t span_tokens);
 void tl_decode_rows_free(tl_decode_rows* rows);
 
-/* One new token for each of the first n rows, in one batched pass: each sequence's KV
- * reserved, run, advanced and released outside its window. All-or-nothing: on failure every
- * table is rolled back. The caller checks that each sequence has room for one more position. */
-tl_status tl_gen_decode_rows(tl_engine* e, tl_decode_rows* rows, size_t n);
+/* The first n rows in one batched pass (tl_forward_batch, or with a span of more than one token
+ * tl_forward_spans): each sequence's KV reserved, run, advanced and, unless keep_window,
+ * released outside its window. All-or-nothing: on failure every table is rolled back. The
+ * caller checks that each sequence has room for its tokens. */
+tl_status tl_gen_run_rows(tl_engine* e, tl_decode_rows* rows, size_t n);
 
 /* The exit rule of checked params p (TL_EXIT_NONE, or its resolved threshold and min_loops). */
 static inline tl_exit tl_gen_exit(const tl_gen_params* p) {
