@@ -89,24 +89,32 @@ def test_every_failed_call_of_a_request_raises_and_loses_nothing(model_path, ref
     assert failed > 0, f"no use of {call} failed a request"
 
 
+@pytest.mark.parametrize("passes", ["mixed", "separate"])
 def test_a_scheduler_step_out_of_device_memory_raises_memory_error_and_is_retried_exactly(
-        model_path, inject):
+        model_path, inject, monkeypatch, passes):
     """The Scheduler's contract (a step that raises MemoryError may be retried, and no request
-    loses or changes a token) holds when the device runs out of memory mid-step."""
+    loses or changes a token) holds when the device runs out of memory mid-step, with one mixed
+    pass a step (whose failure first preempts the newest request and runs again, so a step
+    raises only when that fails too) and with separate passes (TINYLOOP_MIXED_PASS=0)."""
     prompts = [PROMPT, PROMPT[:7], PROMPT[3:]]
     with tinyloop.Model(model_path, backend="native", device="cpu") as cpu:
         want = [cpu.generate(p, max_tokens=NEW, temperature=0.8, seed=i)[len(p):]
                 for i, p in enumerate(prompts)]
-    raised = 0
+    if passes == "separate":
+        monkeypatch.setenv("TINYLOOP_MIXED_PASS", "0")
+    raised = preempted = 0
     with tinyloop.Model(model_path, backend="native", device="cuda") as m:
         for n in (2, 5, 9):
             inject(f"cudaMallocFromPoolAsync:{n}")
             with tinyloop.Scheduler(m, max_batch=3, step_tokens=8) as s:
                 ids = [s.add(p, max_tokens=NEW, temperature=0.8, seed=i) for i, p in enumerate(prompts)]
                 got, failed_steps = run_retrying_failed_steps(s, ids)
+                preempted += s.stats()["preemptions"]
             raised += failed_steps
             assert [got[i] for i in ids] == want, n
-    assert raised > 0, "no step ran out of device memory"
+    assert raised + preempted > 0, "no step ran out of device memory"
+    if passes == "separate":
+        assert raised > 0, "no step raised MemoryError"
 
 
 def run_elsewhere(env, code):

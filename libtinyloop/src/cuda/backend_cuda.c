@@ -93,37 +93,44 @@ bool tl_cuda_describe_writes(const tl_seq* s, size_t pos0, size_t T, tl_cuda_row
  * and is never freed per pass. A sequence has one user at a time, so the scratch needs no lock
  * while the device calls serialize on the tl_cuda's. */
 typedef struct stage {
-    tl_seq** seqs;       /* [T] each row's sequence                           */
-    size_t* pos;         /* [T] its position                                   */
-    int32_t* tokens;     /* [T] its token                                      */
-    size_t* order;       /* [T] a batch: row r is the caller's order[r]        */
-    tl_cuda_row* rows;   /* [T] the rows tl_cuda_describe writes               */
-    tl_cuda_span* spans; /* [n_spans] and their spans                          */
-    float* hidden;       /* [T][d] the rows' final states                      */
-    float* logits;       /* [T][V] a batch: the rows' logits, in row order     */
+    tl_seq** seqs;         /* [T] each row's sequence                                  */
+    size_t* pos;           /* [T] its position                                          */
+    int32_t* tokens;       /* [T] its token                                             */
+    tl_cuda_row* rows;     /* [T] the rows tl_cuda_describe writes                      */
+    tl_cuda_span* spans;   /* [n_spans] and their spans                                 */
+    float* hidden;         /* [T][d] the rows' final states                             */
+    size_t* order;         /* [S] a batch of S spans: the spans deepest first            */
+    size_t* first;         /* [S] span b's first token in the caller's tokens            */
+    uint32_t* logit_rows;  /* [S] the rows whose logits the batch wants (spans' last)    */
+    size_t* logit_span;    /* [S] logit row h is span logit_span[h]'s                    */
+    float* logits;         /* [S][V] their logits                                        */
 } stage;
 
-static void lay_out(stage* st, tl_carve* c, const tl_config* cfg, size_t T, size_t n_spans, bool batch) {
+static void lay_out(stage* st, tl_carve* c, const tl_config* cfg, size_t T, size_t n_spans, size_t S) {
     st->seqs = tl_take(c, T * sizeof *st->seqs);
     st->pos = tl_take(c, T * sizeof *st->pos);
     st->tokens = tl_take(c, T * sizeof *st->tokens);
-    st->order = tl_take(c, batch ? T * sizeof *st->order : 0);
     st->rows = tl_take(c, T * sizeof *st->rows);
     st->spans = tl_take(c, n_spans * sizeof *st->spans);
     st->hidden = tl_take(c, T * cfg->d_model * sizeof(float));
-    st->logits = tl_take(c, batch ? T * cfg->vocab_size * sizeof(float) : 0);
+    st->order = tl_take(c, S * sizeof *st->order);
+    st->first = tl_take(c, S * sizeof *st->first);
+    st->logit_rows = tl_take(c, S * sizeof *st->logit_rows);
+    st->logit_span = tl_take(c, S * sizeof *st->logit_span);
+    st->logits = tl_take(c, S * cfg->vocab_size * sizeof(float));
 }
 
-/* The stage of T rows whose sequences have at most n_spans live spans, in `scratch` (grown
- * first if it does not fit: the call's only allocation; on failure nothing has changed). */
+/* The stage of T rows (a batch: of S spans; else S = 0) whose sequences have at most n_spans live
+ * spans, in `scratch` (grown first if it does not fit: the call's only allocation; on failure
+ * nothing has changed). */
 static tl_status stage_begin(stage* st, tl_scratch* scratch, const tl_config* cfg, size_t T, size_t n_spans,
-                             bool batch) {
+                             size_t S) {
     tl_carve arena = {0, NULL};
-    lay_out(st, &arena, cfg, T, n_spans, batch);
+    lay_out(st, &arena, cfg, T, n_spans, S);
     const tl_status status = tl_scratch_fit(scratch, arena.used, "CUDA pass scratch");
     if (status != TL_OK) return status;
     arena = (tl_carve){0, scratch->base};
-    lay_out(st, &arena, cfg, T, n_spans, batch);
+    lay_out(st, &arena, cfg, T, n_spans, S);
     return TL_OK;
 }
 
@@ -158,7 +165,7 @@ static tl_status run_part(tl_backend* b, tl_seq* s, const int32_t* tokens, size_
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA part pass: first_iter %u, depth %u, coda_depth %u on a "
                        "sequence of depth %u", part->first_iter, part->depth, coda_depth, s->loops);
     stage st;
-    tl_status status = stage_begin(&st, &s->scratch, cfg, T, tl_cuda_count_spans(&s, 1), false);
+    tl_status status = stage_begin(&st, &s->scratch, cfg, T, tl_cuda_count_spans(&s, 1), 0);
     if (status != TL_OK) return status;
     for (size_t t = 0; t < T; t++) {
         st.seqs[t] = s;
@@ -189,34 +196,59 @@ static tl_status cuda_forward_part(tl_backend* b, tl_seq* s, const int32_t* toke
     return run_part(b, s, tokens, T, pos0, part, NULL);
 }
 
-/* Without exit rules (adaptive is false: tl_gen_check refuses them here), every row runs to its
- * depth. */
-static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
-                                    float* const* logits, const tl_exit* exits, uint32_t* depths) {
-    for (size_t r = 0; exits && r < B; r++)
+/* Spans of S sequences (counts NULL: one token each, the batched decode) in one pass, each span
+ * counts[b] rows at consecutive positions, the spans deepest first. Without exit rules (adaptive
+ * is false: tl_gen_check refuses them here), every row runs to its depth. The head runs on the
+ * spans' last rows that want logits only (tl_cuda_batch.logit_rows). */
+static tl_status cuda_forward_spans(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, const size_t* counts,
+                                    size_t S, float* const* logits, const tl_exit* exits, uint32_t* depths) {
+    for (size_t r = 0; exits && r < S; r++)
         if (tl_exit_active(&exits[r], seqs[r]->loops))
             return tl_fail(TL_ERR_UNSUPPORTED, "adaptive depth (exit_rule) is not on the CUDA backend yet");
     const tl_config* c = tl_engine_config(seqs[0]->engine);
     const size_t d = c->d_model, V = c->vocab_size;
-    /* the spans of the callers' order bound the sorted rows' (the stable sort keeps a
-     * sequence's consecutive rows together) */
+    size_t T = 0, widest = 0;
+    for (size_t k = 0; k < S; k++) {
+        T += counts ? counts[k] : 1;
+        if (counts && counts[k] > counts[widest]) widest = k;
+    }
+    /* the spans of the callers' sequences bound the sorted rows' (a sequence's rows stay
+     * together); the widest span's arena, the one a prefill's own chunks grow anyway */
     stage st;
-    tl_status status = stage_begin(&st, &seqs[0]->scratch, c, B, tl_cuda_count_spans(seqs, B), true);
+    tl_status status = stage_begin(&st, &seqs[widest]->scratch, c, T, tl_cuda_count_spans(seqs, S), S);
     if (status != TL_OK) return status;
-    tl_sort_deepest_first(seqs, B, st.order);
-    for (size_t r = 0; r < B; r++) {
-        st.seqs[r] = seqs[st.order[r]];
-        st.pos[r] = st.seqs[r]->n;
-        st.tokens[r] = tokens[st.order[r]];
+    for (size_t k = 0, t = 0; k < S; t += counts ? counts[k] : 1, k++) st.first[k] = t;
+    tl_sort_deepest_first(seqs, S, st.order);
+    size_t r = 0, n_logits = 0;
+    for (size_t k = 0; k < S; k++) {
+        const size_t at = st.order[k], n = counts ? counts[at] : 1;
+        for (size_t i = 0; i < n; i++, r++) {
+            st.seqs[r] = seqs[at];
+            st.pos[r] = seqs[at]->n + i;
+            st.tokens[r] = tokens[st.first[at] + i];
+        }
+        if (logits[at]) {
+            st.logit_rows[n_logits] = (uint32_t)(r - 1);
+            st.logit_span[n_logits++] = at;
+        }
     }
-    tl_cuda_batch batch = {.logits = st.logits};
-    status = run_rows(((cuda_backend*)b)->c, &st, B, 0, &batch);
-    for (size_t r = 0; status == TL_OK && r < B; r++) {
-        memcpy(st.seqs[r]->last_hidden, st.hidden + r * d, d * sizeof(float));
-        memcpy(logits[st.order[r]], st.logits + r * V, V * sizeof(float));
-        if (depths) depths[st.order[r]] = st.seqs[r]->loops;
+    tl_cuda_batch batch = {.logits = n_logits ? st.logits : NULL, .logit_rows = n_logits ? st.logit_rows : NULL,
+                           .n_logit_rows = n_logits};
+    status = run_rows(((cuda_backend*)b)->c, &st, T, 0, &batch);
+    for (size_t k = 0, last = 0; status == TL_OK && k < S; k++) {
+        const size_t at = st.order[k];
+        last += counts ? counts[at] : 1;
+        memcpy(seqs[at]->last_hidden, st.hidden + (last - 1) * d, d * sizeof(float));
+        if (depths) depths[at] = seqs[at]->loops;
     }
+    for (size_t h = 0; status == TL_OK && h < n_logits; h++)
+        memcpy(logits[st.logit_span[h]], st.logits + h * V, V * sizeof(float));
     return status;
+}
+
+static tl_status cuda_forward_batch(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, size_t B,
+                                    float* const* logits, const tl_exit* exits, uint32_t* depths) {
+    return cuda_forward_spans(b, seqs, tokens, NULL, B, logits, exits, depths);
 }
 
 static tl_status cuda_kv_from_rows(tl_backend* b, tl_seq* s, uint32_t slot, size_t pos0, size_t T, const int8_t* q,
@@ -268,6 +300,7 @@ static int kv_copy(void* ctx, void* dst, const void* src, size_t bytes) {
 /* No exit rules yet (adaptive false): requests with one are refused. */
 static const tl_backend_iface cuda_iface = {.forward = cuda_forward,
                                             .forward_batch = cuda_forward_batch,
+                                            .forward_spans = cuda_forward_spans,
                                             .head_logits = cuda_head_logits,
                                             .info = cuda_info,
                                             .free = cuda_free,

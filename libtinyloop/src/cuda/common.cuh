@@ -90,6 +90,7 @@ typedef struct tl_cu_pass_shape {
     uint32_t loops;                     /* of the deepest row (row 0)                           */
     uint32_t first_iter, coda_depth;    /* the part of the pass it runs (tl_cuda_batch's)       */
     uint32_t outputs;                   /* which outputs the pass copies back (forward.cu)      */
+    uint32_t n_logit_rows;              /* rows whose logits it computes, with logit_rows       */
     uint32_t depth[TL_CU_GRAPH_MAX_T];  /* each row's loops (graph passes; 0 beyond T)          */
 } tl_cu_pass_shape;
 
@@ -278,6 +279,9 @@ tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x);
 /* q[t][0 .. lda) = Q8 (rms: NQ) of x[t * xs .. + n), zero beyond n; scale[t] = s (rms: a). */
 tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
                          size_t lda, float* scale);
+/* The same of rows picked[t] of x (device memory [T]) into q[t], scale[t]. */
+tl_status tl_cu_quantize_picked(tl_cuda* c, const float* x, size_t xs, const uint32_t* picked, size_t n, size_t T,
+                                bool rms, int8_t* q, size_t lda, float* scale);
 /* RoPE of every Q head in place in qkv [T][(H + 2G) * D], RoPE of each K head, then Q8 (kv_bits
  * 4: Q4, packed) of the K and V heads into each row's cache slot of `layer`. */
 tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qkv, uint32_t layer,

@@ -93,6 +93,9 @@ typedef struct tl_cuda_batch {
     float* hidden;              /* [T][d] each row's final state; required                  */
     float* logits;              /* [T][V] head of each final state; NULL = not wanted       */
     float* logits_last;         /* [V] head of row T-1's final state only; NULL = not wanted */
+    const uint32_t* logit_rows; /* with logits: the rows (ascending) whose heads it receives, as
+                                   [n_logit_rows][V] in this order; NULL = every row           */
+    size_t n_logit_rows;        /* >= 1 with logit_rows                                         */
     float* loop_states;         /* [loops][d] makes the pass a prefix build's (docs/spec.md §5.4):
                                    every depth first_iter+1 .. loops runs its coda, writing its
                                    coda slots, and loop_states[i] = row T-1's final state (the

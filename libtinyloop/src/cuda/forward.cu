@@ -17,7 +17,9 @@
  *   before any attention reads) -> attention -> Q8(o) -> out linear -> residual -> NQ(x)
  *   -> gate_up linear -> SwiGLU + Q8 -> down linear -> residual,
  * the residual per block_layout: pre x += y; sandwich x += RN(y, g); post x = RN(x + y, g).
- * Then hidden = x, and logits = head(NQ(x)) of every row (or of the last one) when asked for.
+ * Then hidden = x, and logits = head(NQ(x)) of every row, of the rows asked for (logit_rows: the
+ * last rows of a mixed pass's spans; their indices ride in io after the spans, so a graph
+ * replays them), or of the last one, when asked for.
  * A hidden-state prefix build's pass (a batch with a capture, docs/spec.md §5.4.1) also copies
  * each block's input rows into pinned host_capture and hands them to the capture once copied,
  * while the block's kernels run: one wait per block, and never a graph.
@@ -63,6 +65,7 @@ enum {
     OUT_CAPTURE = 8,     /* a hidden-state prefix build: each block's input rows (never a graph) */
     OUT_KEPT = 16,       /* a part's state_out: the state after the last iteration           */
     OUT_INJECT = 32,     /* a part's inject_out: the injected terms                          */
+    OUT_LOGIT_ROWS = 64, /* with OUT_LOGITS: the logits of the rows logit_rows names only      */
     MIN_KEY_STRIDE = 64
 };
 
@@ -122,6 +125,12 @@ static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t*
     }
     if (b->block_size == 0 || (b->n_spans && !b->spans))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad span table");
+    for (size_t i = 0; b->logit_rows && i < b->n_logit_rows; i++)
+        if (!b->logits || b->logit_rows[i] >= b->T || (i > 0 && b->logit_rows[i] <= b->logit_rows[i - 1]))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad logit row %zu (%u of %zu rows)", i,
+                           b->logit_rows[i], b->T);
+    if (b->logit_rows && b->n_logit_rows == 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: logit_rows with n_logit_rows 0");
     const uint32_t loops = b->rows[0].loops;
     if (b->first_iter >= loops)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: first_iter %u, rows of loops %u", b->first_iter, loops);
@@ -157,7 +166,8 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
     s.coda_depth = b->coda_depth;
     s.outputs = (b->logits ? OUT_LOGITS : 0) | (b->logits_last ? OUT_LOGITS_LAST : 0) |
                 (b->loop_states ? OUT_STATES : 0) | (b->capture ? OUT_CAPTURE : 0) | (b->state_out ? OUT_KEPT : 0) |
-                (b->inject_out && c->cfg.injection ? OUT_INJECT : 0);
+                (b->inject_out && c->cfg.injection ? OUT_INJECT : 0) | (b->logits && b->logit_rows ? OUT_LOGIT_ROWS : 0);
+    s.n_logit_rows = (s.outputs & OUT_LOGIT_ROWS) ? (uint32_t)b->n_logit_rows : 0;
     for (size_t t = 0; b->T <= TL_CU_GRAPH_MAX_T && t < b->T; t++) s.depth[t] = b->rows[t].loops;
     return s;
 }
@@ -166,11 +176,12 @@ static bool same_shape(const tl_cu_pass_shape* a, const tl_cu_pass_shape* b) {
     return a->T == b->T && a->key_stride == b->key_stride && a->block_size == b->block_size &&
            a->head_bytes == b->head_bytes && a->kv_bits == b->kv_bits && a->loops == b->loops &&
            a->first_iter == b->first_iter && a->coda_depth == b->coda_depth && a->outputs == b->outputs &&
+           a->n_logit_rows == b->n_logit_rows &&
            memcmp(a->depth, b->depth, sizeof a->depth) == 0;
 }
 
 /* Where a pass's outputs sit in host_out (in floats): hidden [T][d], logits [n_logits][V]
- * (every row, or the last one), states [loops][d] (a prefix build: its rows' common depth; rows
+ * (every row, the logit rows, or the last one), states [loops][d] (a prefix build: its rows' common depth; rows
  * first_iter .. loops-1 written), kept [T][d] (state_out), inject [T][d] (inject_out). */
 typedef struct out_layout {
     size_t logits, n_logits, states, loops, kept, inject, floats;
@@ -180,7 +191,9 @@ static out_layout out_layout_of(const tl_cuda* c, const tl_cu_pass_shape* s) {
     const size_t d = c->cfg.d_model;
     out_layout L;
     L.logits = (size_t)s->T * d;
-    L.n_logits = (s->outputs & OUT_LOGITS) ? s->T : (s->outputs & OUT_LOGITS_LAST) ? 1 : 0;
+    L.n_logits = (s->outputs & OUT_LOGIT_ROWS) ? s->n_logit_rows
+                 : (s->outputs & OUT_LOGITS)   ? s->T
+                 : (s->outputs & OUT_LOGITS_LAST) ? 1 : 0;
     L.states = L.logits + L.n_logits * c->cfg.vocab_size;
     L.loops = (s->outputs & OUT_STATES) ? s->loops : 0;
     L.kept = L.states + L.loops * d;
@@ -189,13 +202,24 @@ static out_layout out_layout_of(const tl_cuda* c, const tl_cu_pass_shape* s) {
     return L;
 }
 
-/* Bytes of the rows part of io (the spans follow it). */
+/* Bytes of the rows part of io (the logit rows follow it, then the spans): the logit rows at
+ * rows_bytes(T), the spans at spans_at(s), both fixed by the shape, so a graph's kernels find
+ * them. */
 static size_t rows_bytes(size_t T) { return tl_cu_round_up(T * sizeof(tl_cuda_row), 64); }
 
+static size_t spans_at(const tl_cu_pass_shape* s) {
+    return rows_bytes(s->T) + tl_cu_round_up(s->n_logit_rows * sizeof(uint32_t), 64);
+}
+
+/* Bytes of io: rows, logit rows and n_spans spans of a pass of shape s. */
+static size_t io_bytes_of(const tl_cu_pass_shape* s, size_t n_spans) {
+    return spans_at(s) + n_spans * sizeof(tl_cuda_span);
+}
+
 /* Where host_io stages a resumed part's states (its injected terms follow them, [T][d] each):
- * after the rows and n_spans spans. */
-static size_t states_in_at(size_t T, size_t n_spans) {
-    return tl_cu_round_up(rows_bytes(T) + n_spans * sizeof(tl_cuda_span), 64);
+ * after io's bytes. */
+static size_t states_in_at(const tl_cu_pass_shape* s, size_t n_spans) {
+    return tl_cu_round_up(io_bytes_of(s, n_spans), 64);
 }
 
 /* The buffers of a K/V write of T rows (write_kv): activations, their scales, qkv, int4 sums. */
@@ -215,7 +239,7 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     const size_t T = s->T, d = cfg->d_model, H = cfg->n_heads, D = cfg->head_dim;
     const size_t F = cfg->ffn_dim, V = cfg->vocab_size;
     const size_t score_rows = tl_cu_attention_rows(c, T, s->key_stride);
-    const size_t io_bytes = rows_bytes(T) + n_spans * sizeof(tl_cuda_span);
+    const size_t io_bytes = io_bytes_of(s, n_spans);
     const size_t states_in = s->first_iter ? (cfg->injection ? 2 : 1) * T * d * sizeof(float) : 0;
     const out_layout L = out_layout_of(c, s);
     TL_CU_TRY(reserve(c, &c->x, T * d * sizeof(float), false, "x"));
@@ -233,7 +257,7 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
                       "sublayer output"));
     TL_CU_TRY(reserve(c, &c->xcopy, L.loops && tl_has_coda(cfg) ? T * d * sizeof(float) : 0, false,
                       "prefix build state"));
-    TL_CU_TRY(reserve(c, &c->host_io, states_in_at(T, n_spans) + states_in, true, "rows and spans (host)"));
+    TL_CU_TRY(reserve(c, &c->host_io, states_in_at(s, n_spans) + states_in, true, "rows and spans (host)"));
     TL_CU_TRY(reserve(c, &c->host_capture, (s->outputs & OUT_CAPTURE) ? T * d * sizeof(float) : 0, true,
                       "layer inputs (host)"));
     return reserve(c, &c->host_out, L.floats * sizeof(float), true, "outputs (host)");
@@ -419,7 +443,7 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
     cudaStream_t st = c->stream;
 
     if (s->first_iter == 0) TL_CU_TRY(tl_cu_embed(c, rows, T, x));
-    pass p = {c, s, rows, (const tl_cuda_span*)((char*)c->io.p + rows_bytes(T)),
+    pass p = {c, s, rows, (const tl_cuda_span*)((char*)c->io.p + spans_at(s)),
               tl_cu_attention_rows(c, T, s->key_stride), x, (float*)c->xcopy.p, (float*)c->states.p,
               (float*)c->inject.p, out + L.kept, b};
     const tl_cu_pass_steps steps = {&p, step_block, step_norm, step_inject, step_adapter, step_copy, step_state,
@@ -430,7 +454,10 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
     if (L.n_logits) {
         const tl_cu_linear* head = &c->lin[c->n_lin - 1];
         const size_t first = T - L.n_logits; /* every row, or the last one */
-        TL_CU_TRY(tl_cu_quantize(c, x + first * d, d, d, L.n_logits, true, acts, head->cols_pad, ascale));
+        const uint32_t* picked = (s->outputs & OUT_LOGIT_ROWS) ? (const uint32_t*)((char*)c->io.p + rows_bytes(T))
+                                                               : NULL;
+        TL_CU_TRY(tl_cu_quantize_picked(c, picked ? x : x + first * d, d, picked, d, L.n_logits, true, acts,
+                                        head->cols_pad, ascale));
         TL_CU_TRY(tl_cu_linear_run(c, head, acts, ascale, L.n_logits, logits, V, false, (int32_t*)c->raw.p));
     }
     TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out, x, T * d * sizeof(float), cudaMemcpyDeviceToHost, st),
@@ -529,12 +556,13 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
 
     /* rows and spans: one copy; a resumed part's states into x, its injected terms into inject */
     char* host_io = (char*)c->host_io.p;
-    const size_t rb = rows_bytes(T), io_bytes = rb + b->n_spans * sizeof(tl_cuda_span), state = T * d * sizeof(float);
+    const size_t io_bytes = io_bytes_of(&shape, b->n_spans), state = T * d * sizeof(float);
     memcpy(host_io, b->rows, T * sizeof(tl_cuda_row));
-    if (b->n_spans) memcpy(host_io + rb, b->spans, b->n_spans * sizeof(tl_cuda_span));
+    if (shape.n_logit_rows) memcpy(host_io + rows_bytes(T), b->logit_rows, shape.n_logit_rows * sizeof(uint32_t));
+    if (b->n_spans) memcpy(host_io + spans_at(&shape), b->spans, b->n_spans * sizeof(tl_cuda_span));
     TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->io.p, host_io, io_bytes, cudaMemcpyHostToDevice, st),
                           "cudaMemcpyAsync (rows and spans)"));
-    char* states_in = host_io + states_in_at(T, b->n_spans);
+    char* states_in = host_io + states_in_at(&shape, b->n_spans);
     if (b->first_iter) {
         memcpy(states_in, b->state_in, state);
         TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->x.p, states_in, state, cudaMemcpyHostToDevice, st),
@@ -557,7 +585,7 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
     const out_layout L = out_layout_of(c, &shape);
     const float* out = (const float*)c->host_out.p;
     memcpy(b->hidden, out, T * d * sizeof(float));
-    if (b->logits) memcpy(b->logits, out + L.logits, T * V * sizeof(float));
+    if (b->logits) memcpy(b->logits, out + L.logits, L.n_logits * V * sizeof(float));
     if (b->logits_last) memcpy(b->logits_last, out + L.logits + (L.n_logits - 1) * V, V * sizeof(float));
     const size_t skipped = (size_t)b->first_iter * d;
     if (L.loops) memcpy(b->loop_states + skipped, out + L.states + skipped, (L.loops * d - skipped) * sizeof(float));

@@ -22,16 +22,18 @@ embed_kernel(const tl_cuda_row* rows, const int8_t* emb_w, size_t emb_ld, const 
     for (int i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = ((float)w[i] * s) * embed_scale;
 }
 
-/* q[t] = Q8 or NQ of x[t] (quant.c tl_quantize_row / tl_rms_quantize_row). grid T. */
+/* q[t] = Q8 or NQ of x[t], or with picked of x[picked[t]] (quant.c tl_quantize_row /
+ * tl_rms_quantize_row). grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
-quantize_kernel(const float* x, size_t xs, int n, int rms, float eps, int8_t* q, size_t lda, float* scale) {
+quantize_kernel(const float* x, size_t xs, const uint32_t* picked, int n, int rms, float eps, int8_t* q, size_t lda,
+                float* scale) {
     __shared__ float sh[32];
     __shared__ long long sh64[32];
     const size_t t = blockIdx.x;
     int8_t* qt = q + t * lda;
     for (size_t i = (size_t)n + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
     int ss_part;
-    const float s = tl_cu_block_q8(x + t * xs, n, qt, &ss_part, sh);
+    const float s = tl_cu_block_q8(x + (picked ? picked[t] : t) * xs, n, qt, &ss_part, sh);
     if (!rms) {
         if (threadIdx.x == 0) scale[t] = s;
         return;
@@ -156,8 +158,13 @@ tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x) {
 
 tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
                          size_t lda, float* scale) {
+    return tl_cu_quantize_picked(c, x, xs, NULL, n, T, rms, q, lda, scale);
+}
+
+tl_status tl_cu_quantize_picked(tl_cuda* c, const float* x, size_t xs, const uint32_t* picked, size_t n, size_t T,
+                                bool rms, int8_t* q, size_t lda, float* scale) {
     TL_CU_LAUNCH(quantize_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
-    (x, xs, (int)n, rms ? 1 : 0, c->cfg.rms_eps, q, lda, scale);
+    (x, xs, picked, (int)n, rms ? 1 : 0, c->cfg.rms_eps, q, lda, scale);
     return tl_cu_launched(rms ? "NQ kernel" : "Q8 kernel");
 }
 
