@@ -5,6 +5,7 @@ equal per-token compute (issue #16 item 4).
     python bench/bench_serve.py --build-llama-server  # once: compiles llama-server (see below)
     python bench/bench_serve.py [--full] [--clients 1,8,32] [--max-tokens 32] [--threads 2]
                                 [--engines tinyloop,llama-server] [--dir DIR] [--llama-dir DIR]
+    python bench/bench_serve.py --engines tinyloop,tinyloop-separate   # the mixed pass's gain
 
 The workload. A few shared system prompts (--system-lengths, default 1984, 1536, 1024 and 512
 tokens) are chosen per request by a Zipf law (--zipf s: the k-th prompt with weight 1/k^s, so
@@ -30,7 +31,10 @@ where llama-server holds back a byte token that is not yet a whole UTF-8 charact
 TinyLoop row / the llama-server row of the same level, measured in the same run, the engines
 alternating level by level so a burst of load from other processes does not land on one only.
 The goals of the issue (at least 2x llama-server's throughput at 32 clients; a TTFT p99 under 1 s
-for the cached 2k system prompt) are checked in the notes.
+for the cached 2k system prompt) are checked in the notes. The engine `tinyloop-separate` is the
+same server with TINYLOOP_MIXED_PASS=0: each scheduler step runs its decodes, then each prompt
+chunk, as separate passes instead of one mixed pass; without llama-server the ratios are
+TinyLoop's over it, the gain of the mixed pass.
 
 The engines. Both run on --threads threads, a random-weight model of the "quick" shape (or
 "full" with --full). TinyLoop: `python -m tinyloop serve` on the looped model (n_pre 2 blocks +
@@ -49,7 +53,8 @@ GGML_NATIVE=ON without AMX (common.NO_AMX_FLAGS; llama.cpp's AMX path crashes on
 Rapids machines we measured, see bench_llamacpp.py), static, no web UI, no OpenSSL. It took
 about 25 minutes on 2 cores shared with other jobs.
 
-Writes bench/results/serve-<shape>.{json,md}. Exits with code 2 when gguf or httpx is
+Writes bench/results/serve-<shape>.{json,md} (serve-<shape>-<engine>-<engine>... for other
+--engines). Exits with code 2 when gguf or httpx is
 missing, or the llama-server build (unless --engines leaves llama-server out).
 """
 import argparse
@@ -278,11 +283,15 @@ class ServerProcess:
                 self.process.wait()
 
 
-def tinyloop_server(model, args, log):
-    return ServerProcess("tinyloop serve", [
+SEPARATE = "tinyloop serve, separate passes"
+
+
+def tinyloop_server(model, args, log, separate_passes=False):
+    return ServerProcess(SEPARATE if separate_passes else "tinyloop serve", [
         sys.executable, "-m", "tinyloop", "serve", model, "--port", "{port}",
         "--threads", args.threads, "--max-batch", max(args.clients),
-        "--prefix-cache-bytes", args.prefix_cache_mib * MIB, "--backend", "native"], log)
+        "--prefix-cache-bytes", args.prefix_cache_mib * MIB, "--backend", "native"], log,
+        env={**os.environ, "TINYLOOP_MIXED_PASS": "0"} if separate_passes else None)
 
 
 def llama_server(binary, gguf_path, args, log):
@@ -388,7 +397,7 @@ def bench(servers, args):
                                   **summarize(results, wall, longest),
                                   "load avg": os.getloadavg()[0]}
             print(level[server.name], flush=True)
-        theirs = level.get("llama-server")
+        theirs = level.get("llama-server", level.get(SEPARATE))
         for row in level.values():
             for figure in ("tok/s", "TTFT p99 ms"):
                 row[f"{figure} ratio"] = (row[figure] / theirs[figure]
@@ -442,8 +451,9 @@ def main(argv=None):
     args.clients = [int(c) for c in args.clients.split(",")]
     args.system_lengths = [int(n) for n in args.system_lengths.split(",")]
     engines = args.engines.split(",")
-    if not set(engines) <= {"tinyloop", "llama-server"}:
-        ap.error(f"--engines {args.engines}: the engines are tinyloop and llama-server")
+    if not set(engines) <= {"tinyloop", "tinyloop-separate", "llama-server"}:
+        ap.error(f"--engines {args.engines}: the engines are tinyloop, tinyloop-separate and "
+                 "llama-server")
     missing = [name for name, module in (("gguf", gguf), ("httpx", httpx)) if module is None]
     if missing:
         print(f"bench_serve: pip install {' '.join(missing)}", file=sys.stderr)
@@ -460,9 +470,11 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         directory = args.dir or scratch
         servers = []
-        if "tinyloop" in engines:
-            servers.append(tinyloop_server(tinyloop_model_file(args.shape, args.format, directory),
-                                           args, Path(scratch) / "tinyloop.log"))
+        for engine in ("tinyloop", "tinyloop-separate"):
+            if engine in engines:
+                servers.append(tinyloop_server(
+                    tinyloop_model_file(args.shape, args.format, directory), args,
+                    Path(scratch) / f"{engine}.log", separate_passes=engine == "tinyloop-separate"))
         if "llama-server" in engines:
             model = llama_gguf(args.shape, LLAMA_QUANT[args.format], directory,
                                binaries / "llama-quantize", args.threads)
@@ -480,22 +492,26 @@ def main(argv=None):
             return 1
     shape = SHAPES[args.shape]
     loads = [row["load avg"] for row in rows]
+    llama = "llama-server" in engines
+    peer = (f"; llama-server of {LLAMA_CPP_PYTHON}'s llama.cpp, native without AMX, "
+            f"{args.llama_server_args or 'default options'}" if llama else "")
+    versus = (f" vs a {shape['n_pre_blocks'] + shape['default_loops']}-layer LLaMA "
+              f"{LLAMA_QUANT[args.format]}" if llama else "")
     notes = (f"CPU: {cpu_name()}; TinyLoop native at its best kernel path of "
-             f"{', '.join(native_isas())}; llama-server of {LLAMA_CPP_PYTHON}'s llama.cpp, "
-             f"native without AMX, {args.llama_server_args or 'default options'}. Load average "
+             f"{', '.join(native_isas())}{peer}. Load average "
              f"{min(loads):.1f}-{max(loads):.1f} (1 min; 2 = this bench alone on 2 cores). "
              f"{args.threads} threads each; TinyLoop "
-             f"{args.format} n_pre {shape['n_pre_blocks']} + L {shape['default_loops']} vs a "
-             f"{shape['n_pre_blocks'] + shape['default_loops']}-layer LLaMA "
-             f"{LLAMA_QUANT[args.format]}. System "
+             f"{args.format} n_pre {shape['n_pre_blocks']} + L {shape['default_loops']}{versus}. System "
              f"prompts {'/'.join(map(str, args.system_lengths))} tokens, Zipf s={args.zipf}, "
              f"questions {QUESTION_TOKENS[0]}-{QUESTION_TOKENS[1]} tokens, {args.max_tokens} "
              "tokens per reply, greedy, streamed; each prompt cached by a warm-up. ratio = "
-             f"TinyLoop / llama-server at the same level. {goals(rows, args.shape)}")
+             f"TinyLoop / {'llama-server' if llama else SEPARATE} at the "
+             f"same level. {goals(rows, args.shape) if llama else ''}").rstrip()
     columns = ["engine", "clients", "requests", "tok/s", "tok/s ratio", "TTFT p50 ms",
                "TTFT p99 ms", "TTFT p99 ms ratio", "2k TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                "load avg"]
-    print(write_results(f"serve-{args.shape}", rows, columns, notes))
+    name = args.shape if engines == ["tinyloop", "llama-server"] else "-".join([args.shape] + engines)
+    print(write_results(f"serve-{name}", rows, columns, notes))
     return 0
 
 
