@@ -202,17 +202,20 @@ tl_status tl_gen_run_rows(tl_engine* e, tl_decode_rows* rows, size_t n) {
     tl_kv_mark* marks = rows->marks;
     tl_status st = TL_OK;
     size_t tried = 0;  /* tables given a reservation attempt (a failed one changes nothing) */
-    bool spans = false;
+    for (size_t j = 0; rows->counts && j < n; j++)
+        if (rows->counts[j] > 1 && (!tl_has_mixed_pass(e) || tl_exit_active(&rows->exits[j], seqs[j]->loops)))
+            return tl_fail(TL_ERR_INVALID_ARGUMENT, "row %zu: a span of %zu tokens %s", j, rows->counts[j],
+                           tl_has_mixed_pass(e) ? "with an exit rule" : "on a backend without a mixed pass");
     for (; st == TL_OK && tried < n; tried++) {
         tl_seq* s = seqs[tried];
-        const size_t T = rows->counts ? rows->counts[tried] : 1;
-        spans = spans || T > 1;
         marks[tried] = tl_kv_mark_now(&s->kv);
-        st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, T);
+        st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, rows->counts ? rows->counts[tried] : 1);
     }
+    /* spans go through the mixed pass even when each has one token: their logits may be NULL */
     if (st == TL_OK)
-        st = spans ? tl_forward_spans(seqs, rows->tokens, rows->counts, n, rows->logits, rows->exits, rows->depths)
-                   : tl_forward_batch(seqs, rows->tokens, n, rows->logits, rows->exits, rows->depths);
+        st = rows->counts && tl_has_mixed_pass(e)
+                 ? tl_forward_spans(seqs, rows->tokens, rows->counts, n, rows->logits, rows->exits, rows->depths)
+                 : tl_forward_batch(seqs, rows->tokens, n, rows->logits, rows->exits, rows->depths);
     if (st != TL_OK) {
         for (size_t j = 0; j < tried; j++) tl_kv_rollback(&seqs[j]->kv, marks[j]);
         return st;

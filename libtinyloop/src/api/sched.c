@@ -597,10 +597,10 @@ static size_t prompt_part(const sched_req* r, size_t T) {
 }
 
 /* The rows of the step's pass: every decoding request but the speculative ones (rows
- * [0, *n_decodes)), then, in a mixed step, each prefill's prompt chunk as a span. Each running
+ * [0, *n_decodes)), then, when `mixed`, each prefill's prompt chunk as a span. Each running
  * request's chunk of the `budget` positions (empty for a decoding one) is recorded in
  * chunk_from, chunk_to either way. Returns the rows. */
-static size_t collect_rows(tl_sched* s, size_t budget, size_t* n_decodes) {
+static size_t collect_rows(tl_sched* s, size_t budget, bool mixed, size_t* n_decodes) {
     size_t n = 0, n_tokens = 0;
     for (sched_req* r = s->running.head; r; r = r->next)
         if (decoding(r) && !r->speculative) put_row(s, n++, r, 1, tl_gen_exit(&r->p), r->stream.logits, &n_tokens);
@@ -611,25 +611,36 @@ static size_t collect_rows(tl_sched* s, size_t budget, size_t* n_decodes) {
         r->chunk_to = r->chunk_from + T;
         budget -= T;
         const size_t prompt = prompt_part(r, T);
-        if (s->mixed && prompt)
+        if (mixed && prompt)
             put_row(s, n++, r, prompt, (tl_exit){TL_EXIT_NONE, 0.0f, 0},
                     r->chunk_to == input_length(r) ? r->stream.logits : NULL, &n_tokens);
     }
     return n;
 }
 
-/* Collect the step's rows and run them in one pass. A pass out of memory preempts the newest
- * request (its memory may be what the others need) and runs once more, so the oldest keeps
- * going. */
-static tl_status run_rows(tl_sched* s, size_t budget, size_t* n_rows, size_t* n_decodes) {
-    *n_rows = collect_rows(s, budget, n_decodes);
-    tl_status st = *n_rows ? tl_gen_run_rows(s->engine, &s->rows, *n_rows) : TL_OK;
+/* Collect the step's rows (mixed: with the prompt chunks; *n_rows of them) and run them in one
+ * pass. */
+static tl_status collect_and_run(tl_sched* s, size_t budget, bool mixed, size_t* n_decodes, size_t* n_rows) {
+    *n_rows = collect_rows(s, budget, mixed, n_decodes);
+    return *n_rows ? tl_gen_run_rows(s->engine, &s->rows, *n_rows) : TL_OK;
+}
+
+/* The step's one pass: the mixed one, or the decodes alone. A mixed pass out of memory (all or
+ * nothing) leaves the step to separate passes, as with TINYLOOP_MIXED_PASS=0; a decode pass out
+ * of memory preempts the newest request (its memory may be what the others need) and runs once
+ * more, so the oldest keeps going. */
+static tl_status run_rows(tl_sched* s, size_t budget, size_t* n_decodes) {
+    size_t n_rows;
+    if (s->mixed) {
+        const tl_status st = collect_and_run(s, budget, true, n_decodes, &n_rows);
+        if (st == TL_OK && *n_decodes && n_rows > *n_decodes) s->stats.mixed_passes++;
+        if (st != TL_ERR_OUT_OF_MEMORY) return st;
+    }
+    tl_status st = collect_and_run(s, budget, false, n_decodes, &n_rows);
     if (st == TL_ERR_OUT_OF_MEMORY && s->running.n > 1) {
         preempt_newest(s);
-        *n_rows = collect_rows(s, budget, n_decodes);
-        st = *n_rows ? tl_gen_run_rows(s->engine, &s->rows, *n_rows) : TL_OK;
+        st = collect_and_run(s, budget, false, n_decodes, &n_rows);
     }
-    if (st == TL_OK && *n_decodes && *n_rows > *n_decodes) s->stats.mixed_passes++;
     return st;
 }
 
@@ -691,15 +702,19 @@ static tl_status end_chunk(tl_sched* s, sched_req* r, size_t* n_ready) {
 
 /* The step's passes: the decode rows (and, mixed, the prompt chunks) in one, then the rest of
  * each prefill's chunk in running order. Without the mixed pass the decodes go first alone,
- * then each prompt chunk. */
+ * then each prompt chunk. A chunk that fails leaves its request where it got to (the next step
+ * goes on from there) and the others go on: a mixed pass has run their prompt chunks already,
+ * which must end (offered, released, ready to sample). Returns the first failure. */
 static tl_status run_passes(tl_sched* s, size_t budget, size_t* n_ready) {
-    size_t n_rows, n_decodes;
-    tl_status st = run_rows(s, budget, &n_rows, &n_decodes);
+    size_t n_decodes;
+    tl_status st = run_rows(s, budget, &n_decodes);
     if (st != TL_OK) return st;
     end_decodes(s, n_decodes, n_ready);
-    for (sched_req* r = s->running.head; r; r = r->next)
-        if (r->chunk_to > r->chunk_from && (st = end_chunk(s, r, n_ready)) != TL_OK) return st;
-    return TL_OK;
+    for (sched_req* r = s->running.head; r; r = r->next) {
+        const tl_status chunk = r->chunk_to > r->chunk_from ? end_chunk(s, r, n_ready) : TL_OK;
+        if (st == TL_OK) st = chunk;
+    }
+    return st;
 }
 
 /* Sample each ready request's next token into the events; finished requests leave. */

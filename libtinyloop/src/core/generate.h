@@ -24,8 +24,9 @@ tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen
  * rule exits[j] (docs/spec.md §5.7; rule TL_EXIT_NONE for a plain row), writes its logits to
  * logits[j] ([V]; NULL: none) and the core iterations it ran to depths[j]; marks is the pass's
  * scratch. A row is one token (a decode) unless counts is set: then row j is a span of
- * counts[j] tokens (a prefill chunk; only on a backend with tl_has_mixed_pass), its tokens
- * following the rows before it in `tokens`, and its logits those of its last token. */
+ * counts[j] tokens (a prefill chunk; more than one only on a backend with tl_has_mixed_pass, and
+ * with an inactive exit rule), its tokens following the rows before it in `tokens`, its logits
+ * those of its last token, and NULL logits are allowed only on such a backend. */
 typedef struct tl_decode_rows {
     tl_seq** seqs;
     int32_t* tokens;       /* [token capacity]                                                 */
@@ -42,10 +43,11 @@ typedef struct tl_decode_rows {
 tl_status tl_decode_rows_alloc(tl_decode_rows* rows, size_t capacity, size_t span_tokens);
 void tl_decode_rows_free(tl_decode_rows* rows);
 
-/* The first n rows in one batched pass (tl_forward_batch, or with a span of more than one token
- * tl_forward_spans): each sequence's KV reserved, run, advanced and, unless keep_window,
- * released outside its window. All-or-nothing: on failure every table is rolled back. The
- * caller checks that each sequence has room for its tokens. */
+/* The first n rows in one batched pass (tl_forward_batch, or with counts on a backend with a
+ * mixed pass tl_forward_spans): each sequence's KV reserved, run, advanced and, unless
+ * keep_window, released outside its window. All-or-nothing: on failure every table is rolled
+ * back. TL_ERR_INVALID_ARGUMENT for a span of more than one token where generate.h's rows
+ * above refuse it. The caller checks that each sequence has room for its tokens. */
 tl_status tl_gen_run_rows(tl_engine* e, tl_decode_rows* rows, size_t n);
 
 /* The exit rule of checked params p (TL_EXIT_NONE, or its resolved threshold and min_loops). */

@@ -129,8 +129,8 @@ static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t*
         if (!b->logits || b->logit_rows[i] >= b->T || (i > 0 && b->logit_rows[i] <= b->logit_rows[i - 1]))
             return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad logit row %zu (%u of %zu rows)", i,
                            b->logit_rows[i], b->T);
-    if (b->logit_rows && b->n_logit_rows == 0)
-        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: logit_rows with n_logit_rows 0");
+    if (b->logit_rows && (b->n_logit_rows == 0 || b->logits_last))
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: logit_rows with n_logit_rows 0 or logits_last");
     const uint32_t loops = b->rows[0].loops;
     if (b->first_iter >= loops)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: first_iter %u, rows of loops %u", b->first_iter, loops);
