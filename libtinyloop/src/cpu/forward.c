@@ -557,7 +557,6 @@ tl_status tl_cpu_forward_spans(const tl_linear* linears, tl_seq* const* seqs, co
     }
     embed(&f);
     run_layers(&f, NULL);
-    if (f.done) tl_fwd_partition_rows(&f, UINT32_MAX);
     size_t heads = 0; /* the last rows of the spans that want logits, but the done ones (probed) */
     for (size_t r = 0; r < rows; r++) {
         const size_t b = f.order[r];
