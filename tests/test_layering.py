@@ -10,9 +10,11 @@ the ISA kernels, a kernel never reaches back up, so no circle of C modules holds
 (a file stem ending in _scalar, _avx2, _avx512 or _amx); the kernels include their family's
 contract header instead of the dispatcher's. A C module is a folder's file stem (cpu/matmul:
 matmul.c and matmul.h; .cu and .cuh alike). Module A depends on module B when A #includes one of
-B's files, or when A's code names a function whose body is B's: a top-level definition (it
-starts at column 0) that is not static, or a static inline one in a header. Calling a function
-and taking its address (a kernel table, a function pointer) both count; a prototype does not.
+B's files, or when A's code names a function or a table whose body is B's: a top-level
+definition (it starts at column 0) that is not static, or a static inline function in a header;
+a table is a top-level `name = {…}` (a kernel table's initializer). Calling a function, taking
+its address (a kernel table, a function pointer) and naming a table all count; a prototype or
+an extern declaration does not.
 The rule is about kernel modules only; other circles of libtinyloop are not this test's.
 """
 import ast
@@ -130,6 +132,8 @@ _DIRECTIVE = re.compile(r"^[ \t]*#.*(?:\\\n.*)*", re.M)
 _HEAD = r"^(?=[A-Za-z_])([\w \t*]*?)\b([A-Za-z_]\w*)\s*\([^;{}]*\)\s*"  # starts at column 0
 _DEFINITION = re.compile(_HEAD + r"\{", re.M)
 _PROTOTYPE = re.compile(_HEAD + r";", re.M)
+_EXTERN = re.compile(r"^[ \t]*extern\b[^;{}]*;", re.M)  # a declaration: names nothing
+_TABLE = re.compile(r"^(?=[A-Za-z_])([\w \t*]*?)\b([A-Za-z_]\w*)\s*=\s*\{", re.M)  # name = {…} at column 0
 _NAME = re.compile(r"(?<![\w.])(?<!->)[A-Za-z_]\w*")  # an identifier that is not a member's
 
 
@@ -172,9 +176,16 @@ def c_functions(code, macros, header):
     return found
 
 
+def c_tables(code):
+    """{name: whether another module can reach it} of the tables `code` defines: the top-level
+    `name = {…}` definitions; reachable unless static."""
+    return {name: "static" not in words.split() for words, name in _TABLE.findall(code)}
+
+
 def c_names_used(code):
-    """The identifiers `code` uses outside its preprocessor lines and prototypes."""
-    return set(_NAME.findall(_PROTOTYPE.sub(" ", _DIRECTIVE.sub(" ", code))))
+    """The identifiers `code` uses outside its preprocessor lines, prototypes and extern
+    declarations."""
+    return set(_NAME.findall(_PROTOTYPE.sub(" ", _EXTERN.sub(" ", _DIRECTIVE.sub(" ", code)))))
 
 
 def c_module_graph(root=C_ROOT):
@@ -192,6 +203,7 @@ def c_module_graph(root=C_ROOT):
     for p in files:
         code = parsed[p][1]
         functions = c_functions(code, {**shared_macros, **c_macros(code)}, p.suffix in C_HEADERS)
+        functions.update(c_tables(code))
         defined[module_of[p]].update(functions)
         for name, reachable in functions.items():
             if reachable:
@@ -254,6 +266,14 @@ def test_the_c_graph_finds_a_kernel_that_reaches_back(tmp_path):
     graph = c_module_graph(tmp_path)
     assert graph == {"k/run": {"k/go_avx2"}, "k/go_avx2": {"k/run"}, "k/table_scalar": set()}
     assert kernel_circles(graph) == [["k/go_avx2", "k/run"]]
+    (k / "tables.c").write_text("#include \"k/go.h\"\nconst struct k_kernels k_fast = {k_go_avx2};\n"
+                                "static const struct k_kernels k_own = {k_go_avx2};\n")
+    (k / "pick.c").write_text("extern const struct k_kernels k_fast;\n"
+                              "const struct k_kernels* k_pick(void) { return &k_fast; }\n")
+    graph = c_module_graph(tmp_path)
+    assert graph["k/pick"] == {"k/tables"} and graph["k/tables"] == {"k/go_avx2"}  # a table counts
+    (k / "tables.c").unlink()
+    (k / "pick.c").unlink()
     (k / "go.h").write_text("static inline int k_twice(int x) { return 2 * x; }\n")  # a contract
     (k / "run.h").write_text("#include \"k/go.h\"\nint k_run(int n);\n")
     (k / "go_avx2.c").write_text("#include \"k/go.h\"\nint k_go_avx2(int n) { return k_twice(n); }\n")
@@ -264,7 +284,8 @@ def test_the_c_graph_finds_a_kernel_that_reaches_back(tmp_path):
 
 def test_no_isa_kernel_of_libtinyloop_reaches_back_up():
     graph = c_module_graph()
-    assert {"cpu/matmul", "cpu/matmul_avx2", "cpu/attention_amx", "cpu/rows_avx2"} <= set(graph)
+    assert {"cpu/matmul", "cpu/matmul_avx2", "cpu/attention_amx", "cpu/rows_avx2", "cpu/rows_avx512"} <= set(graph)
     assert {"cpu/matmul_scalar", "cpu/matmul_amx"} <= graph["cpu/matmul"]  # it sees the calls
-    assert "cpu/rows_avx2" in graph["cpu/forward"]
+    assert {"cpu/rows_avx2", "cpu/rows_avx512", "cpu/attention_avx512"} <= graph["cpu/kernel_tables"]  # and the tables
+    assert "cpu/kernel_tables" in graph["cpu/forward"]
     assert kernel_circles(graph) == []

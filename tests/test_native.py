@@ -137,6 +137,33 @@ def test_an_empty_or_auto_tinyloop_isa_is_the_default_path(model_files, tmp_path
     assert done[0].stdout.strip() in tinyloop.backends.native_isas()
 
 
+@pytest.mark.parametrize("isa", tinyloop.backends.native_isas())
+@pytest.mark.parametrize("name", ["int8-gqa", "int4-mha", "int4-v2-sandwich"])
+def test_the_avx2_row_kernels_give_the_widest_ones_bits(model_files, monkeypatch, isa, name):
+    """TINYLOOP_ROW_KERNELS=avx2 (the benches' "before" of the AVX-512 row and attention
+    kernels) and the default give the same logits on every path, prefill chunks (AMX tiles)
+    and single rows alike, and the same sampled tokens."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 100, 70)]
+    runs = []
+    for rows in ("auto", "avx2"):
+        monkeypatch.setenv("TINYLOOP_ISA", isa)
+        monkeypatch.setenv("TINYLOOP_ROW_KERNELS", rows)
+        with tinyloop.Model(model_files[name], backend="native", threads=2,
+                            prefix_cache_bytes=0) as model:
+            assert model.runtime()["isa"] == isa
+            runs.append((model.logits(prompt, prefill_chunk=40), model.logits(prompt, prefill_chunk=1),
+                         model.generate(prompt, max_tokens=12, temperature=0.8, seed=5)))
+    (chunked, rows, tokens), (chunked2, rows2, tokens2) = runs
+    assert chunked.tobytes() == chunked2.tobytes() == rows.tobytes() == rows2.tobytes()
+    assert tokens == tokens2
+
+
+def test_an_unknown_tinyloop_row_kernels_fails_the_open_naming_it(model_files, monkeypatch):
+    monkeypatch.setenv("TINYLOOP_ROW_KERNELS", "avx1024")
+    with pytest.raises(ValueError, match=r"^TINYLOOP_ROW_KERNELS must be auto or avx2, got 'avx1024'$"):
+        tinyloop.Model(model_files["int8-gqa"], backend="native")
+
+
 def test_threads_sharing_one_prefix_get_what_sequential_calls_get(models_by_backend):
     model = models_by_backend("native")["int8-gqa"]
     prefix = model.build_prefix_cache(list(range(1, 40)))

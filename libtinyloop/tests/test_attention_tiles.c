@@ -131,9 +131,9 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
         t->zero += ref[i] == 0.0f;
         t->finite_nonzero += isfinite(ref[i]) && ref[i] != 0.0f;
     }
-    const tl_attn_kernels* kernels[] = {&tl_attn_scalar, &tl_attn_avx2};
-    const char* names[] = {"scalar", "avx2"};
-    const size_t n_kernels = tl_isa_available(TL_ISA_AVX2) ? 2 : 1;
+    const tl_attn_kernels* kernels[] = {&tl_attn_scalar, &tl_attn_avx2, &tl_attn_avx512};
+    const char* names[] = {"scalar", "avx2", "avx512"};
+    const size_t n_kernels = !tl_isa_available(TL_ISA_AVX2) ? 1 : !tl_isa_available(TL_ISA_AVX512_VNNI) ? 2 : 3;
     tl_attn_scratch ts = {NULL, malloc(n * sizeof(int32_t)), NULL, malloc(D), NULL,
                           aligned_alloc(64, tl_attn_tile_bytes(n, D)), NULL};
     for (size_t ki = 0; ki < n_kernels; ki++) {

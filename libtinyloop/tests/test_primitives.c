@@ -188,9 +188,12 @@ static void test_quantize(void) {
     CHECK(tl_rms_quantize_row(zeros, 4, 1e-5f, q) == 0.0f, "NQ of zeros has a = 0");
 }
 
-/* AVX2 row operations against the scalar ones, odd lengths, NaN / inf / tie inputs. */
-static void test_rows_avx2(void) {
-    if (!tl_isa_available(TL_ISA_AVX2)) return;
+/* The SIMD row forms (AVX2, AVX-512, each where this CPU has it) against the scalar ones, odd
+ * lengths, NaN / inf / tie inputs. */
+static void test_rows_simd(void) {
+    const tl_row_kernels* forms[] = {&tl_rows_avx2, &tl_rows_avx512};
+    const char* names[] = {"avx2", "avx512"};
+    const bool present[] = {tl_isa_available(TL_ISA_AVX2), tl_isa_available(TL_ISA_AVX512_VNNI)};
     uint64_t rng = 77;
     float x[203], g1[203], g2[203], up[203];
     int8_t q1[203], q2[203];
@@ -202,18 +205,25 @@ static void test_rows_avx2(void) {
             if (round % 4 == 0) x[i] = (float)tu_uniform(&rng, -254, 254) / 2.0f; /* ties */
             if (round % 50 == 1 && i % 7 == 3) x[i] = NAN;
             if (round % 97 == 2 && i == n / 2) x[i] = -INFINITY;
+            if (round % 89 == 5) x[i] = (float)tu_uniform(&rng, -90, 90); /* silu's exp2s clamp */
             up[i] = (float)tu_uniform(&rng, -1000, 1000) / 100.0f;
         }
         const int qmax = round % 3 ? 127 : 7;
-        const float s1 = tl_quantize_row(x, n, qmax, q1), s2 = tl_quantize_row_avx2(x, n, qmax, q2);
-        CHECK(tl_f32_to_bits(s1) == tl_f32_to_bits(s2) && memcmp(q1, q2, n) == 0, "Q row n=%zu round %d", n, round);
-        const float a1 = tl_rms_quantize_row(x, n, 1e-6f, q1), a2 = tl_rms_quantize_row_avx2(x, n, 1e-6f, q2);
-        CHECK(tl_f32_to_bits(a1) == tl_f32_to_bits(a2) && memcmp(q1, q2, n) == 0, "NQ row n=%zu round %d", n, round);
-        memcpy(g1, x, n * sizeof(float));
-        memcpy(g2, x, n * sizeof(float));
-        tl_swiglu_row(g1, up, n);
-        tl_swiglu_row_avx2(g2, up, n);
-        CHECK(memcmp(g1, g2, n * sizeof(float)) == 0, "swiglu row n=%zu round %d", n, round);
+        for (size_t k = 0; k < sizeof forms / sizeof *forms; k++) {
+            if (!present[k]) continue;
+            const tl_row_kernels* r = forms[k];
+            const float s1 = tl_quantize_row(x, n, qmax, q1), s2 = r->quantize(x, n, qmax, q2);
+            CHECK(tl_f32_to_bits(s1) == tl_f32_to_bits(s2) && memcmp(q1, q2, n) == 0, "%s Q row n=%zu round %d",
+                  names[k], n, round);
+            const float a1 = tl_rms_quantize_row(x, n, 1e-6f, q1), a2 = r->rms_quantize(x, n, 1e-6f, q2);
+            CHECK(tl_f32_to_bits(a1) == tl_f32_to_bits(a2) && memcmp(q1, q2, n) == 0, "%s NQ row n=%zu round %d",
+                  names[k], n, round);
+            memcpy(g1, x, n * sizeof(float));
+            memcpy(g2, x, n * sizeof(float));
+            tl_swiglu_row(g1, up, n);
+            r->swiglu(g2, up, n);
+            CHECK(memcmp(g1, g2, n * sizeof(float)) == 0, "%s swiglu row n=%zu round %d", names[k], n, round);
+        }
         if (tu_failures > 20) return;
     }
 }
@@ -338,13 +348,13 @@ static void test_matmul(void) {
 
 /* ---- attention kernels ---------------------------------------------------------------- */
 
-/* The AVX2 segment kernels against the scalar ones: head sizes with and without SIMD tails,
- * segments longer than the i32 flush interval, extreme values, NaN and infinite inputs. */
-static void test_attention_kernels(void) {
-    if (!tl_isa_available(TL_ISA_AVX2)) return;
+/* One SIMD set of segment kernels against the scalar ones: head sizes with and without SIMD
+ * tails, segments longer than the i32 flush interval, extreme values, NaN and infinite inputs. */
+static void check_attention_kernels(const tl_attn_kernels* simd, const char* name) {
     uint64_t rng = 21;
-    const size_t Ds[] = {2, 12, 16, 20, 32, 40, 64, 66, 128};
-    const size_t ns[] = {1, 2, 7, 8, 9, 31, 513, 1100};
+    const size_t Ds[] = {2, 12, 16, 20, 32, 40, 64, 66, 100, 128, 192, 520};
+    /* every third one extreme; 4500 keys pass both SIMD paths' i32 flush intervals */
+    const size_t ns[] = {1, 2, 7, 8, 9, 31, 4500, 513, 1100};
     for (size_t di = 0; di < sizeof Ds / sizeof *Ds; di++)
         for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
             const size_t D = Ds[di], n = ns[ni];
@@ -360,7 +370,8 @@ static void test_attention_kernels(void) {
             int64_t* num1 = calloc(D, sizeof(int64_t));
             int64_t* num2 = calloc(D, sizeof(int64_t));
             const int extreme = ni % 3 == 0;
-            for (size_t i = 0; i < n * D; i++) k[i] = extreme ? -127 : (int8_t)tu_uniform(&rng, -127, 127);
+            for (size_t i = 0; i < n * D; i++) /* extreme: rows of -127 and 127 by turns */
+                k[i] = extreme ? (i / D % 2 ? 127 : -127) : (int8_t)tu_uniform(&rng, -127, 127);
             for (size_t d = 0; d < D; d++) qq16[d] = qq[d] = extreme ? 127 : (int8_t)tu_uniform(&rng, -127, 127);
             for (size_t j = 0; j < n; j++) {
                 sk[j] = (float)tu_uniform(&rng, 1, 1000) / 65536.0f;
@@ -370,27 +381,45 @@ static void test_attention_kernels(void) {
             tl_attn_scratch scratch = {NULL, NULL, NULL, qq, qq16, NULL, NULL};
             const float c = 0.37f;
             tl_attn_scalar.scores(&scratch, k, sk, n, D, c, s1);
-            tl_attn_avx2.scores(&scratch, k, sk, n, D, c, s2);
-            CHECK(tu_same_bits(s1, s2, n), "attention scores D=%zu n=%zu", D, n);
+            simd->scores(&scratch, k, sk, n, D, c, s2);
+            CHECK(tu_same_bits(s1, s2, n), "%s attention scores D=%zu n=%zu", name, D, n);
             if (n > 3) s1[3] = s2[3] = NAN;
             float M = -INFINITY, svmax = 0;
             for (size_t j = 0; j < n; j++) M = tl_fmax(M, s1[j]), svmax = tl_fmax(svmax, sv[j]);
+            for (size_t from = 0; from < n; from += n / 3 + 1) { /* a zero result's sign is free */
+                const float m1 = tl_attn_scalar.max(s1 + from, n - from, -INFINITY);
+                CHECK(m1 == simd->max(s2 + from, n - from, -INFINITY) && m1 == simd->max(s2 + from, n - from, m1),
+                      "%s attention max D=%zu n=%zu from %zu", name, D, n, from);
+            }
             if (svmax == 0) svmax = 1;
             const float kappa = 16777216.0f / svmax;
             bool nan1 = false, nan2 = false;
             const int64_t den1 = tl_attn_scalar.weights(s1, sv, n, M, kappa, u1, &nan1);
-            const int64_t den2 = tl_attn_avx2.weights(s2, sv, n, M, kappa, u2, &nan2);
+            const int64_t den2 = simd->weights(s2, sv, n, M, kappa, u2, &nan2);
             CHECK(den1 == den2 && nan1 == nan2 && memcmp(u1, u2, n * sizeof(int32_t)) == 0,
-                  "attention weights D=%zu n=%zu", D, n);
+                  "%s attention weights D=%zu n=%zu", name, D, n);
             if (extreme)
                 for (size_t j = 0; j < n; j++) u1[j] = u2[j] = 16777218; /* 2^24 + 2, the largest U */
             const tl_attn_rows one = {k, n};
             tl_attn_scalar.accumulate_segments(u1, &one, 1, D, num1);
-            tl_attn_avx2.accumulate_segments(u2, &one, 1, D, num2);
-            CHECK(memcmp(num1, num2, D * sizeof(int64_t)) == 0, "attention accumulate D=%zu n=%zu", D, n);
+            simd->accumulate_segments(u2, &one, 1, D, num2);
+            CHECK(memcmp(num1, num2, D * sizeof(int64_t)) == 0, "%s attention accumulate D=%zu n=%zu", name, D, n);
+            if (D > 1) num1[D - 1] = num2[D - 1] = -((int64_t)1 << 53) - 1; /* a conversion that rounds */
+            float* o1 = malloc(D * sizeof(float));
+            float* o2 = malloc(D * sizeof(float));
+            const int64_t den = den1 > 0 ? den1 : 3;
+            tl_attn_scalar.output(num1, D, den, svmax, o1);
+            simd->output(num2, D, den, svmax, o2);
+            CHECK(tu_same_bits(o1, o2, D), "%s attention output D=%zu n=%zu", name, D, n);
+            free(o1), free(o2);
             free(k), free(qq), free(qq16), free(sk), free(sv), free(s1), free(s2), free(u1), free(u2), free(num1),
                 free(num2);
         }
+}
+
+static void test_attention_kernels(void) {
+    if (tl_isa_available(TL_ISA_AVX2)) check_attention_kernels(&tl_attn_avx2, "avx2");
+    if (tl_isa_available(TL_ISA_AVX512_VNNI)) check_attention_kernels(&tl_attn_avx512, "avx512");
 }
 
 /* ---- sampling ------------------------------------------------------------------------------ */
@@ -494,7 +523,7 @@ int main(void) {
     test_log2();
     test_rint();
     test_quantize();
-    test_rows_avx2();
+    test_rows_simd();
     test_crc_rng();
     test_matmul();
     test_attention_kernels();

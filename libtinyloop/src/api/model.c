@@ -16,6 +16,7 @@
 #include "core/prefix_cache.h"
 #include "cpu/backend_cpu.h"
 #include "cpu/isa.h"
+#include "cpu/row_kernels.h"
 #include "cpu/threadpool.h"
 #include "cuda/backend_cuda.h"
 
@@ -123,6 +124,19 @@ static tl_status resolve_isa(tl_isa* isa) {
     return TL_OK;
 }
 
+/* The form of the CPU row and attention kernels for kernel path `path`: the widest it allows,
+ * or AVX2 where the environment variable TINYLOOP_ROW_KERNELS is "avx2" and the path is a SIMD
+ * one (benches compare the two forms with it; both give the same bits). */
+static tl_status resolve_row_isa(tl_isa path, tl_isa* out) {
+    *out = tl_widest_row_isa(path);
+    const char* forced = getenv("TINYLOOP_ROW_KERNELS");
+    if (!forced || !*forced || strcmp(forced, "auto") == 0) return TL_OK;
+    if (strcmp(forced, "avx2") != 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "TINYLOOP_ROW_KERNELS must be auto or avx2, got '%s'", forced);
+    if (*out != TL_ISA_SCALAR) *out = TL_ISA_AVX2;
+    return TL_OK;
+}
+
 static tl_status resolve_params(const tl_model_params* given, tl_model_params* p) {
     *p = tl_model_params_default();
     if (given) {
@@ -177,7 +191,12 @@ static tl_status engine_create(const char* path, const tl_model_params* p, tl_en
     atomic_init(&e->refs, 1);
     atomic_init(&e->closed, false);
     e->isa = p->isa;
-    tl_status st = tl_file_open(path, &e->file);
+    tl_status st = resolve_row_isa(e->isa, &e->row_isa);
+    if (st != TL_OK) {
+        tl_free(e);
+        return st;
+    }
+    st = tl_file_open(path, &e->file);
     if (st != TL_OK) {
         tl_free(e);
         return st;

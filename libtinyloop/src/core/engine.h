@@ -23,6 +23,7 @@ typedef struct tl_engine {
     atomic_bool closed;
     tl_file file;
     tl_isa isa;          /* the CPU kernel path (never TL_ISA_AUTO)                        */
+    tl_isa row_isa;      /* the form of its row and attention kernels (cpu/row_kernels.h)   */
     tl_kv_geom kv_geom;  /* its .device is the backend's KV allocator                     */
     tl_pool* pool;       /* the model's share of the process's worker threads (n_threads) */
     tl_pcache* pcache;   /* the automatic prefix cache; NULL when the model has none      */

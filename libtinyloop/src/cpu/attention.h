@@ -2,8 +2,9 @@
  *
  * The driver (attention.c) walks the visible keys segment by segment (a run of consecutive
  * slots of one block) and calls the kernels per segment or per query; the scalar kernels live
- * in attention.c, AVX2 ones in attention_avx2.c. Every kernel computes exact integers or the
- * spec's element-wise f32 operations, so both sets give identical bits. The kernels read int8
+ * in attention.c, AVX2 ones in attention_avx2.c, AVX-512 ones in attention_avx512.c. Every
+ * kernel computes exact integers or the spec's element-wise f32 operations, so every set gives
+ * identical bits. The kernels read int8
  * rows of D bytes: an int4 cache's packed rows (kvcache.h) are unpacked for them first, into the
  * same integers, so the two KV modes share every kernel. */
 #ifndef TL_ATTENTION_H

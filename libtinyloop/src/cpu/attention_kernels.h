@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "core/kvcache.h"
+#include "tinyloop.h"
 
 /* Scratch for one query (and one tile of queries: tl_attend_tile). */
 typedef struct tl_attn_scratch {
@@ -55,7 +56,16 @@ typedef struct tl_attn_kernels {
 } tl_attn_kernels;
 
 extern const tl_attn_kernels tl_attn_scalar;
-extern const tl_attn_kernels tl_attn_avx2;
+extern const tl_attn_kernels tl_attn_avx2;   /* only where the CPU has AVX2                        */
+extern const tl_attn_kernels tl_attn_avx512; /* only where tl_isa_available(TL_ISA_AVX512_VNNI)    */
+
+/* The attention kernels of row form `row_isa` (row_kernels.h; kernel_tables.c). */
+const tl_attn_kernels* tl_attn_kernels_for(tl_isa row_isa);
+
+/* attention_avx2.c's scores and accumulate_segments, which the AVX-512 table shares. */
+void tl_attn_scores_avx2(const tl_attn_scratch* s, const int8_t* k, const float* sk, size_t n, size_t D, float c,
+                         float* scores);
+void tl_attn_accumulate_avx2(const int32_t* u, const tl_attn_rows* segs, size_t n_segs, size_t D, int64_t* num);
 
 /* The first key visible from position t: t + 1 - window with a window, else 0. */
 static inline size_t tl_attn_first_key(size_t t, uint32_t window) {

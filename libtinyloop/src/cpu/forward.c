@@ -127,10 +127,8 @@ static void finish_row(fwd* f, size_t t, size_t cols) {
     if (f->simd) tl_acts_finish_row(&f->acts, t);
 }
 
-/* (q, s) = Q8(x[n]) on the pass's path (the AVX2 form on every SIMD path: identical bits). */
-static float q8_row(const fwd* f, const float* x, size_t n, int8_t* q) {
-    return f->simd ? tl_quantize_row_avx2(x, n, 127, q) : tl_quantize_row(x, n, 127, q);
-}
+/* (q, s) = Q8(x[n]) in the pass's row form (every form gives the same bits). */
+static float q8_row(const fwd* f, const float* x, size_t n, int8_t* q) { return f->rows->quantize(x, n, 127, q); }
 
 /* acts row t = NQ or Q8 of q_src row t. */
 static void task_quantize(void* ctx, size_t t, unsigned worker) {
@@ -139,8 +137,7 @@ static void task_quantize(void* ctx, size_t t, unsigned worker) {
     int8_t* q = f->acts.q + t * f->acts.stride;
     const float* x = f->q_src + t * f->q_src_stride;
     if (f->q_rms)
-        f->acts.scale[t] = f->simd ? tl_rms_quantize_row_avx2(x, f->q_cols, f->c->rms_eps, q)
-                                   : tl_rms_quantize_row(x, f->q_cols, f->c->rms_eps, q);
+        f->acts.scale[t] = f->rows->rms_quantize(x, f->q_cols, f->c->rms_eps, q);
     else
         f->acts.scale[t] = q8_row(f, x, f->q_cols, q);
     finish_row(f, t, f->q_cols);
@@ -180,7 +177,7 @@ static void norm_rows(fwd* f, float* rows, const float* gain, bool add_to_x) {
 static float kv_row(const fwd* f, const float* x, size_t D, int8_t* row, unsigned worker) {
     if (f->e->kv_geom.kv_bits == 8) return q8_row(f, x, D, row);
     int8_t* q = f->attn[worker].qq;
-    const float s = f->simd ? tl_quantize_row_avx2(x, D, 7, q) : tl_quantize_row(x, D, 7, q);
+    const float s = f->rows->quantize(x, D, 7, q);
     tl_kv_pack4(q, D, row);
     return s;
 }
@@ -237,11 +234,11 @@ static void task_attention(void* ctx, size_t item, unsigned worker) {
     const float* q = f->qkv + a->t0 * f->qkv_dim + h * D;
     float* o = f->o + a->t0 * f->hd + h * D;
     if (a->tile)
-        tl_attend_tile(&tl_attn_avx2, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[a->t0], a->m, s->window,
+        tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[a->t0], a->m, s->window,
                        q, f->qkv_dim, o, f->hd, &f->attn[worker]);
     else
-        tl_attend(f->e->isa == TL_ISA_SCALAR ? &tl_attn_scalar : &tl_attn_avx2, &f->e->kv_geom, &s->kv, f->layer,
-                  kv_head, f->pos[a->t0], s->window, q, o, &f->attn[worker]);
+        tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[a->t0], s->window, q, o,
+                  &f->attn[worker]);
 }
 
 /* gate := silu(gate) * up, then acts row t = Q8 of it. */
@@ -251,8 +248,7 @@ static void task_swiglu(void* ctx, size_t t, unsigned worker) {
     const size_t F = f->c->ffn_dim;
     float* gate = f->gu + t * 2 * F;
     const float* up = gate + F;
-    if (f->simd) tl_swiglu_row_avx2(gate, up, F);
-    else tl_swiglu_row(gate, up, F);
+    f->rows->swiglu(gate, up, F);
     int8_t* q = f->acts.q + t * f->acts.stride;
     f->acts.scale[t] = q8_row(f, gate, F, q);
     finish_row(f, t, F);
@@ -379,6 +375,8 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     f->qkv_dim = ((size_t)f->c->n_heads + 2 * (size_t)f->c->n_kv_heads) * f->c->head_dim;
     f->hd = (size_t)f->c->n_heads * f->c->head_dim;
     f->simd = e->isa != TL_ISA_SCALAR;
+    f->rows = tl_row_kernels_for(e->row_isa);
+    f->attn_kernels = tl_attn_kernels_for(e->row_isa);
     f->chunk = S == 0;
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;

@@ -1,6 +1,7 @@
 /* isa.c — run-time ISA detection, and the TINYLOOP_ISA override.
  *
- * AVX2 and AVX-512: cpuid + OS register-state support via libgcc's __builtin_cpu_supports.
+ * AVX2 and AVX-512: cpuid + OS register-state support via libgcc's __builtin_cpu_supports; the
+ * AVX-512 VNNI path asks for F, BW, DQ, VL and VNNI (every CPU with VNNI has the others).
  * AMX: cpuid leaf 7 (AMX-TILE, AMX-INT8), XCR0's tile bits (the OS manages the state), AVX-512
  * VNNI (the AMX path runs fewer than 16 rows on it), and Linux's permission for the 8 KiB tile
  * data state, requested once per process with arch_prctl(ARCH_REQ_XCOMP_PERM): the permission
@@ -71,7 +72,8 @@ bool tl_isa_available(tl_isa isa) {
     case TL_ISA_AVX512_VNNI:
         __builtin_cpu_init();
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512vnni");
 #else
     case TL_ISA_AVX2:
     case TL_ISA_AVX512_VNNI: return false;

@@ -11,6 +11,7 @@
 #include "core/forward.h"
 #include "cpu/attention.h"
 #include "cpu/matmul.h"
+#include "cpu/row_kernels.h"
 
 /* One unit of a layer's attention: row t0 alone, or (tile) the m <= TL_ATTN_TILE rows t0 ..
  * t0+m-1, consecutive positions of one sequence, at once (tl_attend_tile). */
@@ -31,7 +32,9 @@ typedef struct fwd {
     int32_t* tokens;         /* [T]                                                    */
     size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
     uint32_t layer;          /* cache slot of the current layer                        */
-    bool simd;               /* SIMD kernels: acts need qx; AVX2 row operations         */
+    bool simd;               /* SIMD kernels: acts need qx                              */
+    const tl_row_kernels* rows;          /* the row operations' form (tl_row_kernels_for)  */
+    const tl_attn_kernels* attn_kernels; /* the attention kernels (tl_attn_kernels_for)    */
     bool chunk;              /* the rows are positions pos[0] .. pos[0]+T-1 of one sequence;
                                 else a batch: the spans of S sequences (tl_cpu_forward_spans) */
     uint32_t first_iter;     /* chunk: the first core iteration it runs (0 for a batch)  */

@@ -55,3 +55,7 @@ void tl_rope_head(float* x, size_t D, const float* cos, const float* sin) {
         x[i + half] = bc + as;
     }
 }
+
+const tl_row_kernels tl_rows_scalar = {.quantize = tl_quantize_row,
+                                       .rms_quantize = tl_rms_quantize_row,
+                                       .swiglu = tl_swiglu_row};

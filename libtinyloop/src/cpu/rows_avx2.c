@@ -43,3 +43,7 @@ __attribute__((target("avx2"))) void tl_swiglu_row_avx2(float* gate, const float
         _mm256_storeu_ps(gate + i, _mm256_mul_ps(tl_silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
     for (; i < n; i++) gate[i] = tl_silu(gate[i]) * up[i];
 }
+
+const tl_row_kernels tl_rows_avx2 = {.quantize = tl_quantize_row_avx2,
+                                     .rms_quantize = tl_rms_quantize_row_avx2,
+                                     .swiglu = tl_swiglu_row_avx2};
