@@ -123,7 +123,7 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
     float* ref = malloc(m * D * sizeof(float));
     float* got = malloc(m * D * sizeof(float));
     tl_attn_scratch rs = {malloc(n * sizeof(float)), malloc(n * sizeof(int32_t)), malloc(D * sizeof(int64_t)),
-                          malloc(D), malloc(D * sizeof(int16_t)), NULL, malloc(tl_attn_rows_bytes(g) + 1)};
+                          malloc(D), malloc(D * sizeof(int16_t)), NULL, malloc(tl_attn_rows_bytes(g) + 1), 0};
     for (size_t i = 0; i < m; i++)
         tl_attend(&tl_attn_scalar, g, kv, layer, kv_head, p0 + i, window, q + i * D, ref + i * D, &rs);
     for (size_t i = 0; i < m * D; i++) {
@@ -135,16 +135,31 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
     const char* names[] = {"scalar", "avx2", "avx512"};
     const size_t n_kernels = !tl_isa_available(TL_ISA_AVX2) ? 1 : !tl_isa_available(TL_ISA_AVX512_VNNI) ? 2 : 3;
     tl_attn_scratch ts = {NULL, malloc(n * sizeof(int32_t)), NULL, malloc(D), NULL,
-                          aligned_alloc(64, tl_attn_tile_bytes(n, D)), NULL};
+                          aligned_alloc(64, tl_attn_tile_bytes(n, D)), NULL, n};
     for (size_t ki = 0; ki < n_kernels; ki++) {
         memset(got, 0x55, m * D * sizeof(float));
-        tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, m, window, q, D, got, D, &ts);
+        memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, D));
+        tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, m, window, q, D, got, D, 0, &ts);
         for (size_t i = 0; i < m; i++)
             CHECK(tu_same_bits(ref + i * D, got + i * D, D),
                   "%s, %s kernels: query %zu of %zu at %zu (D %zu, block %u, window %u, kv_bits %u)", what,
                   names[ki], i, m, p0 + i, D, g->block_size, window, g->kv_bits);
         t->compared++;
     }
+    /* the values packed once for all n keys, as a chunk's slice packs them: this tile, and the
+     * tile of its first half of queries only, whose last key block then holds later keys' values */
+    for (size_t ki = 0; ki < n_kernels && tl_attn_first_key(p0, window) == 0; ki++)
+        for (size_t rows = m, last = 0; !last; last = rows == (m + 1) / 2, rows = (m + 1) / 2) {
+            memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, D)); /* earlier tiles' leftovers: a tile clears what it reads */
+            tl_attn_pack_values(g, kv, layer, kv_head, n, &ts);
+            memset(got, 0x55, m * D * sizeof(float));
+            tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, rows, window, q, D, got, D, n, &ts);
+            for (size_t i = 0; i < rows; i++)
+                CHECK(tu_same_bits(ref + i * D, got + i * D, D),
+                      "%s, %s kernels, values packed for %zu keys: query %zu of %zu at %zu (D %zu, block %u, "
+                      "kv_bits %u)", what, names[ki], n, i, rows, p0 + i, D, g->block_size, g->kv_bits);
+            t->compared++;
+        }
     free(rs.scores), free(rs.u), free(rs.num), free(rs.qq), free(rs.qq16), free(rs.rows);
     free(ts.u), free(ts.qq), free(ts.tile);
     free(ref), free(got);

@@ -378,7 +378,7 @@ static void check_attention_kernels(const tl_attn_kernels* simd, const char* nam
                 sv[j] = (float)tu_uniform(&rng, 0, 1000) / 4096.0f;
             }
             if (n > 8 && di % 2) sv[n / 2] = INFINITY; /* NaN weights */
-            tl_attn_scratch scratch = {NULL, NULL, NULL, qq, qq16, NULL, NULL};
+            tl_attn_scratch scratch = {NULL, NULL, NULL, qq, qq16, NULL, NULL, 0};
             const float c = 0.37f;
             tl_attn_scalar.scores(&scratch, k, sk, n, D, c, s1);
             simd->scores(&scratch, k, sk, n, D, c, s2);

@@ -28,8 +28,12 @@
  *
  * Scratch (scratch->tile, tl_attn_tile_bytes) is O(keys * (128 + D)) bytes: the score rows, the
  * limbs, the packed values and the row pointers of the whole union; the query and key tiles are
- * O(D). Tiles: 0..3 accumulators, 4..5 A, 6..7 B, all 16 rows x 64 bytes. Code outside the tile
- * primitives is plain C, so this file builds on every CPU with the emulation. */
+ * O(D). Its buffers are laid out for scratch->tile_keys keys whatever a tile's union, so that
+ * the values packed once (tl_attn_pack_values) serve every later tile whose queries see keys
+ * from position 0 up to at most the packed ones: a chunk's tiles then pack each value row once
+ * per (layer, kv head) instead of once per tile. Tiles: 0..3 accumulators, 4..5 A, 6..7 B, all
+ * 16 rows x 64 bytes. Code outside the tile primitives is plain C, so this file builds on every
+ * CPU with the emulation. */
 #include <math.h>
 #include <string.h>
 
@@ -51,7 +55,8 @@ _Static_assert((int)TQ == (int)TL_TILE_ROWS && (int)TQ == (int)DT,
 
 static size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
-/* The tile's buffers in scratch->tile, for n keys (padded to whole key blocks) of head size D. */
+/* The tile's buffers in scratch->tile, for up to n keys (padded to whole key blocks) of head size
+ * D; the row strides are n_pad. */
 typedef struct tile_buffers {
     size_t n_pad;           /* keys rounded up to 64                                        */
     size_t Dp;              /* D rounded up to 64: the k extent of the score products       */
@@ -185,10 +190,10 @@ static void add_limb_sums(int64_t* num, size_t D, size_t dt, int l, const int32_
         for (size_t dd = 0; dd < nd; dd++) num[q * D + d0 + dd] += w_lo * lo[q][dd] + w_hi * hi[q][dd];
 }
 
-/* num = Σ_l 2^(7l) limbs_l · values over every key block: d tiles (dt, dt+1) x limbs (l, l+1)
- * per pass, the accumulators flushed every FLUSH_BLOCKS blocks. */
-TL_TILES static void value_sums(const tile_buffers* b, size_t D) {
-    const size_t blocks = b->n_pad / KB, limb_stride = TQ * b->n_pad;
+/* num = Σ_l 2^(7l) limbs_l · values over the first `blocks` key blocks: d tiles (dt, dt+1) x limbs
+ * (l, l+1) per pass, the accumulators flushed every FLUSH_BLOCKS blocks. */
+TL_TILES static void value_sums(const tile_buffers* b, size_t D, size_t blocks) {
+    const size_t limb_stride = TQ * b->n_pad;
     memset(b->num, 0, TQ * D * sizeof(int64_t));
     for (size_t dt = 0; dt < b->n_dt; dt += 2)
         for (int l = 0; l < LIMBS; l += 2)
@@ -219,15 +224,41 @@ TL_TILES static void value_sums(const tile_buffers* b, size_t D) {
             }
 }
 
+/* ---- the values, packed once ------------------------------------------------------------------ */
+
+/* b->vrow[i] = the value row of key lo + i for keys lo .. hi. */
+static void value_rows(const tile_buffers* b, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
+                       uint32_t kv_head, size_t lo, size_t hi) {
+    const size_t R = tl_kv_row_bytes(g);
+    tl_attn_segment seg;
+    size_t si = tl_kv_find(kv, lo), col = 0, len;
+    while ((len = tl_attn_next_segment(kv, &si, lo, hi, &seg))) {
+        const int8_t* values = tl_kv_values(g, seg.block, layer, kv_head) + seg.from * R;
+        for (size_t j = 0; j < len; j++) b->vrow[col + j] = values + j * R;
+        col += len;
+    }
+}
+
+void tl_attn_pack_values(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t n,
+                         tl_attn_scratch* s) {
+    tile_buffers b;
+    carve(s->tile, s->tile_keys, g->head_dim, &b);
+    memset(b.zeros, 0, b.Dp);
+    value_rows(&b, g, kv, layer, kv_head, 0, n - 1);
+    for (size_t grp = 0; grp < round_up(n, KB) / 4; grp++) pack_value_group(&b, grp, n, g->head_dim, g->kv_bits != 8);
+}
+
 /* ---- the tile --------------------------------------------------------------------------------- */
 
 TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv,
                              uint32_t layer, uint32_t kv_head, size_t p0, size_t m, uint32_t window,
-                             const float* q, size_t q_stride, float* o, size_t o_stride, tl_attn_scratch* s) {
+                             const float* q, size_t q_stride, float* o, size_t o_stride, size_t packed_keys,
+                             tl_attn_scratch* s) {
     const size_t D = g->head_dim, R = tl_kv_row_bytes(g), lo = tl_attn_first_key(p0, window), hi = p0 + m - 1,
-                 n = hi - lo + 1;
+                 n = hi - lo + 1, n_pad = round_up(n, KB);
+    const bool packed = lo == 0 && hi < packed_keys; /* tl_attn_pack_values packed this union's values */
     tile_buffers b;
-    carve(s->tile, n, D, &b);
+    carve(s->tile, s->tile_keys, D, &b);
     tl_tiles_configure(&tl_tiles_full);
 
     /* the queries: (qq, sq) = Q8(q_i), c_i = sq / sqrt(D), qq into B */
@@ -240,15 +271,13 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
         for (size_t d = 0; d < D; d++) b.qpack[(d / 4) * KB + 4 * i + d % 4] = s->qq[d];
     }
 
-    /* pass 1 over the union: scales, value rows, scores */
+    /* pass 1 over the union: scales, scores */
     tl_attn_segment seg;
     size_t si = tl_kv_find(kv, lo), col = 0, len;
     while ((len = tl_attn_next_segment(kv, &si, lo, hi, &seg))) {
         const int8_t* keys = tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * R;
-        const int8_t* values = tl_kv_values(g, seg.block, layer, kv_head) + seg.from * R;
         memcpy(b.sk + col, tl_kv_key_scales(g, seg.block, layer, kv_head) + seg.from, len * sizeof(float));
         memcpy(b.sv + col, tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, len * sizeof(float));
-        for (size_t j = 0; j < len; j++) b.vrow[col + j] = values + j * R;
         for (size_t j0 = 0; j0 < len; j0 += TL_TILE_ROWS)
             score_keys(&b, g, keys + j0 * R, len - j0 < TL_TILE_ROWS ? len - j0 : TL_TILE_ROWS, m, c, col + j0);
         col += len;
@@ -258,7 +287,7 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
     float svmax[TQ];
     int64_t den[TQ];
     bool nan_weight[TQ];
-    memset(b.limbs, 0, LIMBS * TQ * b.n_pad);
+    for (size_t row = 0; row < LIMBS * TQ; row++) memset(b.limbs + row * b.n_pad, 0, n_pad);
     for (size_t i = 0; i < m; i++) {
         const size_t first = tl_attn_first_key(p0 + i, window) - lo, count = p0 + i - lo - first + 1;
         svmax[i] = kern->max(b.sv + first, count, -INFINITY);
@@ -272,9 +301,13 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
         split_limbs(s->u, count, b.limbs + i * b.n_pad + first, TQ * b.n_pad);
     }
 
-    /* pass 2: the value sums of every query at once */
-    for (size_t grp = 0; grp < b.n_pad / 4; grp++) pack_value_group(&b, grp, n, D, g->kv_bits != 8);
-    value_sums(&b, D);
+    /* pass 2: the value sums of every query at once (past n, the packed values may be later keys':
+     * their limbs are zero) */
+    if (!packed) {
+        value_rows(&b, g, kv, layer, kv_head, lo, hi);
+        for (size_t grp = 0; grp < n_pad / 4; grp++) pack_value_group(&b, grp, n, D, g->kv_bits != 8);
+    }
+    value_sums(&b, D, n_pad / KB);
     tl_tiles_release();
 
     for (size_t i = 0; i < m; i++) {

@@ -21,8 +21,9 @@ typedef struct tl_attn_scratch {
     int64_t* num;    /* [D]                            */
     int8_t* qq;      /* [D]                            */
     int16_t* qq16;   /* [D] qq widened (SIMD kernels)  */
-    void* tile;      /* tl_attn_tile_bytes(max_keys, D) bytes, 64-byte aligned (tl_attend_tile only) */
+    void* tile;      /* tl_attn_tile_bytes(tile_keys, D) bytes, 64-byte aligned (tl_attend_tile only) */
     int8_t* rows;    /* tl_attn_rows_bytes(g) bytes: an int4 cache's rows unpacked (tl_attend only) */
+    size_t tile_keys; /* the keys `tile` holds: at least every tile's union and every packing's */
 } tl_attn_scratch;
 
 /* The value rows of one segment: n rows of D bytes, consecutive. */
@@ -94,9 +95,17 @@ size_t tl_attn_tile_bytes(size_t max_keys, size_t D);
  * window, q + i * q_stride), bit for bit: the m queries of one head at consecutive positions, as
  * in a prefill chunk, with the scores and the value sums computed on AMX tiles (real or
  * emulated, amx_tiles.h) and every other step by kern's per-query kernels. Uses scratch->u,
- * scratch->qq and scratch->tile. */
+ * scratch->qq and scratch->tile. packed_keys: the keys whose values the last
+ * tl_attn_pack_values on this scratch packed for this (kv, layer, kv_head), 0 for none; a tile
+ * whose queries see keys 0 .. p0+m-1 with p0+m <= packed_keys uses them, any other packs its own
+ * (and leaves the packing unusable: pack again before relying on it). */
 void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
                     uint32_t kv_head, size_t p0, size_t m, uint32_t window, const float* q, size_t q_stride,
-                    float* o, size_t o_stride, tl_attn_scratch* scratch);
+                    float* o, size_t o_stride, size_t packed_keys, tl_attn_scratch* scratch);
+
+/* Packs the values of keys 0 .. n-1 (1 <= n <= scratch->tile_keys, all in the table) of kv head
+ * `kv_head` of cache layer `layer` into scratch->tile for the tiles that follow. */
+void tl_attn_pack_values(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t n,
+                         tl_attn_scratch* scratch);
 
 #endif

@@ -24,7 +24,8 @@
  *
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool (on AMX,
- * the attention of a chunk of two rows or more per (16-row tile, head): tl_attend_tile). Each
+ * the attention of a chunk of two rows or more per (slice of 16-row tiles, kv head):
+ * tl_attend_tile, the slice's values packed once by tl_attn_pack_values). Each
  * output element is computed by exactly one task from inputs that no concurrent task writes,
  * so the thread count never changes a bit. All scratch lives in one arena owned by the sequence
  * (a batch borrows its first sequence's), grown only when a bigger chunk, or a history longer by
@@ -89,14 +90,16 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, T, kmax);
     f->acts.scratch = tl_take(c, workers * f->acts.scratch_bytes);
     f->attn = tl_take(c, workers * sizeof(tl_attn_scratch));
-    f->items = tl_take(c, T * sizeof(attn_item));
     /* only where run_block runs attention on tiles: the tile scratch grows with the whole history */
     const bool tiles = attends_on_tiles(f->e, max_run);
     const size_t tile_bytes = tiles ? tl_attn_tile_bytes(max_keys, D) : 0;
+    f->alone = tl_take(c, T * sizeof(size_t));
+    f->slices = tl_take(c, tiles ? T * cfg->n_kv_heads * sizeof(attn_slice) : 0);
     for (unsigned w = 0; w < workers; w++) {
         tl_attn_scratch s = {tl_take(c, max_keys * sizeof(float)), tl_take(c, max_keys * sizeof(int32_t)),
                              tl_take(c, D * sizeof(int64_t)), tl_take(c, D), tl_take(c, D * sizeof(int16_t)),
-                             tl_take(c, tile_bytes), tl_take(c, tl_attn_rows_bytes(&f->e->kv_geom))};
+                             tl_take(c, tile_bytes), tl_take(c, tl_attn_rows_bytes(&f->e->kv_geom)),
+                             tiles ? max_keys : 0};
         if (f->attn) f->attn[w] = s;
     }
     f->order = tl_take(c, S ? T * sizeof(size_t) : 0);
@@ -206,39 +209,64 @@ static void task_kv_write(void* ctx, size_t t, unsigned worker) {
     }
 }
 
-/* f->items = the layer's attention work: each run of rows at consecutive positions of one
- * sequence long enough for tiles (attends_on_tiles) by tiles of TL_ATTN_TILE rows from its
- * first, every other row alone. Returns the items' count. */
+/* The layer's attention work: each run of rows at consecutive positions of one sequence long
+ * enough for tiles (attends_on_tiles) as slices (f->slices): per kv head, the run's tiles of
+ * TL_ATTN_TILE rows cut into as few slices as give the pool about two tasks per worker, since
+ * each slice packs its values once; every other row alone (f->alone). Returns the tasks' count:
+ * the slices, then each lone row's query heads. */
 static size_t plan_attention(fwd* f) {
-    size_t n = 0;
+    const size_t G = f->c->n_kv_heads, per_head = (2 * (size_t)tl_pool_threads(f->e->pool) + G - 1) / G;
+    f->n_alone = f->n_slices = 0;
     for (size_t r = 0, g; r < f->T; r = g) {
         for (g = r + 1; g < f->T && f->seqs[g] == f->seqs[r] && f->pos[g] == f->pos[g - 1] + 1; g++) continue;
-        const bool tiles = attends_on_tiles(f->e, g - r);
-        for (size_t t = r; t < g; t += tiles ? TL_ATTN_TILE : 1) {
-            const size_t m = !tiles ? 1 : g - t < TL_ATTN_TILE ? g - t : TL_ATTN_TILE;
-            f->items[n++] = (attn_item){t, m, tiles};
+        if (!attends_on_tiles(f->e, g - r)) {
+            for (size_t t = r; t < g; t++) f->alone[f->n_alone++] = t;
+            continue;
+        }
+        const size_t tiles = (g - r + TL_ATTN_TILE - 1) / TL_ATTN_TILE, cuts = per_head < tiles ? per_head : tiles;
+        for (size_t k = 0; k < cuts; k++) {
+            const size_t t0 = r + k * tiles / cuts * TL_ATTN_TILE;
+            const size_t t1 = k + 1 == cuts ? g : r + (k + 1) * tiles / cuts * TL_ATTN_TILE;
+            for (uint32_t h = 0; h < G; h++) f->slices[f->n_slices++] = (attn_slice){t0, t1 - t0, h};
         }
     }
-    return n;
+    return f->n_slices + f->n_alone * f->c->n_heads;
 }
 
-/* item = i * H + h: query head h of the rows of attention item i: o[t][h] = attention of
- * query head h of row t, for a tile all its rows at once (tl_attend_tile). */
-static void task_attention(void* ctx, size_t item, unsigned worker) {
-    fwd* f = ctx;
+/* o[t][h] = the attention of query head h of row t for the slice's rows and its kv head's query
+ * heads, tile by tile, the values packed once when every tile's queries see keys from 0. */
+static void attend_slice(fwd* f, const attn_slice* a, tl_attn_scratch* scratch) {
     const tl_config* c = f->c;
-    const size_t H = c->n_heads, D = c->head_dim, h = item % H;
-    const attn_item* a = &f->items[item / H];
-    const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
+    const size_t D = c->head_dim, group = c->n_heads / c->n_kv_heads, keys = f->pos[a->t0 + a->m - 1] + 1;
     const tl_seq* s = f->seqs[a->t0];
-    const float* q = f->qkv + a->t0 * f->qkv_dim + h * D;
-    float* o = f->o + a->t0 * f->hd + h * D;
-    if (a->tile)
-        tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[a->t0], a->m, s->window,
-                       q, f->qkv_dim, o, f->hd, &f->attn[worker]);
-    else
-        tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[a->t0], s->window, q, o,
-                  &f->attn[worker]);
+    size_t packed = 0;
+    if (s->window == 0 || keys <= s->window) {
+        tl_attn_pack_values(&f->e->kv_geom, &s->kv, f->layer, a->kv_head, keys, scratch);
+        packed = keys;
+    }
+    for (size_t t = a->t0; t < a->t0 + a->m; t += TL_ATTN_TILE) {
+        const size_t m = a->t0 + a->m - t < TL_ATTN_TILE ? a->t0 + a->m - t : TL_ATTN_TILE;
+        for (size_t h = a->kv_head * group; h < (a->kv_head + 1) * group; h++)
+            tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, a->kv_head, f->pos[t], m, s->window,
+                           f->qkv + t * f->qkv_dim + h * D, f->qkv_dim, f->o + t * f->hd + h * D, f->hd, packed,
+                           scratch);
+    }
+}
+
+/* task < n_slices: slice `task`; after them, (i * H + h): query head h of lone row alone[i]. */
+static void task_attention(void* ctx, size_t task, unsigned worker) {
+    fwd* f = ctx;
+    if (task < f->n_slices) {
+        attend_slice(f, &f->slices[task], &f->attn[worker]);
+        return;
+    }
+    task -= f->n_slices;
+    const tl_config* c = f->c;
+    const size_t H = c->n_heads, D = c->head_dim, h = task % H, t = f->alone[task / H];
+    const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
+    const tl_seq* s = f->seqs[t];
+    tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[t], s->window,
+              f->qkv + t * f->qkv_dim + h * D, f->o + t * f->hd + h * D, &f->attn[worker]);
 }
 
 /* gate := silu(gate) * up, then acts row t = Q8 of it. */
@@ -290,7 +318,7 @@ static void run_block(fwd* f, uint32_t block, size_t slot) {
     if (f->chunk && f->seqs[0]->capture) tl_hidden_capture(f->seqs[0]->capture, f->layer, f->pos[0], f->T, f->x);
     quantize_rows(f, f->x, d, d, true);
     write_kv(f, block);
-    tl_pool_run(pool, plan_attention(f) * c->n_heads, task_attention, f);
+    tl_pool_run(pool, plan_attention(f), task_attention, f);
     quantize_rows(f, f->o, f->hd, f->hd, false);
     residual(f, &part[TL_PART_OUT], vec->attn_post_norm);
 

@@ -13,12 +13,13 @@
 #include "cpu/matmul.h"
 #include "cpu/row_kernels.h"
 
-/* One unit of a layer's attention: row t0 alone, or (tile) the m <= TL_ATTN_TILE rows t0 ..
- * t0+m-1, consecutive positions of one sequence, at once (tl_attend_tile). */
-typedef struct attn_item {
+/* A tile unit of a layer's attention: the rows t0 .. t0+m-1 (consecutive positions of one
+ * sequence) by tiles of TL_ATTN_TILE rows (tl_attend_tile), for every query head of kv head
+ * kv_head, its values packed once where no window cuts the keys (tl_attn_pack_values). */
+typedef struct attn_slice {
     size_t t0, m;
-    bool tile;
-} attn_item;
+    uint32_t kv_head;
+} attn_slice;
 
 /* One pass over T rows: its inputs, the arena's buffers (forward.c's layout) and the
  * inputs of the tasks it hands the pool. */
@@ -50,7 +51,9 @@ typedef struct fwd {
     float* gu;               /* [T][2F]                                                */
     tl_acts acts;            /* [T][stride] for the next linear                        */
     tl_attn_scratch* attn;   /* [pool threads]                                         */
-    attn_item* items;        /* [T] the current layer's attention work (plan_attention) */
+    size_t* alone;           /* [T] the current layer's rows attending one by one (plan_attention) */
+    attn_slice* slices;      /* [T * G] the current layer's tile units (plan_attention)            */
+    size_t n_alone, n_slices;
     size_t* order;           /* [T] batch: row r belongs to the caller's span order[r]  */
     size_t* first;           /* [S] batch: span b's first token in the caller's tokens   */
     float* heads;            /* [S][d] batch: the final states the head runs on         */
