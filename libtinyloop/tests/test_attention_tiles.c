@@ -135,10 +135,10 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
     const char* names[] = {"scalar", "avx2", "avx512"};
     const size_t n_kernels = !tl_isa_available(TL_ISA_AVX2) ? 1 : !tl_isa_available(TL_ISA_AVX512_VNNI) ? 2 : 3;
     tl_attn_scratch ts = {NULL, malloc(n * sizeof(int32_t)), NULL, malloc(D), NULL,
-                          aligned_alloc(64, tl_attn_tile_bytes(n, D)), NULL, n};
+                          aligned_alloc(64, tl_attn_tile_bytes(n, g)), NULL, n};
     for (size_t ki = 0; ki < n_kernels; ki++) {
         memset(got, 0x55, m * D * sizeof(float));
-        memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, D));
+        memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, g));
         tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, m, window, q, D, got, D, 0, &ts);
         for (size_t i = 0; i < m; i++)
             CHECK(tu_same_bits(ref + i * D, got + i * D, D),
@@ -150,8 +150,8 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
      * tile of its first half of queries only, whose last key block then holds later keys' values */
     for (size_t ki = 0; ki < n_kernels && tl_attn_first_key(p0, window) == 0; ki++)
         for (size_t rows = m, last = 0; !last; last = rows == (m + 1) / 2, rows = (m + 1) / 2) {
-            memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, D)); /* earlier tiles' leftovers: a tile clears what it reads */
-            tl_attn_pack_values(g, kv, layer, kv_head, n, &ts);
+            memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, g)); /* earlier tiles' leftovers: a tile clears what it reads */
+            tl_attn_pack_slice(g, kv, layer, kv_head, n, &ts);
             memset(got, 0x55, m * D * sizeof(float));
             tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, rows, window, q, D, got, D, n, &ts);
             for (size_t i = 0; i < rows; i++)

@@ -28,12 +28,13 @@
  *
  * Scratch (scratch->tile, tl_attn_tile_bytes) is O(keys * (128 + D)) bytes: the score rows, the
  * limbs, the packed values and the row pointers of the whole union; the query and key tiles are
- * O(D). Its buffers are laid out for scratch->tile_keys keys whatever a tile's union, so that
- * the values packed once (tl_attn_pack_values) serve every later tile whose queries see keys
- * from position 0 up to at most the packed ones: a chunk's tiles then pack each value row once
- * per (layer, kv head) instead of once per tile. Tiles: 0..3 accumulators, 4..5 A, 6..7 B, all
- * 16 rows x 64 bytes. Code outside the tile primitives is plain C, so this file builds on every
- * CPU with the emulation. */
+ * O(D); from an int4 cache, also the union's key rows unpacked. Its buffers are laid out for
+ * scratch->tile_keys keys whatever a tile's union, so that the values packed once (and an int4
+ * cache's keys unpacked once: tl_attn_pack_slice) serve every later tile whose queries see keys
+ * from position 0 up to at most the packed ones: a chunk's tiles then pack each value row (and
+ * unpack each int4 key row) once per (layer, kv head) instead of once per tile. Tiles: 0..3
+ * accumulators, 4..5 A, 6..7 B, all 16 rows x 64 bytes. Code outside the tile primitives is
+ * plain C, so this file builds on every CPU with the emulation. */
 #include <math.h>
 #include <string.h>
 
@@ -63,6 +64,7 @@ typedef struct tile_buffers {
     size_t n_dt;            /* 16-wide d tiles of the value GEMM, even (pairs of B tiles)    */
     int8_t* qpack;          /* [Dp / 4][TQ][4] the queries as B (zero past D and past m)    */
     int8_t* stage;          /* [TQ][Dp] key rows copied for a score product, zero past D    */
+    int8_t* keys;           /* [n_pad][Dp] an int4 cache: the keys unpacked, zero past D    */
     int8_t* zeros;          /* [Dp] the value row of the keys past the union                */
     int8_t* group;          /* [4][Dp] an int4 cache: the value rows of a key group unpacked */
     const int8_t** vrow;    /* [n_pad] the value row of each key (packed for int4)          */
@@ -75,7 +77,8 @@ typedef struct tile_buffers {
 } tile_buffers;
 
 /* Carves b out of base (or only measures, with base NULL); returns the bytes used. */
-static size_t carve(uint8_t* base, size_t n_keys, size_t D, tile_buffers* b) {
+static size_t carve(uint8_t* base, size_t n_keys, const tl_kv_geom* g, tile_buffers* b) {
+    const size_t D = g->head_dim;
     size_t used = 0;
 #define TAKE(field, bytes)                                       \
     do {                                                         \
@@ -87,6 +90,7 @@ static size_t carve(uint8_t* base, size_t n_keys, size_t D, tile_buffers* b) {
     b->n_dt = round_up((D + DT - 1) / DT, 2);
     TAKE(qpack, TQ * b->Dp);
     TAKE(stage, TQ * b->Dp);
+    TAKE(keys, g->kv_bits == 8 ? 0 : b->n_pad * b->Dp);
     TAKE(zeros, b->Dp);
     TAKE(group, 4 * b->Dp);
     TAKE(vrow, b->n_pad * sizeof(const int8_t*));
@@ -100,21 +104,25 @@ static size_t carve(uint8_t* base, size_t n_keys, size_t D, tile_buffers* b) {
     return used;
 }
 
-size_t tl_attn_tile_bytes(size_t max_keys, size_t D) {
+size_t tl_attn_tile_bytes(size_t max_keys, const tl_kv_geom* g) {
     tile_buffers b;
-    return carve(NULL, max_keys, D, &b);
+    return carve(NULL, max_keys, g, &b);
 }
 
 /* ---- scores --------------------------------------------------------------------------------- */
 
 /* Query q's row of scores for the n <= 16 keys k (cache rows, consecutive), which are keys
- * col .. col+n-1 of the union: C[j][q] = kq_j . qq_q on the tiles, then the spec's multiplies. */
+ * col .. col+n-1 of the union: C[j][q] = kq_j . qq_q on the tiles, then the spec's multiplies.
+ * unpacked: an int4 cache's keys col .. as tl_attn_pack_slice unpacked them, or NULL. */
 TL_TILES static void score_keys(const tile_buffers* b, const tl_kv_geom* g, const int8_t* k, size_t n, size_t m,
-                                const float* c, size_t col) {
+                                const float* c, size_t col, bool unpacked) {
     const size_t D = g->head_dim, R = tl_kv_row_bytes(g);
     const int8_t* rows = k;
     size_t stride = D;
-    if (g->kv_bits != 8) { /* int4: unpacked into the staging rows (zero past D) */
+    if (unpacked) { /* 16 rows of b->keys (col a multiple of 16): past n, zero rows or later keys, unused */
+        rows = b->keys + col * b->Dp;
+        stride = b->Dp;
+    } else if (g->kv_bits != 8) { /* int4: unpacked into the staging rows (zero past D) */
         for (size_t j = 0; j < n; j++) tl_kv_unpack4(k + j * R, D, b->stage + j * b->Dp);
         rows = b->stage;
         stride = b->Dp;
@@ -226,25 +234,33 @@ TL_TILES static void value_sums(const tile_buffers* b, size_t D, size_t blocks) 
 
 /* ---- the values, packed once ------------------------------------------------------------------ */
 
-/* b->vrow[i] = the value row of key lo + i for keys lo .. hi. */
+/* b->vrow[i] = the value row of key lo + i for keys lo .. hi; with unpack_keys (an int4 cache),
+ * b->keys row i = key lo + i unpacked (zero past D), and zero rows up to the next 16 keys. */
 static void value_rows(const tile_buffers* b, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
-                       uint32_t kv_head, size_t lo, size_t hi) {
-    const size_t R = tl_kv_row_bytes(g);
+                       uint32_t kv_head, size_t lo, size_t hi, bool unpack_keys) {
+    const size_t R = tl_kv_row_bytes(g), D = g->head_dim;
     tl_attn_segment seg;
     size_t si = tl_kv_find(kv, lo), col = 0, len;
     while ((len = tl_attn_next_segment(kv, &si, lo, hi, &seg))) {
         const int8_t* values = tl_kv_values(g, seg.block, layer, kv_head) + seg.from * R;
-        for (size_t j = 0; j < len; j++) b->vrow[col + j] = values + j * R;
+        const int8_t* keys = tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * R;
+        for (size_t j = 0; j < len; j++) {
+            b->vrow[col + j] = values + j * R;
+            if (!unpack_keys) continue;
+            tl_kv_unpack4(keys + j * R, D, b->keys + (col + j) * b->Dp);
+            memset(b->keys + (col + j) * b->Dp + D, 0, b->Dp - D);
+        }
         col += len;
     }
+    if (unpack_keys) memset(b->keys + col * b->Dp, 0, (round_up(col, TL_TILE_ROWS) - col) * b->Dp);
 }
 
-void tl_attn_pack_values(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t n,
-                         tl_attn_scratch* s) {
+void tl_attn_pack_slice(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t n,
+                        tl_attn_scratch* s) {
     tile_buffers b;
-    carve(s->tile, s->tile_keys, g->head_dim, &b);
+    carve(s->tile, s->tile_keys, g, &b);
     memset(b.zeros, 0, b.Dp);
-    value_rows(&b, g, kv, layer, kv_head, 0, n - 1);
+    value_rows(&b, g, kv, layer, kv_head, 0, n - 1, g->kv_bits != 8);
     for (size_t grp = 0; grp < round_up(n, KB) / 4; grp++) pack_value_group(&b, grp, n, g->head_dim, g->kv_bits != 8);
 }
 
@@ -256,9 +272,10 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
                              tl_attn_scratch* s) {
     const size_t D = g->head_dim, R = tl_kv_row_bytes(g), lo = tl_attn_first_key(p0, window), hi = p0 + m - 1,
                  n = hi - lo + 1, n_pad = round_up(n, KB);
-    const bool packed = lo == 0 && hi < packed_keys; /* tl_attn_pack_values packed this union's values */
+    const bool packed = lo == 0 && hi < packed_keys; /* tl_attn_pack_slice packed this union */
+    const bool unpacked = packed && g->kv_bits != 8;   /* and unpacked its int4 keys            */
     tile_buffers b;
-    carve(s->tile, s->tile_keys, D, &b);
+    carve(s->tile, s->tile_keys, g, &b);
     tl_tiles_configure(&tl_tiles_full);
 
     /* the queries: (qq, sq) = Q8(q_i), c_i = sq / sqrt(D), qq into B */
@@ -278,10 +295,12 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
         const int8_t* keys = tl_kv_keys(g, seg.block, layer, kv_head) + seg.from * R;
         memcpy(b.sk + col, tl_kv_key_scales(g, seg.block, layer, kv_head) + seg.from, len * sizeof(float));
         memcpy(b.sv + col, tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, len * sizeof(float));
-        for (size_t j0 = 0; j0 < len; j0 += TL_TILE_ROWS)
-            score_keys(&b, g, keys + j0 * R, len - j0 < TL_TILE_ROWS ? len - j0 : TL_TILE_ROWS, m, c, col + j0);
+        for (size_t j0 = 0; j0 < len && !unpacked; j0 += TL_TILE_ROWS)
+            score_keys(&b, g, keys + j0 * R, len - j0 < TL_TILE_ROWS ? len - j0 : TL_TILE_ROWS, m, c, col + j0, false);
         col += len;
     }
+    for (size_t j0 = 0; j0 < n && unpacked; j0 += TL_TILE_ROWS) /* the int4 keys tl_attn_pack_slice unpacked */
+        score_keys(&b, g, NULL, n - j0 < TL_TILE_ROWS ? n - j0 : TL_TILE_ROWS, m, c, j0, true);
 
     /* per query, on its own visible row: the branches of §4.1, M, kappa, U (as limbs), den */
     float svmax[TQ];
@@ -304,7 +323,7 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
     /* pass 2: the value sums of every query at once (past n, the packed values may be later keys':
      * their limbs are zero) */
     if (!packed) {
-        value_rows(&b, g, kv, layer, kv_head, lo, hi);
+        value_rows(&b, g, kv, layer, kv_head, lo, hi, false);
         for (size_t grp = 0; grp < n_pad / 4; grp++) pack_value_group(&b, grp, n, D, g->kv_bits != 8);
     }
     value_sums(&b, D, n_pad / KB);

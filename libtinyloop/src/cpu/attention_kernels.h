@@ -21,7 +21,7 @@ typedef struct tl_attn_scratch {
     int64_t* num;    /* [D]                            */
     int8_t* qq;      /* [D]                            */
     int16_t* qq16;   /* [D] qq widened (SIMD kernels)  */
-    void* tile;      /* tl_attn_tile_bytes(tile_keys, D) bytes, 64-byte aligned (tl_attend_tile only) */
+    void* tile;      /* tl_attn_tile_bytes(tile_keys, g) bytes, 64-byte aligned (tl_attend_tile only) */
     int8_t* rows;    /* tl_attn_rows_bytes(g) bytes: an int4 cache's rows unpacked (tl_attend only) */
     size_t tile_keys; /* the keys `tile` holds: at least every tile's union and every packing's */
 } tl_attn_scratch;
@@ -89,14 +89,14 @@ enum { TL_ATTN_TILE = 16 }; /* queries per tl_attend_tile call, at most */
 
 /* Bytes of scratch->tile that tl_attend_tile needs when a tile's queries see at most max_keys
  * keys together (max_keys >= the last query's position + 1 always suffices). */
-size_t tl_attn_tile_bytes(size_t max_keys, size_t D);
+size_t tl_attn_tile_bytes(size_t max_keys, const tl_kv_geom* g);
 
 /* For i < m (1 .. TL_ATTN_TILE): o + i * o_stride = tl_attend(kern, g, kv, layer, kv_head, p0 + i,
  * window, q + i * q_stride), bit for bit: the m queries of one head at consecutive positions, as
  * in a prefill chunk, with the scores and the value sums computed on AMX tiles (real or
  * emulated, amx_tiles.h) and every other step by kern's per-query kernels. Uses scratch->u,
- * scratch->qq and scratch->tile. packed_keys: the keys whose values the last
- * tl_attn_pack_values on this scratch packed for this (kv, layer, kv_head), 0 for none; a tile
+ * scratch->qq and scratch->tile. packed_keys: the keys the last tl_attn_pack_slice on this
+ * scratch packed for this (kv, layer, kv_head), 0 for none; a tile
  * whose queries see keys 0 .. p0+m-1 with p0+m <= packed_keys uses them, any other packs its own
  * (and leaves the packing unusable: pack again before relying on it). */
 void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
@@ -104,8 +104,9 @@ void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_k
                     float* o, size_t o_stride, size_t packed_keys, tl_attn_scratch* scratch);
 
 /* Packs the values of keys 0 .. n-1 (1 <= n <= scratch->tile_keys, all in the table) of kv head
- * `kv_head` of cache layer `layer` into scratch->tile for the tiles that follow. */
-void tl_attn_pack_values(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t n,
-                         tl_attn_scratch* scratch);
+ * `kv_head` of cache layer `layer` into scratch->tile for the tiles that follow, and from an int4
+ * cache unpacks their keys there too. */
+void tl_attn_pack_slice(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t n,
+                        tl_attn_scratch* scratch);
 
 #endif

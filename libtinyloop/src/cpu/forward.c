@@ -25,7 +25,7 @@
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool (on AMX,
  * the attention of a chunk of two rows or more per (slice of 16-row tiles, kv head):
- * tl_attend_tile, the slice's values packed once by tl_attn_pack_values). Each
+ * tl_attend_tile, the slice's values packed once by tl_attn_pack_slice). Each
  * output element is computed by exactly one task from inputs that no concurrent task writes,
  * so the thread count never changes a bit. All scratch lives in one arena owned by the sequence
  * (a batch borrows its first sequence's), grown only when a bigger chunk, or a history longer by
@@ -92,7 +92,7 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->attn = tl_take(c, workers * sizeof(tl_attn_scratch));
     /* only where run_block runs attention on tiles: the tile scratch grows with the whole history */
     const bool tiles = attends_on_tiles(f->e, max_run);
-    const size_t tile_bytes = tiles ? tl_attn_tile_bytes(max_keys, D) : 0;
+    const size_t tile_bytes = tiles ? tl_attn_tile_bytes(max_keys, &f->e->kv_geom) : 0;
     f->alone = tl_take(c, T * sizeof(size_t));
     f->slices = tl_take(c, tiles ? T * cfg->n_kv_heads * sizeof(attn_slice) : 0);
     for (unsigned w = 0; w < workers; w++) {
@@ -241,7 +241,7 @@ static void attend_slice(fwd* f, const attn_slice* a, tl_attn_scratch* scratch) 
     const tl_seq* s = f->seqs[a->t0];
     size_t packed = 0;
     if (s->window == 0 || keys <= s->window) {
-        tl_attn_pack_values(&f->e->kv_geom, &s->kv, f->layer, a->kv_head, keys, scratch);
+        tl_attn_pack_slice(&f->e->kv_geom, &s->kv, f->layer, a->kv_head, keys, scratch);
         packed = keys;
     }
     for (size_t t = a->t0; t < a->t0 + a->m; t += TL_ATTN_TILE) {

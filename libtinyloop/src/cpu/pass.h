@@ -15,7 +15,7 @@
 
 /* A tile unit of a layer's attention: the rows t0 .. t0+m-1 (consecutive positions of one
  * sequence) by tiles of TL_ATTN_TILE rows (tl_attend_tile), for every query head of kv head
- * kv_head, its values packed once where no window cuts the keys (tl_attn_pack_values). */
+ * kv_head, its values packed once where no window cuts the keys (tl_attn_pack_slice). */
 typedef struct attn_slice {
     size_t t0, m;
     uint32_t kv_head;
