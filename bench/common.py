@@ -98,17 +98,20 @@ def tinyloop_isas(wanted):
 
 
 @contextlib.contextmanager
-def tinyloop_model(path, isa, threads):
-    """tinyloop.Model on `path` opened with TINYLOOP_ISA=isa (read when a Model opens)."""
-    saved = os.environ.get("TINYLOOP_ISA")
-    os.environ["TINYLOOP_ISA"] = isa
+def tinyloop_model(path, isa, threads, row_kernels="auto"):
+    """tinyloop.Model on `path` opened with TINYLOOP_ISA=isa and TINYLOOP_ROW_KERNELS=row_kernels
+    (both read when a Model opens)."""
+    forced = {"TINYLOOP_ISA": isa, "TINYLOOP_ROW_KERNELS": row_kernels}
+    saved = {name: os.environ.get(name) for name in forced}
+    os.environ.update(forced)
     try:
         model = tinyloop.Model(path, backend="native", threads=threads, prefix_cache_bytes=0)
     finally:
-        if saved is None:
-            del os.environ["TINYLOOP_ISA"]
-        else:
-            os.environ["TINYLOOP_ISA"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     with model:
         yield model
 

@@ -1,16 +1,22 @@
-/* tile_peak.c — the AMX int8 tile unit's peak on this machine, for bench/bench_isa.py.
+/* int8_peak.c — this machine's int8 multiply-add peak on one kernel path, for bench/bench_isa.py.
  *
- *     cc -O2 -mamx-tile -mamx-int8 -pthread bench/tile_peak.c -o tile_peak && ./tile_peak THREADS
+ *     cc -O2 -mavx512f -mavx512vnni -mamx-tile -mamx-int8 -pthread bench/int8_peak.c -o int8_peak
+ *     ./int8_peak amx|avx512-vnni THREADS
  *
- * Each of THREADS threads runs STEPS steps of four TDPBSSD on four independent accumulator tiles
- * (tmm0..3 += {tmm4, tmm5} x {tmm6, tmm7}, every tile 16 rows x 64 bytes: 16 x 16 x 64 int8
- * multiply-adds per instruction), so the instruction's latency is hidden and only its throughput
- * counts. Prints one number: int8 multiply-adds per second over all threads, in T MAC/s, the best
- * of REPEATS short runs (wall time from before the threads start to after they all end; short
- * and many, so that on a shared machine some run gets its cores to itself). Asks Linux
- * for the tile state first (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; it holds for the
- * whole process). Exit status 1, with the reason on stderr, when that or a thread fails.
- * Not here: checking the sums (the tile path's exactness is libtinyloop's tests' job). */
+ * amx:          each thread runs STEPS steps of four TDPBSSD on four independent accumulator
+ *               tiles (tmm0..3 += {tmm4, tmm5} x {tmm6, tmm7}, every tile 16 rows x 64 bytes:
+ *               16 x 16 x 64 multiply-adds per instruction), after asking Linux for the tile
+ *               state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; it holds for the whole
+ *               process).
+ * avx512-vnni:  each thread runs STEPS steps of ACCS VPDPBUSD zmm on ACCS independent
+ *               accumulators (16 lanes x 4 multiply-adds per instruction).
+ * Independent accumulators hide the instruction's latency, so only its throughput counts.
+ * Prints one number: int8 multiply-adds per second over all threads, in T MAC/s, the best of
+ * REPEATS short runs (wall time from before the threads start to after they all end; short and
+ * many, so that on a shared machine some run gets its cores to itself). Exit status 1, with the
+ * reason on stderr, when the arguments are wrong or the tile request or a thread fails. The CPU
+ * must have the path (bench_isa.py checks lscpu's flags first). Not here: checking the sums
+ * (the kernels' exactness is libtinyloop's tests' job). */
 #include <errno.h>
 #include <immintrin.h>
 #include <pthread.h>
@@ -27,7 +33,9 @@
 #define STEPS 250000L
 #define REPEATS 20
 #define MAX_THREADS 256
-#define MACS_PER_STEP (4.0 * 16 * 16 * 64)
+#define ACCS 12
+#define AMX_MACS_PER_STEP (4.0 * 16 * 16 * 64)
+#define VNNI_MACS_PER_STEP (ACCS * 16.0 * 4)
 
 struct tile_config {          /* the LDTILECFG memory layout, palette 1 */
     uint8_t palette, start_row, reserved[14];
@@ -43,7 +51,7 @@ static const struct tile_config config = {
     .rows = {16, 16, 16, 16, 16, 16, 16, 16},
 };
 
-static void* run(void* unused) {
+static void* run_amx(void* unused) {
     (void)unused;
     int8_t operand[16 * 64];
     for (int i = 0; i < 16 * 64; i++) operand[i] = (int8_t)(i * 37 + 11);
@@ -66,6 +74,22 @@ static void* run(void* unused) {
     return NULL;
 }
 
+static volatile int32_t sink; /* keeps the VNNI sums alive */
+
+static void* run_vnni(void* unused) {
+    (void)unused;
+    const __m512i a = _mm512_set1_epi32(0x01020304), b = _mm512_set1_epi32(0x05060708);
+    __m512i acc[ACCS];
+    for (int i = 0; i < ACCS; i++) acc[i] = _mm512_set1_epi32(i);
+    for (long step = 0; step < STEPS; step++) {
+#pragma GCC unroll 12 /* ACCS: the accumulators stay in registers */
+        for (int i = 0; i < ACCS; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    }
+    for (int i = 1; i < ACCS; i++) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
+    sink = _mm512_reduce_add_epi32(acc[0]);
+    return NULL;
+}
+
 static double seconds(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -73,12 +97,14 @@ static double seconds(void) {
 }
 
 int main(int argc, char** argv) {
-    int threads = argc == 2 ? atoi(argv[1]) : 0;
-    if (threads < 1 || threads > MAX_THREADS) {
-        fprintf(stderr, "usage: %s THREADS (1 .. %d)\n", argv[0], MAX_THREADS);
+    const int amx = argc == 3 && strcmp(argv[1], "amx") == 0;
+    const int vnni = argc == 3 && strcmp(argv[1], "avx512-vnni") == 0;
+    const int threads = argc == 3 ? atoi(argv[2]) : 0;
+    if (!(amx || vnni) || threads < 1 || threads > MAX_THREADS) {
+        fprintf(stderr, "usage: %s amx|avx512-vnni THREADS (1 .. %d)\n", argv[0], MAX_THREADS);
         return 1;
     }
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
+    if (amx && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
         fprintf(stderr, "arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: %s\n",
                 strerror(errno));
         return 1;
@@ -88,14 +114,14 @@ int main(int argc, char** argv) {
     for (int repeat = 0; repeat < REPEATS; repeat++) {
         double start = seconds();
         for (int t = 0; t < threads; t++) {
-            int err = pthread_create(&pool[t], NULL, run, NULL);
+            int err = pthread_create(&pool[t], NULL, amx ? run_amx : run_vnni, NULL);
             if (err) {
                 fprintf(stderr, "pthread_create failed: %s\n", strerror(err));
                 return 1;
             }
         }
         for (int t = 0; t < threads; t++) pthread_join(pool[t], NULL);
-        double rate = MACS_PER_STEP * STEPS * threads / (seconds() - start);
+        double rate = (amx ? AMX_MACS_PER_STEP : VNNI_MACS_PER_STEP) * STEPS * threads / (seconds() - start);
         if (rate > best) best = rate;
     }
     printf("%.4f\n", best / 1e12);
