@@ -256,7 +256,7 @@ class DiskTier:
             _fail(f"too small: {size} bytes < the {HEADER.size}-byte header")
         h = Header._make(HEADER.unpack_from(data))
         if h.magic != MAGIC:
-            _fail(f"bad magic {h.magic!r}, expected {MAGIC!r}")
+            _fail(f"bad magic {h.magic.hex()}, expected {MAGIC!r}")
         if h.version != VERSION:
             _fail(f"version: unsupported {h.version}, expected {VERSION}")
         if h.header_bytes != HEADER.size:

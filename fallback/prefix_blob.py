@@ -104,7 +104,7 @@ def _check_header(engine, mv):
         _fail(f"too small: {size} bytes < the {HEADER.size}-byte header")
     h = Header._make(HEADER.unpack_from(mv))
     if h.magic != MAGIC:
-        _fail(f"bad magic {h.magic!r}, expected {MAGIC!r}")
+        _fail(f"bad magic {h.magic.hex()}, expected {MAGIC!r}")
     if h.version not in VERSIONS:
         _fail(f"version: unsupported {h.version}, expected 1 or 2")
     if h.header_bytes != HEADER.size:

@@ -618,6 +618,8 @@ NAN = float("nan")
 HOSTILE = [
     # header, in validation order
     ("magic", "int8", lambda b: set_header(b, "magic", b"TINYLOOQ"), "bad magic"),
+    # a colon in the bad bytes: the message must not quote them raw (readers-agree cuts at ':')
+    ("magic-with-a-colon", "int8", lambda b: set_header(b, "magic", b"TLP\x00-\x00\x00:"), "bad magic"),
     ("version 4", "int8", lambda b: set_header(b, "version", 4), "version: unsupported 4"),
     ("version 0", "int8", lambda b: set_header(b, "version", 0), "version"),
     ("header_bytes", "int8", lambda b: set_header(b, "header_bytes", 255), "header_bytes"),

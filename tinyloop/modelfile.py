@@ -294,7 +294,7 @@ def _parse_header_start(mv: memoryview, size: int) -> tuple[int, HeaderFields]:
     (magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset, data_offset,
      *config_fields, flags, name_field) = values[:V1_VALUES]
     if magic != MAGIC:
-        raise ModelFormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
+        raise ModelFormatError(f"bad magic {magic.hex()}, expected {MAGIC!r}")
     if version not in VERSIONS:
         raise ModelFormatError(f"version: unsupported {version}, expected 1, 2 or 3")
     if header_bytes != HEADER_BYTES:
