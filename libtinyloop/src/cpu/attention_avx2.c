@@ -254,8 +254,8 @@ INLINE_AVX2 void accumulate_chunk(const int32_t* u, const tl_attn_rows* segs, si
     flush(acc, _mm256_set1_epi64x(128 * u_sum), num + d0);
 }
 
-AVX2 void tl_attn_accumulate_avx2(const int32_t* u, const tl_attn_rows* segs, size_t n_segs, size_t D,
-                                  int64_t* num) {
+AVX2 static void accumulate_segments_avx2(const int32_t* u, const tl_attn_rows* segs, size_t n_segs, size_t D,
+                                          int64_t* num) {
     const size_t D32 = D / D_CHUNK * D_CHUNK;
     for (size_t d0 = 0; d0 < D32; d0 += D_CHUNK) accumulate_chunk(u, segs, n_segs, D, d0, num);
     for (size_t i = 0; i < n_segs; u += segs[i].n, i++)
@@ -267,5 +267,5 @@ const tl_attn_kernels tl_attn_avx2 = {.quantize = tl_quantize_row_avx2,
                                       .scores = tl_attn_scores_avx2,
                                       .max = max_avx2,
                                       .weights = weights_avx2,
-                                      .accumulate_segments = tl_attn_accumulate_avx2,
+                                      .accumulate_segments = accumulate_segments_avx2,
                                       .output = output_avx2};

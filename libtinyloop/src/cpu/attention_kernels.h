@@ -63,10 +63,9 @@ extern const tl_attn_kernels tl_attn_avx512; /* only where tl_isa_available(TL_I
 /* The attention kernels of row form `row_isa` (row_kernels.h; kernel_tables.c). */
 const tl_attn_kernels* tl_attn_kernels_for(tl_isa row_isa);
 
-/* attention_avx2.c's scores and accumulate_segments, which the AVX-512 table shares. */
+/* attention_avx2.c's scores, which the AVX-512 scores fall back to for head sizes past 512. */
 void tl_attn_scores_avx2(const tl_attn_scratch* s, const int8_t* k, const float* sk, size_t n, size_t D, float c,
                          float* scores);
-void tl_attn_accumulate_avx2(const int32_t* u, const tl_attn_rows* segs, size_t n_segs, size_t D, int64_t* num);
 
 /* The first key visible from position t: t + 1 - window with a window, else 0. */
 static inline size_t tl_attn_first_key(size_t t, uint32_t window) {
