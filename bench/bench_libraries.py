@@ -1,10 +1,12 @@
 """Prefill speed of two or more libtinyloop builds side by side, per kernel path, as a fraction
-of this machine's int8 peak on that path (issue #34 point 4: before and after a kernel change).
+of this machine's int8 peak on that path (issue #34 point 4: before and after a kernel change),
+and with --decode-batches their batched decode.
 
     python bench/bench_libraries.py --library before=PATH --library after=PATH
                                     [--isas avx512-vnni,amx] [--shape quick|full] [--format int8]
                                     [--kv-mode int8|int4] [--model FILE]
                                     [--prompts 512,2048] [--chunk 512] [--threads 2]
+                                    [--decode-batches 1,4,8]
                                     [--rounds 3] [--repeats 3] [--dir DIR] [--name NAME]
 
 A build is a libtinyloop shared library (a `cmake --build` of libtinyloop/ at some commit, for
@@ -29,7 +31,15 @@ Columns:
   bench/int8_peak.c, AMX tiles for amx, VPDPBUSD for avx512-vnni; empty for avx2).
 - same tokens: the build's decoded tokens equal the first build's on that path.
 
-Writes bench/results/<--name, default libraries-<shape>-<format>-kv<kv mode>>.{json,md}.
+With --decode-batches, each child also decodes greedily a batch of B sequences (generate_batch,
+16-token prompts) for each B, and a second table gives the seconds a decode step takes (a step:
+one token of each sequence; (time of 1 + DECODE_TOKENS tokens - time of 1) / DECODE_TOKENS, each
+time the best of --repeats), its ratio to the first build's and to the build's own smallest batch: the
+linears' small-batch kernels, which batched decode, the scheduler and the speculative wave
+(several positions a pass) run.
+
+Writes bench/results/<--name, default libraries-<shape>-<format>-kv<kv mode>>.{json,md}, and
+the decode table to <name>-decode.{json,md}.
 """
 import argparse
 import json
@@ -69,8 +79,19 @@ def child(args):
         tok_s[n] = n / best
     tokens = model.generate_from_prefix_cache(prefix, max_tokens=DECODE_TOKENS)
     config = ModelConfig.from_dict(model.config())
+    steps = {}
+    for batch in [int(b) for b in args.decode_batches.split(",")] if args.decode_batches else []:
+        prompts = [rng.integers(0, vocab, 16).tolist() for _ in range(batch)]
+        fastest = {1: float("inf"), 1 + DECODE_TOKENS: float("inf")}
+        for _ in range(args.repeats):
+            for n in fastest:
+                start = time.perf_counter()
+                model.generate_batch(prompts, max_tokens=n)
+                fastest[n] = min(fastest[n], time.perf_counter() - start)
+        # a tiny model's difference may drown in noise: never below a nanosecond
+        steps[batch] = max((fastest[1 + DECODE_TOKENS] - fastest[1]) / DECODE_TOKENS, 1e-9)
     print(json.dumps({"isa": model.runtime()["isa"], "tok/s": tok_s, "tokens": tokens,
-                      "work": linear_work(config)[:2]}))
+                      "work": linear_work(config)[:2], "step s": steps}))
     return 0
 
 
@@ -81,7 +102,8 @@ def measure(label, library, isa, args):
     cmd = [sys.executable, __file__, "--child", "--shape", args.shape, "--format", args.format,
            "--kv-mode", args.kv_mode, *(["--model", args.model] if args.model else []),
            "--prompts", args.prompts, "--chunk", str(args.chunk), "--threads", str(args.threads),
-           "--repeats", str(args.repeats), "--dir", args.dir]
+           "--repeats", str(args.repeats), "--dir", args.dir,
+           *(["--decode-batches", args.decode_batches] if args.decode_batches else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{label} on {isa} ended with {exit_text(done.returncode)}:\n{done.stderr}")
@@ -102,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--prompts", default="512,1536")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-batches", default="",
+                    help="comma list of batch sizes whose decode step is timed too")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", help="keep the model file here (default: a temporary directory)")
@@ -134,7 +158,7 @@ def main(argv=None):
         Path(args.dir).mkdir(parents=True, exist_ok=True)
         if not args.model:
             model_file(args.shape, args.format, args.dir, progress=print)
-        best, tokens, work = {}, {}, None
+        best, tokens, work, steps = {}, {}, None, {}
         for round_ in range(args.rounds):
             for isa in isas:
                 for label, library in builds.items():
@@ -144,6 +168,9 @@ def main(argv=None):
                     tokens[label, isa] = result["tokens"]
                     for n, speed in result["tok/s"].items():
                         best[label, isa, int(n)] = max(best.get((label, isa, int(n)), 0.0), speed)
+                    for b, seconds in result["step s"].items():
+                        key = label, isa, int(b)
+                        steps[key] = min(steps.get(key, float("inf")), seconds)
     first = next(iter(builds))
     per_token, head_macs = work
     rows = []
@@ -166,6 +193,16 @@ def main(argv=None):
              f"{first}.")
     name = args.name or f"libraries-{args.shape}-{args.format}-kv{args.kv_mode}"
     print(write_results(name, rows, list(rows[0]), notes))
+    if steps:
+        smallest = min(b for _, _, b in steps)
+        decode = [{"build": label, "isa": isa, "batch": b, "step ms": 1e3 * seconds,
+                   "ratio": seconds / steps[first, isa, b],
+                   "vs smallest batch": seconds / steps[label, isa, smallest]}
+                  for (label, isa, b), seconds in steps.items()]
+        decode.sort(key=lambda r: (isas.index(r["isa"]), r["batch"], list(builds).index(r["build"])))
+        print(write_results(f"{name}-decode", decode, list(decode[0]),
+                            notes + f" Decode: {DECODE_TOKENS} greedy steps of a batch of B "
+                            "16-token prompts."))
     return 0 if all(r["same tokens"] for r in rows) else 1
 
 

@@ -1,4 +1,5 @@
-/* matmul_avx512.c — AVX-512 VNNI linear kernel (16-row tiles, up to 8 tokens per pass).
+/* matmul_avx512.c — AVX-512 VNNI linear kernel (16-row tiles, int8 ones in pairs, up to 8 tokens
+ * per pass).
  *
  * int8: vpdpbusd multiplies u8 by s8 and sums 4 products into i32 without saturation. The
  *       activations go in as u8 (q + 128) and the weights stay s8 (the layout the AMX path
@@ -42,6 +43,35 @@ INLINE_AVX512 void int8_tile(const tl_linear* L, size_t tile, const tl_acts* A, 
     for (int t = 0; t < nt; t++) _mm512_storeu_si512((void*)acc_out[t], _mm512_sub_epi32(acc[t], corr));
 }
 
+/* int8_tile on two consecutive tiles at once: each activation broadcast feeds both. */
+INLINE_AVX512 void int8_tile_pair(const tl_linear* L, size_t tile, const tl_acts* A, size_t t0, int nt,
+                                  int32_t acc_out[2][NT][TR]) {
+    const size_t steps = L->cols_padded / 4;
+    const uint8_t* W0 = L->packed + tile * TR * (size_t)L->cols_padded;
+    const uint8_t* W1 = W0 + TR * (size_t)L->cols_padded;
+    __m512i acc0[NT], acc1[NT];
+    for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = _mm512_setzero_si512();
+    for (size_t s = 0; s < steps; s++) {
+        _mm_prefetch((const char*)(W0 + 64 * s + PREFETCH_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char*)(W1 + 64 * s + PREFETCH_AHEAD), _MM_HINT_T0);
+        const __m512i w0 = _mm512_load_si512((const void*)(W0 + 64 * s));
+        const __m512i w1 = _mm512_load_si512((const void*)(W1 + 64 * s));
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            if (t >= nt) break;
+            const __m512i a = broadcast4(A->qx + (t0 + t) * A->stride + 4 * s);
+            acc0[t] = _mm512_dpbusd_epi32(acc0[t], a, w0);
+            acc1[t] = _mm512_dpbusd_epi32(acc1[t], a, w1);
+        }
+    }
+    const __m512i corr0 = _mm512_loadu_si512((const void*)(L->corr + tile * TR));
+    const __m512i corr1 = _mm512_loadu_si512((const void*)(L->corr + (tile + 1) * TR));
+    for (int t = 0; t < nt; t++) {
+        _mm512_storeu_si512((void*)acc_out[0][t], _mm512_sub_epi32(acc0[t], corr0));
+        _mm512_storeu_si512((void*)acc_out[1][t], _mm512_sub_epi32(acc1[t], corr1));
+    }
+}
+
 INLINE_AVX512 void int4_tile(const tl_linear* L, size_t tile, const tl_acts* A, size_t t0, int nt,
                              int32_t acc_out[NT][TR]) {
     const size_t K = L->src.cols, gs = L->src.group_size, groups = K / gs, steps_per_group = gs / 8;
@@ -73,34 +103,50 @@ INLINE_AVX512 void int4_tile(const tl_linear* L, size_t tile, const tl_acts* A, 
     for (int t = 0; t < nt; t++) _mm512_storeu_si512((void*)acc_out[t], _mm512_sub_epi32(acc[t], corr));
 }
 
-INLINE_AVX512 void tile_tokens(const tl_linear* L, size_t tile, const tl_acts* A, size_t t0, int nt,
-                               int32_t acc[NT][TR]) {
-    if (L->src.group_size) int4_tile(L, tile, A, t0, nt, acc);
-    else int8_tile(L, tile, A, t0, nt, acc);
+/* One pass over `tiles` (1, or 2 for int8) consecutive tiles for tokens t0 .. t0+nt-1. */
+INLINE_AVX512 void tiles_pass(const tl_linear* L, size_t tile, int tiles, const tl_acts* A, size_t t0, int nt,
+                              int32_t acc[2][NT][TR]) {
+    if (tiles == 2) int8_tile_pair(L, tile, A, t0, nt, acc);
+    else if (L->src.group_size) int4_tile(L, tile, A, t0, nt, acc[0]);
+    else int8_tile(L, tile, A, t0, nt, acc[0]);
 }
 
+/* tiles_pass with nt a constant in each case, so the token loops unroll. */
+INLINE_AVX512 void tokens_pass(const tl_linear* L, size_t tile, int tiles, const tl_acts* A, size_t t0, int nt,
+                               int32_t acc[2][NT][TR]) {
+    switch (nt) {
+    case 8: tiles_pass(L, tile, tiles, A, t0, 8, acc); break;
+    case 7: tiles_pass(L, tile, tiles, A, t0, 7, acc); break;
+    case 6: tiles_pass(L, tile, tiles, A, t0, 6, acc); break;
+    case 5: tiles_pass(L, tile, tiles, A, t0, 5, acc); break;
+    case 4: tiles_pass(L, tile, tiles, A, t0, 4, acc); break;
+    case 3: tiles_pass(L, tile, tiles, A, t0, 3, acc); break;
+    case 2: tiles_pass(L, tile, tiles, A, t0, 2, acc); break;
+    default: tiles_pass(L, tile, tiles, A, t0, 1, acc); break;
+    }
+}
+
+/* Emit the accumulators of `tile` for tokens t0 .. t0+nt-1 (rows below row1). */
+INLINE_AVX512 void emit_tile(const tl_linear* L, const tl_acts* A, size_t tile, size_t t0, int nt, uint32_t row1,
+                             int32_t acc[NT][TR], float* y, size_t y_stride, bool accumulate) {
+    for (int t = 0; t < nt; t++)
+        for (uint32_t r = 0; r < TR && tile * TR + r < row1; r++) {
+            const size_t row = tile * TR + r;
+            tl_emit(&y[(t0 + t) * y_stride + row], acc[t][r], A->scale[t0 + t], L->scale[row], accumulate);
+        }
+}
+
+/* int8 tiles go two at a time where two remain, so each activation broadcast feeds 32 rows. */
 AVX512 void tl_gemm_avx512(const tl_linear* L, const tl_acts* A, uint32_t row0, uint32_t row1,
                            float* y, size_t y_stride, bool accumulate) {
-    int32_t acc[NT][TR];
-    for (size_t tile = row0 / TR; tile * TR < row1; tile++) {
+    int32_t acc[2][NT][TR];
+    for (size_t tile = row0 / TR, tiles; tile * TR < row1; tile += tiles) {
+        tiles = !L->src.group_size && (tile + 1) * TR < row1 ? 2 : 1;
         for (size_t t0 = 0; t0 < A->n; t0 += NT) {
             const int nt = A->n - t0 < NT ? (int)(A->n - t0) : NT;
-            switch (nt) {
-            case 8: tile_tokens(L, tile, A, t0, 8, acc); break;
-            case 7: tile_tokens(L, tile, A, t0, 7, acc); break;
-            case 6: tile_tokens(L, tile, A, t0, 6, acc); break;
-            case 5: tile_tokens(L, tile, A, t0, 5, acc); break;
-            case 4: tile_tokens(L, tile, A, t0, 4, acc); break;
-            case 3: tile_tokens(L, tile, A, t0, 3, acc); break;
-            case 2: tile_tokens(L, tile, A, t0, 2, acc); break;
-            default: tile_tokens(L, tile, A, t0, 1, acc); break;
-            }
-            for (int t = 0; t < nt; t++)
-                for (uint32_t r = 0; r < TR && tile * TR + r < row1; r++) {
-                    const size_t row = tile * TR + r;
-                    tl_emit(&y[(t0 + t) * y_stride + row], acc[t][r], A->scale[t0 + t], L->scale[row],
-                            accumulate);
-                }
+            tokens_pass(L, tile, (int)tiles, A, t0, nt, acc);
+            for (size_t k = 0; k < tiles; k++)
+                emit_tile(L, A, tile + k, t0, nt, row1, acc[k], y, y_stride, accumulate);
         }
     }
 }
