@@ -30,6 +30,7 @@
 typedef struct tl_backend tl_backend;
 typedef struct tl_engine tl_engine;
 typedef struct tl_seq tl_seq;
+typedef struct tl_wave_row tl_wave_row; /* core/forward.h */
 typedef struct tl_part tl_part; /* core/forward.h */
 typedef struct tl_exit tl_exit; /* core/exit_rule.h */
 
@@ -70,6 +71,10 @@ typedef struct tl_backend_iface {
      * prefill chunks as separate passes). */
     tl_status (*forward_spans)(tl_backend* b, tl_seq* const* seqs, const int32_t* tokens, const size_t* counts,
                                size_t S, float* const* logits, const tl_exit* exits, uint32_t* depths);
+    /* Rows of one sequence at different core iterations in one pass: core/forward.h's
+     * tl_forward_wave. Optional: NULL when the backend has none (then a wave request decodes in
+     * rounds, docs/spec.md §5.6). */
+    tl_status (*forward_wave)(tl_backend* b, tl_seq* s, const tl_wave_row* rows, size_t R);
     /* Whether forward_batch runs exit rules (adaptive depth, docs/spec.md §5.7); without it, a
      * request with an exit rule is refused and every row the core hands it runs to its depth. */
     bool adaptive;

@@ -55,6 +55,35 @@ static inline tl_status tl_forward_part(tl_seq* s, const int32_t* tokens, size_t
     return b->iface->forward_part(b, s, tokens, T, pos0, part);
 }
 
+/* One row of a wave pass (docs/spec.md §5.6.1): position pos of the sequence runs ONE core
+ * iteration, `iter`, beside rows of other positions at other iterations; every row reads the
+ * same core weights, so the pass reads them once for all. A row at iteration 0 runs from its
+ * token (embedding, prelude, the injection's start); a deeper one resumes from state (and
+ * inject). With logits, the row then also ends at depth s->loops on a copy of its state
+ * (coda_norm, the coda in depth s->loops's slots, the head): its final logits when iter + 1 ==
+ * s->loops (hidden, if not NULL, receives its final state), else a draft's. */
+typedef struct tl_wave_row {
+    int32_t token;  /* iter 0: the row's token                                            */
+    uint32_t iter;  /* the core iteration this pass runs, 0 .. s->loops - 1                */
+    size_t pos;     /* its position; its KV is reserved                                    */
+    float* state;   /* [d] in (iter > 0): the state after iteration iter - 1; out: after iter */
+    float* inject;  /* [d] injection only: in (iter > 0), out (iter 0): the injected term    */
+    float* logits;  /* NULL or [V]: the row's logits at depth s->loops after this iteration  */
+    float* hidden;  /* NULL or [d] (final rows): the final state the head read              */
+} tl_wave_row;
+
+/* Rows[0..R) of sequence s, ordered by iteration, deepest first, no two at one (position,
+ * iteration), each row's earlier positions done with its iteration (so a row is computed as
+ * it would be alone, bit for bit). Writes the KV of the slots its rows run. Only on a backend
+ * with a wave pass (tl_has_wave_pass); fails like tl_forward. */
+static inline tl_status tl_forward_wave(tl_seq* s, const tl_wave_row* rows, size_t R) {
+    tl_backend* b = s->engine->backend;
+    return b->iface->forward_wave(b, s, rows, R);
+}
+
+/* Whether the engine's backend has a wave pass. */
+static inline bool tl_has_wave_pass(const tl_engine* e) { return e->backend->iface->forward_wave != NULL; }
+
 /* Whether the engine's backend has a part pass. */
 static inline bool tl_has_part_pass(const tl_engine* e) { return e->backend->iface->forward_part != NULL; }
 

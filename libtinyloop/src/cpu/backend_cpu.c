@@ -45,6 +45,10 @@ static tl_status cpu_forward_spans(tl_backend* b, tl_seq* const* seqs, const int
     return tl_cpu_forward_spans(((cpu_backend*)b)->linears, seqs, tokens, counts, S, logits, exits, depths);
 }
 
+static tl_status cpu_forward_wave(tl_backend* b, tl_seq* s, const tl_wave_row* rows, size_t R) {
+    return tl_cpu_forward_wave(((cpu_backend*)b)->linears, s, rows, R);
+}
+
 static tl_status cpu_head_logits(tl_backend* b, const tl_engine* e, const float* x, float* logits) {
     const cpu_backend* cpu = (const cpu_backend*)b;
     return tl_cpu_head_logits(&cpu->linears[cpu->n_linears - 1], e, x, logits);
@@ -71,6 +75,7 @@ static const tl_backend_iface cpu_iface = {.forward = cpu_forward,
                                            .free = cpu_free,
                                            .forward_part = cpu_forward_part,
                                            .kv_from_rows = cpu_kv_from_rows,
+                                           .forward_wave = cpu_forward_wave,
                                            .adaptive = true};
 
 tl_status tl_backend_cpu_new(tl_engine* e, tl_backend** out) {

@@ -18,6 +18,11 @@
  * A chunk runs as a part pass (core/forward.h's tl_part): it may stop at a depth below the
  * sequence's (ending in another depth's coda slots) and resume from kept states, skipping the
  * embedding, the prelude and the iterations before first_iter; tl_forward is the whole part.
+ * A wave pass (tl_cpu_forward_wave, docs/spec.md §5.6.1) runs rows of one sequence at several
+ * core iterations at once: each core block runs every row in its own iteration's slot
+ * (tl_fwd_row_slot), so the block's weights are read once for all of them; its rows at
+ * iteration 0 first run the embedding and prelude, and the rows that end then run the coda
+ * and the head together, gathered.
  * A chunk of a hidden-state prefix build hands every layer's input rows to its sequence's
  * capture (core/hidden.h); tl_cpu_kv_from_rows runs only a layer's attn_qkv and KV write, on
  * the stored rows of such a prefix.
@@ -65,9 +70,9 @@ static bool attends_on_tiles(const tl_engine* e, size_t run) {
 /* Lays out every buffer of f in the arena at c (measure first with c->base == NULL): S > 0 for
  * a batch of S spans, whose longest is max_run rows (a chunk: S = 0, max_run = T). The batch
  * buffers only for a batch, the exit rules' only for a batch with one (adaptive), the side
- * state only for a prefix build or a batch with probes. */
+ * state only for a prefix build, a batch with probes or a wave pass (its ending rows). */
 static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_t S, size_t max_run, bool build,
-                   exit_needs x) {
+                   exit_needs x, bool wave) {
     const tl_config* cfg = f->c;
     const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
@@ -78,7 +83,8 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->tokens = tl_take(c, T * sizeof(int32_t));
     f->x = tl_take(c, state);
     f->inject = tl_take(c, cfg->injection ? state : 0);
-    f->side = tl_take(c, (build && tl_has_coda(cfg)) || x.probes ? state : 0);
+    f->side = tl_take(c, (build && tl_has_coda(cfg)) || x.probes || wave ? state : 0);
+    f->iters = wave ? tl_take(c, T * sizeof(uint32_t)) : NULL;
     f->y = tl_take(c, cfg->block_layout == TL_LAYOUT_SANDWICH ? state : 0);
     f->qkv = tl_take(c, T * f->qkv_dim * sizeof(float));
     f->o = tl_take(c, T * f->hd * sizeof(float));
@@ -106,7 +112,7 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->first = tl_take(c, S * sizeof(size_t));
     f->heads = tl_take(c, S * cfg->d_model * sizeof(float));
     f->head_span = tl_take(c, S * sizeof(size_t));
-    f->logits = tl_take(c, S * cfg->vocab_size * sizeof(float));
+    f->logits = tl_take(c, (wave ? T : S) * cfg->vocab_size * sizeof(float));
     f->ends = tl_take(c, S ? T * sizeof(uint32_t) : 0);
     f->exits = x.adaptive ? tl_take(c, T * sizeof(tl_exit_state)) : NULL;
     f->prev = tl_take(c, x.adaptive ? state : 0);
@@ -114,8 +120,8 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->moved = tl_take(c, x.adaptive ? T * tl_fwd_moved_row(cfg) : 0);
     f->done = x.probes ? tl_take(c, T) : NULL;
     f->probe_at = tl_take(c, x.probes ? T * sizeof(size_t) : 0);
-    f->pseqs = tl_take(c, x.probes ? T * sizeof(tl_seq*) : 0);
-    f->ppos = tl_take(c, x.probes ? T * sizeof(size_t) : 0);
+    f->pseqs = tl_take(c, x.probes || wave ? T * sizeof(tl_seq*) : 0);
+    f->ppos = tl_take(c, x.probes || wave ? T * sizeof(size_t) : 0);
     f->klz = tl_take(c, x.kl_rows * cfg->vocab_size * sizeof(float));
     f->klw = tl_take(c, x.kl_rows * cfg->vocab_size * sizeof(int32_t));
 }
@@ -199,13 +205,14 @@ static void task_kv_write(void* ctx, size_t t, unsigned worker) {
     const tl_kv_table* kv = &f->seqs[t]->kv;
     const tl_kv_span* span = &kv->spans[tl_kv_find(kv, pos)];
     const size_t slot = pos - span->start, R = tl_kv_row_bytes(g);
+    const uint32_t layer = tl_fwd_row_slot(f, t);
     for (uint32_t h = 0; h < c->n_kv_heads; h++) {
         const float* k = z + ((size_t)c->n_heads + h) * D;
         const float* v = z + ((size_t)c->n_heads + c->n_kv_heads + h) * D;
-        tl_kv_key_scales(g, span->block, f->layer, h)[slot] =
-            kv_row(f, k, D, tl_kv_keys(g, span->block, f->layer, h) + slot * R, worker);
-        tl_kv_value_scales(g, span->block, f->layer, h)[slot] =
-            kv_row(f, v, D, tl_kv_values(g, span->block, f->layer, h) + slot * R, worker);
+        tl_kv_key_scales(g, span->block, layer, h)[slot] =
+            kv_row(f, k, D, tl_kv_keys(g, span->block, layer, h) + slot * R, worker);
+        tl_kv_value_scales(g, span->block, layer, h)[slot] =
+            kv_row(f, v, D, tl_kv_values(g, span->block, layer, h) + slot * R, worker);
     }
 }
 
@@ -218,7 +225,10 @@ static size_t plan_attention(fwd* f) {
     const size_t G = f->c->n_kv_heads, per_head = (2 * (size_t)tl_pool_threads(f->e->pool) + G - 1) / G;
     f->n_alone = f->n_slices = 0;
     for (size_t r = 0, g; r < f->T; r = g) {
-        for (g = r + 1; g < f->T && f->seqs[g] == f->seqs[r] && f->pos[g] == f->pos[g - 1] + 1; g++) continue;
+        for (g = r + 1; g < f->T && f->seqs[g] == f->seqs[r] && f->pos[g] == f->pos[g - 1] + 1 &&
+                        tl_fwd_row_slot(f, g) == tl_fwd_row_slot(f, r);
+             g++)
+            continue;
         if (!attends_on_tiles(f->e, g - r)) {
             for (size_t t = r; t < g; t++) f->alone[f->n_alone++] = t;
             continue;
@@ -239,15 +249,16 @@ static void attend_slice(fwd* f, const attn_slice* a, tl_attn_scratch* scratch) 
     const tl_config* c = f->c;
     const size_t D = c->head_dim, group = c->n_heads / c->n_kv_heads, keys = f->pos[a->t0 + a->m - 1] + 1;
     const tl_seq* s = f->seqs[a->t0];
+    const uint32_t layer = tl_fwd_row_slot(f, a->t0);
     size_t packed = 0;
     if (s->window == 0 || keys <= s->window) {
-        tl_attn_pack_slice(&f->e->kv_geom, &s->kv, f->layer, a->kv_head, keys, scratch);
+        tl_attn_pack_slice(&f->e->kv_geom, &s->kv, layer, a->kv_head, keys, scratch);
         packed = keys;
     }
     for (size_t t = a->t0; t < a->t0 + a->m; t += TL_ATTN_TILE) {
         const size_t m = a->t0 + a->m - t < TL_ATTN_TILE ? a->t0 + a->m - t : TL_ATTN_TILE;
         for (size_t h = a->kv_head * group; h < (a->kv_head + 1) * group; h++)
-            tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, a->kv_head, f->pos[t], m, s->window,
+            tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, layer, a->kv_head, f->pos[t], m, s->window,
                            f->qkv + t * f->qkv_dim + h * D, f->qkv_dim, f->o + t * f->hd + h * D, f->hd, packed,
                            scratch);
     }
@@ -265,7 +276,7 @@ static void task_attention(void* ctx, size_t task, unsigned worker) {
     const size_t H = c->n_heads, D = c->head_dim, h = task % H, t = f->alone[task / H];
     const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
     const tl_seq* s = f->seqs[t];
-    tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, f->layer, kv_head, f->pos[t], s->window,
+    tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, tl_fwd_row_slot(f, t), kv_head, f->pos[t], s->window,
               f->qkv + t * f->qkv_dim + h * D, f->o + t * f->hd + h * D, &f->attn[worker]);
 }
 
@@ -357,28 +368,51 @@ static void iteration(fwd* f, uint32_t i) {
         run_block(f, c->n_pre_blocks + j, c->n_pre_blocks + i * per + j);
 }
 
+/* What narrow() changes: the pass's rows, put back by widen(). */
+typedef struct rows_view {
+    float* x;
+    float* inject;
+    tl_seq** seqs;
+    size_t* pos;
+    int32_t* tokens;
+    size_t T;
+} rows_view;
+
+/* The pass narrowed to rows [lo, hi), their states in `state` (laid out as f->x), as a pass of
+ * their own; returns the whole, for widen(). */
+static rows_view narrow(fwd* f, float* state, size_t lo, size_t hi) {
+    const size_t d = f->c->d_model;
+    const rows_view whole = {f->x, f->inject, f->seqs, f->pos, f->tokens, f->T};
+    f->x = state + lo * d;
+    if (f->c->injection) f->inject += lo * d;
+    f->seqs += lo;
+    f->pos += lo;
+    f->tokens += lo;
+    f->T = hi - lo;
+    return whole;
+}
+
+static void widen(fwd* f, const rows_view* whole) {
+    f->x = whole->x;
+    f->inject = whole->inject;
+    f->seqs = whole->seqs;
+    f->pos = whole->pos;
+    f->tokens = whole->tokens;
+    f->T = whole->T;
+}
+
 /* The end of depth `depth` for rows [lo, hi) of `state` (f->x or f->side): coda_norm, then the
  * coda blocks in depth `depth`'s slots. The rows' state becomes their final state. */
 void tl_fwd_end_depth(fwd* f, float* state, size_t lo, size_t hi, uint32_t depth) {
     const tl_config* c = f->c;
     if (lo == hi || !tl_has_coda(c)) return;
-    const size_t d = c->d_model, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
-    float* const x = f->x;
-    tl_seq** const seqs = f->seqs;
-    size_t* const pos = f->pos;
-    const size_t T = f->T;
-    f->x = state + lo * d;
-    f->seqs += lo;
-    f->pos += lo;
-    f->T = hi - lo;
+    const size_t per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    const rows_view whole = narrow(f, state, lo, hi);
     if (c->coda_norm) norm_rows(f, f->x, f->e->file.coda_norm, false);
     for (uint32_t j = 0; j < c->n_coda_blocks; j++)
         run_block(f, c->n_pre_blocks + c->n_core_blocks + j,
                   c->n_pre_blocks + (size_t)(depth - 1) * per + c->n_core_blocks + j);
-    f->x = x;
-    f->seqs = seqs;
-    f->pos = pos;
-    f->T = T;
+    widen(f, &whole);
 }
 
 static void embed(fwd* f) {
@@ -394,7 +428,7 @@ static void embed(fwd* f) {
 /* Lay out the scratch of T rows whose positions are all below max_keys in `scratch`, growing it
  * first if they do not fit: the pass's only allocation, and on failure nothing has changed. */
 static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, size_t T, size_t max_keys, size_t S,
-                       size_t max_run, bool build, exit_needs x, tl_scratch* scratch) {
+                       size_t max_run, bool build, exit_needs x, bool wave, tl_scratch* scratch) {
     memset(f, 0, sizeof *f);
     f->e = e;
     f->c = tl_engine_config(e);
@@ -409,11 +443,11 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     const unsigned workers = tl_pool_threads(e->pool);
     max_keys = (max_keys + KEYS_STEP - 1) / KEYS_STEP * KEYS_STEP;
     tl_carve arena = {0, NULL};
-    layout(f, &arena, workers, max_keys, S, max_run, build, x);
+    layout(f, &arena, workers, max_keys, S, max_run, build, x, wave);
     const tl_status st = tl_scratch_fit(scratch, arena.used, "forward scratch");
     if (st != TL_OK) return st;
     arena = (tl_carve){0, scratch->base};
-    layout(f, &arena, workers, max_keys, S, max_run, build, x);
+    layout(f, &arena, workers, max_keys, S, max_run, build, x, wave);
     return TL_OK;
 }
 
@@ -493,7 +527,7 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
                          const tl_part* part, float* last_hidden) {
     fwd f;
     const exit_needs none = {false, false, 0};
-    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, 0, T, part->loop_states != NULL, none, &s->scratch);
+    tl_status st = begin(&f, s->engine, linears, T, pos0 + T, 0, T, part->loop_states != NULL, none, false, &s->scratch);
     if (st != TL_OK) return st;
     f.first_iter = part->first_iter;
     f.depth = part->depth;
@@ -523,7 +557,7 @@ tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot
                               const int8_t* q, const float* a) {
     fwd f;
     const exit_needs none = {false, false, 0};
-    tl_status st = begin(&f, s->engine, linears, T, 1, 0, 0, false, none, &s->scratch); /* no attention */
+    tl_status st = begin(&f, s->engine, linears, T, 1, 0, 0, false, none, false, &s->scratch); /* no attention */
     if (st != TL_OK) return st;
     const size_t d = f.c->d_model;
     f.layer = slot;
@@ -564,7 +598,7 @@ tl_status tl_cpu_forward_spans(const tl_linear* linears, tl_seq* const* seqs, co
     fwd f;
     const size_t V = tl_engine_config(e)->vocab_size, d = tl_engine_config(e)->d_model;
     /* the widest span's arena: the one a prefill's own chunks grow anyway */
-    tl_status st = begin(&f, e, linears, rows, max_keys, S, max_run, false, needs, &seqs[widest]->scratch);
+    tl_status st = begin(&f, e, linears, rows, max_keys, S, max_run, false, needs, false, &seqs[widest]->scratch);
     if (st != TL_OK) return st;
     f.rules = exits;
     f.out = logits;
@@ -597,6 +631,77 @@ tl_status tl_cpu_forward_spans(const tl_linear* linears, tl_seq* const* seqs, co
     f.T = heads;
     if (heads) tl_fwd_head_rows(&f, f.heads, f.logits);
     for (size_t h = 0; h < heads; h++) memcpy(logits[f.head_span[h]], f.logits + h * V, V * sizeof(float));
+    return TL_OK;
+}
+
+/* A wave pass's core iteration: each row runs its own iteration, iters[t], of the core blocks
+ * in that iteration's slots (the blocks' weights read once for all); the step norm on the rows
+ * past iteration 0 only: [0, fresh), the fresh rows being last. */
+static void wave_iteration(fwd* f, size_t fresh) {
+    const tl_config* c = f->c;
+    if (c->step_norm && fresh > 0) {
+        const rows_view whole = narrow(f, f->x, 0, fresh);
+        norm_rows(f, f->x, f->e->file.step_norm, false);
+        widen(f, &whole);
+    }
+    if (c->injection) adapter(f);
+    f->row_iter = f->iters;
+    for (uint32_t j = 0; j < c->n_core_blocks; j++) run_block(f, c->n_pre_blocks + j, c->n_pre_blocks + j);
+    f->row_iter = NULL;
+}
+
+tl_status tl_cpu_forward_wave(const tl_linear* linears, tl_seq* s, const tl_wave_row* rows, size_t R) {
+    size_t max_keys = 0;
+    for (size_t r = 0; r < R; r++)
+        if (rows[r].pos + 1 > max_keys) max_keys = rows[r].pos + 1;
+    fwd f;
+    const exit_needs none = {false, false, 0};
+    /* max_run R: runs of consecutive positions in one slot (the ending rows' coda) may use tiles */
+    tl_status st = begin(&f, s->engine, linears, R, max_keys, 0, R, false, none, true, &s->scratch);
+    if (st != TL_OK) return st;
+    f.chunk = false; /* rows at several iterations: no hidden-state capture */
+    const tl_config* c = f.c;
+    const size_t d = c->d_model, V = c->vocab_size, state = d * sizeof(float);
+    size_t fresh = R; /* rows [fresh, R) start at iteration 0 */
+    while (fresh > 0 && rows[fresh - 1].iter == 0) fresh--;
+    for (size_t r = 0; r < R; r++) {
+        f.seqs[r] = s;
+        f.pos[r] = rows[r].pos;
+        f.iters[r] = rows[r].iter;
+        f.tokens[r] = rows[r].token;
+        if (r >= fresh) continue;
+        memcpy(f.x + r * d, rows[r].state, state);
+        if (c->injection) memcpy(f.inject + r * d, rows[r].inject, state);
+    }
+    if (fresh < R) {
+        const rows_view whole = narrow(&f, f.x, fresh, R);
+        embed(&f);
+        for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(&f, b, b);
+        if (c->injection) begin_injection(&f);
+        widen(&f, &whole);
+    }
+    wave_iteration(&f, fresh);
+    size_t m = 0; /* the rows that end at depth s->loops now, gathered in side */
+    for (size_t r = 0; r < R; r++) {
+        memcpy(rows[r].state, f.x + r * d, state);
+        if (r >= fresh && c->injection) memcpy(rows[r].inject, f.inject + r * d, state);
+        if (!rows[r].logits) continue;
+        memcpy(f.side + m * d, f.x + r * d, state);
+        f.pseqs[m] = s;
+        f.ppos[m++] = rows[r].pos;
+    }
+    if (m == 0) return TL_OK;
+    f.seqs = f.pseqs;
+    f.pos = f.ppos;
+    f.T = m;
+    tl_fwd_end_depth(&f, f.side, 0, m, s->loops);
+    tl_fwd_head_rows(&f, f.side, f.logits);
+    for (size_t r = 0, h = 0; r < R; r++) {
+        if (!rows[r].logits) continue;
+        memcpy(rows[r].logits, f.logits + h * V, V * sizeof(float));
+        if (rows[r].hidden) memcpy(rows[r].hidden, f.side + h * d, state);
+        h++;
+    }
     return TL_OK;
 }
 

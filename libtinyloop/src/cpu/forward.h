@@ -23,6 +23,8 @@ tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot
 tl_status tl_cpu_forward_spans(const tl_linear* linears, tl_seq* const* seqs, const int32_t* tokens,
                                const size_t* counts, size_t S, float* const* logits, const tl_exit* exits,
                                uint32_t* depths);
+/* tl_forward_wave on the CPU. Fails only with TL_ERR_OUT_OF_MEMORY, before touching the cache. */
+tl_status tl_cpu_forward_wave(const tl_linear* linears, tl_seq* s, const tl_wave_row* rows, size_t R);
 /* tl_head_logits with the prepared head linear `head`. */
 tl_status tl_cpu_head_logits(const tl_linear* head, const tl_engine* e, const float* x, float* logits);
 
