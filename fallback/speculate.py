@@ -17,6 +17,12 @@ from .forward import forward_part, head_logits, stack_rows
 from .sampling import NumericError
 
 
+def draft_depth(params):
+    """The round's draft depth: params.draft_loops, or for 0 (a wave request choosing its own,
+    run here as rounds: docs/spec.md §5.6.1) a quarter of the loops, at least 1."""
+    return params.draft_loops or max(params.loops // 4, 1)
+
+
 def speculative_round(kernels, weights, cache, history, params, emit, limit):
     """One round on `cache`, which holds every position of `history` but the last, the token
     emitted last. Drafts K' = min(params.n_draft, limit) tokens (limit >= 1: the tokens the
@@ -30,11 +36,12 @@ def speculative_round(kernels, weights, cache, history, params, emit, limit):
     so far; that last row has no draft to accept). Whatever fails (the forward pass, the
     sampler, emit), the cache is left holding the positions committed so far."""
     p = cache.length
+    depth = draft_depth(params)
     rows, drafts, states, injected = [history[-1]], [], [], []
     try:
         for i in range(min(params.n_draft, limit)):
             part = forward_part(kernels, weights, cache, p + i, np.array([rows[i]], np.int32),
-                                depth=params.draft_loops, coda_depth=params.loops)
+                                depth=depth, coda_depth=params.loops)
             states.append(part.state)
             injected.append(part.injected)
             seen = history + drafts
@@ -45,7 +52,7 @@ def speculative_round(kernels, weights, cache, history, params, emit, limit):
                 drafts.append(None)
                 break
             rows.append(drafts[-1])
-        verified = forward_part(kernels, weights, cache, p, first_iter=params.draft_loops,
+        verified = forward_part(kernels, weights, cache, p, first_iter=depth,
                                 state=stack_rows(kernels, states),
                                 injected=None if injected[0] is None else stack_rows(kernels, injected))
         logits = head_logits(kernels, weights, verified.hidden)

@@ -1,5 +1,6 @@
-"""Self-speculative decoding (draft_loops, n_draft; docs/api.md), on every backend: whatever the
-model shape (coda, injection, step norm, GQA), prompt, depth, draft depth, draft length,
+"""Self-speculative decoding (draft_loops, n_draft, draft_wave; docs/api.md), on every backend:
+whatever the model shape (coda, injection, step norm, GQA), prompt, depth, draft depth, draft
+length, schedule (rounds or the wave, which backends without a wave pass run as rounds),
 sampling parameters, seed, window and stop rules, a speculative generation's tokens and logits
 are bit for bit plain decoding's, from a prompt, from a PrefixCache and inside generate_batch
 mixes; its draft_stats add up, drafts being drafted on every backend (libtinyloop's CUDA
@@ -29,18 +30,30 @@ def request_kwargs(draw, vocab, max_loops=5):
 
 
 @st.composite
-def drafting(draw, loops):
-    """draft_loops and n_draft for a request at depth `loops` (n_draft None: the default)."""
-    return dict(draft_loops=draw(st.integers(1, loops - 1)),
-                n_draft=draw(st.sampled_from([None, 1, 2, 3, 5, 8, 64])))
+def drafting(draw, loops, wave=True):
+    """draft_loops, n_draft (None: the default) and, unless not `wave`, draft_wave for a request
+    at depth `loops`."""
+    drawn = dict(draft_loops=draw(st.integers(1, loops - 1)),
+                 n_draft=draw(st.sampled_from([None, 1, 2, 3, 5, 8, 64])))
+    if wave:
+        drawn["draft_wave"] = draw(st.booleans())
+        if drawn["draft_wave"] and draw(st.booleans()):
+            drawn["draft_loops"] = "auto"
+    return drawn
 
 
-def assert_stats_add_up(stats, n_emitted, n_draft):
-    """Every token after the first is a round's, a round emits 1 .. K' of its K' drafts, and
-    only emitted tokens are accepted."""
+def assert_stats_add_up(stats, n_emitted, n_draft, loops, wave=False, backend=None):
+    """Rounds: every token after the first is a round's, a round emits 1 .. K' of its K'
+    drafts (K: n_draft, by default 4, or loops for a wave request). The wave, where it
+    runs (libtinyloop's CPU backend: elsewhere a wave request runs rounds), enters at most one
+    draft a step and emits a token at least every `loops` steps. Only emitted tokens are
+    accepted."""
     drafted, accepted = stats["drafted"], stats["accepted"]
-    most = (n_emitted - 1) * (n_draft or DEFAULT_N_DRAFT)
-    assert n_emitted - 1 <= drafted <= most, (stats, n_emitted)
+    if wave and backend == "native":
+        assert drafted <= n_emitted * loops, (stats, n_emitted)
+    else:
+        most = n_draft or (min(loops, 64) if wave else DEFAULT_N_DRAFT)
+        assert n_emitted - 1 <= drafted <= (n_emitted - 1) * most, (stats, n_emitted)
     assert 0 <= accepted <= min(drafted, n_emitted - 1), (stats, n_emitted)
     assert stats["acceptance_rate"] == (accepted / drafted if drafted else 0.0), stats
 
@@ -55,7 +68,8 @@ def test_speculative_generation_is_plain_generation(backend, zoo, data):
         stats = {}
         got = model.generate(prompt, return_logits=True, draft_stats=stats, **draft, **kwargs)
         assert_same_generation(got, model.generate(prompt, return_logits=True, **kwargs))
-        assert_stats_add_up(stats, len(got[0]) - len(prompt), draft["n_draft"])
+        assert_stats_add_up(stats, len(got[0]) - len(prompt), draft["n_draft"], kwargs["loops"],
+                            draft["draft_wave"], backend)
 
 
 @backend_given(data=st.data())
@@ -76,7 +90,8 @@ def test_speculative_continuations_of_a_prefix_are_plain_ones(backend, zoo, data
         want = model.generate_from_prefix_cache(prefix, suffix=suffix, return_logits=True,
                                                 **kwargs)
         assert_same_generation(got, want)
-        assert_stats_add_up(stats, len(got[0]) - len(prefix) - len(suffix), draft["n_draft"])
+        assert_stats_add_up(stats, len(got[0]) - len(prefix) - len(suffix), draft["n_draft"],
+                            kwargs["loops"], draft["draft_wave"], backend)
         assert prefix.loops == depth
 
 
@@ -88,7 +103,7 @@ def test_batches_mixing_speculative_and_plain_requests_get_plain_results(backend
         for _ in range(data.draw(st.integers(1, 4), "requests")):
             kwargs = data.draw(request_kwargs(vocab, max_loops=4))
             if data.draw(st.booleans(), "speculative"):
-                kwargs.update(data.draw(drafting(kwargs["loops"])), draft_stats={})
+                kwargs.update(data.draw(drafting(kwargs["loops"], wave=False)), draft_stats={})
             batch.append((data.draw(prompts(vocab, max_size=12)), kwargs))
         got = model.generate_batch([p for p, _ in batch], per_request=[kw for _, kw in batch],
                                    return_logits=True)
@@ -97,7 +112,8 @@ def test_batches_mixing_speculative_and_plain_requests_get_plain_results(backend
             draft = {name: kwargs.pop(name, None) for name in ("draft_loops", "n_draft")}
             assert_same_generation(result, model.generate(prompt, return_logits=True, **kwargs))
             if stats is not None:
-                assert_stats_add_up(stats, len(result[0]) - len(prompt), draft["n_draft"])
+                assert_stats_add_up(stats, len(result[0]) - len(prompt), draft["n_draft"],
+                                    kwargs["loops"])
 
 
 def test_a_shared_draft_stats_dict_sums_the_batch(on_fast_backend):
@@ -171,11 +187,28 @@ def test_draft_stats_are_filled_for_plain_decoding_too(small_model):
     (dict(loops=3, draft_loops=-1), "draft_loops < 0"),
     (dict(loops=3, draft_loops="1"), "draft_loops must be an integer, got str"),
     (dict(loops=3, draft_loops=1, draft_stats=[]), "draft_stats must be a dict or None, got list"),
+    (dict(loops=3, draft_loops="auto"), "draft_loops='auto' needs draft_wave=True"),
 ])
 def test_bad_draft_arguments_are_named(small_model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         small_model.generate([1, 2], max_tokens=2, **kwargs)
     with pytest.raises(ValueError, match="request 0: " + message):
+        small_model.generate_batch([[1, 2]], max_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(loops=3, draft_loops=1, draft_wave=1), "draft_wave must be a bool, got int"),
+    (dict(loops=1, draft_loops="auto", draft_wave=True), "draft_loops='auto' needs loops >= 2, got 1"),
+    (dict(loops=3, draft_loops=3, draft_wave=True), r"draft_loops must be in 1 \.\. loops-1"),
+])
+def test_bad_wave_arguments_are_named(small_model, kwargs, message):
+    """The wave is a lone request's schedule: generate_batch does not take draft_wave."""
+    prefix = small_model.build_prefix_cache([1, 2], loops=3)
+    with pytest.raises(ValueError, match=message):
+        small_model.generate([1, 2], max_tokens=2, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        small_model.generate_from_prefix_cache(prefix, max_tokens=2, **kwargs)
+    with pytest.raises(ValueError, match=r"unknown generation argument\(s\) \['draft_wave'\]"):
         small_model.generate_batch([[1, 2]], max_tokens=2, **kwargs)
 
 

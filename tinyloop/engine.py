@@ -68,8 +68,11 @@ class GenerationParams:
     prefill_chunk: int         # prompt tokens per forward chunk (>= 1)
     cache_salt: str = ""       # tenant key of the automatic prefix cache ("" = none)
     draft_loops: int = 0       # self-speculative decoding's draft depth, 1 .. loops-1 when
-                               # n_draft > 0 (docs/spec.md §5.6); else ignored
+                               # n_draft > 0 (docs/spec.md §5.6), or 0 in the wave: chosen
+                               # from the acceptance (§5.6.1); else ignored
     n_draft: int = 0           # tokens drafted a round, 0 .. 64; 0 = plain decoding
+    draft_wave: bool = False   # with n_draft > 0: the wave schedule (docs/spec.md §5.6.1) on a
+                               # backend with a wave pass, else rounds (the same tokens)
     exit_rule: str = "none"    # adaptive depth (docs/spec.md §5.7): one of EXIT_RULES
     exit_threshold: float = 0.0   # the rule's q, resolved (never 0 with a rule)
     min_loops: int = 1         # iterations every decoded token runs at least, 1 .. loops

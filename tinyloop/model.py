@@ -347,8 +347,8 @@ class Model:
                 top_k: int = 50, top_p: float = 1.0, cache_window: int = 0,
                 repetition_penalty: float = 1.0, stop_sequences: Sequence[TokenIds] | None = (),
                 seed: int | None = None, prefill_chunk: int | None = None,
-                cache_salt: str | None = None, draft_loops: int | None = None,
-                n_draft: int | None = None, exit_rule: str | None = None,
+                cache_salt: str | None = None, draft_loops: int | str | None = None,
+                n_draft: int | None = None, draft_wave: bool = False, exit_rule: str | None = None,
                 exit_threshold: float | None = None,
                 min_loops: int | None = None) -> GenerationParams:
         return P.generation_params(
@@ -356,7 +356,7 @@ class Model:
             top_k=top_k, top_p=top_p, cache_window=cache_window,
             repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
             prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk, cache_salt=cache_salt,
-            draft_loops=draft_loops, n_draft=n_draft, exit_rule=exit_rule,
+            draft_loops=draft_loops, n_draft=n_draft, draft_wave=draft_wave, exit_rule=exit_rule,
             exit_threshold=exit_threshold, min_loops=min_loops)
 
     def _request(self, prompt: TokenIds | None, prefix: PrefixCache | None,
@@ -401,7 +401,7 @@ class Model:
                  prefill_chunk: int | None = ..., return_logits: Literal[False] = ...,
                  on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
                  on_prefill: Callable[[int, int], None] | None = ...,
-                 draft_loops: int | None = ..., n_draft: int | None = ...,
+                 draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                  draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
                  min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
@@ -415,7 +415,7 @@ class Model:
                  prefill_chunk: int | None = ..., *, return_logits: Literal[True],
                  on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
                  on_prefill: Callable[[int, int], None] | None = ...,
-                 draft_loops: int | None = ..., n_draft: int | None = ...,
+                 draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                  draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
                  min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
@@ -429,7 +429,7 @@ class Model:
                  prefill_chunk: int | None = ..., return_logits: bool = ...,
                  on_token: Callable[[int], None] | None = ..., cache_salt: str | None = ...,
                  on_prefill: Callable[[int, int], None] | None = ...,
-                 draft_loops: int | None = ..., n_draft: int | None = ...,
+                 draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                  draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
                  min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
@@ -442,7 +442,7 @@ class Model:
                  prefill_chunk: int | None = None, return_logits: bool = False,
                  on_token: Callable[[int], None] | None = None, cache_salt: str | None = None,
                  on_prefill: Callable[[int, int], None] | None = None,
-                 draft_loops: int | None = None, n_draft: int | None = None,
+                 draft_loops: int | str | None = None, n_draft: int | None = None, draft_wave: bool = False,
                  draft_stats: MutableMapping[str, Any] | None = None,
                  exit_rule: str | None = None, exit_threshold: float | None = None,
                  min_loops: int | None = None, depth_stats: MutableMapping[str, Any] | None = None
@@ -462,7 +462,13 @@ class Model:
         Self-speculative decoding: with `draft_loops` (1 .. loops-1) each round drafts
         `n_draft` tokens (default 4) at that depth and verifies them at `loops` in one pass;
         the tokens and logits are exactly plain decoding's. `draft_stats` (a dict) receives
-        drafted, accepted and acceptance_rate.
+        drafted, accepted and acceptance_rate. With `draft_wave=True` the drafts and their
+        verification run as a wave instead (docs/spec.md §5.6.1: one pass per step, each
+        position in flight running its next loop on the same weights, at most `n_draft`
+        drafts in flight) where the backend has a wave pass (native CPU), else in rounds:
+        the same tokens, fewer weight reads. There `n_draft` defaults to `loops` (every
+        draft the pipeline can hold) and `draft_loops="auto"` lets the wave choose the draft
+        depth from the acceptance it measures.
 
         Adaptive depth (docs/spec.md §5.7): with `exit_rule` ("gate": the model's exit gate,
         "latent": the state's relative change) each decoded token stops after the first core
@@ -479,7 +485,8 @@ class Model:
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
             cache_salt=cache_salt, draft_loops=draft_loops, n_draft=n_draft,
-            exit_rule=exit_rule, exit_threshold=exit_threshold, min_loops=min_loops))
+            draft_wave=draft_wave, exit_rule=exit_rule, exit_threshold=exit_threshold,
+            min_loops=min_loops))
         try:
             with _out_of_memory_as_runtime_error():
                 emitted, logits = engine.generate(tokens, params, return_logits, Callbacks(
@@ -538,7 +545,7 @@ class Model:
                                    return_logits: Literal[False] = ...,
                                    on_token: Callable[[int], None] | None = ...,
                                    on_prefill: Callable[[int, int], None] | None = ...,
-                                   draft_loops: int | None = ..., n_draft: int | None = ...,
+                                   draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                                    draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
                  min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
@@ -556,7 +563,7 @@ class Model:
                                    *, return_logits: Literal[True],
                                    on_token: Callable[[int], None] | None = ...,
                                    on_prefill: Callable[[int, int], None] | None = ...,
-                                   draft_loops: int | None = ..., n_draft: int | None = ...,
+                                   draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                                    draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
                  min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
@@ -574,7 +581,7 @@ class Model:
                                    return_logits: bool = ...,
                                    on_token: Callable[[int], None] | None = ...,
                                    on_prefill: Callable[[int, int], None] | None = ...,
-                                   draft_loops: int | None = ..., n_draft: int | None = ...,
+                                   draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                                    draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
                  min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
@@ -590,7 +597,7 @@ class Model:
                                    prefill_chunk: int | None = None, return_logits: bool = False,
                                    on_token: Callable[[int], None] | None = None,
                                    on_prefill: Callable[[int, int], None] | None = None,
-                                   draft_loops: int | None = None, n_draft: int | None = None,
+                                   draft_loops: int | str | None = None, n_draft: int | None = None, draft_wave: bool = False,
                                    draft_stats: MutableMapping[str, Any] | None = None,
                  exit_rule: str | None = None, exit_threshold: float | None = None,
                  min_loops: int | None = None, depth_stats: MutableMapping[str, Any] | None = None
@@ -610,7 +617,7 @@ class Model:
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
-            draft_loops=draft_loops, n_draft=n_draft, exit_rule=exit_rule,
+            draft_loops=draft_loops, n_draft=n_draft, draft_wave=draft_wave, exit_rule=exit_rule,
             exit_threshold=exit_threshold, min_loops=min_loops))
         try:
             prefix.extend(params.loops, params.prefill_chunk)

@@ -241,6 +241,7 @@ class NativeEngine:
         p.prefill_chunk = params.prefill_chunk
         p.draft_loops = params.draft_loops
         p.n_draft = params.n_draft
+        p.draft_wave = int(params.draft_wave)
         p.exit_rule = EXIT_RULES.index(params.exit_rule)
         p.exit_threshold = params.exit_threshold
         p.min_loops = params.min_loops

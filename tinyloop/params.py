@@ -134,10 +134,20 @@ def check_prefill_chunk(chunk: Any, default: int) -> int:
     return default if chunk is None else check_int("prefill_chunk", chunk, 1)
 
 
-def check_draft(draft_loops: Any, n_draft: Any, loops: int) -> tuple[int, int]:
+def check_draft(draft_loops: Any, n_draft: Any, loops: int, wave: bool = False
+                ) -> tuple[int, int]:
     """Self-speculative decoding's (draft_loops, n_draft) for a request at depth `loops`
     (docs/api.md): draft_loops None (or 0) is off; n_draft None is DEFAULT_N_DRAFT with
-    draft_loops, else 0; n_draft 0 is plain decoding, returned as (0, 0) whatever draft_loops."""
+    draft_loops (in the wave loops, up to MAX_DRAFT: every draft its pipeline holds), else 0; n_draft 0 is plain decoding, returned as
+    (0, 0) whatever draft_loops. In the wave draft_loops "auto" is (0, n_draft): the wave
+    chooses the depth (docs/spec.md §5.6.1)."""
+    if draft_loops == "auto":
+        if not wave:
+            raise ValueError("draft_loops='auto' needs draft_wave=True")
+        if loops < 2:
+            raise ValueError(f"draft_loops='auto' needs loops >= 2, got {loops}")
+        depth, n_draft = check_draft(1, n_draft, loops, wave)
+        return (0, n_draft) if depth else (0, 0)
     if n_draft is not None:
         if not _is_int(n_draft):
             raise ValueError(f"n_draft must be an integer, got {type(n_draft).__name__}")
@@ -148,7 +158,9 @@ def check_draft(draft_loops: Any, n_draft: Any, loops: int) -> tuple[int, int]:
         if n_draft:
             raise ValueError("n_draft > 0 needs draft_loops")
         return 0, 0
-    n_draft = DEFAULT_N_DRAFT if n_draft is None else int(n_draft)
+    if n_draft is None:
+        n_draft = min(loops, MAX_DRAFT) if wave else DEFAULT_N_DRAFT
+    n_draft = int(n_draft)
     if n_draft == 0:
         return 0, 0
     if not 1 <= draft_loops < loops:
@@ -200,8 +212,8 @@ def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, tempe
                       top_k: Any, top_p: Any, cache_window: Any, repetition_penalty: Any,
                       stop_sequences: Any, seed: Any, prefill_chunk: Any, default_chunk: int,
                       cache_salt: Any = None, draft_loops: Any = None,
-                      n_draft: Any = None, exit_rule: Any = None, exit_threshold: Any = None,
-                      min_loops: Any = None) -> GenerationParams:
+                      n_draft: Any = None, draft_wave: Any = False, exit_rule: Any = None,
+                      exit_threshold: Any = None, min_loops: Any = None) -> GenerationParams:
     """Check every generation argument, in this order (the draft arguments, then the exit
     rule's, last, against the resolved depth); `config` is the model's ModelConfig."""
     checked: dict[str, Any] = dict(
@@ -217,11 +229,14 @@ def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, tempe
         prefill_chunk=check_prefill_chunk(prefill_chunk, default_chunk),
         cache_salt=check_cache_salt(cache_salt),
     )
-    draft_loops, n_draft = check_draft(draft_loops, n_draft, checked["loops"])
+    if not isinstance(draft_wave, (bool, np.bool_)):
+        raise ValueError(f"draft_wave must be a bool, got {type(draft_wave).__name__}")
+    draft_loops, n_draft = check_draft(draft_loops, n_draft, checked["loops"], bool(draft_wave))
     rule, threshold, minimum = check_exit(
         exit_rule, exit_threshold, min_loops, checked["loops"], n_draft,
         config.exit_threshold if config.exit_gate else None)
-    return GenerationParams(**checked, draft_loops=draft_loops, n_draft=n_draft, exit_rule=rule,
+    return GenerationParams(**checked, draft_loops=draft_loops, n_draft=n_draft,
+                            draft_wave=bool(draft_wave), exit_rule=rule,
                             exit_threshold=threshold, min_loops=minimum)
 
 

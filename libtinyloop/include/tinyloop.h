@@ -469,7 +469,8 @@ typedef struct tl_gen_params {
     tl_progress_fn on_prefill; /* NULL, or called after each prompt chunk (progress, cancel);
                                   gets user_data too                                          */
     uint32_t draft_loops;        /* self-speculative decoding's draft depth L_d: 1 <= L_d < loops
-                                    when n_draft > 0 (ignored when n_draft == 0)              */
+                                    when n_draft > 0 (ignored when n_draft == 0); 0 with
+                                    draft_wave: the wave chooses it (docs/spec.md §5.6.1)     */
     uint32_t n_draft;            /* tokens drafted per round, 0 .. TL_MAX_DRAFT; 0 = plain decoding */
     tl_draft_stats* draft_stats; /* NULL, or zeroed after validation and updated after every round */
     /* adaptive depth (docs/spec.md §5.7); a caller built before these fields passes a smaller
@@ -484,6 +485,16 @@ typedef struct tl_gen_params {
                                     1 .. loops (loops: never exits)                          */
     tl_depth_stats* depth_stats; /* NULL, or zeroed after validation and updated after every
                                     decode pass (speculative rounds run none)                */
+    /* the wave schedule (docs/spec.md §5.6.1); a caller built before this field passes a
+       smaller size and gets rounds                                                          */
+    uint32_t draft_wave;         /* 0 or 1. With n_draft > 0 and 1: tl_generate and
+                                    tl_generate_from_prefix draft and verify in one pass per
+                                    step, every position in flight running its next core
+                                    iteration on the same weights (n_draft bounds the drafts
+                                    in flight; loops holds them all); the tokens and logits
+                                    are the same, the draft counts the wave's. Batches,
+                                    schedulers and backends without a wave pass (CUDA) run
+                                    rounds (at max(1, loops / 4) for draft_loops 0)          */
 } tl_gen_params;
 
 /* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,

@@ -167,7 +167,7 @@ static void generate(tl_model* m, const tl_prefix* prefix, const int32_t* toks, 
                    : tl_generate(m, toks, n, &w, o->tokens, &o->n, o->logits);
 }
 
-static size_t total_drafted, total_accepted, full_rounds;
+static size_t total_drafted, total_accepted, full_rounds, wave_accepted;
 
 /* spec (speculative) against plain: same status, tokens, logits bits and callbacks; sane counters. */
 static void check_same(const outcome* plain, const outcome* spec, const tl_gen_params* gp, uint32_t V,
@@ -182,12 +182,17 @@ static void check_same(const outcome* plain, const outcome* spec, const tl_gen_p
           "%s: on_token calls differ", what);
     CHECK(plain->stats.drafted == 0 && plain->stats.accepted == 0, "%s: plain decoding drafted", what);
     const tl_draft_stats* s = &spec->stats;
-    const bool any_round = gp->n_draft && spec->n > 1;
     CHECK(s->accepted <= s->drafted, "%s: accepted %zu > drafted %zu", what, s->accepted, s->drafted);
     CHECK(s->accepted + 1 <= spec->n || spec->n == 0, "%s: accepted %zu of %zu emitted", what, s->accepted, spec->n);
-    CHECK((s->drafted > 0) == any_round, "%s: drafted %zu with %zu emitted, K=%u", what, s->drafted, spec->n, gp->n_draft);
+    if (gp->draft_wave) /* a wave enters at most one draft a step, and emits a token every L steps or sooner */
+        CHECK(s->drafted <= spec->n * (size_t)gp->loops, "%s: wave drafted %zu for %zu emitted", what, s->drafted,
+              spec->n);
+    else /* every round drafts */
+        CHECK((s->drafted > 0) == (gp->n_draft && spec->n > 1), "%s: drafted %zu with %zu emitted, K=%u", what,
+              s->drafted, spec->n, gp->n_draft);
     total_drafted += s->drafted;
     total_accepted += s->accepted;
+    if (gp->draft_wave) wave_accepted += s->accepted;
     full_rounds += s->drafted > 0 && s->accepted == s->drafted;
 }
 
@@ -209,6 +214,8 @@ static tl_gen_params random_params(uint64_t* rng, size_t* stop_after) {
     gp.cache_window = tu_uniform(rng, 0, 2) ? 0 : (uint32_t)tu_uniform(rng, 2, 9);
     gp.prefill_chunk = (size_t)tu_uniform(rng, 0, 5);
     *stop_after = tu_uniform(rng, 0, 5) ? 0 : (size_t)tu_uniform(rng, 1, 8);
+    gp.draft_wave = (uint32_t)tu_uniform(rng, 0, 1);
+    if (gp.draft_wave && tu_uniform(rng, 0, 2) == 0) gp.draft_loops = 0; /* the wave chooses */
     return gp;
 }
 
@@ -257,7 +264,8 @@ static void random_requests(tl_model* m, const char* name, uint64_t seed, int ca
         generate(m, prefix, toks + skip, n - skip, &off, &plain);
         generate(m, prefix, toks + skip, n - skip, &gp, &spec);
         char what[96];
-        snprintf(what, sizeof what, "%s case %d%s", name, c, prefix ? " (from a prefix)" : "");
+        snprintf(what, sizeof what, "%s case %d%s%s", name, c, gp.draft_wave ? " (wave)" : "",
+                 prefix ? " (from a prefix)" : "");
         check_same(&plain, &spec, &gp, V, what);
         free(plain.logits);
         free(spec.logits);
@@ -340,7 +348,9 @@ static void batch_mixed(tl_model* m, uint64_t seed) {
         got[i].st = TL_OK;
         char what[48];
         snprintf(what, sizeof what, "batch request %d", i);
-        check_same(&want[i], &got[i], &gp[i], V, what);
+        tl_gen_params rounds = gp[i]; /* a batch runs rounds whatever draft_wave says */
+        rounds.draft_wave = 0;
+        check_same(&want[i], &got[i], &rounds, V, what);
         free(want[i].logits);
         free(got[i].logits);
     }
@@ -445,7 +455,7 @@ static void failing_rounds(tl_model* m) {
     tl_stream s;
     tl_spec sp;
     CHECK_OK(tl_stream_init(&s, e, &p, got, NULL, &n_got));
-    CHECK_OK(tl_spec_init(&sp, e, &p));
+    CHECK_OK(tl_spec_init(&sp, e, &p, false));
     CHECK_OK(tl_gen_start(e, NULL, prompt, PROMPT, &s));
     tl_stream_see(&s, prompt, PROMPT);
     int32_t token;
@@ -475,6 +485,35 @@ static void failing_rounds(tl_model* m) {
 }
 
 /* Bad parameters are refused before any work, with their messages. */
+/* A wave request failing at each of its allocations in turn fails cleanly (out of memory) or,
+ * once none fails, emits plain decoding's tokens. */
+static void failing_waves(tl_model* m) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.loops = 4;
+    gp.draft_loops = 1;
+    gp.n_draft = 4;
+    gp.max_tokens = MAX_NEW;
+    gp.cache_window = 6;
+    gp.draft_wave = 1;
+    tl_gen_params off = gp;
+    off.n_draft = 0;
+    int32_t want[MAX_NEW], got[MAX_NEW];
+    size_t n_want, n_got, failures = 0;
+    CHECK_OK(tl_generate(m, prompt, PROMPT, &off, want, &n_want, NULL));
+    for (int64_t k = 0; k < 100000; k++) {
+        tl_alloc_fail_after(k);
+        const tl_status st = tl_generate(m, prompt, PROMPT, &gp, got, &n_got, NULL);
+        tl_alloc_fail_after(-1);
+        if (st == TL_OK) {
+            CHECK(n_got == n_want && memcmp(got, want, n_want * sizeof(int32_t)) == 0, "wave: tokens differ");
+            break;
+        }
+        failures++;
+        CHECK(st == TL_ERR_OUT_OF_MEMORY, "wave: status %d: %s", st, tl_last_error());
+    }
+    CHECK(failures > 0, "a wave request allocated nothing");
+}
+
 static void bad_arguments(tl_model* m) {
     int32_t out[4];
     size_t n;
@@ -488,6 +527,23 @@ static void bad_arguments(tl_model* m) {
     CHECK_STATUS(tl_generate(m, prompt, 3, &gp, out, &n, NULL), TL_ERR_INVALID_ARGUMENT);
     CHECK(strcmp(tl_last_error(), "n_draft > 64") == 0, "message: %s", tl_last_error());
     CHECK(stats.drafted == 5, "an invalid request touched draft_stats");
+    gp.n_draft = 4;
+    gp.draft_wave = 2;
+    CHECK_STATUS(tl_generate(m, prompt, 3, &gp, out, &n, NULL), TL_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(tl_last_error(), "draft_wave must be 0 or 1, got 2") == 0, "message: %s", tl_last_error());
+    gp.draft_wave = 1;
+    static const char* const bad_predictions[] = {"1,2", "1,2,3;4,5", "1,2,3;", "1,-2,3", "1,2,x", "1,,2,3",
+                                                  "1,2,3,4", "1,2,99999999999"};
+    for (size_t i = 0; i < sizeof bad_predictions / sizeof *bad_predictions; i++) { /* loops 3: groups of 3 */
+        setenv("TINYLOOP_BENCH_PREDICTIONS", bad_predictions[i], 1);
+        CHECK_STATUS(tl_generate(m, prompt, 3, &gp, out, &n, NULL), TL_ERR_INVALID_ARGUMENT);
+        CHECK(strstr(tl_last_error(), "TINYLOOP_BENCH_PREDICTIONS must be groups of 3 ids") != NULL,
+              "'%s': message: %s", bad_predictions[i], tl_last_error());
+    }
+    setenv("TINYLOOP_BENCH_PREDICTIONS", "1,2,3;4,5,6", 1);
+    CHECK_OK(tl_generate(m, prompt, 3, &gp, out, &n, NULL));
+    unsetenv("TINYLOOP_BENCH_PREDICTIONS");
+    gp.draft_wave = 0;
     const uint32_t bad[] = {0, 3, 9};
     for (size_t i = 0; i < 3; i++) {
         gp.n_draft = 4;
@@ -562,13 +618,15 @@ int main(void) {
     eos_in_run("eos-tiny", tiny);
     CHECK(total_accepted > 0 && full_rounds > 0, "drafts never agreed (accepted %zu of %zu): the test proves little",
           total_accepted, total_drafted);
-    printf("drafted %zu, accepted %zu, requests with every draft accepted %zu\n", total_drafted, total_accepted,
-           full_rounds);
+    CHECK(wave_accepted > 0, "no wave request kept a draft: the wave schedule went untested");
+    printf("drafted %zu, accepted %zu (in waves %zu), requests with every draft accepted %zu\n", total_drafted,
+           total_accepted, wave_accepted, full_rounds);
 
     tl_model* m = tu_open(tu_write_model("rich-misc", &rich), 2, TL_ISA_AUTO, 4);
     no_part_pass(m);
     unsampleable_drafts(m);
     failing_rounds(m);
+    failing_waves(m);
     bad_arguments(m);
     tl_model_free(m);
     return tu_finish("test_speculate");

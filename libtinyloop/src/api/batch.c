@@ -126,7 +126,7 @@ static tl_status start_all(tl_engine* e, batch* b, tl_request* const* requests) 
         tl_request* r = requests[i];
         tl_stream* s = &b->streams[i];
         tl_status st = tl_stream_init(s, e, &b->params[i], r->out_tokens, r->out_logits, &r->n_out);
-        if (st == TL_OK && b->params[i].n_draft) st = tl_spec_init(&b->specs[i], e, &b->params[i]);
+        if (st == TL_OK && b->params[i].n_draft) st = tl_spec_init(&b->specs[i], e, &b->params[i], false);
         if (st == TL_OK) st = tl_gen_start(e, r->prefix, r->prompt, r->n_prompt, s);
         if (st != TL_OK) return st;
         if (r->prefix) tl_stream_see(s, r->prefix->tokens, r->prefix->n);

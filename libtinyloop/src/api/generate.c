@@ -98,7 +98,9 @@ static tl_status check_request(const tl_engine* e, const tl_prefix* prefix, cons
 /* Self-speculative decoding's parameters against the resolved depth p->loops. */
 static tl_status check_draft(const tl_gen_params* p) {
     if (p->n_draft > TL_MAX_DRAFT) return tl_fail(TL_ERR_INVALID_ARGUMENT, "n_draft > %d", TL_MAX_DRAFT);
-    if (p->n_draft > 0 && (p->draft_loops < 1 || p->draft_loops >= p->loops))
+    if (p->draft_wave > 1) return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_wave must be 0 or 1, got %u", p->draft_wave);
+    const bool chosen = p->draft_loops == 0 && p->draft_wave && p->loops >= 2; /* the wave picks L_d */
+    if (p->n_draft > 0 && !chosen && (p->draft_loops < 1 || p->draft_loops >= p->loops))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "draft_loops must be in 1 .. loops-1 (loops=%u) when n_draft > 0, got %u",
                        p->loops, p->draft_loops);
     return TL_OK;
@@ -214,7 +216,8 @@ static tl_status decode_one(tl_engine* e, tl_stream* s, int32_t token) {
     return st;
 }
 
-/* The whole of one request, decoded alone: token by token, or in speculative rounds. */
+/* The whole of one request, decoded alone: token by token, in speculative rounds, or in the
+ * wave schedule. */
 static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                               const tl_gen_params* params, int32_t* out_tokens, size_t* n_out, float* out_logits) {
     if (n_out) *n_out = 0;
@@ -226,14 +229,15 @@ static tl_status generate_one(tl_engine* e, const tl_prefix* prefix, const int32
     tl_spec spec = {0};
     st = tl_stream_init(&s, e, &p, out_tokens, out_logits, n_out);
     if (st != TL_OK) return st;
-    if (p.n_draft) st = tl_spec_init(&spec, e, &p);
+    if (p.n_draft) st = tl_spec_init(&spec, e, &p, p.draft_wave);
     if (st == TL_OK) st = tl_gen_start(e, prefix, prompt, n, &s);
     if (prefix) tl_stream_see(&s, prefix->tokens, prefix->n);
     tl_stream_see(&s, prompt, n);
     int32_t token;
     if (st == TL_OK && !s.done) st = tl_stream_sample(&s, &token);
     while (st == TL_OK && !s.done) {
-        if (p.n_draft) st = tl_spec_round(&spec, &s, &token, 0);
+        if (spec.wave) st = tl_spec_wave(&spec, &s, &token);
+        else if (p.n_draft) st = tl_spec_round(&spec, &s, &token, 0);
         else if ((st = decode_one(e, &s, token)) == TL_OK) st = tl_stream_sample(&s, &token);
     }
     tl_spec_free(&spec);

@@ -287,7 +287,7 @@ TL_API tl_status tl_sched_add(tl_sched* s, const int32_t* prompt, size_t n, cons
                       : tl_fail_oom("scheduler request");
     }
     if (st == TL_OK && r->p.n_draft > 0) {
-        st = tl_spec_init(&r->spec, e, &r->p);
+        st = tl_spec_init(&r->spec, e, &r->p, false);
         r->speculative = st == TL_OK;
     }
     const tl_exit rule = tl_gen_exit(&r->p);

@@ -15,13 +15,52 @@
  * depth nesting is depth L's; and every row of a pass is computed as it would be alone. */
 #include "core/speculate.h"
 
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/alloc.h"
 #include "base/errors.h"
 #include "core/forward.h"
 
-tl_status tl_spec_init(tl_spec* sp, const tl_engine* e, const tl_gen_params* p) {
+static tl_status bad_predictions(uint32_t L) {
+    return tl_fail(TL_ERR_INVALID_ARGUMENT, "TINYLOOP_BENCH_PREDICTIONS must be groups of %u ids (the request's "
+                   "depth), each id >= 0, the ids comma-separated and the groups separated by ';'", L);
+}
+
+/* TINYLOOP_BENCH_PREDICTIONS into sp->predicted: groups separated by ';', each the L
+ * comma-separated ids a recorded model predicted at depths 1 .. L for one emitted token. */
+static tl_status read_predictions(tl_spec* sp, uint32_t L) {
+    const char* text = getenv("TINYLOOP_BENCH_PREDICTIONS");
+    if (!text || !*text) return TL_OK;
+    size_t ids = 1;
+    for (const char* c = text; *c; c++) ids += *c == ',' || *c == ';';
+    if (!(sp->predicted = tl_alloc(ids * sizeof *sp->predicted))) return tl_fail_oom("TINYLOOP_BENCH_PREDICTIONS");
+    size_t n = 0;
+    for (const char* c = text;; c++) {
+        char* end;
+        errno = 0;
+        const long id = strtol(c, &end, 10);
+        if (end == c || errno || id < 0 || id > INT32_MAX) return bad_predictions(L);
+        sp->predicted[n++] = (int32_t)id;
+        c = end;
+        if (*c == ',') continue;
+        if (n % L) return bad_predictions(L); /* a group ends: it has L ids */
+        if (*c == '\0') break;
+        if (*c != ';') return bad_predictions(L);
+    }
+    sp->n_predicted = n / L;
+    sp->predicted_loops = L;
+    return TL_OK;
+}
+
+static tl_status spec_oom(tl_spec* sp) {
+    tl_spec_free(sp);
+    return tl_fail_oom("speculative decoding scratch");
+}
+
+tl_status tl_spec_init(tl_spec* sp, const tl_engine* e, const tl_gen_params* p, bool wave) {
     memset(sp, 0, sizeof *sp);
     sp->n_draft = p->n_draft;
     sp->draft_loops = p->draft_loops;
@@ -36,11 +75,44 @@ tl_status tl_spec_init(tl_spec* sp, const tl_engine* e, const tl_gen_params* p) 
     sp->seen = tl_alloc(V);
     sp->marks = tl_alloc(K * sizeof *sp->marks);
     if (!sp->rows || !sp->drafts || !sp->states || (c->injection && !sp->injects) || !sp->logits || !sp->hidden ||
-        !sp->seen || !sp->marks) {
+        !sp->seen || !sp->marks)
+        return spec_oom(sp);
+    tl_status st = read_predictions(sp, p->loops);
+    if (st != TL_OK) {
         tl_spec_free(sp);
-        return tl_fail_oom("speculative decoding scratch");
+        return st;
+    }
+    sp->wave = wave && tl_has_wave_pass(e);
+    sp->auto_depth = sp->wave && p->draft_loops == 0;
+    if (p->draft_loops == 0 && !sp->wave) sp->draft_loops = tl_spec_rounds_depth(p->loops);
+    if (!sp->wave) return TL_OK;
+    if (sp->auto_depth) {
+        sp->verified = tl_alloc_zeroed(p->loops, sizeof *sp->verified);
+        sp->agreed = tl_alloc_zeroed(p->loops, sizeof *sp->agreed);
+        if (!sp->verified || !sp->agreed) return spec_oom(sp);
+        /* a block's linears: qkv, out, gate and up, down */
+        const double dd = d, block = dd * ((double)c->n_heads + 2.0 * c->n_kv_heads) * c->head_dim +
+                                     (double)c->n_heads * c->head_dim * dd + 3.0 * c->ffn_dim * dd;
+        const double adapter = c->injection ? dd * dd : 0.0; /* adapter_state a step, adapter_inject once */
+        sp->reads_core = c->n_core_blocks * block + adapter;
+        sp->reads_entry = c->n_pre_blocks * block + adapter;
+        sp->reads_end = c->n_coda_blocks * block + (double)V * dd;
+    }
+    sp->flight = tl_alloc((K + 1) * sizeof *sp->flight);
+    sp->slots = tl_alloc((K + 1) * sizeof *sp->slots);
+    sp->wave_bufs = tl_alloc((K + 1) * (2 * d + V) * sizeof(float));
+    if (!sp->flight || !sp->slots || !sp->wave_bufs) return spec_oom(sp);
+    for (size_t i = 0; i <= K; i++) {
+        float* buf = sp->wave_bufs + i * (2 * d + V);
+        sp->flight[i] = (tl_wave_row){.state = buf, .inject = buf + d};
+        sp->slots[i] = (tl_wave_slot){.logits = buf + 2 * d};
     }
     return TL_OK;
+}
+
+int32_t tl_spec_seen_as(const tl_spec* sp, size_t index, uint32_t depth, int32_t token) {
+    if (!sp->predicted || token < 0) return token;
+    return sp->predicted[(index % sp->n_predicted) * sp->predicted_loops + depth - 1];
 }
 
 void tl_spec_free(tl_spec* sp) {
@@ -52,6 +124,12 @@ void tl_spec_free(tl_spec* sp) {
     tl_free(sp->hidden);
     tl_free(sp->seen);
     tl_free(sp->marks);
+    tl_free(sp->predicted);
+    tl_free(sp->flight);
+    tl_free(sp->slots);
+    tl_free(sp->wave_bufs);
+    tl_free(sp->verified);
+    tl_free(sp->agreed);
     memset(sp, 0, sizeof *sp);
 }
 
@@ -100,9 +178,12 @@ static tl_status emit(tl_spec* sp, tl_stream* s, int32_t* token, size_t p, size_
     while (*m < K) {
         s->logits = sp->logits + *m * V;
         s->seq->n = p + *m + 1; /* v_{m+1} will occupy position p + m + 1 */
+        const size_t index = s->n_emitted;
         st = tl_stream_sample(s, token);
         if (st != TL_OK) break;
-        const bool agree = *token == sp->drafts[(*m)++];
+        const int32_t draft = sp->drafts[(*m)++];
+        const bool agree = tl_spec_seen_as(sp, index, sp->draft_loops, draft) ==
+                           tl_spec_seen_as(sp, index, s->seq->loops, *token);
         *accepted += agree;
         if (s->done || !agree) break;
     }
