@@ -433,19 +433,25 @@ static void unsampleable_drafts(tl_model* m) {
     tl_engine_unref(e);
 }
 
+/* The requests the allocation-failure sweeps run: depth 4, a window of 6, MAX_NEW tokens. */
+static tl_gen_params sweep_params(uint32_t draft_loops, uint32_t n_draft) {
+    tl_gen_params gp = tl_gen_params_default();
+    gp.loops = 4;
+    gp.draft_loops = draft_loops;
+    gp.n_draft = n_draft;
+    gp.max_tokens = MAX_NEW;
+    gp.cache_window = 6;
+    return gp;
+}
+
 /* Rounds driven by hand, each first tried with the k-th allocation failing for every k until
  * one succeeds: a failed round leaves the stream and its table exactly as they were, and the
  * tokens at the end are plain decoding's. */
 static void failing_rounds(tl_model* m) {
     tl_engine* e;
     CHECK_OK(tl_model_acquire(m, &e));
-    tl_gen_params gp = tl_gen_params_default(), p;
-    gp.loops = 4;
-    gp.draft_loops = 2;
-    gp.n_draft = 8;
-    gp.max_tokens = MAX_NEW;
+    tl_gen_params gp = sweep_params(2, 8), p;
     gp.temperature = 0.9f;
-    gp.cache_window = 6;
     int32_t want[MAX_NEW], got[MAX_NEW];
     size_t n_want, n_got;
     tl_gen_params off = gp;
@@ -484,16 +490,10 @@ static void failing_rounds(tl_model* m) {
     tl_engine_unref(e);
 }
 
-/* Bad parameters are refused before any work, with their messages. */
 /* A wave request failing at each of its allocations in turn fails cleanly (out of memory) or,
  * once none fails, emits plain decoding's tokens. */
 static void failing_waves(tl_model* m) {
-    tl_gen_params gp = tl_gen_params_default();
-    gp.loops = 4;
-    gp.draft_loops = 1;
-    gp.n_draft = 4;
-    gp.max_tokens = MAX_NEW;
-    gp.cache_window = 6;
+    tl_gen_params gp = sweep_params(1, 4);
     gp.draft_wave = 1;
     tl_gen_params off = gp;
     off.n_draft = 0;
@@ -514,6 +514,7 @@ static void failing_waves(tl_model* m) {
     CHECK(failures > 0, "a wave request allocated nothing");
 }
 
+/* Bad parameters are refused before any work, with their messages. */
 static void bad_arguments(tl_model* m) {
     int32_t out[4];
     size_t n;

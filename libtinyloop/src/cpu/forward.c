@@ -645,9 +645,9 @@ static void wave_iteration(fwd* f, size_t fresh) {
         widen(f, &whole);
     }
     if (c->injection) adapter(f);
-    f->row_iter = f->iters;
+    f->per_row_slots = true;
     for (uint32_t j = 0; j < c->n_core_blocks; j++) run_block(f, c->n_pre_blocks + j, c->n_pre_blocks + j);
-    f->row_iter = NULL;
+    f->per_row_slots = false;
 }
 
 tl_status tl_cpu_forward_wave(const tl_linear* linears, tl_seq* s, const tl_wave_row* rows, size_t R) {

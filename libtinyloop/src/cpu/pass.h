@@ -34,7 +34,7 @@ typedef struct fwd {
     size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
     uint32_t layer;          /* cache slot of the current layer (row t's: tl_fwd_row_slot) */
     uint32_t* iters;         /* [T] wave pass: each row's core iteration; else NULL     */
-    const uint32_t* row_iter; /* iters while a wave pass runs its core blocks, else NULL */
+    bool per_row_slots;      /* a wave pass's core blocks: row t runs in iters[t]'s slots */
     bool simd;               /* SIMD kernels: acts need qx                              */
     const tl_row_kernels* rows;          /* the row operations' form (tl_row_kernels_for)  */
     const tl_attn_kernels* attn_kernels; /* the attention kernels (tl_attn_kernels_for)    */
@@ -104,8 +104,8 @@ static inline size_t tl_fwd_moved_row(const tl_config* cfg) {
 /* The cache slot row t runs the current layer in: a wave pass's core block runs each row in
  * its own iteration's slot of that block; any other layer runs every row in f->layer. */
 static inline uint32_t tl_fwd_row_slot(const fwd* f, size_t t) {
-    if (!f->row_iter) return f->layer;
-    return f->layer + f->row_iter[t] * (f->c->n_core_blocks + f->c->n_coda_blocks);
+    if (!f->per_row_slots) return f->layer;
+    return f->layer + f->iters[t] * (f->c->n_core_blocks + f->c->n_coda_blocks);
 }
 
 /* Whether batch row r exited with its probe's final state and logits. */
