@@ -510,6 +510,31 @@ static void test_sampling(void) {
             CHECK_OK(tl_sample(&huge, logits, V, seen, seed, &scratch, &got));
             CHECK(got == 7, "z / T overflowing to %cinf: sampled %d, want 7", sign > 0 ? '+' : '-', got);
         }
+    /* greedy without a penalty (one vectorised sweep): the lowest id of the maximum, -0 and +0
+     * tying, over vocabularies shorter and longer than its lanes; a NaN or infinity anywhere
+     * (in a lane or the tail) is still refused with the id that holds it */
+    tl_sampler greedy = {0.0f, 0, 1.0f, 1.0f, 0};
+    const uint32_t sizes[] = {1, 5, 16, 17, 999};
+    for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++) {
+        const uint32_t n = sizes[k];
+        for (uint32_t i = 0; i < n; i++) logits[i] = -1.0f - (float)(i % 7);
+        logits[n - 1] = 0.0f;
+        logits[n / 2] = -0.0f; /* ties with +0 and comes first */
+        int32_t got = -1;
+        CHECK_OK(tl_sample(&greedy, logits, n, seen, 0, &scratch, &got));
+        CHECK(got == (int32_t)(n / 2), "greedy over %u logits: %d, want %u", n, got, n / 2);
+        const float bad[] = {NAN, INFINITY, -INFINITY};
+        for (size_t b = 0; b < 3; b++) {
+            const uint32_t at = (uint32_t)(b * 7919u % n);
+            const float kept = logits[at];
+            logits[at] = bad[b];
+            CHECK_STATUS(tl_sample(&greedy, logits, n, seen, 0, &scratch, &got), TL_ERR_NUMERIC);
+            char want[64];
+            snprintf(want, sizeof want, "logit %u is", at);
+            CHECK(strstr(tl_last_error(), want) != NULL, "message: %s", tl_last_error());
+            logits[at] = kept;
+        }
+    }
     logits[17] = NAN;
     tl_sampler s = {1.0f, 0, 1.0f, 1.0f, 0};
     int32_t tok;

@@ -4,10 +4,12 @@
  * Speed without changing a result: a candidate whose exponent (y_i - m) * LOG2E is <= -22
  * gets weight rint(exp2s(x) * 2^20) = 0 (exp2s(x) < 2^-21), and such candidates form a suffix
  * of the order, so they can never be drawn nor move the top-p cut. Only the others are sorted;
- * with top_k, only the best k of them are kept (a bounded heap). */
+ * with top_k, only the best k of them are kept (a bounded heap). Greedy decoding without a
+ * penalty takes one vectorised sweep (argmax_finite) instead. */
 #include "core/sampling.h"
 
 #include <math.h>
+#include <stdbool.h>
 
 #include "base/errors.h"
 #include "core/numerics.h"
@@ -54,8 +56,44 @@ static void select_sorted(const float* z, int32_t* ids, size_t n, size_t k) {
     }
 }
 
+enum { LANES = 16 }; /* independent maxima: the compiler makes them one vector register */
+
+/* The lowest id of the greatest of x[0..V) (V >= 1), as the argmax below finds it; false when
+ * some x[i] is NaN or infinite (then x * 0 is NaN, and so is every sum holding it). Each lane
+ * keeps `v > m ? v : m` (a vector max) and a sum of v * 0: the sweep has no branch, and the
+ * id is found after it. */
+static bool argmax_finite(const float* x, uint32_t V, int32_t* best) {
+    float m[LANES], nan[LANES];
+    for (int l = 0; l < LANES; l++) {
+        m[l] = x[0];
+        nan[l] = 0.0f;
+    }
+    uint32_t i = 0;
+    for (; i + LANES <= V; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float v = x[i + l];
+            nan[l] += v * 0.0f;
+            m[l] = v > m[l] ? v : m[l];
+        }
+    float top = x[0], check = 0.0f;
+    for (; i < V; i++) {
+        check += x[i] * 0.0f;
+        top = x[i] > top ? x[i] : top;
+    }
+    for (int l = 0; l < LANES; l++) {
+        check += nan[l];
+        top = m[l] > top ? m[l] : top;
+    }
+    if (check != 0.0f) return false;
+    uint32_t j = 0;
+    while (x[j] != top) j++;
+    *best = (int32_t)j;
+    return true;
+}
+
 tl_status tl_sample(const tl_sampler* s, const float* logits, uint32_t V, const uint8_t* seen,
                     uint64_t pos, tl_sample_scratch* w, int32_t* token) {
+    if (s->temperature == 0.0f && s->penalty == 1.0f && argmax_finite(logits, V, token)) return TL_OK;
     float* z = w->z;
     for (uint32_t i = 0; i < V; i++) {
         if (!isfinite(logits[i]))
