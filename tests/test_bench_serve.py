@@ -121,9 +121,9 @@ def test_the_goals_are_judged_on_tinyloops_rows():
 
     rows = [row("tinyloop serve", 1, 1.5, 200.0), row("llama-server", 1, None, 150.0),
             row("tinyloop serve", 32, 2.5, 1400.0), row("llama-server", 32, None, 900.0)]
-    assert bench.goals(rows, "quick") == (
+    assert bench.goals(rows, "quick", "llama-server") == (
         "Goal >= 2x llama-server's tok/s at 32 clients: 2.50x, met. Goal TTFT p99 < 1 s on the "
         "cached 2k system prompt: met at 1 client level(s) of 1, 32.")
     rows[2]["tok/s ratio"] = 1.9
-    assert "1.90x, not met" in bench.goals(rows, "quick")
-    assert "TTFT" not in bench.goals(rows, "full")
+    assert "vLLM's tok/s at 32 clients: 1.90x, not met" in bench.goals(rows, "quick", "vLLM")
+    assert "TTFT" not in bench.goals(rows, "full", "vLLM")
