@@ -57,6 +57,32 @@ INLINE_VNNI __m512i sum16(const __m512i v[KEYS]) {
                             _mm512_add_epi32(_mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xdd)));
 }
 
+/* Scores j0 .. j0+15 from their 16 exact dots (Σ qq k_j + 128 Σ qq in acc's lanes). */
+INLINE_VNNI void store_scores(__m512i acc[KEYS], __m512i offset, __m512 vc, const float* sk, size_t j0, size_t n,
+                              float* scores) {
+    const __m512i dots = _mm512_sub_epi32(sum16(acc), offset);
+    const __mmask16 live = n - j0 >= KEYS ? (__mmask16)0xffff : tl_tail16(n - j0);
+    const __m512 score = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), vc), _mm512_maskz_loadu_ps(live, sk + j0));
+    _mm512_mask_storeu_ps(scores + j0, live, score);
+}
+
+/* Head sizes of one step (D <= 64, the common case) apart: without the loop over steps the
+ * query and the 16 accumulators stay in registers. */
+VNNI static void scores_one_step(__m512i q, __m512i offset, __m512 vc, const int8_t* k, const float* sk, size_t n,
+                                 size_t D, float* scores) {
+    const __m512i flip = _mm512_set1_epi8(-128);
+    const __mmask64 live = live_bytes(0, D);
+    for (size_t j0 = 0; j0 < n; j0 += KEYS) {
+        __m512i acc[KEYS];
+        for (int i = 0; i < KEYS; i++) {
+            const int8_t* row = k + (j0 + i < n ? j0 + i : n - 1) * D; /* keys past n repeat the last */
+            acc[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_maskz_loadu_epi8(live, row), flip),
+                                         q);
+        }
+        store_scores(acc, offset, vc, sk, j0, n, scores);
+    }
+}
+
 VNNI static void scores_avx512(const tl_attn_scratch* s, const int8_t* k, const float* sk, size_t n, size_t D,
                                float c, float* scores) {
     if (D > MAX_STEPS * STEP) { /* beyond the query vectors kept in registers */
@@ -69,7 +95,12 @@ VNNI static void scores_avx512(const tl_attn_scratch* s, const int8_t* k, const 
     int32_t q_sum = 0;
     for (size_t i = 0; i < steps; i++) q[i] = _mm512_maskz_loadu_epi8(live_bytes(STEP * i, D), s->qq + STEP * i);
     for (size_t d = 0; d < D; d++) q_sum += s->qq[d];
-    const __m512i offset = _mm512_set1_epi32(128 * q_sum), vc = _mm512_castps_si512(_mm512_set1_ps(c));
+    const __m512i offset = _mm512_set1_epi32(128 * q_sum);
+    const __m512 vc = _mm512_set1_ps(c);
+    if (steps == 1) {
+        scores_one_step(q[0], offset, vc, k, sk, n, D, scores);
+        return;
+    }
     for (size_t j0 = 0; j0 < n; j0 += KEYS) {
         __m512i acc[KEYS];
         for (int i = 0; i < KEYS; i++) {
@@ -80,11 +111,7 @@ VNNI static void scores_avx512(const tl_attn_scratch* s, const int8_t* k, const 
                 acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_xor_si512(kv, flip), q[st]);
             }
         }
-        const __m512i dots = _mm512_sub_epi32(sum16(acc), offset);
-        const __mmask16 live = n - j0 >= KEYS ? (__mmask16)0xffff : tl_tail16(n - j0);
-        const __m512 score = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_castsi512_ps(vc)),
-                                           _mm512_maskz_loadu_ps(live, sk + j0));
-        _mm512_mask_storeu_ps(scores + j0, live, score);
+        store_scores(acc, offset, vc, sk, j0, n, scores);
     }
 }
 
