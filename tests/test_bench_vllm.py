@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import tinyloop
 
@@ -14,8 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_serve  # noqa: E402
 import bench_vllm  # noqa: E402
 import vllm_peer  # noqa: E402
-
-torch = pytest.importorskip("torch")
 
 
 def test_bf16_rounding_is_torchs():
@@ -79,9 +78,9 @@ def test_streamed_replies_are_held_to_offline_generate(llama):
 
 
 def test_a_folder_that_is_no_vllm_install_is_named(tmp_path):
-    with pytest.raises(SystemExit, match=r"venv/bin/python.*env\.sh.*setup\.sh"):
+    with pytest.raises(SystemExit, match=r"venv/bin/python.*env\.sh.*bench/vllm_setup\.sh"):
         vllm_peer.VllmInstall(tmp_path)
-    with pytest.raises(SystemExit, match="setup.sh"):
+    with pytest.raises(SystemExit, match="vllm_setup.sh"):
         bench_vllm.main(["--vllm-dir", str(tmp_path)])
 
 
