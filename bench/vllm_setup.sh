@@ -71,7 +71,8 @@ def _alias(lookup):
 metadata.version, metadata.metadata = _alias(_version), _alias(_metadata)
 from vllm.entrypoints.cli.main import main  # noqa: E402
 
-sys.exit(main())
+if __name__ == "__main__":  # vLLM's CPU workers start by spawn, which imports this file again
+    sys.exit(main())
 EOF
 chmod +x "$DIR/bin/vllm"
 
