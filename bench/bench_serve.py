@@ -86,6 +86,7 @@ from pathlib import Path
 
 import numpy as np
 
+import tinyloop
 from common import (DEFAULT_LLAMA_DIR, LLAMA_CPP_PYTHON, LLAMA_QUANT, NO_AMX_FLAGS, SHAPES, cpu_text,
                     exit_text, gguf, wordlevel_tokenizer, write_f16_gguf, write_results)
 from tinyloop.backends import native_isas
@@ -432,7 +433,6 @@ def check_tokens(model_path, results, threads):
     """How many of `results` (streamed by a TinyLoop server on model_path) stream exactly what
     offline `generate` emits for their prompts; RuntimeError naming the first that does not.
     The texts are compared token by token (WordLevel tokens are whitespace-separated)."""
-    import tinyloop
     with tinyloop.Model(model_path, backend="native", threads=threads) as model:
         for result in results:
             emitted = model.generate(result.prompt, max_tokens=result.tokens)[len(result.prompt):]
