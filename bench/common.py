@@ -24,7 +24,7 @@ except ImportError:
 
 __all__ = ["DEFAULT_LLAMA_DIR", "LLAMA_CPP_PYTHON", "LLAMA_QUANT", "NO_AMX_FLAGS", "RESULTS",
            "SHAPES", "best_of", "cpu_text", "exit_text", "gguf", "machine", "model_file", "tinyloop_isas",
-           "tinyloop_model", "vocabulary", "wordlevel_tokenizer", "write_f16_gguf",
+           "tinyloop_model", "vocabulary", "vocabulary_tokens", "wordlevel_tokenizer", "write_f16_gguf",
            "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -139,21 +139,25 @@ def llama_layers(shape):
             "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f)}
 
 
-def vocabulary(size):
-    """A dummy SentencePiece vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then fillers."""
+def vocabulary_tokens(size):
+    """The tokens of a dummy SentencePiece vocabulary: <unk>, <s>, </s>, the 256 byte tokens,
+    then fillers t0, t1, ..."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    return tokens + [f"t{i}" for i in range(size - len(tokens))]
+
+
+def vocabulary(size):
+    """vocabulary_tokens(size) and their GGUF token types (needs gguf)."""
     types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.BYTE] * 256
-    tokens += [f"t{i}" for i in range(size - len(tokens))]
-    types += [gguf.TokenType.NORMAL] * (size - len(types))
-    return tokens, types
+    return vocabulary_tokens(size), types + [gguf.TokenType.NORMAL] * (size - len(types))
 
 
 def wordlevel_tokenizer(size):
     """A Hugging Face `tokenizers.Tokenizer` (WordLevel, whitespace-split) whose tokens are
-    vocabulary(size)'s: every engine given it spells an id as the GGUF does, and decodes each
+    vocabulary_tokens(size): every engine given it spells an id as the GGUF does, and decodes each
     generated id to some text."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    tokens, _ = vocabulary(size)
+    tokens = vocabulary_tokens(size)
     tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, "<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(tokens[:3])
