@@ -115,6 +115,12 @@ def check_lengths(name, tokens):
                            f"needs {NEW} each")
 
 
+def report(round_, engine, measured):
+    """Print one engine's timed runs of a round, per workload."""
+    walls = {workload: [round(w, 3) for w in runs] for workload, (runs, _) in measured.items()}
+    print(f"round {round_}: {engine}: {walls}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-dir", required=True, help="a folder made by bench/vllm_setup.sh")
@@ -157,9 +163,7 @@ def main(argv=None):
                 for workload, (w, tokens) in measured.items():
                     check_lengths(engine, tokens)
                     walls[workload, engine] += w
-                print(f"round {round_}: {engine}: "
-                      f"{ {k: [round(x, 3) for x in v[0]] for k, v in measured.items()} }",
-                      flush=True)
+                report(round_, engine, measured)
             for engine, t in zip(engines[len(dtypes):], threads):
                 measured = run_tinyloop(ours, t, prompts)
                 for workload, (w, tokens) in measured.items():
@@ -169,9 +173,7 @@ def main(argv=None):
                     first = measured
                 elif any(measured[k][1] != first[k][1] for k in WORKLOADS):
                     raise RuntimeError(f"{engine}'s tokens differ from {threads[0]} thread(s)'")
-                print(f"round {round_}: {engine}: "
-                      f"{ {k: [round(x, 3) for x in v[0]] for k, v in measured.items()} }",
-                      flush=True)
+                report(round_, engine, measured)
     rows = []
     for workload in WORKLOADS:
         vllm_best = min(min(walls[workload, e]) for e in engines[:len(dtypes)])

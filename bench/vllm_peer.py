@@ -26,12 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from common import SHAPES, WEIGHT_STD, wordlevel_tokenizer
+from common import SHAPES, WEIGHT_STD, llama_layers, wordlevel_tokenizer
 
 __all__ = ["VllmInstall", "hf_llama", "tinyloop_llama", "w8a8_llama"]
 
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-5
+HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",   # GGUF -> HF linears
+            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
 # --- the random LLaMA -------------------------------------------------------------------------
@@ -62,8 +65,7 @@ def write_bf16_safetensors(path, tensors):
 def llama_tensors(shape, seed):
     """{HF tensor name: float32 array} of the random LLaMA of `shape`, in a fixed draw order."""
     s = SHAPES[shape]
-    d, f, vocab = s["d_model"], s["ffn_dim"], s["vocab_size"]
-    q, kv = s["n_heads"] * s["head_dim"], s["n_kv_heads"] * s["head_dim"]
+    d, vocab = s["d_model"], s["vocab_size"]
     rng = np.random.default_rng(seed)
 
     def matrix(rows, cols):                              # (out, in), as torch stores Linear
@@ -72,11 +74,8 @@ def llama_tensors(shape, seed):
     tensors = {"model.embed_tokens.weight": matrix(vocab, d)}
     for layer in range(s["n_pre_blocks"] + s["default_loops"]):
         p = f"model.layers.{layer}."
-        for name, dims in (("self_attn.q_proj", (q, d)), ("self_attn.k_proj", (kv, d)),
-                           ("self_attn.v_proj", (kv, d)), ("self_attn.o_proj", (d, q)),
-                           ("mlp.gate_proj", (f, d)), ("mlp.up_proj", (f, d)),
-                           ("mlp.down_proj", (d, f))):
-            tensors[p + name + ".weight"] = matrix(*dims)
+        for name, dims in llama_layers(shape).items():
+            tensors[p + HF_NAMES[name] + ".weight"] = matrix(*dims)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[p + norm + ".weight"] = np.ones(d, np.float32)
     tensors["model.norm.weight"] = np.ones(d, np.float32)
