@@ -96,7 +96,7 @@ def iteration_states(engine, tokens, loops):
         x, injected = prelude(k, w, cache, np.asarray(tokens, np.int32), 0)
         entry, states = k.to_host(x), []
         for i in range(loops):
-            x = core_iteration(k, w, cache, i, x, injected, 0)
+            x, injected = core_iteration(k, w, cache, i, x, injected, 0)
             states.append(k.to_host(x))
     finally:
         cache.free()

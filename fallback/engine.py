@@ -30,7 +30,7 @@ class Prefix:
     """A prompt's KV at depth `loops` (the coda slots of every depth written) plus the last
     token's final state (the head's input) at every depth 1 .. loops (docs/spec.md §5.4).
     A warm-start prefix also keeps every token's state after iteration loops-1 and, with
-    injection, its injected term, so that Engine.extend_prefix can deepen it; one loaded from
+    injection, its injected term (a two-state core: its low state), so that Engine.extend_prefix can deepen it; one loaded from
     the blob of a backend without a part pass has no states, and is rebuilt to deepen it.
     A hidden-state prefix (§5.4.1) holds no KV (cache None) but each layer's input rows
     (hidden), from which every sequence starting from it rebuilds its own KV."""
@@ -42,7 +42,7 @@ class Prefix:
     loop_states: list = field(repr=False)   # depth 1 .. loops: (1, d) f32, the kernels' arrays
     warm_start: bool = False
     states: Optional[np.ndarray] = field(default=None, repr=False)     # warm start: (n, d) f32
-    injected: Optional[np.ndarray] = field(default=None, repr=False)   # and injection: (n, d) f32
+    injected: Optional[np.ndarray] = field(default=None, repr=False)   # and carried: (n, d) f32
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # extend vs fork
     hidden: Optional[hidden_prefix.HiddenRows] = field(default=None, repr=False)   # h prefix
 
@@ -217,7 +217,7 @@ class Engine:
                         hidden=hidden)
         if warm_start:
             prefix.states = on_host(self.kernels, [rows.state for rows in kept])
-            if self.config.injection:
+            if self.config.carries_injected:
                 prefix.injected = on_host(self.kernels, [rows.injected for rows in kept])
         return prefix
 
@@ -238,7 +238,7 @@ class Engine:
             cache = self.new_cache(loops, prefix.cache_window)
             fresh = cache.layers[n_old:]
             cache.layers[:n_old] = prefix.cache.layers
-            kept = []
+            kept, carried = [], []
             try:
                 for start in range(0, n, chunk):
                     rows = slice(start, start + chunk)
@@ -249,14 +249,17 @@ class Engine:
                                         else k.table(prefix.injected[rows]),
                                         depth_states=states)
                     kept.append(part.state)
+                    carried.append(part.injected)
                 cache.length = n
                 cache.release_outside_window()
                 deeper = on_host(k, kept)
+                # a two-state core's low states move on too; injected terms stay the same
+                injected = on_host(k, carried) if self.config.core_cycles else prefix.injected
             except BaseException:
                 cache.layers = fresh         # the prefix's own slots stay the prefix's
                 cache.free()
                 raise
-            prefix.cache, prefix.states = cache, deeper
+            prefix.cache, prefix.states, prefix.injected = cache, deeper, injected
             prefix.loop_states = prefix.loop_states + states
             prefix.loops = loops
 

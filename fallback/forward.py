@@ -3,7 +3,7 @@ set.
 
 `forward_part` runs T rows at positions pos0 .. pos0+T-1 through part of the model: from the
 embedding (the prelude, then core iterations 0 ..) or resuming before core iteration
-`first_iter` from each row's kept state (and injected term), up to iteration depth-1, then the
+`first_iter` from each row's kept state (and injected term or low state), up to iteration depth-1, then the
 coda norm and the coda in the coda slots of `coda_depth`, writing the KV of every layer it runs;
 it returns the rows' final hidden states (the head's input) and their state after iteration
 depth-1 with their injected term (Rows). The draft and the verification of self-speculative
@@ -42,6 +42,8 @@ the same operations, each of which must give bit-identical results:
                                              vq (T, G, D * kv_bits / 8), sk, sv (T, G)
     attend(qh, cache, layer, pos0)           (T, H, D) queries over one cache layer -> (T, H * D)
     swiglu(gu)                               (T, 2F) gate|up -> (T, F)
+    gate(o, z, at)                           attn_gate: o (T, H * D) times sig of
+                                             z[:, at : at + H * D] (§4), a new (T, H * D)
     add(x, y)                                the residual addition
     copy(x)                                  a copy of a (T, d) state (a prefix build's coda)
     last_row(x)                              (T, d) -> a (1, d) copy of the last row
@@ -56,7 +58,7 @@ from tinyloop.modelfile import pack_int4
 
 from .attention import attend_cached
 from .kvcache import BlockPool, kv_row_format
-from .numerics import F32, quantize_rows, rms_norm, rms_quantize, rope, silu
+from .numerics import F32, quantize_rows, rms_norm, rms_quantize, rope, sigmoid, silu
 from .sampling import sample
 from .weights import Linear
 
@@ -75,11 +77,12 @@ def kv_row(x, kv_bits):
 
 
 def split_heads(z, cos, sin, config, kv_bits):
-    """z: (T, (H + 2G) * D) -> qh (T, H, D) float32, (kq, sk, vq, sv) for the KV cache."""
+    """z: (T, (H + 2G) * D) (the gate's columns after) -> qh (T, H, D) float32, (kq, sk,
+    vq, sv) for the KV cache."""
     n_tok, H, G, D = len(z), config.n_heads, config.n_kv_heads, config.head_dim
     qh = rope(z[:, :H * D].reshape(n_tok, H, D), cos, sin)
     kh = rope(z[:, H * D:(H + G) * D].reshape(n_tok, G, D), cos, sin)
-    vh = z[:, (H + G) * D:].reshape(n_tok, G, D)
+    vh = z[:, (H + G) * D:(H + 2 * G) * D].reshape(n_tok, G, D)
     return qh, kv_row(kh, kv_bits) + kv_row(vh, kv_bits)
 
 
@@ -87,6 +90,11 @@ def swiglu(gu):
     """gu: (T, 2F), gate then up -> silu(gate) * up, (T, F) float32."""
     ffn = gu.shape[1] // 2
     return silu(gu[:, :ffn]) * gu[:, ffn:]
+
+
+def gate(o, z, at):
+    """o: (T, H * D) attention output -> o * sig(z[:, at : at + H * D]) (§4, §2.5)."""
+    return o * sigmoid(z[:, at:at + o.shape[1]])
 
 
 class NumpyKernels:
@@ -106,6 +114,7 @@ class NumpyKernels:
     split_heads = staticmethod(split_heads)
     attend = staticmethod(attend_cached)
     swiglu = staticmethod(swiglu)
+    gate = staticmethod(gate)
     add = staticmethod(np.add)
     copy = staticmethod(np.copy)
     last_row = staticmethod(lambda x: x[-1:].copy())
@@ -115,7 +124,7 @@ class NumpyKernels:
 
 def cache_depth(config, n_layers):
     """The depth L of a cache of n_layers(L) slots (§1)."""
-    return (n_layers - config.n_pre_blocks) // (config.n_core_blocks + config.n_coda_blocks)
+    return (n_layers - config.n_pre_blocks) // (config.core_width + config.n_coda_blocks)
 
 
 def residual(kernels, weights, x, y, gain):
@@ -130,15 +139,16 @@ def residual(kernels, weights, x, y, gain):
 
 def write_kv(kernels, weights, block, cache, slot, q, a, pos0):
     """The layer's input rows as NQ gives them, q (T, d) int8 and a (T,) f32 -> its query
-    heads qh (T, H, D) after RoPE, writing slot's KV at pos0 .. pos0+T-1 (§4). A hidden-state
-    prefix rebuilds its KV through this too (fallback/hidden_prefix.py)."""
+    heads qh (T, H, D) after RoPE and attn_qkv's output z, writing slot's KV at
+    pos0 .. pos0+T-1 (§4). A hidden-state prefix rebuilds its KV through this too
+    (fallback/hidden_prefix.py)."""
     cfg = weights.config
-    z = block.attn_qkv(q, a)                                   # (T, (H + 2G) * D), + bias
+    z = block.attn_qkv(q, a)                         # (T, (H + 2G) * D) (+ H * D gate), + bias
     rows = slice(pos0, pos0 + len(z))
     qh, kv = kernels.split_heads(z, weights.rope_cos[rows], weights.rope_sin[rows], cfg,
                                  cache.pool.kv_bits)
     cache.write(slot, pos0, *kv)
-    return qh
+    return qh, z
 
 
 def attention_block(kernels, weights, block, cache, slot, x, pos0, capture=None):
@@ -147,8 +157,11 @@ def attention_block(kernels, weights, block, cache, slot, x, pos0, capture=None)
     q, a = kernels.rms_quantize(x, weights.config.rms_eps)
     if capture is not None:
         capture(slot, pos0, x, q, a)
-    qh = write_kv(kernels, weights, block, cache, slot, q, a, pos0)
+    cfg = weights.config
+    qh, z = write_kv(kernels, weights, block, cache, slot, q, a, pos0)
     o = kernels.attend(qh, cache, slot, pos0)                  # (T, H * D)
+    if cfg.attn_gate:
+        o = kernels.gate(o, z, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
     q, s = kernels.quantize_rows(o)
     return residual(kernels, weights, x, block.attn_out(q, s), block.attn_post_norm)
 
@@ -178,24 +191,49 @@ def coda(kernels, weights, cache, loops, x, pos0, capture=None):
 
 
 def core_iteration(kernels, weights, cache, i, x, injected, pos0, capture=None):
-    """Core iteration i (§1) on the state x (T, d): the step norm (i >= 1), the adapter
-    (injection, with the rows' injected terms), the k core blocks in iteration i's slots."""
+    """Core iteration i (§1) on the state x (T, d) and the rows' injected terms: the step norm
+    (i >= 1), the adapter (injection), the k core blocks in iteration i's slots; or a
+    two-state core's low and high cycles on (x, injected) = (h, l). Returns the new pair."""
     cfg = weights.config
+    if cfg.core_cycles:
+        return two_state_iteration(kernels, weights, cache, i, x, injected, pos0, capture)
     if cfg.step_norm and i >= 1:
         x = kernels.rms_norm(x, weights.step_norm, cfg.rms_eps)
     if cfg.injection:
         x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x)), injected)
     for j, block in enumerate(weights.core_blocks):
         x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0, capture)
-    return x
+    return x, injected
+
+
+def two_state_iteration(kernels, weights, cache, i, high, low, pos0, capture=None):
+    """A two-state core's iteration i (§1) on high and low states (T, d): the low stack C
+    times on low + high, then the high stack on high + low, each closed by the weightless
+    norm (a gain of ones). Returns (high, low)."""
+    cfg = weights.config
+    n = cfg.n_core_blocks // 2
+    for c in range(cfg.core_cycles + 1):
+        y = kernels.add(low, high)                             # f32 addition commutes
+        for a in range(c * n, (c + 1) * n):
+            y = run_block(kernels, weights, weights.core_applied[a], cache, cfg.core_slot(i, a),
+                          y, pos0, capture)
+        y = kernels.rms_norm(y, weights.unit_gain, cfg.rms_eps)
+        if c < cfg.core_cycles:
+            low = y
+        else:
+            high = y
+    return high, low
 
 
 def prelude(kernels, weights, cache, tokens, pos0, capture=None):
     """The embedding and the prelude of tokens (T,) int32 at pos0 ..: returns the state
-    entering core iteration 0 and, with injection, the rows' injected terms (else None)."""
+    entering core iteration 0 and, with injection, the rows' injected terms, with a two-state
+    core the low states (zero) (else None)."""
     x = kernels.embed(weights, tokens)
     for b, block in enumerate(weights.pre_blocks):
         x = run_block(kernels, weights, block, cache, b, x, pos0, capture)
+    if weights.config.core_cycles:      # h = x, l = 0 (§1)
+        return x, kernels.table(np.zeros((len(tokens), weights.config.d_model), F32))
     if not weights.config.injection:
         return x, None
     injected = weights.adapter_inject(*kernels.quantize_rows(x))    # the same every iteration
@@ -206,7 +244,7 @@ class Rows(NamedTuple):
     """What a pass returns for its T rows, each (T, d) f32 in the kernels' arrays."""
     hidden: Any        # the final states, the head's input
     state: Any         # the states after the last core iteration run (before the coda)
-    injected: Any      # the adapter's injected terms (None without injection)
+    injected: Any      # the adapter's injected terms, or a two-state core's low states (else None)
 
 
 def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth=None,
@@ -215,7 +253,8 @@ def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth
     (depth: the cache's by default) and the coda in the coda slots of depth `coda_depth`
     (depth's own by default). first_iter == 0 starts from `tokens` (T,) int32 (embedding,
     prelude); first_iter > 0 resumes from `state`, each row's state after iteration
-    first_iter-1, and with injection `injected`, its injected term. Writes the KV of every
+    first_iter-1, and with injection `injected`, its injected term (a two-state core: its low
+    state). Writes the KV of every
     layer it runs at those positions; leaves cache.length alone. Returns Rows.
 
     If `depth_states` is a list (a prefix build or extension, §5.4), the coda also runs after
@@ -231,14 +270,14 @@ def forward_part(kernels, weights, cache, pos0, tokens=None, first_iter=0, depth
     else:
         x = state
     for i in range(first_iter, depth):
-        x = core_iteration(kernels, weights, cache, i, x, injected, pos0, capture)
+        x, injected = core_iteration(kernels, weights, cache, i, x, injected, pos0, capture)
         if depth_states is not None and i < depth - 1:
             out = coda(kernels, weights, cache, i + 1, kernels.copy(x), pos0, capture)
             depth_states.append(kernels.last_row(out))
     hidden = coda(kernels, weights, cache, coda_depth or depth, x, pos0, capture)
     if depth_states is not None:
         depth_states.append(kernels.last_row(hidden))
-    return Rows(hidden, x, injected if cfg.injection else None)
+    return Rows(hidden, x, injected if cfg.carries_injected else None)
 
 
 def forward_chunk(kernels, weights, cache, tokens, depth_states=None, capture=None):
@@ -265,7 +304,7 @@ def decode_adaptive(kernels, weights, cache, token, start_judge):
     judge = start_judge(kernels.to_host(x)[0])
     depth, hidden = loops, None
     for i in range(loops):
-        x = core_iteration(kernels, weights, cache, i, x, injected, pos)
+        x, injected = core_iteration(kernels, weights, cache, i, x, injected, pos)
         if i == loops - 1:
             break
         probe = z = None
@@ -276,7 +315,7 @@ def decode_adaptive(kernels, weights, cache, token, start_judge):
             depth, hidden = i + 1, probe
             break
     for i in range(depth, loops):
-        for j in range(cfg.n_core_blocks):
+        for j in range(cfg.core_width):
             cache.copy_position(cfg.core_slot(depth - 1, j), cfg.core_slot(i, j), pos)
     if hidden is None:           # a probe's coda has run on the exit state already
         hidden = coda(kernels, weights, cache, loops, x, pos)

@@ -99,7 +99,7 @@ def read_slots(config, weights, loops):
     the core's of iterations 0 .. loops-1, the coda's of depth `loops`."""
     yield from enumerate(weights.pre_blocks)
     for i in range(loops):
-        for j, block in enumerate(weights.core_blocks):
+        for j, block in enumerate(weights.core_applied):
             yield config.core_slot(i, j), block
     for c, block in enumerate(weights.coda_blocks):
         yield config.coda_slot(loops, c), block

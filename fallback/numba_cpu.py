@@ -100,6 +100,7 @@ S = numba_scalar.build(scalar, SimpleNamespace(
 quantize_row, store_kv_row, rms_scale, rms_norm_row, linear_out = (
     S.quantize_row, S.store_kv_row, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times, exp2s = S.rope_pair, S.silu_times, S.exp2s
+sigmoid_times = S.sigmoid_times
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
 
@@ -369,6 +370,14 @@ def swiglu_kernel(gu, h):
             h[t, i] = silu_times(gu[t, i], gu[t, ffn + i])
 
 
+@njit(parallel=True, cache=True)
+def gate_kernel(o, z, at, out):
+    """o: (T, H * D) float32, z: (T, R) -> out = o * sig(z[:, at : at + H * D])."""
+    for t in prange(o.shape[0]):
+        for i in range(o.shape[1]):
+            out[t, i] = sigmoid_times(z[t, at + i], o[t, i])
+
+
 # -- sampling -------------------------------------------------------------------------------
 
 @njit(cache=True)
@@ -493,3 +502,8 @@ class NumbaKernels(NumpyKernels):
         h = np.empty((len(gu), gu.shape[1] // 2), F32)
         self.launch(swiglu_kernel, self.threads_for(h.size * 16), gu, h)   # exp2s: ~16 ops
         return h
+
+    def gate(self, o, z, at):
+        out = np.empty(o.shape, F32)
+        self.launch(gate_kernel, self.threads_for(o.size * 16), o, z, at, out)
+        return out

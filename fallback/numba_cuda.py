@@ -58,7 +58,7 @@ S = numba_scalar.build(cuda.jit(device=True), OPS)
 fmul, fadd, fsqrt, dmul, dadd = OPS.mul, OPS.add, OPS.sqrt, OPS.dmul, OPS.dadd
 quantize_row, store_kv_row, kv_value, rms_scale, rms_norm_row, linear_out = (
     S.quantize_row, S.store_kv_row, S.kv_value, S.rms_scale, S.rms_norm_row, S.linear_out)
-rope_pair, silu_times = S.rope_pair, S.silu_times
+rope_pair, silu_times, sigmoid_times = S.rope_pair, S.silu_times, S.sigmoid_times
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
 
@@ -102,6 +102,15 @@ def swiglu_kernel(gu, h):
         ffn = h.shape[1]
         t, c = i // ffn, i % ffn
         h[t, c] = silu_times(gu[t, c], gu[t, ffn + c])
+
+
+@cuda.jit(fastmath=False)
+def gate_kernel(o, z, at, out):
+    """o (T, H * D), z (T, R) -> out = o * sig(z[:, at : at + H * D])."""
+    i = cuda.grid(1)
+    if i < out.size:
+        t, c = i // out.shape[1], i % out.shape[1]
+        out[t, c] = sigmoid_times(z[t, at + c], o[t, c])
 
 
 @cuda.jit(fastmath=False)
@@ -382,6 +391,12 @@ class CudaKernels(NumpyKernels):
         h = cuda.device_array((gu.shape[0], gu.shape[1] // 2), F32)
         swiglu_kernel[_grid(h.size)](gu, h)
         return h
+
+    @staticmethod
+    def gate(o, z, at):
+        out = cuda.device_array(o.shape, F32)
+        gate_kernel[_grid(out.size)](o, z, at, out)
+        return out
 
     @staticmethod
     def quantize_rows(x):

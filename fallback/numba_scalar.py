@@ -62,6 +62,12 @@ def build(jit, ops):
         return mul(g / add(ONE, e), u)
 
     @jit
+    def sigmoid_times(g, o):
+        """spec §4's gated output o * sig(g), sig(v) = 1 / (1 + exps(-v)) (§2.5)."""
+        e = exp2s(mul(-g, LOG2E))
+        return mul(o, ONE / add(ONE, e))
+
+    @jit
     def abs_max(x):
         """spec §2.2 step 1: max_i |x_i| of a row x (n,) float32, ignoring NaN, from 0."""
         amax = F32(0)
@@ -171,6 +177,7 @@ def build(jit, ops):
         return mul(F32(num) / F32(den), svmax)
 
     return SimpleNamespace(clamp=clamp, exp2s=exp2s, silu_times=silu_times,
+                           sigmoid_times=sigmoid_times,
                            quantize_row=quantize_row, store_kv_row=store_kv_row,
                            kv_value=kv_value, rms_scale=rms_scale,
                            rms_norm_row=rms_norm_row, linear_out=linear_out,

@@ -117,6 +117,11 @@ def silu(v):
     return v / (F32(1) + e)
 
 
+def sigmoid(v):
+    """spec §2.5: sig(v) = 1 / (1 + exps(-v))."""
+    return F32(1) / (F32(1) + exps(-v))
+
+
 def rope(x, cos, sin):
     """spec §2.6 rotate-half RoPE. x: (T, heads, D); cos, sin: (T, D/2) for the tokens' positions."""
     half = x.shape[-1] // 2

@@ -185,7 +185,7 @@ def _expected_size(config, h, kv_bits):
     n, d = h.n_tokens, config.d_model
     heads = h.n_kv_heads if h.version == 1 else 1          # records per (slot, position)
     kv = h.n_layers * (n - h.kv_start) * heads * _record_dtype(config, h, kv_bits).itemsize
-    states = 4 * n * d * (2 if config.injection else 1) if h.flags & STATES else 0
+    states = 4 * n * d * (2 if config.carries_injected else 1) if h.flags & STATES else 0
     return HEADER.size + 4 * n + 4 * h.loops * d + kv + states
 
 
@@ -204,7 +204,7 @@ def _sections(engine, mv, h):
     states = injected = None
     if h.flags & STATES:
         states = np.frombuffer(mv, "<f4", n * d, at).reshape(n, d)
-        if config.injection:
+        if config.carries_injected:
             injected = np.frombuffer(mv, "<f4", n * d, at + states.nbytes).reshape(n, d)
     return tokens, loop_states, records, states, injected
 

@@ -93,6 +93,10 @@ class Weights:
         self.pre_blocks = blocks[:n_pre]
         self.core_blocks = blocks[n_pre:n_pre + k]
         self.coda_blocks = blocks[n_pre + k:]
+        # the core block of each application of an iteration (§1: a two-state core's stacks)
+        self.core_applied = [self.core_blocks[j] for j in config.core_applications()]
+        # a two-state core's weightless closing norm: RN with a gain of ones (§2.7)
+        self.unit_gain = table(np.ones(config.d_model, np.float32)) if config.core_cycles else None
         self.adapter_state = self.adapter_inject = None
         if config.injection:
             self.adapter_state = self._linear(tensors, "core.adapter_state")
@@ -116,11 +120,11 @@ class Weights:
 
     def block(self, slot):
         """The weights of the layer at cache slot `slot` (docs/spec.md §1), at any depth."""
-        n_pre, k = self.config.n_pre_blocks, self.config.n_core_blocks
+        n_pre, w = self.config.n_pre_blocks, self.config.core_width
         if slot < n_pre:
             return self.pre_blocks[slot]
-        j = (slot - n_pre) % (k + self.config.n_coda_blocks)
-        return self.core_blocks[j] if j < k else self.coda_blocks[j - k]
+        j = (slot - n_pre) % (w + self.config.n_coda_blocks)
+        return self.core_applied[j] if j < w else self.coda_blocks[j - w]
 
     def _block(self, tensors, prefix):
         post = self.config.block_layout != "pre"

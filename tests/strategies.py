@@ -22,7 +22,8 @@ def model_shapes(draw, tiny=False, v1_like=False):
     int8 or int4 with an even group size dividing every K, tied head or not, an eos id or none
     (and up to 3 more stop ids and an exit gate, version-3 options, unless `v1_like`),
     and the version-2 layout (docs/spec.md §1, §4): k = 1 .. 3 core blocks, 0 .. 2 coda blocks,
-    block placement, qkv bias, injection, step and coda norms, an embedding scale.
+    block placement, qkv bias, injection, step and coda norms, an embedding scale; or (version
+    3) a two-state core of two stacks with 1 or 2 low cycles, and the attention gate.
     `tiny`: the smallest widths (for numba's CUDA simulator). `v1_like`: the version-2 fields
     at their version-1 values (one core block, no coda, pre-norm, ...)."""
     n_kv_heads = draw(st.integers(1, 2 if tiny else 3))
@@ -50,6 +51,10 @@ def model_shapes(draw, tiny=False, v1_like=False):
                      qkv_bias=draw(st.booleans()), injection=draw(st.booleans()),
                      step_norm=draw(st.booleans()), coda_norm=draw(st.booleans()),
                      embed_scale=draw(st.sampled_from([1.0, 0.25, math.sqrt(d_model)])))
+        if draw(st.booleans()):            # HRM's two-state core (§1), version 3
+            shape.update(core_cycles=draw(st.integers(1, 2)), injection=False, step_norm=False,
+                         n_core_blocks=2 * draw(st.integers(1, 1 if tiny else 2)))
+        shape.update(attn_gate=draw(st.booleans()))    # the attention gate (§4), version 3
         if draw(st.booleans()):            # an exit gate (docs/spec.md §5.7), version 3 too
             shape.update(exit_gate=True, exit_threshold=draw(st.sampled_from([0.5, 0.9, 1.0])))
     return shape

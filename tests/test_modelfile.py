@@ -37,8 +37,8 @@ HEADER = {"magic": (0, "8s"), "version": (8, "<I"), "header_bytes": (12, "<I"),
           "n_core_blocks": (184, "<I"), "n_coda_blocks": (188, "<I"), "block_layout": (192, "<I"),
           "qkv_bias": (196, "<I"), "injection": (200, "<I"), "step_norm": (204, "<I"),
           "embed_scale": (208, "<f"), "coda_norm": (212, "<I"), "exit_threshold": (216, "<f"),
-          "reserved": (220, "36s")}
-V2_RESERVED = (216, "40s")                  # §6.5: in version 2 exit_threshold is reserved
+          "core_cycles": (220, "<I"), "attn_gate": (224, "<I"), "reserved": (228, "28s")}
+V2_RESERVED = (216, "40s")     # §6.5: in version 2 exit_threshold .. attn_gate are reserved
 V1_RESERVED = (184, "72s")                  # §6.5: in version 1 the version-2 fields are reserved
 ENTRY = {"name": (0, "48s"), "dtype": (48, "<I"), "ndim": (52, "<I"), "dims": (56, "<4Q"),
          "offset": (88, "<Q")}
@@ -103,7 +103,10 @@ CONFIGS = {"int8": small_config(), "int8-tied": small_config(tied_head=True),
            # Ouro's shape with int4 weights, its int8 exit gate, and a stop id
            "v3-exit-gate": int4_config(n_pre_blocks=0, n_core_blocks=2, block_layout="sandwich",
                                        step_norm=True, stop_ids=(7,), exit_gate=True,
-                                       exit_threshold=0.75)}
+                                       exit_threshold=0.75),
+           # HRM-Text's shape: a two-state core of two 2-block stacks, 3 low cycles, gated
+           "v3-two-state": int4_config(n_pre_blocks=0, n_core_blocks=4, core_cycles=3,
+                                       attn_gate=True, qkv_bias=True, n_coda_blocks=1)}
 # Version-1 files of the version-2 kinds that version 1 can express (§6.5).
 V1_KINDS = {"v1-int8": "int8", "v1-int4-tied": "int4-tied", "v1-no-pre": "no-pre"}
 CONFIGS.update({v1: CONFIGS[v2] for v1, v2 in V1_KINDS.items()})
@@ -299,7 +302,7 @@ EXIT_GATE = ["exit_gate.w", "exit_gate.s", "exit_gate.b"]
 def test_an_exit_gate_makes_a_version_3_file_with_its_tensors_and_threshold():
     buf = valid_file("v3-exit-gate")
     assert (header(buf, "version"), header(buf, "exit_threshold")) == (3, 0.75)
-    assert header(buf, "reserved") == bytes(36)
+    assert header(buf, "reserved") == bytes(28)
     # int8 beside int4 linears: one row of d weights, its scale and bias f32 [1]
     assert [entry(buf, name, "dtype") for name in EXIT_GATE] == [(2,), (1,), (1,)]
     assert [entry(buf, name, "dims") for name in EXIT_GATE] == [(1, 16, 0, 0), (1, 0, 0, 0),
@@ -684,6 +687,20 @@ HOSTILE = [
     ("embed_scale -inf", "v2", lambda b: set_header(b, "embed_scale", -math.inf), "embed_scale"),
     ("embed_scale NaN", "int8", lambda b: set_header(b, "embed_scale", NAN), "embed_scale"),
     ("coda_norm 2", "int8", lambda b: set_header(b, "coda_norm", 2), "coda_norm: must be a bool"),
+    ("core_cycles 257", "v3-stop-ids", lambda b: set_header(b, "core_cycles", 257),
+     "core_cycles: must be an int in 0 .. 256, got 257"),
+    ("core_cycles with a step norm", "v3-exit-gate", lambda b: set_header(b, "core_cycles", 1),
+     "step_norm: must be 0 with core_cycles >= 1"),
+    ("core_cycles with an odd core", "v3-two-state", lambda b: set_header(b, "n_core_blocks", 3),
+     "n_core_blocks: must be even with core_cycles >= 1 (two stacks), got 3"),
+    ("core_cycles past 65536 layers", "v3-two-state",
+     lambda b: set_header(set_header(b, "default_loops", 256), "core_cycles", 255),
+     "n_pre_blocks + default_loops * ((core_cycles + 1) * n_core_blocks / 2 + n_coda_blocks): "
+     "must be <= 65536, got 131328"),
+    ("attn_gate 2", "v3-two-state", lambda b: set_header(b, "attn_gate", 2),
+     "attn_gate: must be a bool"),
+    ("attn_gate off", "v3-two-state", lambda b: set_header(b, "attn_gate", 0),
+     "tensor 'coda.0.attn_qkv.b': shape (48,) != expected (32,)"),
     ("version-1 tokenizer 2", "v1-int8", lambda b: set_header(b, "tokenizer", 2),
      "tokenizer: 'hf' (file code 2) needs a version-2 file, got 'hf'"),
     ("name not UTF-8", "int8", lambda b: set_header(b, "name", b"\xff\xfe"),
@@ -939,10 +956,14 @@ HOSTILE = [
     ("version-1 reserved 255", "v1-no-pre", lambda b: patch(b, 255, "<B", 1), "reserved"),
     ("version-2 exit_threshold is reserved", "v2", lambda b: set_header(b, "exit_threshold", 0.5),
      "reserved: header bytes 216 .. 255 must be zero"),
-    ("version-3 reserved 220", "v3-exit-gate", lambda b: patch(b, 220, "<B", 1),
-     "reserved: header bytes 220 .. 255 must be zero"),
+    ("version-3 reserved 228", "v3-exit-gate", lambda b: patch(b, 228, "<B", 1),
+     "reserved: header bytes 228 .. 255 must be zero"),
     ("version-3 reserved 255", "v3-stop-ids", lambda b: patch(b, 255, "<B", 1),
-     "reserved: header bytes 220 .. 255 must be zero"),
+     "reserved: header bytes 228 .. 255 must be zero"),
+    ("version-2 core_cycles is reserved", "v2", lambda b: set_header(b, "core_cycles", 1),
+     "reserved: header bytes 216 .. 255 must be zero"),
+    ("version-2 attn_gate is reserved", "v2", lambda b: set_header(b, "attn_gate", 1),
+     "reserved: header bytes 216 .. 255 must be zero"),
     ("flags", "int8", lambda b: set_header(b, "flags", 1), "flags"),
 ]
 

@@ -23,7 +23,8 @@ GPTQ quantizes; attn_out sees the attention output, ffn_down the SwiGLU product,
 core.adapter_state the state (zero entering iteration 0, §4.4), core.adapter_inject the
 prelude's output, and head the final normalized state. Every layout of the converter is
 covered: pre / sandwich / post placements, q/k/v biases, GQA, injection, the step norm, the
-coda and its norm, the embedding scale; a head tied to the embedding still has its Gram
+coda and its norm, the embedding scale, HRM-Text's two-state core (its closing norms have no
+gain) and attention gate (its rows are attn_qkv's, seeing the same input); a head tied to the embedding still has its Gram
 recorded (quantize_model uses it only when it unties the head).
 
 Cost: one (K, K) float64 matrix per linear of the file, held together until quantization, so
@@ -84,9 +85,11 @@ def forward(config: ModelConfig, weights: Mapping[str, np.ndarray], windows: np.
     for b in range(config.n_pre_blocks):
         x = run.block(f"pre.{b}", x)
     e = x
-    if config.injection:
+    if config.core_cycles:
+        x = _two_state_core(config, run, x)
+    elif config.injection:
         x = np.zeros_like(e)
-    for i in range(config.default_loops):
+    for i in range(0 if config.core_cycles else config.default_loops):
         if config.step_norm and i >= 1:
             x = run.norm(x, "core.step_norm")
         if config.injection:
@@ -101,6 +104,23 @@ def forward(config: ModelConfig, weights: Mapping[str, np.ndarray], windows: np.
         x = run.block(f"coda.{c}", x)
     run.observe("head", _normalize(x, config.rms_eps))
     return x
+
+
+def _two_state_core(config: ModelConfig, run: "_Forward", high: Array) -> Array:
+    """A two-state core's iterations (docs/spec.md §1) from the high state `high`; returns the
+    last high state."""
+    n = config.n_core_blocks // 2
+    low = np.zeros_like(high)
+    for _ in range(config.default_loops):
+        for c in range(config.core_cycles + 1):
+            y = low + high
+            for j in range(n) if c < config.core_cycles else range(n, 2 * n):
+                y = run.block(f"core.{j}", y)
+            if c < config.core_cycles:
+                low = _normalize(y, config.rms_eps)
+            else:
+                high = _normalize(y, config.rms_eps)
+    return high
 
 
 def _f64(a: np.ndarray) -> Array:
@@ -145,16 +165,19 @@ class _Forward:
     def block(self, b: str, x: Array) -> Array:
         c, w = self.c, self.w
         H, G, D, F = c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim
-        qkv_w = np.concatenate([_f64(w[f"{b}.wq"]), _f64(w[f"{b}.wk"]), _f64(w[f"{b}.wv"])])
+        parts = "qkvg" if c.attn_gate else "qkv"          # attn_qkv's rows (§6.3)
+        qkv_w = np.concatenate([_f64(w[f"{b}.w{part}"]) for part in parts])
         z = self.linear(f"{b}.attn_qkv", _normalize(x, c.rms_eps), qkv_w,
                         _f64(w[f"{b}.attn_norm"]))
         if c.qkv_bias:
-            z = z + np.concatenate([_f64(w[f"{b}.b{part}"]) for part in "qkv"])
+            z = z + np.concatenate([_f64(w[f"{b}.b{part}"]) for part in parts])
         n, t = x.shape[:2]
         q = self.rope(z[..., :H * D].reshape(n, t, H, D))
         k = self.rope(z[..., H * D:(H + G) * D].reshape(n, t, G, D))
-        v = z[..., (H + G) * D:].reshape(n, t, G, D)
+        v = z[..., (H + G) * D:(H + 2 * G) * D].reshape(n, t, G, D)
         o = self.attention(q, k, v)
+        if c.attn_gate:                                    # o * sigmoid(gate) (§4)
+            o = o / (1.0 + np.exp(-z[..., (H + 2 * G) * D:]))
         x = self.residual(x, self.linear(f"{b}.attn_out", o, _f64(w[f"{b}.wo"])),
                           f"{b}.attn_post_norm")
         gate_up = np.concatenate([_f64(w[f"{b}.w_gate"]), _f64(w[f"{b}.w_up"])])

@@ -73,6 +73,9 @@ class ModelConfig:
     # version 3 (§6.3's `exit_gate.*` tensors, §6.1 offset 216): adaptive depth's gate (§5.7)
     exit_gate: bool = False  # the file holds exit_gate.w, .s, .b
     exit_threshold: float = 0.0  # the gate rule's default q; 0 without the gate, else in (0, 1]
+    # version 3 (§6.1 offsets 220, 224): HRM's two-state core (§1) and attention gate (§4)
+    core_cycles: int = 0     # 0: one state; C >= 1: the low stack's cycles per iteration
+    attn_gate: bool = False  # attn_qkv ends with H * D gate rows: o *= sig(gate)
 
     def __post_init__(self) -> None:
         for field in ("rope_theta", "rms_eps", "embed_scale", "exit_threshold"):
@@ -83,7 +86,7 @@ class ModelConfig:
     @property
     def file_version(self) -> int:
         """The version a writer gives this model's file: the lowest that holds it (§6.5)."""
-        return 3 if self.stop_ids or self.exit_gate else 2
+        return 3 if self.stop_ids or self.exit_gate or self.core_cycles or self.attn_gate else 2
 
     def stop_token_ids(self) -> FrozenSet[int]:
         """Every id whose emission ends generation (§5.3): eos_id (when >= 0) and stop_ids."""
@@ -130,9 +133,11 @@ class ModelConfig:
             self._positive_float(field)
         self._int_range("n_core_blocks", 1, 256)
         self._int_range("n_coda_blocks", 0, 64)
-        _require(self.n_layers(self.default_loops) <= MAX_CACHE_LAYERS,
+        one_state = self.n_pre_blocks + self.default_loops * (self.n_core_blocks
+                                                              + self.n_coda_blocks)
+        _require(one_state <= MAX_CACHE_LAYERS,
                  "n_pre_blocks + default_loops * (n_core_blocks + n_coda_blocks)",
-                 f"must be <= {MAX_CACHE_LAYERS}", self.n_layers(self.default_loops))
+                 f"must be <= {MAX_CACHE_LAYERS}", one_state)
         _require(self.block_layout in BLOCK_LAYOUTS, "block_layout",
                  "must be 'pre', 'sandwich' or 'post' (file codes 0, 1, 2)", self.block_layout)
         for field in ("qkv_bias", "injection", "step_norm"):
@@ -141,6 +146,11 @@ class ModelConfig:
         self._positive_float("embed_scale")
         _require(isinstance(self.coda_norm, bool), "coda_norm", "must be a bool (file: 0 or 1)",
                  self.coda_norm)
+        self._check_core_cycles(version)
+        _require(isinstance(self.attn_gate, bool), "attn_gate", "must be a bool (file: 0 or 1)",
+                 self.attn_gate)
+        _require(version >= 3 or not self.attn_gate, "attn_gate", "needs a version-3 file",
+                 self.attn_gate)
         self._check_name()
         _require(isinstance(self.stop_ids, tuple), "stop_ids", "must be a tuple of token ids",
                  self.stop_ids)
@@ -180,17 +190,44 @@ class ModelConfig:
             if i in ids[:k]:
                 raise ModelFormatError(f"{where}: ids must not repeat, found {i} twice")
 
+    @property
+    def core_width(self) -> int:
+        """w, the core's layers per iteration (§1): k, or (C + 1) * k/2 for a two-state core."""
+        if self.core_cycles:
+            return (self.core_cycles + 1) * (self.n_core_blocks // 2)
+        return self.n_core_blocks
+
+    def core_applications(self) -> List[int]:
+        """The core block each application a = 0 .. w-1 of an iteration runs (§1): j, or for a
+        two-state core the low stack's blocks C times, then the high stack's."""
+        if not self.core_cycles:
+            return list(range(self.n_core_blocks))
+        n = self.n_core_blocks // 2
+        return list(range(n)) * self.core_cycles + list(range(n, 2 * n))
+
     def n_layers(self, loops: int) -> int:
-        """Cache slots of a sequence at depth `loops` (§1): n_pre + L * (k + n_coda)."""
-        return self.n_pre_blocks + loops * (self.n_core_blocks + self.n_coda_blocks)
+        """Cache slots of a sequence at depth `loops` (§1): n_pre + L * (w + n_coda)."""
+        return self.n_pre_blocks + loops * (self.core_width + self.n_coda_blocks)
 
     def core_slot(self, iteration: int, j: int) -> int:
-        """The cache slot of core block j in iteration `iteration` (0-based), §1."""
-        return self.n_pre_blocks + iteration * (self.n_core_blocks + self.n_coda_blocks) + j
+        """The cache slot of core application j in iteration `iteration` (0-based), §1."""
+        return self.n_pre_blocks + iteration * (self.core_width + self.n_coda_blocks) + j
 
     def coda_slot(self, loops: int, c: int) -> int:
         """The cache slot of coda block c at depth `loops`, §1."""
-        return self.core_slot(loops - 1, self.n_core_blocks + c)
+        return self.core_slot(loops - 1, self.core_width + c)
+
+    @property
+    def carries_injected(self) -> bool:
+        """Rows carry a second f32 vector between iterations: injection's term (§4.4) or a
+        two-state core's low state (§1); a warm-start prefix keeps it (§5.4, §7.2)."""
+        return bool(self.injection or self.core_cycles)
+
+    @property
+    def qkv_rows(self) -> int:
+        """R of attn_qkv: (H + 2G) * D, and H * D gate rows more with attn_gate (§6.3)."""
+        heads = self.n_heads + 2 * self.n_kv_heads + (self.n_heads if self.attn_gate else 0)
+        return heads * self.head_dim
 
     def block_prefixes(self) -> List[str]:
         """Tensor-name prefixes of the blocks in file order: pre.*, core.*, coda.* (§6.3)."""
@@ -235,9 +272,9 @@ class ModelConfig:
         out: List[LayoutEntry] = [("tok_emb.w", ("i8", (V, d))), ("tok_emb.s", ("f32", (V,))),
                ("rope.cos", ("f32", (S, D // 2))), ("rope.sin", ("f32", (S, D // 2)))]
         for b in self.block_prefixes():
-            out.append((f"{b}.attn_qkv", ("linear", ((H + 2 * G) * D, d))))
+            out.append((f"{b}.attn_qkv", ("linear", (self.qkv_rows, d))))
             if self.qkv_bias:
-                out.append((f"{b}.attn_qkv.b", ("f32", ((H + 2 * G) * D,))))
+                out.append((f"{b}.attn_qkv.b", ("f32", (self.qkv_rows,))))
             out.append((f"{b}.attn_out", ("linear", (d, H * D))))
             if post:
                 out.append((f"{b}.attn_post_norm", ("f32", (d,))))
@@ -298,6 +335,23 @@ class ModelConfig:
                          self.n_heads * self.head_dim), ("ffn_dim", self.ffn_dim)):
             _require(k % self.group_size == 0, "group_size", f"must divide {field} ({k})",
                      self.group_size)
+
+    def _check_core_cycles(self, version: int) -> None:
+        """§6.1's core_cycles rules: 0 .. 256; a two-state core (>= 1) needs a version-3
+        file, an even n_core_blocks, no injection and no step norm, and fits n_layers."""
+        self._int_range("core_cycles", 0, 256)
+        if not self.core_cycles:
+            return
+        _require(version >= 3, "core_cycles", "needs a version-3 file", self.core_cycles)
+        _require(self.n_core_blocks % 2 == 0, "n_core_blocks",
+                 "must be even with core_cycles >= 1 (two stacks)", self.n_core_blocks)
+        for field in ("injection", "step_norm"):
+            _require(not getattr(self, field), field, "must be 0 with core_cycles >= 1",
+                     getattr(self, field))
+        _require(self.n_layers(self.default_loops) <= MAX_CACHE_LAYERS,
+                 "n_pre_blocks + default_loops * ((core_cycles + 1) * n_core_blocks / 2 + "
+                 "n_coda_blocks)", f"must be <= {MAX_CACHE_LAYERS}",
+                 self.n_layers(self.default_loops))
 
     def _check_name(self) -> None:
         ok = isinstance(self.name, str) and "\0" not in self.name

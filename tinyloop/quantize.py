@@ -18,7 +18,8 @@ be lazy, loading a value when it is looked up, e.g. memory-mapped safetensors), 
     tok_emb (V, d); final_norm (d,); head (V, d) unless tied; rope is computed from
     config.rope_theta;
     per block prefix B of config.block_prefixes(): B.attn_norm (d,), B.wq (H*D, d),
-    B.wk (G*D, d), B.wv (G*D, d), B.bq (H*D,), B.bk (G*D,), B.bv (G*D,) [qkv_bias],
+    B.wk (G*D, d), B.wv (G*D, d), B.wg (H*D, d) [attn_gate], B.bq (H*D,), B.bk (G*D,),
+    B.bv (G*D,), B.bg (H*D,) [attn_gate] [qkv_bias],
     B.wo (d, H*D), B.attn_post_norm (d,) [sandwich, post], B.mlp_norm (d,), B.w_gate (F, d),
     B.w_up (F, d), B.w_down (d, F), B.ffn_post_norm (d,) [sandwich, post];
     core.adapter (d, 2d) [injection: columns 0 .. d-1 act on the state, d .. 2d-1 on e];
@@ -229,11 +230,12 @@ def quantize_model(config: ModelConfig, weights: Mapping[str, np.ndarray],
     put({"rope.cos": cos, "rope.sin": sin})
     post = config.block_layout != "pre"
     for b in config.block_prefixes():
-        qkv = np.concatenate([weights[f"{b}.wq"], weights[f"{b}.wk"], weights[f"{b}.wv"]])
+        parts = "qkvg" if config.attn_gate else "qkv"      # attn_qkv's rows (§6.3)
+        qkv = np.concatenate([weights[f"{b}.w{p}"] for p in parts])
         linear(f"{b}.attn_qkv", qkv, np.asarray(weights[f"{b}.attn_norm"], np.float64))
         del qkv
         if config.qkv_bias:
-            vector(f"{b}.attn_qkv.b", f"{b}.bq", f"{b}.bk", f"{b}.bv")
+            vector(f"{b}.attn_qkv.b", *(f"{b}.b{p}" for p in parts))
         linear(f"{b}.attn_out", weights[f"{b}.wo"])
         if post:
             vector(f"{b}.attn_post_norm", f"{b}.attn_post_norm")

@@ -55,12 +55,16 @@ def random_float_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.nda
         w[f"{b}.wq"] = normal((H * D, d), d ** -0.5)
         w[f"{b}.wk"] = normal((G * D, d), d ** -0.5)
         w[f"{b}.wv"] = normal((G * D, d), d ** -0.5)
+        if config.attn_gate:
+            w[f"{b}.wg"] = normal((H * D, d), d ** -0.5)
         w[f"{b}.wo"] = normal((d, H * D), (H * D) ** -0.5 * residual)
         w[f"{b}.w_gate"] = normal((F, d), d ** -0.5)
         w[f"{b}.w_up"] = normal((F, d), d ** -0.5)
         w[f"{b}.w_down"] = normal((d, F), F ** -0.5 * residual)
         if config.qkv_bias:
             w[f"{b}.bq"], w[f"{b}.bk"], w[f"{b}.bv"] = (normal(n, 0.1) for n in (H * D, G * D, G * D))
+            if config.attn_gate:
+                w[f"{b}.bg"] = normal(H * D, 0.1)
         if config.block_layout != "pre":
             w[f"{b}.attn_post_norm"], w[f"{b}.ffn_post_norm"] = gain(), gain()
     if config.injection:
