@@ -221,6 +221,11 @@ typedef struct tl_model_config {
        them gets the fields above                                                             */
     uint32_t exit_gate;     /* 1: the file carries the exit gate (exit_gate.w, .s, .b)        */
     float exit_threshold;   /* the gate rule's default threshold, in (0, 1]; 0 without a gate */
+    /* version 3 (docs/spec.md §1, §4, §6.1): HRM's two-state core and attention gate; a caller
+       built before them gets the fields above                                                */
+    uint32_t core_cycles;   /* 0: one state; C >= 1: a two-state core (n_core_blocks / 2 low
+                               blocks run C times, then the high ones, each iteration)        */
+    uint32_t attn_gate;     /* 1: the attention output is gated, o *= sigmoid(gate)           */
 } tl_model_config;
 
 /* Copy the configuration into *out, up to out->size (set by the caller). Thread-safe.

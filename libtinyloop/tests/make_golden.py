@@ -6,7 +6,7 @@ usage: make_golden.py OUT_DIR       (needs the tinyloop package installed: pip i
 Writes small random models (int8 and int4, GQA, n_pre 0..2, tied and untied heads, odd
 vocabularies, an eos id; and version-2 shapes: several core blocks, a coda, the sandwich and
 post block layouts, q/k/v biases, the injection adapter, step and coda norms, an embedding
-scale; and version 3's stop ids and exit gate) and, for each, expected logits at every position and expected tokens
+scale; and version 3's stop ids, exit gate, two-state core and attention gate) and, for each, expected logits at every position and expected tokens
 (greedy, sampled with seeds, penalties, stop sequences, chunked prefill, windows, prefixes at
 nested depths) into OUT_DIR, with OUT_DIR/manifest.txt listing the cases one per line:
 
@@ -59,6 +59,20 @@ MODELS = {
                               default_loops=2, max_seq_len=160, weight_format="int4",
                               group_size=16, tied_head=False, injection=True, step_norm=True,
                               embed_scale=0.75)),
+    # version 3 (docs/spec.md §1, §4): HRM-Text's shape, a two-state core of 2 + 2 blocks with 2
+    # low cycles and the attention gate
+    "v3_hrm": (18, dict(vocab_size=261, d_model=48, n_heads=4, n_kv_heads=2, head_dim=12,
+                        ffn_dim=64, n_pre_blocks=0, n_core_blocks=4, core_cycles=2, attn_gate=True,
+                        default_loops=2, max_seq_len=160, weight_format="int8", tied_head=False,
+                        embed_scale=2.0)),
+    # int4, a two-state core of 1 + 1 blocks with 3 low cycles between a prelude and a coda,
+    # post blocks with biases, the gate
+    "v3_int4_two_state": (19, dict(vocab_size=258, d_model=64, n_heads=4, n_kv_heads=2,
+                                   head_dim=16, ffn_dim=96, n_pre_blocks=1, n_core_blocks=2,
+                                   core_cycles=3, n_coda_blocks=1, coda_norm=True,
+                                   default_loops=2, max_seq_len=160, weight_format="int4",
+                                   group_size=16, tied_head=False, block_layout="post",
+                                   qkv_bias=True, attn_gate=True)),
 }
 
 

@@ -484,7 +484,8 @@ static void check_reference(tl_model* m, uint32_t L, tl_exit x, const char* what
     CHECK_OK(tl_model_acquire(m, &e));
     const tl_file* f = &e->file;
     const tl_config* c = &f->cfg;
-    const size_t d = c->d_model, V = c->vocab_size, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    const uint32_t w = tu_core_width(c->n_core_blocks, c->core_cycles); /* the core's applications */
+    const size_t d = c->d_model, V = c->vocab_size, per = (size_t)w + c->n_coda_blocks;
     tl_seq *a = NULL, *b = NULL;
     CHECK_OK(tl_seq_create(m, L, 0, &a));
     CHECK_OK(tl_seq_create(m, L, 0, &b));
@@ -511,7 +512,7 @@ static void check_reference(tl_model* m, uint32_t L, tl_exit x, const char* what
         const tl_part part = {.depth = want, .coda_depth = L, .logits_last = lb};
         CHECK_OK(tl_forward_part(b, &token, 1, pos, &part));
         for (uint32_t u = want; u < L; u++)
-            for (uint32_t j = 0; j < c->n_core_blocks; j++)
+            for (uint32_t j = 0; j < w; j++)
                 copy_slot(b, pos, (uint32_t)(c->n_pre_blocks + (want - 1) * per + j),
                           (uint32_t)(c->n_pre_blocks + u * per + j));
         b->n++;
@@ -853,6 +854,9 @@ int main(void) {
     check_model("adaptive-huginn.tinyloop", huginn, 1);
     check_model("adaptive-post.tinyloop", post, 0);
     check_model("adaptive-coda.tinyloop", coda, 0);
+    tu_spec hrm = tu_spec_hrm(); /* an exit copies all w = (C + 1) * n applications' KV */
+    hrm.seed = 9;
+    check_model("adaptive-hrm.tinyloop", hrm, 0);
     for (int i = 0; i < NREQ; i++) tu_result_free(&reqs[i].want);
     return tu_finish("test_adaptive");
 }

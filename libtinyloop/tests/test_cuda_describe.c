@@ -6,7 +6,8 @@
  *    layer inputs (a hidden-state prefix's rebuild), or refuses positions outside its live blocks;
  *  - the pass schedule of cuda/pass.h (which rows run which step, on which state, writing which
  *    cache slot), recorded per row and compared with docs/spec.md §1 / §4 / §5.4 written out
- *    independently: the slot table's formulas, not tl_slot_at; for whole passes (mixed depths,
+ *    independently: the slot table's formulas, not tl_slot_at, a two-state core's cycles
+ *    included; for whole passes (mixed depths,
  *    prefix builds) and for part passes (core/forward.h's tl_part): a draft (its coda in a deeper
  *    depth's slots, its state kept), the verification resumed from it, a warm-start build's
  *    base and its extension. */
@@ -128,10 +129,10 @@ static void test_describe(void) {
 /* ---- the pass schedule ------------------------------------------------------------------------ */
 
 enum { MAX_ROWS = 8, MAX_EVENTS = 256 };
-enum { EV_BLOCK, EV_NORM, EV_INJECT, EV_ADAPTER, EV_COPY, EV_STATE, EV_KEEP };
+enum { EV_BLOCK, EV_NORM, EV_INJECT, EV_ADAPTER, EV_COPY, EV_STATE, EV_KEEP, EV_MIX };
 
 /* One step as one row saw it: BLOCK (a = slot, b = block), NORM (a = tl_cu_norm), STATE
- * (a = depth), on state `on`. */
+ * (a = depth), MIX (a = tl_cu_mix), on state `on`. */
 typedef struct event {
     int kind;
     uint32_t a, b;
@@ -184,22 +185,49 @@ static tl_status rec_keep(void* ctx, size_t hi) {
     record(ctx, 0, hi, (event){EV_KEEP, 0, 0, TL_CU_ON_X});
     return TL_OK;
 }
+static tl_status rec_mix(void* ctx, tl_cu_mix what, size_t hi) {
+    record(ctx, 0, hi, (event){EV_MIX, (uint32_t)what, 0, TL_CU_ON_X});
+    return TL_OK;
+}
+
+/* A two-state core's iteration i (docs/spec.md §1) as its row sees it: h held aside and l taken
+ * up, then each cycle c = 0 .. C (C low ones, the high one) adds h, runs its stack in slots
+ * n_pre + i * (w + n_coda) + c * n + j and closes with the weightless norm; after the last low
+ * cycle l is kept. */
+static size_t expected_two_state(const tl_config* c, uint32_t i, event* out) {
+    const uint32_t n = c->n_core_blocks / 2, C = c->core_cycles, w = (C + 1) * n;
+    size_t k = 0;
+    out[k++] = (event){EV_MIX, TL_CU_HOLD, 0, TL_CU_ON_X};
+    for (uint32_t cycle = 0; cycle <= C; cycle++) {
+        out[k++] = (event){EV_MIX, TL_CU_ADD_HIGH, 0, TL_CU_ON_X};
+        for (uint32_t j = 0; j < n; j++)
+            out[k++] = (event){EV_BLOCK, c->n_pre_blocks + i * (w + c->n_coda_blocks) + cycle * n + j,
+                               c->n_pre_blocks + (cycle < C ? j : n + j), TL_CU_ON_X};
+        out[k++] = (event){EV_NORM, TL_CU_PLAIN_NORM, 0, TL_CU_ON_X};
+        if (cycle + 1 == C) out[k++] = (event){EV_MIX, TL_CU_KEEP_LOW, 0, TL_CU_ON_X};
+    }
+    return k;
+}
 
 /* What docs/spec.md says one row of depth L goes through in part `part` of a pass (§5.6: from
  * iteration first_iter, its coda in depth coda_depth's slots); `build`: a prefix build's last
  * row. */
 static size_t expected(const tl_config* c, uint32_t L, const tl_cu_part* part, bool build, event* out) {
     const uint32_t n_pre = c->n_pre_blocks, k = c->n_core_blocks, n_coda = c->n_coda_blocks;
+    const uint32_t w = c->core_cycles ? (c->core_cycles + 1) * (k / 2) : k; /* the core's width */
     const bool coda = c->coda_norm || n_coda;
     size_t n = 0;
     if (part->first_iter == 0) {
         for (uint32_t b = 0; b < n_pre; b++) out[n++] = (event){EV_BLOCK, b, b, TL_CU_ON_X};
         if (c->injection) out[n++] = (event){EV_INJECT, 0, 0, TL_CU_ON_X};
+        if (c->core_cycles) out[n++] = (event){EV_MIX, TL_CU_LOW_ZERO, 0, TL_CU_ON_X};
     }
     for (uint32_t i = part->first_iter; i < L; i++) {
         if (c->step_norm && i >= 1) out[n++] = (event){EV_NORM, TL_CU_STEP_NORM, 0, TL_CU_ON_X};
         if (c->injection) out[n++] = (event){EV_ADAPTER, 0, 0, TL_CU_ON_X};
-        for (uint32_t j = 0; j < k; j++) out[n++] = (event){EV_BLOCK, n_pre + i * (k + n_coda) + j, n_pre + j, TL_CU_ON_X};
+        if (c->core_cycles) n += expected_two_state(c, i, out + n);
+        for (uint32_t j = 0; j < k && !c->core_cycles; j++)
+            out[n++] = (event){EV_BLOCK, n_pre + i * (k + n_coda) + j, n_pre + j, TL_CU_ON_X};
         /* the depth i + 1 ends: on x at the row's own depth, on a copy before it (a build) */
         const bool last = i + 1 == L;
         if (!last && !build) continue;
@@ -209,7 +237,7 @@ static size_t expected(const tl_config* c, uint32_t L, const tl_cu_part* part, b
         if (on == TL_CU_ON_COPY) out[n++] = (event){EV_COPY, 0, 0, TL_CU_ON_COPY};
         if (c->coda_norm) out[n++] = (event){EV_NORM, TL_CU_CODA_NORM, 0, on};
         for (uint32_t j = 0; j < n_coda; j++)
-            out[n++] = (event){EV_BLOCK, n_pre + (depth - 1) * (k + n_coda) + k + j, n_pre + k + j, on};
+            out[n++] = (event){EV_BLOCK, n_pre + (depth - 1) * (w + n_coda) + w + j, n_pre + k + j, on};
         if (build) out[n++] = (event){EV_STATE, i + 1, 0, on};
     }
     return n;
@@ -229,7 +257,8 @@ static void check_part(const char* what, const tl_config* c, const uint32_t* loo
     tl_cuda_row rows[MAX_ROWS];
     memset(rows, 0, sizeof rows);
     for (size_t t = 0; t < T; t++) rows[t].loops = loops[t];
-    const tl_cu_pass_steps steps = {&tr, rec_block, rec_norm, rec_inject, rec_adapter, rec_copy, rec_state, rec_keep};
+    const tl_cu_pass_steps steps = {&tr,      rec_block, rec_norm, rec_inject, rec_adapter,
+                                    rec_copy, rec_state, rec_keep, rec_mix};
     CHECK_OK(tl_cu_pass_walk(c, rows, T, part, &steps));
     CHECK(!build || tr.state_row == T - 1, "%s: states of row %zu", what, tr.state_row);
     event want[MAX_EVENTS];
@@ -286,7 +315,8 @@ static void check_parts(const char* name, const tl_config* c, size_t T, uint32_t
     }
 }
 
-static tl_config config(uint32_t n_pre, uint32_t k, uint32_t n_coda, uint32_t flags) {
+/* flags: 1 injection, 2 step norm, 4 coda norm; cycles: a two-state core's C (docs/spec.md §1). */
+static tl_config config(uint32_t n_pre, uint32_t k, uint32_t n_coda, uint32_t flags, uint32_t cycles) {
     tl_config c;
     memset(&c, 0, sizeof c);
     c.n_pre_blocks = n_pre;
@@ -295,17 +325,20 @@ static tl_config config(uint32_t n_pre, uint32_t k, uint32_t n_coda, uint32_t fl
     c.injection = flags & 1;
     c.step_norm = (flags >> 1) & 1;
     c.coda_norm = (flags >> 2) & 1;
+    c.core_cycles = cycles;
     return c;
 }
 
 static void test_schedule(void) {
     enum { INJ = 1, STEP = 2, CODA_NORM = 4 };
     const uint32_t mixed[5] = {4, 4, 3, 1, 1}, one[3] = {3, 3, 3}, single[1] = {1};
-    const tl_config huginn = config(2, 3, 2, INJ | CODA_NORM), ouro = config(0, 4, 0, STEP);
-    const tl_config v1 = config(1, 1, 0, 0), norm_only = config(1, 2, 0, STEP | CODA_NORM | INJ);
-    const tl_config* configs[4] = {&huginn, &ouro, &v1, &norm_only};
-    const char* names[4] = {"huginn-like", "ouro-like", "version 1", "coda norm without coda blocks"};
-    for (int i = 0; i < 4; i++) {
+    const tl_config huginn = config(2, 3, 2, INJ | CODA_NORM, 0), ouro = config(0, 4, 0, STEP, 0);
+    const tl_config v1 = config(1, 1, 0, 0, 0), norm_only = config(1, 2, 0, STEP | CODA_NORM | INJ, 0);
+    const tl_config hrm = config(0, 4, 0, 0, 2), hrm_coda = config(1, 2, 2, CODA_NORM, 1);
+    const tl_config* configs[6] = {&huginn, &ouro, &v1, &norm_only, &hrm, &hrm_coda};
+    const char* names[6] = {"huginn-like", "ouro-like", "version 1", "coda norm without coda blocks", "hrm-like",
+                            "two-state core with a prelude and a coda"};
+    for (int i = 0; i < 6; i++) {
         char what[96];
         snprintf(what, sizeof what, "%s, mixed batch", names[i]);
         check_schedule(what, configs[i], mixed, 5, false);

@@ -178,7 +178,7 @@ static void check_seqs(const tl_prefix* got, const tl_prefix* want, const char* 
 
 /* n_layers(L_b) * (n - h_start) * (r + 4) + 4 L_b d + 4 n (docs/spec.md §5.4.1, tinyloop.h). */
 static void check_bytes(const tl_prefix* p, const tu_spec* spec, uint32_t L_b, uint32_t W, size_t r) {
-    const size_t n_layers = spec->n_pre + (size_t)L_b * (spec->n_core + spec->n_coda);
+    const size_t n_layers = spec->n_pre + (size_t)L_b * (tu_core_width(spec->n_core, spec->core_cycles) + spec->n_coda);
     const size_t h_start = W == 0 || N_PROMPT < W ? 0 : N_PROMPT - W + 1;
     const size_t want = n_layers * (N_PROMPT - h_start) * (r + 4) + 4 * (size_t)L_b * spec->d + 4 * (size_t)N_PROMPT;
     size_t got = 0;
@@ -230,7 +230,7 @@ enum { HEADER = 96 };
 static void check_round_trip(tl_model* m, tl_model* other, const tu_spec* spec, const tl_prefix* p, uint32_t storage,
                              uint32_t L_b, uint32_t W, const char* what) {
     tu_blob b = tu_save(p);
-    const size_t n_layers = spec->n_pre + (size_t)L_b * (spec->n_core + spec->n_coda);
+    const size_t n_layers = spec->n_pre + (size_t)L_b * (tu_core_width(spec->n_core, spec->core_cycles) + spec->n_coda);
     const size_t h_start = W == 0 || N_PROMPT < W ? 0 : N_PROMPT - W + 1, r = storage == 2 ? spec->d / 2 : spec->d;
     const size_t want = HEADER + 4 * N_PROMPT + 4 * (size_t)L_b * spec->d + n_layers * (N_PROMPT - h_start) * (r + 4);
     CHECK(b.n == want, "%s: blob of %zu bytes, want %zu", what, b.n, want);
@@ -457,5 +457,7 @@ int main(void) {
     test_model("huginn.tinyloop", &huginn, 1);
     test_model("default.tinyloop", &plain_spec, 1);
     test_model("coda.tinyloop", &coda, 0);
+    const tu_spec hrm = tu_spec_hrm(); /* a two-state core's slots, the attention gate's rows */
+    test_model("hrm.tinyloop", &hrm, 0);
     return tu_finish("test_hidden_prefix");
 }

@@ -301,6 +301,8 @@ int main(void) {
     const uint32_t blocks[] = {1, 4, 16};
     test_identical_everywhere(plain_path, blocks, 3, reqs, sizeof reqs / sizeof *reqs);
     test_identical_everywhere(rich_path, blocks + 1, 2, reqs, sizeof reqs / sizeof *reqs);
+    const tu_spec hrm = tu_spec_hrm();
+    test_identical_everywhere(tu_write_model("hrm", &hrm), blocks + 1, 1, reqs, sizeof reqs / sizeof *reqs);
 
     /* head_dim 64 (full AVX2 and AMX rows) and blocks longer than the 256 rows unpacked at a time */
     tu_spec wide = tu_spec_default();

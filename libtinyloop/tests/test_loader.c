@@ -232,7 +232,22 @@ static void e_gate_shape(uint8_t* f, size_t n) {
 static void e_gate_scale(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.s"), 0xbf800000); }
 static void e_gate_bias(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.b"), 0x7fc00000); }
 static void e_gate_renamed(uint8_t* f, size_t n) { (void)n, rename_entry(f, "exit_gate.b", "exit_gate.bias"); }
-static void e_v3_reserved(uint8_t* f, size_t n) { (void)n, f[220] = 1; }
+static void e_v3_reserved(uint8_t* f, size_t n) { (void)n, f[228] = 1; }
+/* version 3's core_cycles and attn_gate (docs/spec.md §6.1 offsets 220, 224; §6.3 step 2) */
+static void e_cycles_big(uint8_t* f, size_t n) { (void)n, put32(f + 220, 257); }
+static void e_cycles_on(uint8_t* f, size_t n) { (void)n, put32(f + 220, 1); }
+static void e_cycles_and_injection(uint8_t* f, size_t n) { e_cycles_on(f, n), put32(f + 200, 1); }
+static void e_cycles_and_step_norm(uint8_t* f, size_t n) { e_cycles_on(f, n), put32(f + 204, 1); }
+/* 1 + 256 * (2 + 1) fits as one state; with (255 + 1) * 1 applications an iteration, 1 + 256 * 257 not */
+static void e_cycles_layers(uint8_t* f, size_t n) { (void)n, put32(f + 76, 256), put32(f + 220, 255); }
+static void e_gate_big(uint8_t* f, size_t n) { (void)n, put32(f + 224, 2); }
+static void e_gate_on(uint8_t* f, size_t n) { (void)n, put32(f + 224, 1); }
+static void e_gate_off(uint8_t* f, size_t n) { (void)n, put32(f + 224, 0); }
+/* the first broken field wins: coda_norm before core_cycles before attn_gate */
+static void e_cycles_and_gate(uint8_t* f, size_t n) { e_cycles_big(f, n), e_gate_big(f, n); }
+static void e_coda_norm_and_cycles(uint8_t* f, size_t n) { e_cycles_big(f, n), put32(f + 212, 2); }
+static void e_cycles_in_v2(uint8_t* f, size_t n) { (void)n, put32(f + 8, 2); }
+static void e_attn_gate_in_v2(uint8_t* f, size_t n) { (void)n, put32(f + 8, 2), put32(f + 224, 1); }
 static void e_threshold_and_reserved(uint8_t* f, size_t n) { e_threshold_zero(f, n), e_v3_reserved(f, n); }
 static void e_scale_and_threshold(uint8_t* f, size_t n) { e_threshold_zero(f, n), e_gate_scale(f, n); }
 
@@ -363,10 +378,38 @@ static void test_v3_rules(void) {
     expect_rule_on(&gate, "gate scale", e_gate_scale, "tensor 'exit_gate.s': scales must be finite and >= 0", 1);
     expect_rule_on(&gate, "gate bias", e_gate_bias, "tensor 'exit_gate.b': values must be finite", 1);
     expect_rule_on(&gate, "gate renamed", e_gate_renamed, "unexpected tensor 'exit_gate.bias'", 1);
-    expect_rule_on(&gate, "reserved", e_v3_reserved, "reserved: header bytes 220 .. 255 must be zero", 1);
+    expect_rule_on(&gate, "reserved", e_v3_reserved, "reserved: header bytes 228 .. 255 must be zero", 1);
     expect_rule_on(&gate, "threshold before reserved", e_threshold_and_reserved, "exit_threshold", 1);
     expect_rule_on(&gate, "values before threshold", e_scale_and_threshold, "tensor 'exit_gate.s'", 1);
     expect_rule_on(&gate, "checksum first", e_threshold_zero, "checksum mismatch", 0);
+}
+
+static void test_v3_core_rules(void) {
+    const tu_spec hrm = tu_spec_hrm();
+    tu_spec plain = tu_spec_default(), huginn = tu_spec_huginn(), two = tu_spec_default();
+    plain.version = huginn.version = two.version = 3;
+    two.n_core = 2, two.n_coda = 1; /* one state, a core of two: the two-state width is what grows */
+    expect_rule_on(&hrm, "core_cycles 257", e_cycles_big, "core_cycles: must be an int in 0 .. 256, got 257", 1);
+    expect_rule_on(&plain, "odd core", e_cycles_on,
+                   "n_core_blocks: must be even with core_cycles >= 1 (two stacks), got 1", 1);
+    expect_rule_on(&two, "with injection", e_cycles_and_injection,
+                   "injection: must be 0 with core_cycles >= 1, got 1", 1);
+    expect_rule_on(&two, "with step_norm", e_cycles_and_step_norm,
+                   "step_norm: must be 0 with core_cycles >= 1, got 1", 1);
+    expect_rule_on(&huginn, "Huginn's options", e_cycles_on, "injection: must be 0 with core_cycles >= 1", 1);
+    expect_rule_on(&two, "two-state n_layers", e_cycles_layers,
+                   "n_pre_blocks + default_loops * ((core_cycles + 1) * n_core_blocks / 2 + n_coda_blocks): "
+                   "must be <= 65536, got 65793", 1);
+    expect_rule_on(&hrm, "attn_gate 2", e_gate_big, "attn_gate: must be 0 or 1, got 2", 1);
+    expect_rule_on(&hrm, "core_cycles first", e_cycles_and_gate, "core_cycles:", 1);
+    expect_rule_on(&hrm, "coda_norm first", e_coda_norm_and_cycles, "coda_norm:", 1);
+    expect_rule_on(&hrm, "gate off", e_gate_off, "tensor 'pre.0.attn_qkv.w': shape does not match the config", 1);
+    expect_rule_on(&plain, "gate on", e_gate_on, "tensor 'pre.0.attn_qkv.w': shape does not match the config", 1);
+    expect_rule_on(&hrm, "gate rows in version 2", e_cycles_in_v2, "tensor 'pre.0.attn_qkv.w': shape", 1);
+    two.core_cycles = 3;
+    expect_rule_on(&two, "core_cycles in version 2", e_cycles_in_v2, "reserved: header bytes 216 .. 255", 1);
+    expect_rule_on(&plain, "attn_gate in version 2", e_attn_gate_in_v2, "reserved: header bytes 216 .. 255", 1);
+    expect_rule_on(&hrm, "checksum first", e_cycles_big, "checksum mismatch", 0);
 }
 
 /* The exit gate loads, with int8 or int4 weights (its own are int8 either way), runs, and
@@ -472,6 +515,21 @@ static void test_truncation_and_flips(void) {
     free(f);
 }
 
+/* The model of `sp` checked from its bytes, then opened from a file `file` with its config in
+ * *cfg; NULL (a failure recorded) when it does not open. */
+static tl_model* open_spec(const tu_spec* sp, const char* file, size_t i, tl_model_config* cfg) {
+    size_t n;
+    uint8_t* f = tu_model_bytes(sp, &n);
+    CHECK(try_open(f, n) == TL_OK, "%s model %zu: %s", file, i, tl_last_error());
+    free(f);
+    tl_model* m = tu_open(tu_write_model(file, sp), 1, TL_ISA_AUTO, 0);
+    if (m) {
+        *cfg = (tl_model_config){.size = sizeof *cfg};
+        CHECK_OK(tl_model_config_get(m, cfg));
+    }
+    return m;
+}
+
 /* Every version-2 option loads and runs, and reaches tl_model_config_get. */
 static void test_v2_models(void) {
     tu_spec specs[5];
@@ -487,14 +545,9 @@ static void test_v2_models(void) {
     specs[4].kv_heads = 1, specs[4].head_dim = 8, specs[4].ffn = 8, specs[4].max_seq = 4;
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
         const tu_spec* sp = &specs[i];
-        size_t n;
-        uint8_t* f = tu_model_bytes(sp, &n);
-        CHECK(try_open(f, n) == TL_OK, "v2 model %zu: %s", i, tl_last_error());
-        free(f);
-        tl_model* m = tu_open(tu_write_model("v2.tinyloop", sp), 1, TL_ISA_AUTO, 0);
+        tl_model_config cfg;
+        tl_model* m = open_spec(sp, "v2.tinyloop", i, &cfg);
         if (!m) continue;
-        tl_model_config cfg = {.size = sizeof cfg};
-        CHECK_OK(tl_model_config_get(m, &cfg));
         CHECK(cfg.version == 2 && cfg.n_core_blocks == sp->n_core && cfg.n_coda_blocks == sp->n_coda &&
                   cfg.block_layout == sp->layout && cfg.qkv_bias == sp->qkv_bias &&
                   cfg.injection == sp->injection && cfg.step_norm == sp->step_norm &&
@@ -502,6 +555,33 @@ static void test_v2_models(void) {
                   cfg.tokenizer == (sp->hf ? 2u : 1u) && cfg.tied_head == sp->tied &&
                   cfg.n_pre_blocks == sp->n_pre && cfg.default_loops == sp->loops,
               "v2 model %zu: config round trip", i);
+        tl_model_free(m);
+    }
+}
+
+/* Two-state cores and the attention gate (docs/spec.md §1, §4) load and run, with int8 or int4
+ * weights, biases, a post layout, alone or together, and reach tl_model_config_get, which a
+ * caller built before their fields gets without them. */
+static void test_v3_core_models(void) {
+    tu_spec specs[4] = {tu_spec_hrm(), tu_spec_hrm(), tu_spec_hrm(), tu_spec_hrm()};
+    specs[1].int4 = 1, specs[1].group_size = 16, specs[1].qkv_bias = 1, specs[1].layout = 2, specs[1].tied = 1;
+    specs[2].attn_gate = 0, specs[2].core_cycles = 256, specs[2].n_core = 2, specs[2].loops = 1; /* a wide core */
+    specs[3].core_cycles = 0, specs[3].n_pre = 0, specs[3].n_coda = 0;                          /* the gate alone */
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        const tu_spec* sp = &specs[i];
+        tl_model_config cfg;
+        tl_model* m = open_spec(sp, "hrm.tinyloop", i, &cfg);
+        if (!m) continue;
+        CHECK(cfg.version == 3 && cfg.core_cycles == sp->core_cycles && cfg.attn_gate == sp->attn_gate &&
+                  cfg.n_core_blocks == sp->n_core && cfg.qkv_bias == sp->qkv_bias && cfg.exit_gate == 0,
+              "v3 core model %zu: config %u %u", i, cfg.core_cycles, cfg.attn_gate);
+        tl_model_config old;
+        memset(&old, 0xab, sizeof old);
+        old.size = offsetof(tl_model_config, core_cycles);
+        CHECK_OK(tl_model_config_get(m, &old));
+        CHECK(old.size == offsetof(tl_model_config, core_cycles) && old.version == 3 &&
+                  old.core_cycles == 0xababababu && old.attn_gate == 0xababababu,
+              "a tl_model_config without the core's fields");
         tl_model_free(m);
     }
 }
@@ -582,7 +662,9 @@ int main(void) {
     test_v2_rules();
     test_v1_rules();
     test_v3_rules();
+    test_v3_core_rules();
     test_v3_exit_gate();
+    test_v3_core_models();
     test_checksum_first();
     test_v2_models();
     test_v1_is_v2();

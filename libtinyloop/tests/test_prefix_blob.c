@@ -103,7 +103,7 @@ static void check_round_trip(tl_model* m, tl_model* other, const tu_spec* spec, 
 
     if (flags & TL_PREFIX_WARM_START) {
         const uint32_t L = L_b + 2;
-        tu_blob bare = without_states(b, spec->d, spec->injection);
+        tu_blob bare = without_states(b, spec->d, spec->injection || spec->core_cycles);
         tl_prefix* rebuilt = tu_load(m, bare);
         CHECK(tl_prefix_warm_start(rebuilt), "%s: a blob without states loads as warm start", what);
         tu_blob bare_again = tu_save(rebuilt);
@@ -381,5 +381,7 @@ int main(void) {
     test_model("huginn.tinyloop", &huginn, 1); /* prelude, core of 2 with injection and step norm, coda */
     test_model("default.tinyloop", &plain_spec, 0);
     test_model("coda.tinyloop", &coda, 0);
+    const tu_spec hrm = tu_spec_hrm(); /* warm start keeps the low states as injects (§7.2) */
+    test_model("hrm.tinyloop", &hrm, 0);
     return tu_finish("test_prefix_blob");
 }

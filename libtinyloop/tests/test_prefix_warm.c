@@ -2,10 +2,12 @@
  * tl_prefix_extend (docs/spec.md §5.4).
  *
  * On a Huginn-like model (prelude, core of 2 with injection and step norm, coda with coda_norm,
- * sandwich blocks), one with a step norm and no coda (post-norm blocks), and one with a coda
- * and no prelude, all GQA, windows 0 and 6, and chunkings that differ between build and
+ * sandwich blocks), one with a step norm and no coda (post-norm blocks), one with a coda and no
+ * prelude, and an HRM-like one (a two-state core, whose kept low states change with the depth;
+ * the attention gate), all GQA, windows 0 and 6, and chunkings that differ between build and
  * extension: a prefix built at L_b and extended to L equals one built at L bit for bit — its KV
- * (every written slot of every live block), its last token's states, its tokens' kept states —
+ * (every written slot of every live block), its last token's states, its tokens' kept states
+ * and injected terms or low states —
  * and every generation from it at every depth L' <= L (with and without a suffix, greedy and
  * sampled) equals the built one's, tokens and logits; extending twice equals one build;
  * extending to <= its depth changes nothing; a prefix built without the flag is refused with
@@ -352,5 +354,7 @@ int main(void) {
     test_model("step_norm.tinyloop", &step_norm, 0);
     const tu_spec coda = tu_spec_coda();
     test_model("coda.tinyloop", &coda, 0);
+    const tu_spec hrm = tu_spec_hrm(); /* a two-state core: the kept low states change with the depth */
+    test_model("hrm.tinyloop", &hrm, 1);
     return tu_finish("test_prefix_warm");
 }

@@ -1,7 +1,8 @@
 /* test_primitives.c — unit tests of the numerics primitives (docs/spec.md §2, §3, §5), each
  * against an independent reference written here: exp2s and log2s from the spec's bit patterns, Q8/NQ
- * edge cases, the rint helper, CRC-32, the counter RNG, int4 unpacking, every available
- * matmul path against a naive exact reference, and sampling against a full-sort reference. */
+ * edge cases, the sigmoid and the weightless RN, the rint helper, CRC-32, the counter RNG, int4
+ * unpacking, every available matmul path against a naive exact reference, and sampling against
+ * a full-sort reference. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -188,6 +189,39 @@ static void test_quantize(void) {
     CHECK(tl_rms_quantize_row(zeros, 4, 1e-5f, q) == 0.0f, "NQ of zeros has a = 0");
 }
 
+/* §2.5's sigmoid (t = -v; e = exps(t); t = 1 + e; 1 / t, written here from ref_exp2s) and the
+ * attention gate o * sig(z); §2.7's weightless RN, the bits of a gain of ones. */
+static void test_sigmoid_and_plain_norm(void) {
+    const float log2e = from_bits(0x3fb8aa3b);
+    uint64_t rng = 5;
+    for (int k = 0; k < 20000; k++) {
+        const float v = k < 4 ? (float[]){NAN, -INFINITY, INFINITY, 0.0f}[k]
+                              : from_bits((uint32_t)tu_next(&rng)) * (k % 2 ? 1.0f : 0x1p-100f);
+        float t = -v;
+        const float e = ref_exp2s(t * log2e);
+        t = 1.0f + e;
+        const float want = 1.0f / t, o = (float)tu_uniform(&rng, -1000, 1000) / 7.0f;
+        CHECK(tl_f32_to_bits(tl_sigmoid(v)) == tl_f32_to_bits(want) || (isnan(v) && tl_sigmoid(v) == 1.0f),
+              "sig(%g) = %g, want %g", (double)v, (double)tl_sigmoid(v), (double)want);
+        float g = o;
+        tl_gate_row(&g, &v, 1);
+        CHECK(tl_f32_to_bits(g) == tl_f32_to_bits(o * want), "gate %g * sig(%g)", (double)o, (double)v);
+    }
+    CHECK(tl_sigmoid(NAN) == 1.0f && tl_sigmoid(0.0f) == 0.5f && tl_sigmoid(-200.0f) == 0x1p-126f, "sig edges");
+    float x[67], ones[67], y1[67], y2[67];
+    for (int round = 0; round < 200; round++) {
+        const size_t n = (size_t)tu_uniform(&rng, 1, 67);
+        for (size_t i = 0; i < n; i++) {
+            x[i] = (float)tu_uniform(&rng, -100000, 100000) / (float)tu_uniform(&rng, 1, 100000);
+            if (round % 9 == 1 && i == n / 2) x[i] = NAN;
+            ones[i] = 1.0f;
+        }
+        tl_rms_norm_row(x, ones, n, 1e-6f, y1);
+        tl_rms_norm_row(x, NULL, n, 1e-6f, y2);
+        CHECK(memcmp(y1, y2, n * sizeof(float)) == 0, "weightless RN n=%zu round %d", n, round);
+    }
+}
+
 /* The SIMD row forms (AVX2, AVX-512, each where this CPU has it) against the scalar ones, odd
  * lengths, NaN / inf / tie inputs. */
 static void test_rows_simd(void) {
@@ -223,6 +257,11 @@ static void test_rows_simd(void) {
             tl_swiglu_row(g1, up, n);
             r->swiglu(g2, up, n);
             CHECK(memcmp(g1, g2, n * sizeof(float)) == 0, "%s swiglu row n=%zu round %d", names[k], n, round);
+            memcpy(g1, up, n * sizeof(float));
+            memcpy(g2, up, n * sizeof(float));
+            tl_gate_row(g1, x, n);
+            r->gate(g2, x, n);
+            CHECK(memcmp(g1, g2, n * sizeof(float)) == 0, "%s gate row n=%zu round %d", names[k], n, round);
         }
         if (tu_failures > 20) return;
     }
@@ -548,6 +587,7 @@ int main(void) {
     test_log2();
     test_rint();
     test_quantize();
+    test_sigmoid_and_plain_norm();
     test_rows_simd();
     test_crc_rng();
     test_matmul();

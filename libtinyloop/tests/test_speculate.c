@@ -596,13 +596,15 @@ int main(void) {
     post.layout = 2, post.n_coda = 2, post.injection = 0;
     tu_spec tiny = tu_spec_default(); /* 5 ids: drafts often agree, rounds run to K */
     tiny.vocab = 5;
+    tu_spec hrm = tu_spec_hrm(); /* a two-state core: the low states resume with the states */
     part_pass("part-plain.tinyloop", &plain);
     part_pass("part-rich.tinyloop", &rich);
     part_pass("part-post.tinyloop", &post);
+    part_pass("part-hrm.tinyloop", &hrm);
 
-    const tu_spec* specs[] = {&plain, &rich, &post, &tiny};
-    const char* names[] = {"plain", "rich", "post", "tiny"};
-    for (int i = 0; i < 4; i++) {
+    const tu_spec* specs[] = {&plain, &rich, &post, &tiny, &hrm};
+    const char* names[] = {"plain", "rich", "post", "tiny", "hrm"};
+    for (int i = 0; i < 5; i++) {
         tl_model* m = tu_open(tu_write_model(names[i], specs[i]), 2, TL_ISA_AUTO, 4);
         random_requests(m, names[i], 100 + (uint64_t)i, 40);
         batch_mixed(m, 200 + (uint64_t)i);

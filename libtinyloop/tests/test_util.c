@@ -67,6 +67,14 @@ tu_spec tu_spec_coda(void) {
     return s;
 }
 
+tu_spec tu_spec_hrm(void) {
+    tu_spec s = tu_spec_default();
+    s.version = 3, s.n_core = 4, s.core_cycles = 2, s.attn_gate = 1, s.n_coda = 1, s.embed_scale = 1.5f;
+    return s;
+}
+
+uint32_t tu_core_width(uint32_t k, uint32_t cycles) { return cycles ? (cycles + 1) * (k / 2) : k; }
+
 /* ---- file writer ---------------------------------------------------------------------- */
 
 /* What a tensor holds, which says how it is filled. */
@@ -145,6 +153,7 @@ static void add_text(tensor* t, size_t* n, const char* name, const char* text) {
  * `loop`); returns the count. */
 static size_t layout(const tu_spec* s, tensor* t) {
     const uint32_t V = s->vocab, d = s->d, H = s->heads, G = s->kv_heads, D = s->head_dim, F = s->ffn;
+    const uint32_t QKV = (H * (s->attn_gate ? 2 : 1) + 2 * G) * D; /* the gate's rows last */
     const int post = s->layout != 0;
     size_t n = 0;
     add(t, &n, "tok_emb.w", K_EMB_W, 2, V, d);
@@ -158,8 +167,8 @@ static size_t layout(const tu_spec* s, tensor* t) {
         else if (b < s->n_pre + s->n_core) snprintf(p, sizeof p, "core.%u", b - s->n_pre);
         else snprintf(p, sizeof p, "coda.%u", b - s->n_pre - s->n_core);
         snprintf(name, sizeof name, "%s.attn_qkv", p);
-        add_linear(s, t, &n, name, (H + 2 * G) * D, d, 1.0f);
-        if (s->qkv_bias) add_f32(t, &n, K_BIAS, (H + 2 * G) * D, "%s.attn_qkv.b", p);
+        add_linear(s, t, &n, name, QKV, d, 1.0f);
+        if (s->qkv_bias) add_f32(t, &n, K_BIAS, QKV, "%s.attn_qkv.b", p);
         snprintf(name, sizeof name, "%s.attn_out", p);
         add_linear(s, t, &n, name, d, H * D, 0.5f);
         if (post) add_f32(t, &n, K_GAIN, d, "%s.attn_post_norm", p);
@@ -243,8 +252,8 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         fprintf(stderr, "tu_model_bytes: version 1 has one core block and none of the version-2 options\n");
         exit(2);
     }
-    if (s->exit_gate && s->version < 3) {
-        fprintf(stderr, "tu_model_bytes: an exit gate needs version 3\n");
+    if ((s->exit_gate || s->core_cycles || s->attn_gate) && s->version < 3) {
+        fprintf(stderr, "tu_model_bytes: an exit gate, a two-state core or the attention gate needs version 3\n");
         exit(2);
     }
     const uint32_t blocks = s->n_pre + s->n_core + s->n_coda;
@@ -279,7 +288,11 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         putf(f + 208, s->embed_scale);
         put32(f + 212, s->coda_norm);
     }
-    if (s->version >= 3) putf(f + 216, s->exit_threshold);
+    if (s->version >= 3) {
+        putf(f + 216, s->exit_threshold);
+        put32(f + 220, s->core_cycles);
+        put32(f + 224, s->attn_gate);
+    }
     uint64_t rng = s->seed;
     for (size_t i = 0; i < n; i++) {
         uint8_t* e = f + 256 + 96 * i;

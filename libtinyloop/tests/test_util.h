@@ -60,6 +60,8 @@ typedef struct tu_spec {
     /* version 3 (docs/spec.md §5.7, §6.3) */
     uint32_t exit_gate;   /* exit_gate.w, .s, .b; needs version 3                          */
     float exit_threshold; /* header offset 216, written in version 3                       */
+    uint32_t core_cycles; /* header offset 220: a two-state core (§1); needs version 3     */
+    uint32_t attn_gate;   /* header offset 224: H * D gate rows in attn_qkv (§4); version 3 */
 } tu_spec;
 
 /* A small int8 GQA model of one core block, written as version 2 (the tokenizer is bytes
@@ -73,8 +75,15 @@ tu_spec tu_spec_rich(void);
 tu_spec tu_spec_huginn(void);
 /* tu_spec_default with a coda of 1 and no prelude (no injection, no coda_norm). */
 tu_spec tu_spec_coda(void);
+/* An HRM-like version-3 model (docs/spec.md §1): a two-state core of 2 + 2 blocks, 2 low cycles,
+ * the attention gate, a prelude and a coda of 1 (HRM has neither: they test the slots). */
+tu_spec tu_spec_hrm(void);
+/* w, the core's layers per iteration (docs/spec.md §1) of k core blocks: k, or with `cycles`
+ * >= 1 (a two-state core) (cycles + 1) * k / 2. */
+uint32_t tu_core_width(uint32_t k, uint32_t cycles);
 /* The bytes of a valid model file (malloc'd), *n its size; exits with status 2 on a spec that
- * version 1 cannot express, or an exit gate before version 3. */
+ * version 1 cannot express, or an exit gate, a two-state core or the attention gate before
+ * version 3. */
 uint8_t* tu_model_bytes(const tu_spec* spec, size_t* n);
 /* Recompute the header checksum after editing bytes (a model file's, or a prefix blob's: both
  * at offset 24, the CRC-32 with the field read as zero). */

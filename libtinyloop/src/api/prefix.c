@@ -4,15 +4,16 @@
  * sharing the blocks (no copy) and taking state L-1 as its last hidden state.
  *
  * Warm start (TL_PREFIX_WARM_START): the build also keeps every token's state after iteration
- * L_b-1 (and its injected term), so tl_prefix_extend deepens the prefix to L > L_b by running
- * only iterations L_b .. L-1 of every token from those states, into new blocks of n_layers(L)
- * slots whose first n_layers(L_b) are the old blocks' (copied): the result is bit for bit the
- * prefix a build at L makes. Each row's iterations depend only on its own state, its injected
- * term and earlier layers' KV, so resuming is the whole pass; the coda slots of each new depth
- * are written on a copy of the state, as a build writes them. With a window the extension
- * computes every position (the released ones in temporary blocks) and releases outside the
- * window at the end, as a build does. The old layers are copied where the blocks live (on a
- * device, by its allocator's copy). A backend without a part pass, or without that copy, keeps
+ * L_b-1 (and its injected term, or a two-state core's low state), so tl_prefix_extend deepens
+ * the prefix to L > L_b by running only iterations L_b .. L-1 of every token from those states,
+ * into new blocks of n_layers(L) slots whose first n_layers(L_b) are the old blocks' (copied):
+ * the result is bit for bit the prefix a build at L makes, its kept states (and low states)
+ * those after iteration L-1. Each row's iterations depend only on its own state, its injected
+ * term or low state and earlier layers' KV, so resuming is the whole pass; the coda slots of
+ * each new depth are written on a copy of the state, as a build writes them. With a window the
+ * extension computes every position (the released ones in temporary blocks) and releases
+ * outside the window at the end, as a build does. The old layers are copied where the blocks
+ * live (on a device, by its allocator's copy). A backend without a part pass, or without that copy, keeps
  * no states: its extension rebuilds the prefix from its tokens (same result, full cost).
  *
  * Hidden-state storage (TL_PREFIX_STORE_H8 / _H4, docs/spec.md §5.4.1): the build's sequence
@@ -42,7 +43,7 @@ static void free_buffers(tl_prefix* p) {
 tl_prefix* tl_prefix_new(tl_engine* e, size_t n, uint32_t loops, uint32_t window, bool warm_start, bool states) {
     const tl_config* c = tl_engine_config(e);
     const size_t d = c->d_model;
-    const bool injects = states && c->injection;
+    const bool injects = states && tl_has_inject(c);
     tl_prefix* p = tl_alloc_zeroed(1, sizeof *p);
     if (!p) return NULL;
     p->tokens = tl_alloc(n * sizeof(int32_t));
@@ -198,8 +199,9 @@ tl_status tl_prefix_check_loops(const tl_prefix* p, uint32_t loops) {
 
 /* The extension of p to depth `loops` (> p->loops, p warm-start, `extending` held) in the empty
  * sequence s at that depth: s gets the KV, loop_states [loops][d] the last token's final states
- * and, when p keeps states, states [n][d] every token's state after iteration loops-1. */
-static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_states, float* states) {
+ * and, when p keeps states, states [n][d] every token's state after iteration loops-1 and, when
+ * it keeps injects, injects [n][d] their injected terms or low states then. */
+static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_states, float* states, float* injects) {
     if (!p->states) {
         const tl_run_opts opts = {.loop_states = loop_states};
         return tl_seq_run(s, p->tokens, p->n, chunk, &opts);
@@ -220,7 +222,8 @@ static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_state
     const size_t d = tl_engine_config(s->engine)->d_model;
     memcpy(loop_states, p->loop_states, (size_t)p->loops * d * sizeof(float));
     const tl_part whole = {.first_iter = p->loops, .depth = s->loops, .state_in = p->states,
-                           .inject_in = p->injects, .state_out = states, .loop_states = loop_states};
+                           .inject_in = p->injects, .state_out = states, .inject_out = injects,
+                           .loop_states = loop_states};
     return run_chunks(s, NULL, p->n, chunk, &whole);
 }
 
@@ -229,14 +232,16 @@ static tl_status extend(tl_prefix* p, uint32_t loops, size_t chunk) {
     const size_t d = tl_engine_config(p->engine)->d_model;
     float* loop_states = NULL;
     float* states = NULL;
+    float* injects = NULL; /* a two-state core's low states change with the depth */
     tl_seq* s;
     tl_status st = tl_seq_new(p->engine, loops, p->window, &s);
     if (st == TL_OK) {
         loop_states = tl_alloc((size_t)loops * d * sizeof(float));
         if (p->states) states = tl_alloc(p->n * d * sizeof(float));
-        if (!loop_states || (p->states && !states)) st = tl_fail_oom("prefix extension");
+        if (p->injects) injects = tl_alloc(p->n * d * sizeof(float));
+        if (!loop_states || (p->states && !states) || (p->injects && !injects)) st = tl_fail_oom("prefix extension");
     }
-    if (st == TL_OK) st = deepen(p, s, chunk, loop_states, states);
+    if (st == TL_OK) st = deepen(p, s, chunk, loop_states, states, injects);
     if (st == TL_OK) { /* swap the new in; the old go with s and the buffers */
         pthread_rwlock_wrlock(&p->lock);
         const tl_kv_table kv = p->kv;
@@ -248,11 +253,15 @@ static tl_status extend(tl_prefix* p, uint32_t loops, size_t chunk) {
         float* const old_states = p->states;
         p->states = states;
         states = old_states;
+        float* const old_injects = p->injects;
+        p->injects = injects;
+        injects = old_injects;
         p->loops = loops;
         pthread_rwlock_unlock(&p->lock);
     }
     tl_free(loop_states);
     tl_free(states);
+    tl_free(injects);
     tl_seq_free(s);
     return st;
 }

@@ -216,7 +216,7 @@ static tl_status check_header(const tl_engine* e, const uint8_t* b, layout* l) {
         if (b[k]) return bad("reserved: header bytes %d .. %d must be zero", hidden ? STORAGE_AT + 4 : STORAGE_AT,
                              HEADER_BYTES - 1);
     set_records(l, &e->kv_geom, c->d_model);
-    const bool injection = (l->flags & FLAG_STATES) && c->injection;
+    const bool injection = (l->flags & FLAG_STATES) && tl_has_inject(c);
     if (!place(l, c->d_model, injection))
         return bad("blob_bytes: n_tokens, loops, kv_start and flags make more than 2^64 bytes");
     if (l->bytes != rd_u64(b + 16))

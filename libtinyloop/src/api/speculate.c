@@ -69,12 +69,12 @@ tl_status tl_spec_init(tl_spec* sp, const tl_engine* e, const tl_gen_params* p, 
     sp->rows = tl_alloc(K * sizeof *sp->rows);
     sp->drafts = tl_alloc(K * sizeof *sp->drafts);
     sp->states = tl_alloc(K * d * sizeof(float));
-    sp->injects = c->injection ? tl_alloc(K * d * sizeof(float)) : NULL;
+    sp->injects = tl_has_inject(c) ? tl_alloc(K * d * sizeof(float)) : NULL;
     sp->logits = tl_alloc(K * V * sizeof(float));
     sp->hidden = tl_alloc(K * d * sizeof(float));
     sp->seen = tl_alloc(V);
     sp->marks = tl_alloc(K * sizeof *sp->marks);
-    if (!sp->rows || !sp->drafts || !sp->states || (c->injection && !sp->injects) || !sp->logits || !sp->hidden ||
+    if (!sp->rows || !sp->drafts || !sp->states || (tl_has_inject(c) && !sp->injects) || !sp->logits || !sp->hidden ||
         !sp->seen || !sp->marks)
         return spec_oom(sp);
     tl_status st = read_predictions(sp, p->loops);
@@ -90,11 +90,12 @@ tl_status tl_spec_init(tl_spec* sp, const tl_engine* e, const tl_gen_params* p, 
         sp->verified = tl_alloc_zeroed(p->loops, sizeof *sp->verified);
         sp->agreed = tl_alloc_zeroed(p->loops, sizeof *sp->agreed);
         if (!sp->verified || !sp->agreed) return spec_oom(sp);
-        /* a block's linears: qkv, out, gate and up, down */
-        const double dd = d, block = dd * ((double)c->n_heads + 2.0 * c->n_kv_heads) * c->head_dim +
-                                     (double)c->n_heads * c->head_dim * dd + 3.0 * c->ffn_dim * dd;
+        /* a block's linears: qkv (with the attention gate's rows), out, gate and up, down */
+        const double heads = (double)c->n_heads * (c->attn_gate ? 2.0 : 1.0) + 2.0 * c->n_kv_heads;
+        const double dd = d, block = dd * heads * c->head_dim + (double)c->n_heads * c->head_dim * dd +
+                                     3.0 * c->ffn_dim * dd;
         const double adapter = c->injection ? dd * dd : 0.0; /* adapter_state a step, adapter_inject once */
-        sp->reads_core = c->n_core_blocks * block + adapter;
+        sp->reads_core = tl_core_width(c) * block + adapter;
         sp->reads_entry = c->n_pre_blocks * block + adapter;
         sp->reads_end = c->n_coda_blocks * block + (double)V * dd;
     }

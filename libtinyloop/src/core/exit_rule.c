@@ -68,10 +68,7 @@ static void gate_step(tl_exit_state* st, const tl_file* f, const float* x) {
     }
     const float a = tl_nq_scale(ss, s, d, f->cfg.rms_eps);
     const float v = (((float)dot * a) * f->exit_gate_s) + f->exit_gate_b;
-    float t = -v;
-    const float e = tl_exps(t);
-    t = 1.0f + e;
-    const float lambda = 1.0f / t;
+    const float lambda = tl_sigmoid(v);
     const float p = lambda * st->r;
     st->c = st->c + p;
     st->r = st->r * (1.0f - lambda);

@@ -24,19 +24,22 @@ static inline tl_status tl_forward(tl_seq* s, const int32_t* tokens, size_t T, f
 }
 
 /* What a part pass runs and produces (docs/spec.md §5.6, §5.4 warm start). Iteration i of a
- * row depends only on the row's state after iteration i-1, its injected term and the KV of
- * earlier layers, so a pass split at any iteration is the whole pass, bit for bit: a draft at
- * depth L_d keeps its states and a verifier resumes from them at L_d; a warm-start prefix
- * resumes every token at its old depth. */
+ * row depends only on the row's state after iteration i-1, its second state (tl_has_inject:
+ * Huginn's injected term, the same at every iteration, or a two-state core's low state l, x
+ * being h) and the KV of earlier layers, so a pass split at any iteration is the whole pass, bit
+ * for bit: a draft at depth L_d keeps its states and a verifier resumes from them at L_d; a
+ * warm-start prefix resumes every token at its old depth. */
 typedef struct tl_part {
     uint32_t first_iter;     /* 0: from the embedding (prelude included); else resume before core
                                 iteration first_iter from state_in                              */
     uint32_t depth;          /* iterations first_iter .. depth-1 run; first_iter < depth <= s->loops */
     uint32_t coda_depth;     /* whose coda slots the coda uses; 0 = depth's own (a draft: s->loops) */
     const float* state_in;   /* [T][d] with first_iter > 0: each row's state after iteration first_iter-1 */
-    const float* inject_in;  /* [T][d] with first_iter > 0 and injection: each row's injected term */
+    const float* inject_in;  /* [T][d] with first_iter > 0 and tl_has_inject: each row's injected
+                                term or low state after iteration first_iter-1                  */
     float* state_out;        /* NULL or [T][d]: each row's state after iteration depth-1 (before coda) */
-    float* inject_out;       /* NULL or [T][d] (injection only; else untouched)                   */
+    float* inject_out;       /* NULL or [T][d] (tl_has_inject only; else untouched): and its
+                                injected term or low state then                                 */
     float* hidden_all;       /* NULL or [T][d]: each row's final state (the head's input)          */
     float* logits_all;       /* NULL or [T][V]                                                    */
     float* logits_last;      /* NULL or [V]                                                       */
@@ -67,7 +70,8 @@ typedef struct tl_wave_row {
     uint32_t iter;  /* the core iteration this pass runs, 0 .. s->loops - 1                */
     size_t pos;     /* its position; its KV is reserved                                    */
     float* state;   /* [d] in (iter > 0): the state after iteration iter - 1; out: after iter */
-    float* inject;  /* [d] injection only: in (iter > 0), out (iter 0): the injected term    */
+    float* inject;  /* [d] tl_has_inject only: the injected term, in (iter > 0), out (iter 0);
+                       a two-state core's low state, in (iter > 0), out (always)            */
     float* logits;  /* NULL or [V]: the row's logits at depth s->loops after this iteration  */
     float* hidden;  /* NULL or [d] (final rows): the final state the head read              */
 } tl_wave_row;

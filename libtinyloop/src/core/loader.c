@@ -1,6 +1,6 @@
 /* loader.c — read a `.tinyloop` file into private memory and validate it against
- * docs/spec.md §6: version 3 or 2 (a version-2 file has no stop_ids, exit gate or
- * exit_threshold), or version 1 read as the version-2 model it describes (§6.5).
+ * docs/spec.md §6: version 3 or 2 (a version-2 file has no stop_ids, exit gate, exit_threshold,
+ * two-state core or attention gate), or version 1 read as the version-2 model it describes (§6.5).
  *
  * The file is read once, front to back, with pread: the header, the tensor table, then each
  * tensor into its own allocation (the bytes between tensors are summed and dropped). The
@@ -11,11 +11,12 @@
  *
  * The checks report in the same order as the Python reader (tinyloop/modelfile.py): size,
  * magic, version, header_bytes, file_bytes, checksum, the config (name first, then header
- * order, the version-2 fields last), table bounds, each table entry, overlaps, the tensor set
- * (required and optional), tensor values, exit_threshold, reserved bytes, flags. The first
- * broken rule is reported. The checksum needs every byte, but the structure (config, table,
- * tensor set) says where the bytes go, so the structure is checked first and a rule it breaks
- * is reported only once the checksum is known to be good.
+ * order, the version-2 fields, then version 3's core_cycles and attn_gate), table bounds, each
+ * table entry, overlaps, the tensor set (required and optional), tensor values,
+ * exit_threshold, reserved bytes, flags. The first broken rule is reported. The checksum needs
+ * every byte, but the structure (config, table, tensor set) says where the bytes go, so the
+ * structure is checked first and a rule it breaks is reported only once the checksum is known
+ * to be good.
  * All size/offset/shape arithmetic is done in u64 with explicit overflow checks; nothing
  * outside [0, file size) is read, and a file that shrinks while it is read is TL_ERR_IO.
  * The optional meta.* texts are checked, then dropped: the Python layer reads them itself;
@@ -170,10 +171,28 @@ static tl_status check_positive(const char* field, float value) {
     return TL_OK;
 }
 
-/* The config fields at header offset 48 .. 183 and, in versions 2 and 3, 184 .. 215, checked
- * like ModelConfig.validate(); the header's version (1, 2 or 3, checked) decides which. A
- * version-3 file's exit_threshold (offset 216) is read here and checked in step 8, once the
- * tensor set says whether the file has the exit gate (check_exit_threshold). */
+/* core_cycles (header offset 220, docs/spec.md §6.1): 0 .. 256; a two-state core (>= 1) has two
+ * stacks (an even n_core_blocks), no injection and no step norm, and its width in n_layers. Set
+ * in c only once it holds, so the checks before it count the one-state width. */
+static tl_status check_core_cycles(tl_config* c, uint32_t cycles) {
+    TRY(check_range("core_cycles", cycles, 0, 256));
+    if (cycles == 0) return TL_OK;
+    if (c->n_core_blocks % 2)
+        return bad("n_core_blocks: must be even with core_cycles >= 1 (two stacks), got %u", c->n_core_blocks);
+    if (c->injection) return bad("injection: must be 0 with core_cycles >= 1, got %u", c->injection);
+    if (c->step_norm) return bad("step_norm: must be 0 with core_cycles >= 1, got %u", c->step_norm);
+    c->core_cycles = cycles;
+    if (tl_n_layers(c, c->default_loops) > TL_MAX_CACHE_LAYERS)
+        return bad("n_pre_blocks + default_loops * ((core_cycles + 1) * n_core_blocks / 2 + n_coda_blocks): "
+                   "must be <= %d, got %zu", TL_MAX_CACHE_LAYERS, tl_n_layers(c, c->default_loops));
+    return TL_OK;
+}
+
+/* The config fields at header offset 48 .. 183, in versions 2 and 3 184 .. 215, and in version
+ * 3 220 .. 227 (core_cycles, attn_gate), checked like ModelConfig.validate(); the header's
+ * version (1, 2 or 3, checked) decides which. A version-3 file's exit_threshold (offset 216) is
+ * read here and checked in step 8, once the tensor set says whether the file has the exit gate
+ * (check_exit_threshold). */
 static tl_status parse_config(const uint8_t* h, tl_config* c) {
     size_t name_len = 0;
     TRY(check_nul_padded(h + 120, 64, "name", &name_len));
@@ -265,7 +284,11 @@ static tl_status parse_config(const uint8_t* h, tl_config* c) {
     TRY(check_flag("injection", c->injection));
     TRY(check_flag("step_norm", c->step_norm));
     TRY(check_positive("embed_scale", c->embed_scale));
-    return check_flag("coda_norm", c->coda_norm);
+    TRY(check_flag("coda_norm", c->coda_norm));
+    if (c->version < 3) return TL_OK;
+    TRY(check_core_cycles(c, rd_u32(h + 220)));
+    c->attn_gate = rd_u32(h + 224);
+    return check_flag("attn_gate", c->attn_gate);
 }
 
 /* ---- the tensor set (docs/spec.md §6.3), in the required order -------------------------- */
@@ -362,7 +385,7 @@ static size_t max_required(const tl_config* c) {
  * meta.* texts last; returns the count. */
 static size_t required_tensors(const tl_config* c, required* r) {
     const uint32_t V = c->vocab_size, d = c->d_model, D = c->head_dim, F = c->ffn_dim;
-    const uint32_t QKV = (c->n_heads + 2 * c->n_kv_heads) * D, HD = c->n_heads * D;
+    const uint32_t QKV = (uint32_t)tl_qkv_rows(c), HD = c->n_heads * D;
     const int post = c->block_layout != TL_LAYOUT_PRE;
     size_t n = 0;
     add_required(r, &n, T_EMB_W, 0, DT_I8, V, d, "tok_emb.w");
@@ -807,8 +830,8 @@ static tl_status validate(reader* r, tl_file* f) {
     }
     if (st == TL_OK) st = check_values(&t, &f->cfg, req, n_req);
     if (st == TL_OK) st = check_exit_threshold(&f->cfg);
-    /* version 1 reserves the version-2 fields, version 2 exit_threshold */
-    const int reserved_from = version == 1 ? 184 : version == 2 ? 216 : 220;
+    /* version 1 reserves the version-2 fields, version 2 exit_threshold, core_cycles, attn_gate */
+    const int reserved_from = version == 1 ? 184 : version == 2 ? 216 : 228;
     for (int k = reserved_from; st == TL_OK && k < HEADER_BYTES; k++)
         if (h[k]) st = bad("reserved: header bytes %d .. %d must be zero", reserved_from, HEADER_BYTES - 1);
     if (st == TL_OK && rd_u32(h + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(h + 116));

@@ -35,6 +35,9 @@ typedef struct tl_config {
     /* version 3: adaptive depth's exit gate (the exit_gate.* tensors, §5.7, §6.3) */
     uint32_t exit_gate;     /* 1: the file has it (tl_file.exit_gate_w and the rest)      */
     float exit_threshold;   /* the gate rule's default q, in (0, 1]; 0 without the gate   */
+    /* version 3 (§1, §4, §6.1 offsets 220, 224; 0 before) */
+    uint32_t core_cycles;   /* 0: one state; C >= 1: a two-state core, its low stack C times */
+    uint32_t attn_gate;     /* 1: attn_qkv ends with H * D gate rows, o *= sig(gate)       */
 } tl_config;
 
 /* Whether emitting `token` ends generation by the model's own rule (docs/spec.md §5.3): it
@@ -58,7 +61,7 @@ typedef struct tl_linear_src {
 
 /* The f32 vectors of one block (NULL where the config has none). */
 typedef struct tl_block_vectors {
-    const float* qkv_bias;       /* [(H + 2G) * D] when qkv_bias                        */
+    const float* qkv_bias;       /* [tl_qkv_rows] when qkv_bias                         */
     const float* attn_post_norm; /* [d] gain, sandwich and post layouts                  */
     const float* ffn_post_norm;  /* [d] gain, sandwich and post layouts                  */
 } tl_block_vectors;
@@ -88,9 +91,38 @@ static inline uint32_t tl_n_blocks(const tl_config* c) {
     return c->n_pre_blocks + c->n_core_blocks + c->n_coda_blocks;
 }
 
-/* Cache slots of a sequence at depth `loops` (docs/spec.md §1): n_pre + L * (k + n_coda). */
+/* R of attn_qkv (docs/spec.md §4, §6.3): the Q, K and V heads, (H + 2G) * D, then with the
+ * attention gate H * D gate rows. */
+static inline size_t tl_qkv_rows(const tl_config* c) {
+    return ((size_t)c->n_heads * (c->attn_gate ? 2 : 1) + 2 * (size_t)c->n_kv_heads) * c->head_dim;
+}
+
+/* w, the core's layers per iteration (docs/spec.md §1): k, or (C + 1) * k/2 for a two-state core. */
+static inline uint32_t tl_core_width(const tl_config* c) {
+    return c->core_cycles ? (c->core_cycles + 1) * (c->n_core_blocks / 2) : c->n_core_blocks;
+}
+
+/* The core block (0 .. k-1) that application a (0 .. w-1) of an iteration runs: block a, or in a
+ * two-state core the low stack's block a mod n in the low cycles (a < C*n), then the high
+ * stack's n + (a - C*n). */
+static inline uint32_t tl_core_block_of(const tl_config* c, uint32_t a) {
+    const uint32_t n = c->n_core_blocks / 2, low = c->core_cycles * n;
+    return !c->core_cycles ? a : a < low ? a % n : a - low + n;
+}
+
+/* Whether a row carries a second state between core iterations, beside x (core/forward.h's
+ * "inject"): Huginn's injected term (constant), or a two-state core's low state l (x is h). */
+static inline bool tl_has_inject(const tl_config* c) { return c->injection || c->core_cycles; }
+
+/* Cache slots of a sequence at depth `loops` (docs/spec.md §1): n_pre + L * (w + n_coda). */
 static inline size_t tl_n_layers(const tl_config* c, uint32_t loops) {
-    return (size_t)c->n_pre_blocks + (size_t)loops * (c->n_core_blocks + c->n_coda_blocks);
+    return (size_t)c->n_pre_blocks + (size_t)loops * (tl_core_width(c) + c->n_coda_blocks);
+}
+
+/* The cache slot of core application a in iteration i (docs/spec.md §1); with a = w + c, that of
+ * coda block c at depth i + 1. */
+static inline size_t tl_core_slot(const tl_config* c, uint32_t i, uint32_t a) {
+    return (size_t)c->n_pre_blocks + (size_t)i * (tl_core_width(c) + c->n_coda_blocks) + a;
 }
 
 /* Whether a pass has work after the last iteration (coda_norm or coda blocks): what a prefix
@@ -108,10 +140,12 @@ typedef struct tl_slot {
 static inline tl_slot tl_slot_at(const tl_config* c, size_t slot) {
     tl_slot s = {(uint32_t)slot, 0};
     if (slot < c->n_pre_blocks) return s;
-    const size_t per = (size_t)c->n_core_blocks + c->n_coda_blocks;
-    const size_t r = slot - c->n_pre_blocks, i = r / per, j = r % per;
-    s.block = c->n_pre_blocks + (uint32_t)j;
-    s.coda_depth = j < c->n_core_blocks ? 0 : (uint32_t)i + 1;
+    const uint32_t w = tl_core_width(c);
+    const size_t per = (size_t)w + c->n_coda_blocks;
+    const size_t r = slot - c->n_pre_blocks, i = r / per;
+    const uint32_t j = (uint32_t)(r % per);
+    s.block = c->n_pre_blocks + (j < w ? tl_core_block_of(c, j) : c->n_core_blocks + j - w);
+    s.coda_depth = j < w ? 0 : (uint32_t)i + 1;
     return s;
 }
 

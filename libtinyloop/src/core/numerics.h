@@ -102,13 +102,19 @@ static inline TL_HD float tl_log2s(uint64_t N) {
 /* §2.4 exps(x) = exp2s(x * LOG2E). */
 static inline TL_HD float tl_exps(float x) { return tl_exp2s(x * TL_LOG2E); }
 
-/* §2.5 silu(v) = v / (1 + exps(-v)), in the spec's order. */
-static inline TL_HD float tl_silu(float v) {
+/* §2.5 the t = 1 + exps(-v) that silu and sig divide by, in the spec's order. */
+static inline TL_HD float tl_silu_den(float v) {
     float t = -v;
     float e = tl_exps(t);
     t = 1.0f + e;
-    return v / t;
+    return t;
 }
+
+/* §2.5 silu(v) = v / (1 + exps(-v)). */
+static inline TL_HD float tl_silu(float v) { return v / tl_silu_den(v); }
+
+/* §2.5 sig(v) = 1 / (1 + exps(-v)). */
+static inline TL_HD float tl_sigmoid(float v) { return 1.0f / tl_silu_den(v); }
 
 /* f32 -> i64 of an integral value as x86 converts (and so numpy on x86): a NaN or a value
  * outside the i64 range gives INT64_MIN instead of undefined behaviour. */

@@ -55,7 +55,8 @@ struct tl_prefix {
     float* states;          /* warm start: [n][d] each token's state after iteration L_b-1
                                (before the coda); NULL without warm start or where
                                tl_prefix_can_resume is false (extended by rebuilding)      */
-    float* injects;         /* with states and injection: [n][d] each token's injected term */
+    float* injects;         /* with states and tl_has_inject: [n][d] each token's injected
+                               term (a two-state core: its low state l)                    */
     tl_hidden_rows* hidden; /* a hidden-state prefix (docs/spec.md §5.4.1): its layer input
                                rows, kv then empty; NULL for a kv prefix                   */
     pthread_rwlock_t lock;
@@ -67,7 +68,7 @@ struct tl_prefix {
  * (the extension copies their old layers). */
 bool tl_prefix_can_resume(const tl_engine* e);
 /* An empty prefix of n tokens at depth `loops` (a reference to e taken), with its locks and
- * buffers: tokens, loop_states (zeroed) and, when `states`, states and (with injection)
+ * buffers: tokens, loop_states (zeroed) and, when `states`, states and (tl_has_inject)
  * injects; its kv table empty. NULL when out of memory. */
 tl_prefix* tl_prefix_new(tl_engine* e, size_t n, uint32_t loops, uint32_t window, bool warm_start, bool states);
 

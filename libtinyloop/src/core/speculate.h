@@ -29,7 +29,7 @@ typedef struct tl_spec {
     int32_t* rows;        /* [K] the round's rows r_0 = t, r_i = d_i                        */
     int32_t* drafts;      /* [K] drafts[i] = d_{i+1} (-1: its logits could not be sampled) */
     float* states;        /* [K][d] each row's state after iteration L_d - 1               */
-    float* injects;       /* [K][d] each row's injected term (injection only, else NULL)   */
+    float* injects;       /* [K][d] each row's injected term or low state (tl_has_inject, else NULL) */
     float* logits;        /* [K][V] row i: its draft logits, then the verifier's z_{i+1}    */
     float* hidden;        /* [K][d] each row's final state at depth L                      */
     uint8_t* seen;        /* [V] the drafts' history: the stream's, then d_1 .. d_i          */

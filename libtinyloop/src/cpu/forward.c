@@ -1,5 +1,6 @@
 /* forward.c — the CPU pass (docs/spec.md §1, §4) of T rows: the embedding, the prelude, L
- * iterations of the core (step norm, injection adapter, k blocks), then coda_norm and the coda
+ * iterations of the core (step norm, injection adapter, k blocks; or a two-state core's C low
+ * cycles and its high stack on the states h in x and l in inject), then coda_norm and the coda
  * in the depth's own slots, each block application a layer with its own KV cache slot. The rows
  * are either a chunk of one sequence (positions n .. n+T-1) or one new token of each of T
  * sequences (batched decode); either way row t knows its sequence and position, and nothing
@@ -37,8 +38,9 @@
  * KEYS_STEP keys, arrives: a decode step allocates nothing.
  * Not here: choosing the device (core/backend.h; this pass is the CPU backend's, backend_cpu.c).
  *
- * Shapes (per token): x [d], qkv [(H + 2G) * D] (Q heads, K heads, V heads), o [H * D],
- * gu [2F] (gate, then up; the gate half is overwritten by silu(gate) * up).
+ * Shapes (per token): x [d], qkv [(H + 2G) * D] (Q heads, K heads, V heads; with the attention
+ * gate H * D gate rows after them), o [H * D], gu [2F] (gate, then up; the gate half is
+ * overwritten by silu(gate) * up).
  */
 #include "cpu/forward.h"
 
@@ -82,7 +84,8 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->pos = tl_take(c, T * sizeof(size_t));
     f->tokens = tl_take(c, T * sizeof(int32_t));
     f->x = tl_take(c, state);
-    f->inject = tl_take(c, cfg->injection ? state : 0);
+    f->inject = tl_take(c, tl_has_inject(cfg) ? state : 0);
+    f->high = tl_take(c, cfg->core_cycles ? state : 0);
     f->side = tl_take(c, (build && tl_has_coda(cfg)) || x.probes || wave ? state : 0);
     f->iters = wave ? tl_take(c, T * sizeof(uint32_t)) : NULL;
     f->y = tl_take(c, cfg->block_layout == TL_LAYOUT_SANDWICH ? state : 0);
@@ -162,7 +165,8 @@ static void quantize_rows(fwd* f, const float* src, size_t src_stride, size_t co
     tl_pool_run(f->e->pool, f->T, task_quantize, f);
 }
 
-/* rn_rows row t := RN(it, rn_gain); with rn_add, x row t += that too (the sandwich residual). */
+/* rn_rows row t := RN(it, rn_gain) (rn_gain NULL: the weightless RN); with rn_add, x row t +=
+ * that too (the sandwich residual). */
 static void task_norm(void* ctx, size_t t, unsigned worker) {
     (void)worker;
     fwd* f = ctx;
@@ -293,6 +297,27 @@ static void task_swiglu(void* ctx, size_t t, unsigned worker) {
     finish_row(f, t, F);
 }
 
+/* o row t *= sig(its gate rows of qkv), then acts row t = Q8 of it (docs/spec.md §4). */
+static void task_attn_gate(void* ctx, size_t t, unsigned worker) {
+    (void)worker;
+    fwd* f = ctx;
+    float* o = f->o + t * f->hd;
+    f->rows->gate(o, f->qkv + t * f->qkv_dim + f->qkv_dim - f->hd, f->hd);
+    f->acts.scale[t] = q8_row(f, o, f->hd, f->acts.q + t * f->acts.stride);
+    finish_row(f, t, f->hd);
+}
+
+/* acts = Q8(o), after the attention gate when the model has one. */
+static void quantize_attention(fwd* f) {
+    if (!f->c->attn_gate) {
+        quantize_rows(f, f->o, f->hd, f->hd, false);
+        return;
+    }
+    f->acts.n = f->T;
+    f->acts.stride = tl_acts_stride(f->hd);
+    tl_pool_run(f->e->pool, f->T, task_attn_gate, f);
+}
+
 /* ---- the pass ------------------------------------------------------------------------------ */
 
 /* x = residual(x, linear(lin; acts), gain) for the model's block_layout (docs/spec.md §4):
@@ -330,7 +355,7 @@ static void run_block(fwd* f, uint32_t block, size_t slot) {
     quantize_rows(f, f->x, d, d, true);
     write_kv(f, block);
     tl_pool_run(pool, plan_attention(f), task_attention, f);
-    quantize_rows(f, f->o, f->hd, f->hd, false);
+    quantize_attention(f);
     residual(f, &part[TL_PART_OUT], vec->attn_post_norm);
 
     quantize_rows(f, f->x, d, d, true);
@@ -358,14 +383,54 @@ static void adapter(fwd* f) {
     tl_linear_run(&f->linears[tl_adapter_linear_index(f->c, 0)], &f->acts, f->x, d, true, f->e->pool);
 }
 
-/* Core iteration i on the rows: the step norm (i >= 1), the adapter, the k core blocks. */
+/* The states entering iteration 0, on the prelude's output in x: with injection the injected
+ * term and a zero state (begin_injection); a two-state core's l = 0 beside h = x (docs/spec.md
+ * §1). */
+static void begin_core(fwd* f) {
+    if (f->c->injection) begin_injection(f);
+    if (f->c->core_cycles) memset(f->inject, 0, f->T * f->c->d_model * sizeof(float));
+}
+
+/* x += high, one f32 addition per element: y = l + h (or h + l, the same bits). */
+static void add_high(fwd* f) {
+    const size_t n = f->T * f->c->d_model;
+    for (size_t i = 0; i < n; i++) f->x[i] = f->x[i] + f->high[i];
+}
+
+/* A two-state core's applications of iteration i (docs/spec.md §1) on h in x and l in inject: h
+ * held aside, then C low cycles (y = l + h, the low stack, l = RN(y)) and the high one (y = h +
+ * l, the high stack, h = RN(y)). x ends as h, inject as l. */
+static void two_state(fwd* f, uint32_t i) {
+    const tl_config* c = f->c;
+    const uint32_t n = c->n_core_blocks / 2, C = c->core_cycles;
+    const size_t state = f->T * c->d_model * sizeof(float);
+    memcpy(f->high, f->x, state);
+    memcpy(f->x, f->inject, state);
+    for (uint32_t cycle = 0; cycle <= C; cycle++) { /* the low cycles, then the high one */
+        add_high(f);
+        for (uint32_t j = 0; j < n; j++)
+            run_block(f, c->n_pre_blocks + (cycle < C ? j : n + j), tl_core_slot(c, i, cycle * n + j));
+        norm_rows(f, f->x, NULL, false);
+        if (cycle + 1 == C) memcpy(f->inject, f->x, state);
+    }
+}
+
+/* The core applications of iteration i on the rows: the k blocks, or a two-state core's. */
+static void run_core(fwd* f, uint32_t i) {
+    const tl_config* c = f->c;
+    if (c->core_cycles) {
+        two_state(f, i);
+        return;
+    }
+    for (uint32_t j = 0; j < c->n_core_blocks; j++) run_block(f, c->n_pre_blocks + j, tl_core_slot(c, i, j));
+}
+
+/* Core iteration i on the rows: the step norm (i >= 1), the adapter, the core's applications. */
 static void iteration(fwd* f, uint32_t i) {
     const tl_config* c = f->c;
-    const size_t per = (size_t)c->n_core_blocks + c->n_coda_blocks;
     if (c->step_norm && i > 0) norm_rows(f, f->x, f->e->file.step_norm, false);
     if (c->injection) adapter(f);
-    for (uint32_t j = 0; j < c->n_core_blocks; j++)
-        run_block(f, c->n_pre_blocks + j, c->n_pre_blocks + i * per + j);
+    run_core(f, i);
 }
 
 /* What narrow() changes: the pass's rows, put back by widen(). */
@@ -384,7 +449,7 @@ static rows_view narrow(fwd* f, float* state, size_t lo, size_t hi) {
     const size_t d = f->c->d_model;
     const rows_view whole = {f->x, f->inject, f->seqs, f->pos, f->tokens, f->T};
     f->x = state + lo * d;
-    if (f->c->injection) f->inject += lo * d;
+    if (tl_has_inject(f->c)) f->inject += lo * d;
     f->seqs += lo;
     f->pos += lo;
     f->tokens += lo;
@@ -406,12 +471,10 @@ static void widen(fwd* f, const rows_view* whole) {
 void tl_fwd_end_depth(fwd* f, float* state, size_t lo, size_t hi, uint32_t depth) {
     const tl_config* c = f->c;
     if (lo == hi || !tl_has_coda(c)) return;
-    const size_t per = (size_t)c->n_core_blocks + c->n_coda_blocks;
     const rows_view whole = narrow(f, state, lo, hi);
     if (c->coda_norm) norm_rows(f, f->x, f->e->file.coda_norm, false);
     for (uint32_t j = 0; j < c->n_coda_blocks; j++)
-        run_block(f, c->n_pre_blocks + c->n_core_blocks + j,
-                  c->n_pre_blocks + (size_t)(depth - 1) * per + c->n_core_blocks + j);
+        run_block(f, c->n_pre_blocks + c->n_core_blocks + j, tl_core_slot(c, depth - 1, tl_core_width(c) + j));
     widen(f, &whole);
 }
 
@@ -434,7 +497,7 @@ static tl_status begin(fwd* f, const tl_engine* e, const tl_linear* linears, siz
     f->c = tl_engine_config(e);
     f->linears = linears;
     f->T = T;
-    f->qkv_dim = ((size_t)f->c->n_heads + 2 * (size_t)f->c->n_kv_heads) * f->c->head_dim;
+    f->qkv_dim = tl_qkv_rows(f->c);
     f->hd = (size_t)f->c->n_heads * f->c->head_dim;
     f->simd = e->isa != TL_ISA_SCALAR;
     f->rows = tl_row_kernels_for(e->row_isa);
@@ -476,8 +539,9 @@ void tl_fwd_head_rows(fwd* f, const float* x, float* logits) {
 }
 
 /* The layers of the rows (ordered deepest first) from the embedding in x, or from iteration
- * first_iter's input state in x (and the injected terms in inject); x ends as each row's final
- * state. A batch's rows with exit rules may end early (take_exits), still deepest first. A
+ * first_iter's input state in x (and the injected terms or low states in inject); x ends as
+ * each row's final state. A batch's rows with exit rules may end early (take_exits), still
+ * deepest first. A
  * chunk's `part` (NULL for a batch) may ask for the state after the last iteration
  * (state_out), and a prefix build's (loop_states) ends every depth first_iter+1 .. depth-1 on a
  * copy of the state too, writing its coda slots, with loop_states[i] the last row's final state
@@ -488,7 +552,7 @@ static void run_layers(fwd* f, const tl_part* part) {
     float* const states = part ? part->loop_states : NULL;
     if (f->first_iter == 0) {
         for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(f, b, b);
-        if (c->injection) begin_injection(f);
+        begin_core(f);
     }
     if (f->exits) tl_fwd_begin_exits(f);
     const uint32_t depth = row_depth(f, 0);
@@ -542,10 +606,10 @@ tl_status tl_cpu_forward(const tl_linear* linears, tl_seq* s, const int32_t* tok
         embed(&f);
     } else {
         memcpy(f.x, part->state_in, state);
-        if (f.c->injection) memcpy(f.inject, part->inject_in, state);
+        if (tl_has_inject(f.c)) memcpy(f.inject, part->inject_in, state);
     }
     run_layers(&f, part);
-    if (part->inject_out && f.c->injection) memcpy(part->inject_out, f.inject, state);
+    if (part->inject_out && tl_has_inject(f.c)) memcpy(part->inject_out, f.inject, state);
     if (part->hidden_all) memcpy(part->hidden_all, f.x, state);
     if (last_hidden) memcpy(last_hidden, f.x + (T - 1) * d, d * sizeof(float));
     if (part->logits_all) tl_fwd_head_rows(&f, f.x, part->logits_all);
@@ -646,7 +710,7 @@ static void wave_iteration(fwd* f, size_t fresh) {
     }
     if (c->injection) adapter(f);
     f->per_row_slots = true;
-    for (uint32_t j = 0; j < c->n_core_blocks; j++) run_block(f, c->n_pre_blocks + j, c->n_pre_blocks + j);
+    run_core(f, 0);
     f->per_row_slots = false;
 }
 
@@ -671,20 +735,21 @@ tl_status tl_cpu_forward_wave(const tl_linear* linears, tl_seq* s, const tl_wave
         f.tokens[r] = rows[r].token;
         if (r >= fresh) continue;
         memcpy(f.x + r * d, rows[r].state, state);
-        if (c->injection) memcpy(f.inject + r * d, rows[r].inject, state);
+        if (tl_has_inject(c)) memcpy(f.inject + r * d, rows[r].inject, state);
     }
     if (fresh < R) {
         const rows_view whole = narrow(&f, f.x, fresh, R);
         embed(&f);
         for (uint32_t b = 0; b < c->n_pre_blocks; b++) run_block(&f, b, b);
-        if (c->injection) begin_injection(&f);
+        begin_core(&f);
         widen(&f, &whole);
     }
     wave_iteration(&f, fresh);
     size_t m = 0; /* the rows that end at depth s->loops now, gathered in side */
     for (size_t r = 0; r < R; r++) {
         memcpy(rows[r].state, f.x + r * d, state);
-        if (r >= fresh && c->injection) memcpy(rows[r].inject, f.inject + r * d, state);
+        if ((r >= fresh && c->injection) || c->core_cycles) /* a low state changes every iteration */
+            memcpy(rows[r].inject, f.inject + r * d, state);
         if (!rows[r].logits) continue;
         memcpy(f.side + m * d, f.x + r * d, state);
         f.pseqs[m] = s;

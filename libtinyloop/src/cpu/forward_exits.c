@@ -52,7 +52,7 @@ void tl_fwd_partition_rows(fwd* f, uint32_t end) {
         for (size_t r = 0; r < T; r++)
             if ((f->ends[r] > end ? 0 : tl_fwd_done(f, r) ? 2 : 1) == key) f->from[n++] = r;
     gather(f->x, state, f->from, T, f->moved);
-    if (f->c->injection) gather(f->inject, state, f->from, T, f->moved);
+    if (tl_has_inject(f->c)) gather(f->inject, state, f->from, T, f->moved);
     gather(f->seqs, sizeof *f->seqs, f->from, T, f->moved);
     gather(f->pos, sizeof *f->pos, f->from, T, f->moved);
     gather(f->tokens, sizeof *f->tokens, f->from, T, f->moved);
@@ -95,11 +95,12 @@ void tl_fwd_probe(fwd* f, uint32_t i) {
 }
 
 /* After iteration i: every row going deeper whose rule fires exits with U = i + 1. Its KV of
- * iteration i is copied into the core slots of iterations i+1 .. L-1 at its position ("last
- * available"), its end becomes i + 1, and it moves behind the rows that go on. */
+ * iteration i (every one of the core's w applications) is copied into the core slots of
+ * iterations i+1 .. L-1 at its position ("last available"), its end becomes i + 1, and it moves
+ * behind the rows that go on. */
 void tl_fwd_take_exits(fwd* f, uint32_t i) {
     const tl_config* c = f->c;
-    const size_t d = c->d_model, V = c->vocab_size, per = (size_t)c->n_core_blocks + c->n_coda_blocks;
+    const size_t d = c->d_model, V = c->vocab_size;
     bool any = false;
     for (size_t r = 0; r < f->T; r++) {
         if (f->ends[r] <= i + 1) continue;
@@ -108,9 +109,9 @@ void tl_fwd_take_exits(fwd* f, uint32_t i) {
         if (!tl_exit_after(&f->exits[r], &f->e->file, i, f->x + r * d, z)) continue;
         const tl_seq* s = f->seqs[r];
         for (uint32_t u = i + 1; u < s->loops; u++)
-            for (uint32_t j = 0; j < c->n_core_blocks; j++)
-                tl_kv_copy_layer(&f->e->kv_geom, &s->kv, f->pos[r], (uint32_t)(c->n_pre_blocks + i * per + j),
-                                 (uint32_t)(c->n_pre_blocks + u * per + j));
+            for (uint32_t a = 0; a < tl_core_width(c); a++)
+                tl_kv_copy_layer(&f->e->kv_geom, &s->kv, f->pos[r], (uint32_t)tl_core_slot(c, i, a),
+                                 (uint32_t)tl_core_slot(c, u, a));
         f->ends[r] = i + 1;
         if (z) { /* the probe's final state and logits are the row's: nothing more runs for it */
             memcpy(f->x + r * d, f->side + p * d, d * sizeof(float));

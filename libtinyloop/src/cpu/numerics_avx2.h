@@ -37,11 +37,17 @@ TL_INLINE_AVX2 __m256 tl_exp2s8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-/* §2.5 silu(v) = v / (1 + exps(-v)). */
-TL_INLINE_AVX2 __m256 tl_silu8(__m256 v) {
+/* §2.5 the t = 1 + exps(-v) that silu and sig divide by. */
+TL_INLINE_AVX2 __m256 tl_silu_den8(__m256 v) {
     const __m256 t = _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); /* -v, exactly */
     const __m256 e = tl_exp2s8(_mm256_mul_ps(t, _mm256_set1_ps(TL_LOG2E)));
-    return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_add_ps(_mm256_set1_ps(1.0f), e);
 }
+
+/* §2.5 silu(v) = v / (1 + exps(-v)). */
+TL_INLINE_AVX2 __m256 tl_silu8(__m256 v) { return _mm256_div_ps(v, tl_silu_den8(v)); }
+
+/* §2.5 sig(v) = 1 / (1 + exps(-v)). */
+TL_INLINE_AVX2 __m256 tl_sig8(__m256 v) { return _mm256_div_ps(_mm256_set1_ps(1.0f), tl_silu_den8(v)); }
 
 #endif

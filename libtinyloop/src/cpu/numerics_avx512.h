@@ -44,12 +44,18 @@ TL_INLINE_AVX512 __m512 tl_exp2s16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-/* §2.5 silu(v) = v / (1 + exps(-v)). */
-TL_INLINE_AVX512 __m512 tl_silu16(__m512 v) {
+/* §2.5 the t = 1 + exps(-v) that silu and sig divide by. */
+TL_INLINE_AVX512 __m512 tl_silu_den16(__m512 v) {
     const __m512 t = _mm512_castsi512_ps(
         _mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u))); /* -v, exactly */
     const __m512 e = tl_exp2s16(_mm512_mul_ps(t, _mm512_set1_ps(TL_LOG2E)));
-    return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_add_ps(_mm512_set1_ps(1.0f), e);
 }
+
+/* §2.5 silu(v) = v / (1 + exps(-v)). */
+TL_INLINE_AVX512 __m512 tl_silu16(__m512 v) { return _mm512_div_ps(v, tl_silu_den16(v)); }
+
+/* §2.5 sig(v) = 1 / (1 + exps(-v)). */
+TL_INLINE_AVX512 __m512 tl_sig16(__m512 v) { return _mm512_div_ps(_mm512_set1_ps(1.0f), tl_silu_den16(v)); }
 
 #endif

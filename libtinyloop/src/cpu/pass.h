@@ -31,7 +31,7 @@ typedef struct fwd {
     tl_seq** seqs;           /* [T] the sequence of each row                           */
     size_t* pos;             /* [T] the position of each row                           */
     int32_t* tokens;         /* [T]                                                    */
-    size_t qkv_dim, hd;      /* (H + 2G) * D, H * D                                    */
+    size_t qkv_dim, hd;      /* tl_qkv_rows ((H + 2G) * D, + H * D gate rows), H * D   */
     uint32_t layer;          /* cache slot of the current layer (row t's: tl_fwd_row_slot) */
     uint32_t* iters;         /* [T] wave pass: each row's core iteration; else NULL     */
     bool per_row_slots;      /* a wave pass's core blocks: row t runs in iters[t]'s slots */
@@ -44,7 +44,9 @@ typedef struct fwd {
     uint32_t depth;          /* chunk: the depth it runs to (a batch: unused)       */
     uint32_t coda_depth;     /* chunk: whose coda slots its coda writes                */
     float* x;                /* [T][d] the state the blocks run on                     */
-    float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e))       */
+    float* inject;           /* [T][d] injection: linear(adapter_inject; Q8(e)); a
+                                two-state core: the low state l (x is h)              */
+    float* high;             /* [T][d] a two-state core: h while the stacks run on x   */
     float* side;             /* [T][d] a prefix build: the state a shallower depth ends on;
                                 a batch with probes: the probed rows' copies           */
     float* y;                /* [T][d] sandwich: a sublayer's output before its norm    */
@@ -105,7 +107,7 @@ static inline size_t tl_fwd_moved_row(const tl_config* cfg) {
  * its own iteration's slot of that block; any other layer runs every row in f->layer. */
 static inline uint32_t tl_fwd_row_slot(const fwd* f, size_t t) {
     if (!f->per_row_slots) return f->layer;
-    return f->layer + f->iters[t] * (f->c->n_core_blocks + f->c->n_coda_blocks);
+    return f->layer + f->iters[t] * (tl_core_width(f->c) + f->c->n_coda_blocks);
 }
 
 /* Whether batch row r exited with its probe's final state and logits. */

@@ -38,11 +38,19 @@ void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, flo
         ss += q * q;
     }
     const float t = tl_rms_of(ss, s, n, eps);
+    if (!gain) {
+        for (size_t i = 0; i < n; i++) y[i] = x[i] / t;
+        return;
+    }
     for (size_t i = 0; i < n; i++) y[i] = (x[i] / t) * gain[i];
 }
 
 void tl_swiglu_row(float* gate, const float* up, size_t n) {
     for (size_t i = 0; i < n; i++) gate[i] = tl_silu(gate[i]) * up[i];
+}
+
+void tl_gate_row(float* o, const float* z, size_t n) {
+    for (size_t i = 0; i < n; i++) o[i] = o[i] * tl_sigmoid(z[i]);
 }
 
 void tl_rope_head(float* x, size_t D, const float* cos, const float* sin) {
@@ -58,4 +66,5 @@ void tl_rope_head(float* x, size_t D, const float* cos, const float* sin) {
 
 const tl_row_kernels tl_rows_scalar = {.quantize = tl_quantize_row,
                                        .rms_quantize = tl_rms_quantize_row,
-                                       .swiglu = tl_swiglu_row};
+                                       .swiglu = tl_swiglu_row,
+                                       .gate = tl_gate_row};

@@ -14,10 +14,12 @@ float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q);
 /* §2.3 NQ(x): x[n] -> q[n]; returns the matmul input scale a. */
 float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q);
 /* §2.7 RN(x, g): y[i] = (x[i] / t) * gain[i], t the root mean square of x through Q16 and an
- * exact i64 sum of squares. y may be x. */
+ * exact i64 sum of squares; gain NULL: the weightless RN(x), y[i] = x[i] / t. y may be x. */
 void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, float* y);
 /* §2.5 SwiGLU in place: gate[i] = silu(gate[i]) * up[i]. */
 void tl_swiglu_row(float* gate, const float* up, size_t n);
+/* §4 the attention output gate in place: o[i] = o[i] * sig(z[i]). */
+void tl_gate_row(float* o, const float* z, size_t n);
 
 /* §2.6 RoPE in place on one head x[D] with the position's table rows cos[D/2], sin[D/2]. */
 void tl_rope_head(float* x, size_t D, const float* cos, const float* sin);

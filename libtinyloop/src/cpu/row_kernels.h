@@ -20,6 +20,7 @@ typedef struct tl_row_kernels {
     float (*quantize)(const float* x, size_t n, int qmax, int8_t* q);      /* tl_quantize_row     */
     float (*rms_quantize)(const float* x, size_t n, float eps, int8_t* q); /* tl_rms_quantize_row */
     void (*swiglu)(float* gate, const float* up, size_t n);                /* tl_swiglu_row       */
+    void (*gate)(float* o, const float* z, size_t n);                      /* tl_gate_row         */
 } tl_row_kernels;
 
 extern const tl_row_kernels tl_rows_scalar; /* quant.c                                    */
@@ -38,8 +39,10 @@ const tl_row_kernels* tl_row_kernels_for(tl_isa row_isa);
 float tl_quantize_row_avx2(const float* x, size_t n, int qmax, int8_t* q);
 float tl_rms_quantize_row_avx2(const float* x, size_t n, float eps, int8_t* q);
 void tl_swiglu_row_avx2(float* gate, const float* up, size_t n);
+void tl_gate_row_avx2(float* o, const float* z, size_t n);
 float tl_quantize_row_avx512(const float* x, size_t n, int qmax, int8_t* q);
 float tl_rms_quantize_row_avx512(const float* x, size_t n, float eps, int8_t* q);
 void tl_swiglu_row_avx512(float* gate, const float* up, size_t n);
+void tl_gate_row_avx512(float* o, const float* z, size_t n);
 
 #endif

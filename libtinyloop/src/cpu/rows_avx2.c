@@ -1,6 +1,6 @@
-/* rows_avx2.c — AVX2 forms of the per-token row operations of quant.h (Q8 / Q4, NQ, SwiGLU),
- * bit-identical to the scalar ones: the NaN-ignoring max uses vmaxps with the running
- * maximum as the second operand (a NaN input is ignored), rint is vroundps. */
+/* rows_avx2.c — AVX2 forms of the per-token row operations of quant.h (Q8 / Q4, NQ, SwiGLU, the
+ * attention gate), bit-identical to the scalar ones: the NaN-ignoring max uses vmaxps with the
+ * running maximum as the second operand (a NaN input is ignored), rint is vroundps. */
 #include <immintrin.h>
 #include <math.h>
 
@@ -44,6 +44,14 @@ __attribute__((target("avx2"))) void tl_swiglu_row_avx2(float* gate, const float
     for (; i < n; i++) gate[i] = tl_silu(gate[i]) * up[i];
 }
 
+__attribute__((target("avx2"))) void tl_gate_row_avx2(float* o, const float* z, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), tl_sig8(_mm256_loadu_ps(z + i))));
+    for (; i < n; i++) o[i] = o[i] * tl_sigmoid(z[i]);
+}
+
 const tl_row_kernels tl_rows_avx2 = {.quantize = tl_quantize_row_avx2,
                                      .rms_quantize = tl_rms_quantize_row_avx2,
-                                     .swiglu = tl_swiglu_row_avx2};
+                                     .swiglu = tl_swiglu_row_avx2,
+                                     .gate = tl_gate_row_avx2};

@@ -1,8 +1,9 @@
-/* rows_avx512.c — AVX-512 forms of the per-token row operations of quant.h (Q8 / Q4, NQ, SwiGLU),
- * bit-identical to the scalar ones: 16 lanes, the row's tail under a mask instead of a scalar
- * loop. The NaN-ignoring max keeps the running maximum as vmaxps's second operand (a NaN input
- * is ignored, a masked-off lane loads 0, which no |x| maximum exceeds); rint is vrndscaleps;
- * NQ's sum of squares is exact in i64 lanes (each vpmaddwd pair is at most 2 * 127^2). */
+/* rows_avx512.c — AVX-512 forms of the per-token row operations of quant.h (Q8 / Q4, NQ, SwiGLU,
+ * the attention gate), bit-identical to the scalar ones: 16 lanes, the row's tail under a mask
+ * instead of a scalar loop. The NaN-ignoring max keeps the running maximum as vmaxps's second
+ * operand (a NaN input is ignored, a masked-off lane loads 0, which no |x| maximum exceeds); rint
+ * is vrndscaleps; NQ's sum of squares is exact in i64 lanes (each vpmaddwd pair is at most
+ * 2 * 127^2). */
 #include <immintrin.h>
 
 #include "cpu/numerics_avx512.h"
@@ -56,6 +57,15 @@ TL_AVX512 void tl_swiglu_row_avx512(float* gate, const float* up, size_t n) {
     }
 }
 
+TL_AVX512 void tl_gate_row_avx512(float* o, const float* z, size_t n) {
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : tl_tail16(n - i);
+        const __m512 v = _mm512_maskz_loadu_ps(live, o + i), g = _mm512_maskz_loadu_ps(live, z + i);
+        _mm512_mask_storeu_ps(o + i, live, _mm512_mul_ps(v, tl_sig16(g)));
+    }
+}
+
 const tl_row_kernels tl_rows_avx512 = {.quantize = tl_quantize_row_avx512,
                                        .rms_quantize = tl_rms_quantize_row_avx512,
-                                       .swiglu = tl_swiglu_row_avx512};
+                                       .swiglu = tl_swiglu_row_avx512,
+                                       .gate = tl_gate_row_avx512};

@@ -518,7 +518,7 @@ tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_spa
     a.rows = rows;
     a.spans = spans;
     a.qkv = qkv;
-    a.qkv_dim = (H + 2 * G) * D;
+    a.qkv_dim = tl_qkv_rows(cfg);
     a.out = o;
     a.out_stride = H * D;
     a.scores = scores;

@@ -152,7 +152,9 @@ struct tl_cuda {
     int sm_count;                 /* multiprocessors: how far decode attention splits       */
     /* scratch of tl_cuda_forward (device, from `pool` when there is one, unless noted) */
     tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, att_split, io, logits, states;
-    tl_cu_buf inject;             /* [T][d] the injected term linear(adapter_inject; Q8(e)) */
+    tl_cu_buf inject;             /* [T][d] the injected term linear(adapter_inject; Q8(e)),
+                                     or a two-state core's low state l                      */
+    tl_cu_buf high;               /* [T][d] a two-state core: h while the stacks run on x   */
     tl_cu_buf sub;                /* [T][d] a sublayer's output before its norm (sandwich)  */
     tl_cu_buf xcopy;              /* [T][d] the state a prefix build's coda runs on         */
     tl_cu_buf host_io;            /* pinned host staging of rows + spans (and a resumed
@@ -288,8 +290,11 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
                         uint32_t block_size, size_t head_bytes, uint32_t kv_bits);
 /* gu [T][2F]: gate := silu(gate) * up (in place), then q[t] = Q8(gate), scale[t] = s. */
 tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale);
-/* dst[t] = RN(src[t], gain) (docs/spec.md §2.7), or dst[t] + RN(src[t], gain) when add, rows
- * t < T of d floats; dst may be src. */
+/* o [T][H * D]: o := o * sig(gate) (in place; the gate rows end each row of qkv [T][qkv_dim],
+ * docs/spec.md §4), then q[t] = Q8(o), scale[t] = s. */
+tl_status tl_cu_attn_gate_q8(tl_cuda* c, float* o, const float* qkv, size_t T, int8_t* q, size_t lda, float* scale);
+/* dst[t] = RN(src[t], gain) (docs/spec.md §2.7; gain NULL: the weightless RN(x)), or dst[t] +
+ * RN(src[t], gain) when add, rows t < T of d floats; dst may be src. */
 tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add);
 /* x[t][i] = x[t][i] + v[t][i], rows t < T of d floats (one f32 addition each). */
 tl_status tl_cu_add_rows(tl_cuda* c, float* x, const float* v, size_t T);

@@ -345,7 +345,7 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     cudaFree(c->rope_cos);
     cudaFree(c->rope_sin);
     tl_cu_buf* bufs[] = {&c->x,      &c->qkv,       &c->o,  &c->gu,     &c->acts,   &c->ascale, &c->raw,
-                         &c->scores, &c->att_split, &c->io, &c->logits, &c->states, &c->inject, &c->sub,
+                         &c->scores, &c->att_split, &c->io, &c->logits, &c->states, &c->inject, &c->high, &c->sub,
                          &c->xcopy};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tl_cu_scratch_release(c, bufs[i]);
     if (c->stream_made) cudaStreamSynchronize(c->stream); /* the pool's frees are done */

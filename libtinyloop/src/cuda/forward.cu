@@ -5,16 +5,18 @@
  * buffers. And tl_cuda_kv_from_rows: a block's K/V write alone, from given layer input rows.
  *
  * The embedding (times embed_scale), then the steps of cuda/pass.h (the prelude, the injection,
- * the iterations with their step norm, adapter and core blocks, each depth's coda_norm and coda),
- * each on a range of rows. A part pass (core/forward.h's tl_part) resumed at first_iter > 0
- * starts instead from the states and injected terms it is given, copied into x and inject with
- * the rows; a part may also keep the state after its last iteration (state_out, copied out
- * before the coda runs) and its injected terms. The injected term linear(adapter_inject; Q8(e))
+ * the iterations with their step norm, adapter and core blocks, or a two-state core's cycles on
+ * h in x and l in inject, each depth's coda_norm and coda), each on a range of rows. A part
+ * pass (core/forward.h's tl_part) resumed at first_iter > 0 starts instead from the states and
+ * injected terms (or low states) it is given, copied into x and inject with the rows; a part may
+ * also keep the state after its last iteration (state_out, copied out before the coda runs) and
+ * its injected terms (or low states). The injected term linear(adapter_inject; Q8(e))
  * is computed once, at the injection, and added into every iteration's adapter output: the one
  * f32 addition x + v the epilogue of an accumulating linear would make.
  * A block on rows [lo, hi) of a state (x, or a prefix build's copy):
  *   NQ(x) -> qkv linear (+ bias) -> RoPE + K/V write into its slot (every row of the range,
- *   before any attention reads) -> attention -> Q8(o) -> out linear -> residual -> NQ(x)
+ *   before any attention reads) -> attention -> (the attention gate) Q8(o) -> out linear ->
+ *   residual -> NQ(x)
  *   -> gate_up linear -> SwiGLU + Q8 -> down linear -> residual,
  * the residual per block_layout: pre x += y; sandwich x += RN(y, g); post x = RN(x + y, g).
  * Then hidden = x, and logits = head(NQ(x)) of every row, of the rows asked for (logit_rows: the
@@ -25,11 +27,11 @@
  * while the block's kernels run: one wait per block, and never a graph.
  *
  * Scratch (grow-on-demand, owned by tl_cuda, guarded by its lock): x [T][d],
- * qkv [T][(H + 2G) * D], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8, ascale [T],
+ * qkv [T][tl_qkv_rows], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8, ascale [T],
  * raw [T_pad][max int4 rows_pad] i32, scores [rows per launch][H][key_stride], att_split (split
  * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d],
- * and as the model needs them inject [T][d] (injection), sub [T][d] (sandwich), xcopy [T][d] (a
- * prefix build with a coda);
+ * and as the model needs them inject [T][d] (injection, a two-state core's l), high [T][d] (a
+ * two-state core's h aside), sub [T][d] (sandwich), xcopy [T][d] (a prefix build with a coda);
  * pinned host: host_io stages rows + spans (a resumed part's states and injected terms too;
  * kv_from_rows: rows, q, a), host_out the outputs, host_capture [T][d] a capture's rows.
  * Device scratch comes from the model's stream-ordered pool (c->pool): a buffer grows (old one
@@ -134,9 +136,9 @@ static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t*
     const uint32_t loops = b->rows[0].loops;
     if (b->first_iter >= loops)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: first_iter %u, rows of loops %u", b->first_iter, loops);
-    if (b->first_iter && (!b->state_in || (cfg->injection && !b->inject_in)))
+    if (b->first_iter && (!b->state_in || (tl_has_inject(cfg) && !b->inject_in)))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: first_iter %u without state_in%s", b->first_iter,
-                       cfg->injection ? " and inject_in" : "");
+                       tl_has_inject(cfg) ? " and inject_in" : "");
     if (b->coda_depth && tl_n_layers(cfg, b->coda_depth) > TL_MAX_CACHE_LAYERS)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: coda_depth %u", b->coda_depth);
     *max_keys = keys;
@@ -166,7 +168,8 @@ static tl_cu_pass_shape shape_of(const tl_cuda* c, const tl_cuda_batch* b, uint3
     s.coda_depth = b->coda_depth;
     s.outputs = (b->logits ? OUT_LOGITS : 0) | (b->logits_last ? OUT_LOGITS_LAST : 0) |
                 (b->loop_states ? OUT_STATES : 0) | (b->capture ? OUT_CAPTURE : 0) | (b->state_out ? OUT_KEPT : 0) |
-                (b->inject_out && c->cfg.injection ? OUT_INJECT : 0) | (b->logits && b->logit_rows ? OUT_LOGIT_ROWS : 0);
+                (b->inject_out && tl_has_inject(&c->cfg) ? OUT_INJECT : 0) |
+                (b->logits && b->logit_rows ? OUT_LOGIT_ROWS : 0);
     s.n_logit_rows = (s.outputs & OUT_LOGIT_ROWS) ? (uint32_t)b->n_logit_rows : 0;
     for (size_t t = 0; b->T <= TL_CU_GRAPH_MAX_T && t < b->T; t++) s.depth[t] = b->rows[t].loops;
     return s;
@@ -226,8 +229,7 @@ static size_t states_in_at(const tl_cu_pass_shape* s, size_t n_spans) {
 static tl_status reserve_kv_write(tl_cuda* c, size_t T) {
     const tl_config* cfg = &c->cfg;
     const size_t T_pad = tl_cu_round_up(T, TL_CU_TILE_M);
-    const size_t qkv_dim = ((size_t)cfg->n_heads + 2 * (size_t)cfg->n_kv_heads) * cfg->head_dim;
-    TL_CU_TRY(reserve(c, &c->qkv, T * qkv_dim * sizeof(float), false, "qkv"));
+    TL_CU_TRY(reserve(c, &c->qkv, T * tl_qkv_rows(cfg) * sizeof(float), false, "qkv"));
     TL_CU_TRY(reserve(c, &c->acts, T_pad * c->max_cols_pad, false, "activations"));
     TL_CU_TRY(reserve(c, &c->ascale, T * sizeof(float), false, "activation scales"));
     return reserve(c, &c->raw, T_pad * c->max_rows_pad_int4 * sizeof(int32_t), false, "int4 partial sums");
@@ -240,7 +242,7 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     const size_t F = cfg->ffn_dim, V = cfg->vocab_size;
     const size_t score_rows = tl_cu_attention_rows(c, T, s->key_stride);
     const size_t io_bytes = io_bytes_of(s, n_spans);
-    const size_t states_in = s->first_iter ? (cfg->injection ? 2 : 1) * T * d * sizeof(float) : 0;
+    const size_t states_in = s->first_iter ? (tl_has_inject(cfg) ? 2 : 1) * T * d * sizeof(float) : 0;
     const out_layout L = out_layout_of(c, s);
     TL_CU_TRY(reserve(c, &c->x, T * d * sizeof(float), false, "x"));
     TL_CU_TRY(reserve_kv_write(c, T));
@@ -252,7 +254,8 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     TL_CU_TRY(reserve(c, &c->io, io_bytes, false, "rows and spans"));
     TL_CU_TRY(reserve(c, &c->logits, L.n_logits * V * sizeof(float), false, "logits"));
     TL_CU_TRY(reserve(c, &c->states, L.loops * d * sizeof(float), false, "loop states"));
-    TL_CU_TRY(reserve(c, &c->inject, cfg->injection ? T * d * sizeof(float) : 0, false, "injected terms"));
+    TL_CU_TRY(reserve(c, &c->inject, tl_has_inject(cfg) ? T * d * sizeof(float) : 0, false, "injected terms"));
+    TL_CU_TRY(reserve(c, &c->high, cfg->core_cycles ? T * d * sizeof(float) : 0, false, "high states"));
     TL_CU_TRY(reserve(c, &c->sub, cfg->block_layout == TL_LAYOUT_SANDWICH ? T * d * sizeof(float) : 0, false,
                       "sublayer output"));
     TL_CU_TRY(reserve(c, &c->xcopy, L.loops && tl_has_coda(cfg) ? T * d * sizeof(float) : 0, false,
@@ -274,7 +277,8 @@ typedef struct pass {
     float* x;                  /* [T][d] the residual stream          */
     float* xcopy;              /* [T][d] a prefix build's coda state  */
     float* states;             /* [loops][d]                          */
-    float* inject;             /* [T][d] the injected terms           */
+    float* inject;             /* [T][d] the injected terms, or l     */
+    float* high;               /* [T][d] a two-state core's h aside   */
     float* kept;               /* [T][d] pinned host: state_out       */
     const tl_cuda_batch* b;    /* the batch: its capture, if any      */
 } pass;
@@ -307,8 +311,7 @@ static tl_status residual(tl_cuda* c, const tl_cu_linear* L, size_t n, float* x,
  * heads in place, the K/V write into each row's cache slot. */
 static tl_status write_kv(tl_cuda* c, const tl_cu_linear* attn_qkv, const tl_cuda_row* rows, size_t n, uint32_t slot,
                           uint32_t block_size, size_t head_bytes, uint32_t kv_bits) {
-    const tl_config* cfg = &c->cfg;
-    const size_t qkv_dim = ((size_t)cfg->n_heads + 2 * (size_t)cfg->n_kv_heads) * cfg->head_dim;
+    const size_t qkv_dim = tl_qkv_rows(&c->cfg);
     float* qkv = (float*)c->qkv.p;
     TL_CU_TRY(tl_cu_linear_run(c, attn_qkv, (const int8_t*)c->acts.p, (const float*)c->ascale.p, n, qkv, qkv_dim,
                                false, (int32_t*)c->raw.p));
@@ -337,7 +340,8 @@ static tl_status run_block(const pass* p, uint32_t slot, uint32_t block, size_t 
     TL_CU_TRY(tl_cu_attention(c, rows, p->spans, n, qkv, o, slot, p->s->block_size, p->s->head_bytes,
                               p->s->kv_bits, p->s->key_stride, (float*)c->scores.p, p->score_rows,
                               c->att_split.p));
-    TL_CU_TRY(tl_cu_quantize(c, o, hd, hd, n, false, acts, part[TL_PART_OUT].cols_pad, ascale));
+    if (cfg->attn_gate) TL_CU_TRY(tl_cu_attn_gate_q8(c, o, qkv, n, acts, part[TL_PART_OUT].cols_pad, ascale));
+    else TL_CU_TRY(tl_cu_quantize(c, o, hd, hd, n, false, acts, part[TL_PART_OUT].cols_pad, ascale));
     TL_CU_TRY(residual(c, &part[TL_PART_OUT], n, x, gains->attn_post_norm));
 
     TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_GATE_UP].cols_pad, ascale));
@@ -364,11 +368,34 @@ static tl_status step_block(void* ctx, uint32_t slot, uint32_t block, size_t lo,
     return TL_OK;
 }
 
-/* state = RN(state, g_step or g_coda), rows [lo, hi). */
+/* state = RN(state, g_step or g_coda, or no gain), rows [lo, hi). */
 static tl_status step_norm(void* ctx, tl_cu_norm which, size_t lo, size_t hi, tl_cu_state on) {
     const pass* p = (const pass*)ctx;
     float* x = state_of(p, on) + lo * p->c->cfg.d_model;
-    return tl_cu_rms_norm(p->c, x, which == TL_CU_STEP_NORM ? p->c->step_norm : p->c->coda_norm, hi - lo, x, false);
+    const float* gain = which == TL_CU_STEP_NORM ? p->c->step_norm : which == TL_CU_CODA_NORM ? p->c->coda_norm : NULL;
+    return tl_cu_rms_norm(p->c, x, gain, hi - lo, x, false);
+}
+
+/* dst = src, rows [0, hi) of the states. */
+static tl_status copy_rows(const pass* p, float* dst, const float* src, size_t hi, const char* what) {
+    return tl_cu_check(cudaMemcpyAsync(dst, src, hi * p->c->cfg.d_model * sizeof(float), cudaMemcpyDeviceToDevice,
+                                       p->c->stream),
+                       what);
+}
+
+/* A two-state core's move (cuda/pass.h's tl_cu_mix) on rows [0, hi). */
+static tl_status step_mix(void* ctx, tl_cu_mix what, size_t hi) {
+    const pass* p = (const pass*)ctx;
+    switch (what) {
+    case TL_CU_LOW_ZERO:
+        return tl_cu_check(cudaMemsetAsync(p->inject, 0, hi * p->c->cfg.d_model * sizeof(float), p->c->stream),
+                           "cudaMemsetAsync (low state)");
+    case TL_CU_HOLD:
+        TL_CU_TRY(copy_rows(p, p->high, p->x, hi, "cudaMemcpyAsync (high state)"));
+        return copy_rows(p, p->x, p->inject, hi, "cudaMemcpyAsync (low state in)");
+    case TL_CU_ADD_HIGH: return tl_cu_add_rows(p->c, p->x, p->high, hi);
+    default: return copy_rows(p, p->inject, p->x, hi, "cudaMemcpyAsync (low state out)");
+    }
 }
 
 /* linear(L; Q8(x)) of rows [0, hi) into y (the adapter's two linears, docs/spec.md §4.4). */
@@ -402,9 +429,7 @@ static tl_status step_adapter(void* ctx, size_t hi) {
 /* xcopy = x, rows [0, hi). */
 static tl_status step_copy(void* ctx, size_t hi) {
     const pass* p = (const pass*)ctx;
-    return tl_cu_check(cudaMemcpyAsync(p->xcopy, p->x, hi * p->c->cfg.d_model * sizeof(float),
-                                       cudaMemcpyDeviceToDevice, p->c->stream),
-                       "cudaMemcpyAsync (prefix build state)");
+    return copy_rows(p, p->xcopy, p->x, hi, "cudaMemcpyAsync (prefix build state)");
 }
 
 /* kept = x, rows [0, hi): the part's state_out, straight into host_out. */
@@ -445,9 +470,9 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
     if (s->first_iter == 0) TL_CU_TRY(tl_cu_embed(c, rows, T, x));
     pass p = {c, s, rows, (const tl_cuda_span*)((char*)c->io.p + spans_at(s)),
               tl_cu_attention_rows(c, T, s->key_stride), x, (float*)c->xcopy.p, (float*)c->states.p,
-              (float*)c->inject.p, out + L.kept, b};
+              (float*)c->inject.p, (float*)c->high.p, out + L.kept, b};
     const tl_cu_pass_steps steps = {&p, step_block, step_norm, step_inject, step_adapter, step_copy, step_state,
-                                    step_keep};
+                                    step_keep, step_mix};
     const tl_cu_part part = {s->first_iter, s->coda_depth, (s->outputs & OUT_STATES) != 0,
                              (s->outputs & OUT_KEPT) != 0};
     TL_CU_TRY(tl_cu_pass_walk(cfg, b->rows, T, &part, &steps));
@@ -554,7 +579,8 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
     TL_CU_TRY(reserve_pass(c, &shape, b->n_spans));
     cudaStream_t st = c->stream;
 
-    /* rows and spans: one copy; a resumed part's states into x, its injected terms into inject */
+    /* rows and spans: one copy; a resumed part's states into x, its injected terms (or low states)
+     * into inject */
     char* host_io = (char*)c->host_io.p;
     const size_t io_bytes = io_bytes_of(&shape, b->n_spans), state = T * d * sizeof(float);
     memcpy(host_io, b->rows, T * sizeof(tl_cuda_row));
@@ -568,7 +594,7 @@ static tl_status forward_locked(tl_cuda* c, const tl_cuda_batch* b) {
         TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->x.p, states_in, state, cudaMemcpyHostToDevice, st),
                               "cudaMemcpyAsync (states in)"));
     }
-    if (b->first_iter && cfg->injection) {
+    if (b->first_iter && tl_has_inject(cfg)) {
         memcpy(states_in + state, b->inject_in, state);
         TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->inject.p, states_in + state, state, cudaMemcpyHostToDevice, st),
                               "cudaMemcpyAsync (injected terms in)"));

@@ -1,11 +1,13 @@
 /* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
  * Q8 / NQ of activation rows, RoPE + the Q8 (int4 KV mode: packed Q4) K/V write into the paged
- * cache, SwiGLU + Q8, the RMSNorm with a gain RN (step norm, coda norm, sandwich and post
- * residuals), and the addition of the injected term into the adapter's output.
+ * cache, SwiGLU + Q8, the attention gate + Q8, the RMSNorm with a gain RN (step norm, coda norm,
+ * sandwich and post residuals) or without (a two-state core's closing norms), and the row
+ * addition (the injected term into the adapter's output, a two-state core's l + h).
  * One thread block per row (per (row, head) for RoPE/KV); every element-wise f32 step is the
  * host's own numerics.h function, so each value is bit-identical to cpu/quant.c / cpu/forward.c.
  *
- * Shapes: x [T][d], qkv [T][(H + 2G) * D] (Q heads, K heads, V heads), gu [T][2F] (gate, up),
+ * Shapes: x [T][d], qkv [T][(H + 2G) * D] (Q heads, K heads, V heads; with the attention gate
+ * its H * D rows after them), gu [T][2F] (gate, up),
  * activations q [T_pad][lda] i8 (zero from n to lda) with scale [T]. */
 #include "common.cuh"
 
@@ -113,9 +115,25 @@ swiglu_kernel(float* gu, int F, int8_t* q, size_t lda, float* scale) {
     if (threadIdx.x == 0) scale[t] = s;
 }
 
+/* o[t] := o[t] * sig(gate of row t), the gate rows the last hd of qkv's row (docs/spec.md §4,
+ * cpu/forward.c task_attn_gate), then Q8 of it. grid T. */
+static __global__ void __launch_bounds__(ROW_THREADS)
+attn_gate_kernel(float* o, const float* qkv, size_t qkv_dim, int hd, int8_t* q, size_t lda, float* scale) {
+    __shared__ float sh[32];
+    const size_t t = blockIdx.x;
+    float* ot = o + t * hd;
+    const float* z = qkv + t * qkv_dim + qkv_dim - hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) ot[i] = ot[i] * tl_sigmoid(z[i]);
+    int8_t* qt = q + t * lda;
+    for (size_t i = (size_t)hd + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
+    int unused;
+    const float s = tl_cu_block_q8(ot, hd, qt, &unused, sh); /* its first barrier publishes o */
+    if (threadIdx.x == 0) scale[t] = s;
+}
+
 /* dst[t] = RN(src[t], g), or dst[t] + RN(src[t], g) with add (quant.c tl_rms_norm_row): Q16 of
  * the row (amax from 0 ignoring NaN, the tiny-row rule, r = 32767 / amax), the exact i64 Σ q²,
- * t = tl_rms_of, then (x_i / t) * g_i. dst may be src: every thread reads and writes only its own
+ * t = tl_rms_of, then (x_i / t) * g_i (g NULL: x_i / t). dst may be src: every thread reads and writes only its own
  * elements (i = threadIdx.x mod blockDim.x), and the reductions share nothing else. grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
 rms_norm_kernel(const float* src, const float* g, int n, float eps, int add, float* dst) {
@@ -137,7 +155,7 @@ rms_norm_kernel(const float* src, const float* g, int n, float eps, int add, flo
     ss = tl_cu_block_sum(ss, sh64);
     const float t = tl_rms_of(ss, s, (size_t)n, eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = (x[i] / t) * g[i];
+        const float v = g ? (x[i] / t) * g[i] : x[i] / t;
         y[i] = add ? y[i] + v : v;
     }
 }
@@ -173,7 +191,7 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
     const tl_config* cfg = &c->cfg;
     if (cfg->head_dim > MAX_HEAD_DIM)
         return tl_fail(TL_ERR_INTERNAL, "CUDA backend: head_dim %u > %d", cfg->head_dim, (int)MAX_HEAD_DIM);
-    const size_t qkv_dim = ((size_t)cfg->n_heads + 2 * (size_t)cfg->n_kv_heads) * cfg->head_dim;
+    const size_t qkv_dim = tl_qkv_rows(cfg);
     const size_t blocks = T * (cfg->n_heads + 2 * (size_t)cfg->n_kv_heads);
     if (blocks > 0x7fffffffu) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: %zu rows is too many", T);
     const unsigned grid = (unsigned)blocks;
@@ -186,6 +204,13 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
 tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale) {
     TL_CU_LAUNCH(swiglu_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)(gu, (int)c->cfg.ffn_dim, q, lda, scale);
     return tl_cu_launched("SwiGLU kernel");
+}
+
+tl_status tl_cu_attn_gate_q8(tl_cuda* c, float* o, const float* qkv, size_t T, int8_t* q, size_t lda, float* scale) {
+    const tl_config* cfg = &c->cfg;
+    TL_CU_LAUNCH(attn_gate_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
+    (o, qkv, tl_qkv_rows(cfg), (int)(cfg->n_heads * cfg->head_dim), q, lda, scale);
+    return tl_cu_launched("attention gate kernel");
 }
 
 tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add) {

@@ -3,7 +3,8 @@
  * the structure. Deterministic: the same bytes on every run (and checked into git; CI checks
  * that a fresh run writes exactly the files there).
  *   model_file/   version 1, 2 and 3 models: int8 and int4, every block layout and version-2
- *                 option, the bytes tokenizer, hf tokenizer meta texts, an exit gate
+ *                 option, the bytes tokenizer, hf tokenizer meta texts, an exit gate, a
+ *                 two-state core with the attention gate
  *   prefix_blob/  blobs of fuzz_blob_model_spec's model: KV int8 and int4, a window, warm start
  *                 with states, hidden-state h8 and h4
  *   prefix_blob_model.tinyloop   that model's file (for the Python readers: readers_agree.py)
@@ -49,7 +50,7 @@ static void model_seeds(void) {
         {"v2-default", tiny(tu_spec_default())}, {"v2-rich-hf", tiny(tu_spec_rich())},
         {"v2-huginn", tiny(tu_spec_huginn())},   {"v2-coda", tiny(tu_spec_coda())},
         {"v1", tiny(tu_spec_default())},         {"v2-int4-post", tiny(tu_spec_huginn())},
-        {"v3-exit-gate", tiny(tu_spec_default())},
+        {"v3-exit-gate", tiny(tu_spec_default())}, {"v3-two-state", tiny(tu_spec_hrm())},
     };
     seeds[0].spec.vocab = 256; /* the bytes tokenizer */
     seeds[4].spec.version = 1;
