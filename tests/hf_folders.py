@@ -15,7 +15,8 @@ import numpy as np
 
 D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS, POSITIONS = 32, 4, 2, 8, 64, 270, 3, 64
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "NanbeigeForCausalLM", "OuroForCausalLM", "RavenForCausalLM")
+                 "NanbeigeForCausalLM", "OuroForCausalLM", "RavenForCausalLM",
+                 "HrmTextForCausalLM")
 # A retrofitted-recurrence Llama (McLeish et al. 2025): a RavenForCausalLM with its own layout.
 RETROFIT_LLAMA = "RavenForCausalLM:retrofit-llama"
 LAYOUTS = ARCHITECTURES + (RETROFIT_LLAMA,)
@@ -54,6 +55,8 @@ def checkpoint(arch, seed=0, **overrides):
     """(config.json dict, tensors) of a tiny random model of architecture (or layout) `arch`."""
     if arch in ("RavenForCausalLM", RETROFIT_LLAMA):
         return _raven(_Draw(seed), overrides, retrofitted=arch == RETROFIT_LLAMA)
+    if arch == "HrmTextForCausalLM":
+        return _hrm_text(_Draw(seed), overrides)
     draw = _Draw(seed)
     config = dict(architectures=[arch], hidden_size=D_MODEL, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=FFN,
@@ -139,6 +142,38 @@ def _raven(draw, overrides, retrofitted):
             t[p + "mlp.fc.weight"] = draw.matrix(2 * F, d)
             t[p + "mlp.proj.weight"] = draw.matrix(d, F)
     if not config["tie_embeddings"]:
+        t["lm_head.weight"] = draw.matrix(V, d)
+    return config, t
+
+
+def _hrm_text(draw, overrides):
+    """HRM-Text's layout (transformers' HrmTextForCausalLM as save_pretrained writes it, its
+    conversion mapping fusing gate, q, k, v into attn.gqkv_proj and gate, up into
+    mlp.gate_up_proj, as the published checkpoint stores them): two stacks of 2 layers,
+    H_cycles 2 x L_cycles 2, multi-head attention with a gate, no norm weights, the zero
+    z_L_init; config.json with the per-stack count and the inflated num_hidden_layers
+    (2 * 2 * (2 + 1)) that HrmTextConfig serialises."""
+    config = dict(architectures=["HrmTextForCausalLM"], model_type="hrm_text",
+                  hidden_size=D_MODEL, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                  intermediate_size=FFN, vocab_size=VOCAB, num_layers_per_stack=2,
+                  num_hidden_layers=12, H_cycles=2, L_cycles=2, L_bp_cycles=[2],
+                  max_position_embeddings=POSITIONS, rms_norm_eps=1e-6, hidden_act="silu",
+                  initializer_range=0.02, embedding_scale=50.0, prefix_lm=True,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+                  attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    config.update(overrides)
+    d, H, D, F, V = D_MODEL, HEADS, HEAD_DIM, FFN, config["vocab_size"]
+    t = {"model.embed_tokens.weight": bf16(draw.matrix(V, d) * np.float32(0.02)),
+         "model.z_L_init": np.zeros(d, np.float32)}
+    for stack in ("L_module", "H_module"):
+        for j in range(config["num_layers_per_stack"]):
+            p = f"model.{stack}.layers.{j}."
+            t[p + "attn.gqkv_proj.weight"] = draw.matrix(4 * H * D, d)     # gate, q, k, v
+            t[p + "attn.o_proj.weight"] = draw.matrix(d, H * D)
+            t[p + "mlp.gate_up_proj.weight"] = draw.matrix(2 * F, d)
+            t[p + "mlp.down_proj.weight"] = draw.matrix(d, F)
+    if not config["tie_word_embeddings"]:
         t["lm_head.weight"] = draw.matrix(V, d)
     return config, t
 

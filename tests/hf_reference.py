@@ -3,7 +3,8 @@
 Written from the published model code's description (Ouro's `modeling_ouro.py`, Huginn's
 `raven_modeling_minimal.py`, Nanbeige's `modeling_nanbeige.py`, the retrofitted-recurrence
 Llama's `raven_modeling_minimal_llama.py` from github.com/LoopedLMs/retrofitting-recurrence at
-e21042a6), not from any TinyLoop backend, so a converter or backend that misreads a layout
+e21042a6, HRM-Text's `modeling_hrm_text.py` in transformers 5.23.0), not from any TinyLoop
+backend, so a converter or backend that misreads a layout
 disagrees with them. Each `*_logits` takes a checkpoint's tensors by their Hugging Face names
 and its `config.json` dict and returns float64 logits (n, V) for a token list, attending
 causally over the whole list (no KV cache: one slot per (pass, layer) is what full-sequence
@@ -292,5 +293,51 @@ def retrofit_llama_logits(t, cfg, tokens, steps=None):
     return _raven_logits(t, cfg, tokens, steps, _retrofit_block, ln_f_before_coda=False)
 
 
+# ---- HRM-Text (transformers' models/hrm_text/modeling_hrm_text.py, 5.23.0) --------------
+
+def weightless_norm(x, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _hrm_layer(t, p, x, cfg):
+    """HrmTextDecoderLayer, from the checkpoint's fused tensors (transformers' conversion
+    mapping splits `attn.gqkv_proj` into gate, q, k, v and `mlp.gate_up_proj` into gate, up):
+    pre-norm (weightless) attention with a sigmoid gate on its output, then a pre-norm SwiGLU
+    MLP; multi-head (k and v have every head)."""
+    H, D, eps = cfg["num_attention_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+    theta = cfg["rope_parameters"]["rope_theta"]
+    n = len(x)
+    h = weightless_norm(x, eps)
+    g, q, k, v = (z.reshape(n, H, D)
+                  for z in np.split(h @ t[p + "attn.gqkv_proj.weight"].T, 4, axis=1))
+    o = causal_attention(rope_rotate_half(q, theta), rope_rotate_half(k, theta), v)
+    o = o * (1.0 / (1.0 + np.exp(-g.reshape(n, H * D))))
+    x = x + o @ t[p + "attn.o_proj.weight"].T
+    gate, up = np.split(t[p + "mlp.gate_up_proj.weight"], 2)
+    return x + swiglu(weightless_norm(x, eps), gate, up, t[p + "mlp.down_proj.weight"])
+
+
+def _hrm_stack(t, stack, x, cfg):
+    """HrmTextStack: its layers, then its weightless final_norm."""
+    for j in range(cfg["num_layers_per_stack"]):
+        x = _hrm_layer(t, f"model.{stack}.layers.{j}.", x, cfg)
+    return weightless_norm(x, cfg["rms_norm_eps"])
+
+
+def hrm_text_logits(t, cfg, tokens, steps=None):
+    """HrmTextModel.forward with the causal mask (no token_type_ids): the high state starts at
+    the embedding times embedding_scale, the low one at z_L_init; each of `steps` (default
+    H_cycles) high cycles runs the L stack L_cycles times on low + high, then the H stack on
+    high + low; lm_head reads the last high state."""
+    x = t["model.embed_tokens.weight"][np.asarray(tokens)] * cfg["embedding_scale"]
+    high, low = x, np.broadcast_to(t["model.z_L_init"], x.shape)
+    for _ in range(cfg["H_cycles"] if steps is None else steps):
+        for _ in range(cfg["L_cycles"]):
+            low = _hrm_stack(t, "L_module", low + high, cfg)
+        high = _hrm_stack(t, "H_module", high + low, cfg)
+    return high @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
+
+
 LOGITS = {"OuroForCausalLM": ouro_logits, "NanbeigeForCausalLM": nanbeige_logits,
-          "RavenForCausalLM": huginn_logits, RETROFIT_LLAMA: retrofit_llama_logits}
+          "RavenForCausalLM": huginn_logits, RETROFIT_LLAMA: retrofit_llama_logits,
+          "HrmTextForCausalLM": hrm_text_logits}

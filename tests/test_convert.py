@@ -44,6 +44,10 @@ EXPECTED = {
                              coda_norm=True, step_norm=False, n_kv_heads=HEADS,
                              embed_scale=float(np.float32(math.sqrt(D_MODEL))),
                              tied_head=False, bos_id=3, eos_id=4),   # untied: ln_f is not 1
+    "HrmTextForCausalLM": dict(n_pre_blocks=0, n_core_blocks=4, n_coda_blocks=0,
+                               default_loops=2, core_cycles=2, attn_gate=True,
+                               block_layout="pre", n_kv_heads=HEADS, embed_scale=50.0,
+                               tied_head=False, step_norm=False, injection=False),
     RETROFIT_LLAMA: dict(n_pre_blocks=2, n_core_blocks=2, n_coda_blocks=1, default_loops=3,
                          block_layout="pre", qkv_bias=False, injection=True, coda_norm=False,
                          step_norm=False, n_kv_heads=KV_HEADS, head_dim=D_MODEL // HEADS,
@@ -391,8 +395,11 @@ def _sandwich_norms(config, tensors):
 
 REFUSALS = [
     ("LlamaForCausalLM", _set(architectures=["GPT2LMHeadModel"]), {}, ["GPT2LMHeadModel"]),
-    ("LlamaForCausalLM", _set(architectures=["HrmTextForCausalLM"]), {},
-     ["HrmTextForCausalLM is a looped model TinyLoop cannot run yet", "prefix-LM mask"]),
+    ("HrmTextForCausalLM", _tensor("model.z_L_init", np.ones(D_MODEL, np.float32)), {},
+     ["model.z_L_init is not zero", "low state at zero"]),
+    ("HrmTextForCausalLM", _set(attention_bias=True), {}, ["attention_bias = True"]),
+    ("HrmTextForCausalLM", _set(hidden_act="gelu"), {}, ["hidden_act = 'gelu'"]),
+    ("HrmTextForCausalLM", _set(L_cycles=0), {}, ["L_cycles (0)", "must be >= 1"]),
     ("LlamaForCausalLM", _set(architectures=["IQuestLoopCoderForCausalLM"]), {},
      ["IQuestLoopCoderForCausalLM", "sliding window"]),
     ("LlamaForCausalLM", _set(architectures=None, _class_name="ParcaeConfig"), {},

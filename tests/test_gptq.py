@@ -104,8 +104,9 @@ def plan_and_weights(folder):
 
 @pytest.mark.parametrize("arch", sorted(LOGITS))
 def test_the_float_forward_matches_the_float64_reference(tmp_path, arch):
-    """Ouro (sandwich, step norm, GQA), Nanbeige (pre, step norm) and Huginn (post, injection,
-    q/k biases, coda and its norm, embedding scale, tied head) against tests/hf_reference.py."""
+    """Ouro (sandwich, step norm, GQA), Nanbeige (pre, step norm), Huginn (post, injection,
+    q/k biases, coda and its norm, embedding scale, tied head) and HRM-Text (two-state core,
+    attention gate) against tests/hf_reference.py."""
     hf_config, t = checkpoint(arch)
     folder = write_folder(tmp_path / arch, hf_config, t, tokenizer=False)
     config, weights, inv_freq, ckpt = plan_and_weights(folder)
@@ -118,6 +119,8 @@ def test_the_float_forward_matches_the_float64_reference(tmp_path, arch):
     with ckpt:
         x = forward(config, weights, tokens, inv_freq)
         norm = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_eps)
+        if config.core_cycles:       # HRM-Text's head reads the closing norm's output as it is
+            norm = x
         head = weights["tok_emb" if config.tied_head else "head"].astype(np.float64)
         logits = norm * weights["final_norm"].astype(np.float64) @ head.T
     for window, got in zip(tokens, logits):

@@ -510,6 +510,67 @@ def _by_config(mapper: Callable[[Dict[str, Any], Options], Plan]) -> Mapper:
     return lambda config, options, names: mapper(config, options)
 
 
+# ---- HrmTextForCausalLM: HRM-Text (transformers 5.23's models/hrm_text) -------------------
+
+def _hrm_text(config: Dict[str, Any], options: Options) -> Plan:
+    """HRM-Text: two stacks of num_layers_per_stack pre-norm blocks (weightless norms, a sigmoid
+    gate on the attention output, multi-head; the checkpoint fuses gate, q, k, v in
+    attn.gqkv_proj and gate, up in mlp.gate_up_proj), the two-state core of docs/spec.md §1 with
+    L_cycles low cycles in each of H_cycles iterations, the embedding times embedding_scale
+    (1 / initializer_range when null), lm_head on the high stack's (weightless) closing norm.
+    z_L_init must be zero (the published code creates it so and never trains it)."""
+    _require_value(config, "hidden_act", ("silu",), "TinyLoop's MLP is SwiGLU (silu)")
+    for key in ("mlp_bias", "attention_bias"):
+        _require_value(config, key, (False, None), "TinyLoop's o_proj, gate_proj and MLP "
+                       "linears have no bias")
+    d, H = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    D = _optional_int(config, "head_dim", 128)         # HrmTextConfig's default, not d / H
+    F, V = _int(config, "intermediate_size"), _int(config, "vocab_size")
+    n = _int(config, "num_layers_per_stack")
+    cycles, loops = _int(config, "L_cycles", 3), _int(config, "H_cycles", 2)
+    if n < 1 or cycles < 1 or loops < 1:
+        raise ConvertError(f"config.json: num_layers_per_stack ({n}), L_cycles ({cycles}) and "
+                           f"H_cycles ({loops}) must be >= 1")
+    scale = config.get("embedding_scale")
+    scale = 1.0 / _float(config, "initializer_range", 0.02) if scale is None else _float(
+        config, "embedding_scale")
+    tied = bool(config.get("tie_word_embeddings", False))
+    theta, inv_freq = _rope(config, D)
+    mc = _model_config(
+        options, max_seq_len=_max_seq_len(options, _int(config, "max_position_embeddings")),
+        vocab_size=V, d_model=d, n_heads=H, n_kv_heads=H, head_dim=D, ffn_dim=F,
+        n_pre_blocks=0, default_loops=_loops(options, loops), tied_head=tied, rope_theta=theta,
+        rms_eps=_float(config, "rms_norm_eps", 1e-6), n_core_blocks=2 * n, embed_scale=scale,
+        core_cycles=cycles, attn_gate=True)
+    ones = Source((), (), lambda: np.ones(d, np.float32))
+    recipe = {"tok_emb": Source(("model.embed_tokens.weight", "model.z_L_init"), ((V, d), (d,)),
+                                _zero_low_state),
+              "final_norm": ones}
+    for b, (stack, j) in zip(mc.block_prefixes(), [(s, j) for s in ("L", "H") for j in range(n)]):
+        p = f"model.{stack}_module.layers.{j}."
+        recipe[f"{b}.attn_norm"] = recipe[f"{b}.mlp_norm"] = ones
+        gqkv, gqkv_shape = p + "attn.gqkv_proj.weight", (4 * H * D, d)
+        for i, part in enumerate("gqkv"):           # fused in this order, H * D rows each
+            recipe[f"{b}.w{part}"] = rows(gqkv, gqkv_shape, i * H * D, (i + 1) * H * D)
+        recipe[f"{b}.wo"] = take(p + "attn.o_proj.weight", (d, H * D))
+        gate_up, gate_up_shape = p + "mlp.gate_up_proj.weight", (2 * F, d)
+        recipe[f"{b}.w_gate"] = rows(gate_up, gate_up_shape, 0, F)
+        recipe[f"{b}.w_up"] = rows(gate_up, gate_up_shape, F, 2 * F)
+        recipe[f"{b}.w_down"] = take(p + "mlp.down_proj.weight", (d, F))
+    if not tied:
+        recipe["head"] = take("lm_head.weight", (V, d))
+    return Plan(mc, recipe, r"lm_head\.weight" if tied else "", inv_freq)
+
+
+def _zero_low_state(embedding: np.ndarray, z_l_init: np.ndarray) -> np.ndarray:
+    """The embedding, once z_L_init (the low state's start) is checked to be zero: docs/spec.md
+    §1 starts the low state at zero."""
+    if np.any(z_l_init != 0):
+        raise ConvertError("model.z_L_init is not zero: TinyLoop starts HRM-Text's low state "
+                           "at zero (docs/spec.md §1), as the published model creates it")
+    return embedding
+
+
 MAPPERS: Dict[str, Mapper] = {
     "LlamaForCausalLM": _by_config(_llama),
     "MistralForCausalLM": _by_config(_llama),
@@ -517,15 +578,13 @@ MAPPERS: Dict[str, Mapper] = {
     "NanbeigeForCausalLM": _by_config(_nanbeige),
     "OuroForCausalLM": _by_config(_ouro),
     "RavenForCausalLM": _raven,
+    "HrmTextForCausalLM": _by_config(_hrm_text),
 }
 
 
 # Looped models TinyLoop knows of but cannot run yet, and the operations docs/spec.md lacks for
 # each (docs/models.md, "Not supported"). Parcae's config names no architecture, only its class.
 NOT_YET = {
-    "HrmTextForCausalLM": "HRM-Text's two states with nested H and L cycles, its weightless "
-                          "norms, the sigmoid gate on the attention output and the prefix-LM "
-                          "mask",
     "IQuestLoopCoderForCausalLM": "IQuest-Coder Loop's later loops, which attend to loop 0's KV "
                                   "and to their own through a sliding window, mixed per head "
                                   "by a sigmoid gate",

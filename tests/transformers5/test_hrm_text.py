@@ -1,0 +1,70 @@
+"""HRM-Text against transformers' own HrmTextForCausalLM (transformers >= 5.23, CPU torch).
+
+transformers 5 is not TinyLoop's test dependency (its other references need transformers 4), so
+this folder is run on its own by .ci/run's last step in its test environment, after upgrading
+that to transformers 5.23.0; `pytest` from the README does not collect it (pyproject's
+norecursedirs).
+
+A random-weight HrmTextForCausalLM (its own initialisation, the tiny shape below, two layers per
+stack) is saved with save_pretrained, converted to int8 and run on every backend with the
+causal mask at two depths (H_cycles 2 and 3); its float32 logits at every position are the
+reference, held to the int8 floors of tests/fidelity_floors.py. tests/hf_reference.py's float64
+HRM-Text forward, which CI's main run uses, is checked against the same logits here.
+"""
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import HrmTextConfig, HrmTextForCausalLM
+
+import tinyloop
+from tinyloop.quickbench import backend_kwargs
+
+from fidelity_floors import assert_faithful
+from hf_reference import hrm_text_logits
+
+TOKENS = np.random.default_rng(7).integers(0, 96, 48).tolist()
+SIZES = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, head_dim=12, H_cycles=2, L_cycles=2,
+             max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.02)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """(folder, model): a saved random HrmTextForCausalLM and the model itself."""
+    assert tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 23)
+    torch.manual_seed(11)
+    model = HrmTextForCausalLM(HrmTextConfig(attn_implementation="eager", **SIZES)).eval()
+    folder = tmp_path_factory.mktemp("hrm") / "hf"
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+def published_logits(model, h_cycles):
+    model.config.H_cycles = h_cycles
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS]), use_cache=False).logits[0].double().numpy()
+
+
+@pytest.mark.parametrize("h_cycles", [2, 3])
+def test_int8_conversion_tracks_published_code(tmp_path, backend, published, h_cycles):
+    folder, model = published
+    config = tinyloop.convert(folder, tmp_path / "m.tinyloop", weight_format="int8")
+    assert (config.core_cycles, config.n_core_blocks, config.default_loops) == (2, 4, 2)
+    assert config.attn_gate and config.embed_scale == 50.0
+    tl = tinyloop.Model(str(tmp_path / "m.tinyloop"), **backend_kwargs(backend))
+    assert_faithful(tl.logits(TOKENS, loops=h_cycles), published_logits(model, h_cycles),
+                    f"HRM-Text H_cycles={h_cycles}")
+
+
+@pytest.mark.parametrize("h_cycles", [2, 3])
+def test_float64_reference_is_the_published_forward(published, h_cycles):
+    folder, model = published
+    with safe_open(folder / "model.safetensors", "np") as saved:     # the fused on-disk names
+        tensors = {name: saved.get_tensor(name).astype(np.float64) for name in saved.keys()}
+    cfg = {**model.config.to_dict(), "H_cycles": h_cycles}
+    reference = hrm_text_logits(tensors, cfg, TOKENS)
+    expected = published_logits(model, h_cycles)
+    scale = np.abs(expected).max()
+    assert np.abs(reference - expected).max() <= 1e-4 * scale, np.abs(reference - expected).max()
