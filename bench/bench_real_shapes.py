@@ -1,6 +1,7 @@
 """Speed and memory on the published looped models' shapes, with random weights.
 
-    python bench/bench_real_shapes.py [--shape ouro-1.4b|huginn-0125|nanbeige-3b] [--layers N]
+    python bench/bench_real_shapes.py [--shape ouro-1.4b|huginn-0125|nanbeige-3b|hrm-text-1b]
+        [--layers N]
         [--format int8|int4] [--context 4096] [--prefix 1024] [--n 8] [--backend native]
 
 A random file of the shape is written straight in its quantized form (random int8 / int4 codes
@@ -19,7 +20,11 @@ and scales sized so activations keep unit scale: no float weights, no clipping s
 Ouro-1.4B: d 2048, 24 layers x 4 passes (96 cache layers), MHA 16 x 128, ffn 5632, vocab 49152,
 sandwich norms, step norm. Huginn-0125: d 5280, 2 prelude + 4 core x 32 + 2 coda blocks, MHA
 55 x 96, ffn 17920, vocab 65536, post norms, injection, q/k biases. Nanbeige4.2-3B: d 3072, 22 layers x 2 loops, GQA 48/8 x 128,
-ffn 10752, vocab 166144 (--layers reduces the 22 where time or disk forbids the full model).
+ffn 10752, vocab 166144. HRM-Text-1B (transformers' HrmTextConfig defaults, documented for sapientinc/HRM-Text-1B):
+d 1536, two stacks of 16 layers, 3 low cycles and 1 high per iteration x 2 iterations (128
+cache layers), MHA 12 x 128 with the attention gate, ffn 4096, vocab 151808, weightless norms,
+embedding x 50. --layers reduces the layers (of each stack, for HRM-Text) where time or disk
+forbids the full model.
 """
 import argparse
 import os
@@ -48,6 +53,10 @@ SHAPES = {
     "nanbeige-3b": dict(vocab_size=166144, d_model=3072, n_heads=48, n_kv_heads=8, head_dim=128,
                         ffn_dim=10752, n_pre_blocks=0, n_core_blocks=22, default_loops=2,
                         block_layout="pre", step_norm=True, rope_theta=7e7, rms_eps=1e-5),
+    "hrm-text-1b": dict(vocab_size=151808, d_model=1536, n_heads=12, n_kv_heads=12, head_dim=128,
+                        ffn_dim=4096, n_pre_blocks=0, n_core_blocks=32, core_cycles=3,
+                        default_loops=2, block_layout="pre", attn_gate=True, embed_scale=50.0,
+                        rope_theta=10000.0, rms_eps=1e-6),
 }
 INT4_GROUP = 64
 
@@ -86,8 +95,8 @@ def write_shape(path, shape, weight_format, layers, max_seq_len):
     fields = dict(SHAPES[shape], max_seq_len=max_seq_len, weight_format=weight_format,
                   group_size=INT4_GROUP if weight_format == "int4" else 0, tied_head=False,
                   name=f"bench-{shape}")
-    if layers:
-        fields["n_core_blocks"] = layers
+    if layers:                  # a two-state core has two stacks of that many
+        fields["n_core_blocks"] = 2 * layers if fields.get("core_cycles") else layers
     config = ModelConfig(**fields)
     config.validate()
     save_model(path, config, random_quantized_tensors(config))
