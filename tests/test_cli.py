@@ -350,6 +350,23 @@ def test_convert_shows_progress_then_info_shows_the_architecture(hf_folder, tmp_
     assert code == 0 and len(text.split()) == 3
 
 
+def test_info_shows_a_two_state_core_and_the_attention_gate(tmp_path):
+    from hf_folders import checkpoint, write_folder
+    config, tensors = checkpoint("HrmTextForCausalLM")
+    src = write_folder(tmp_path / "hrm-tiny", config, tensors)
+    out = str(tmp_path / "hrm.tinyloop")
+    code, text = run("convert", src, out)
+    assert code == 0 and text.startswith(f"wrote {out}: hrm-tiny, int8, prelude 0 + core 4 x 2")
+    code, text = run("info", "--model", out, "--backend", "numpy")
+    assert code == 0
+    for line in ("architecture: HrmTextForCausalLM",
+                 "layers: prelude 0, core of two stacks of 2 (2 low cycles, then the high "
+                 "stack) x 2 loops, coda 0: 12 cache layers at depth 2",
+                 "blocks: pre norms, no bias, 4 heads x 8, 4 kv heads, attention gate",
+                 "iterations: no injection, no step norm, no coda norm, embed scale 50"):
+        assert re.search(rf"^ +{re.escape(line)}$", text, re.M), (line, text)
+
+
 def test_info_of_a_model_made_by_tinyloop():
     code, text = run("info", "--backend", "numpy")
     assert code == 0

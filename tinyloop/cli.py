@@ -245,10 +245,15 @@ def architecture_lines(cfg: Mapping[str, Any],
     config = ModelConfig(**cfg)
     L = config.default_loops
     yield "architecture", meta.get("meta.architecture", "not recorded (made by TinyLoop)")
-    yield "layers", (f"prelude {config.n_pre_blocks}, core {config.n_core_blocks} x {L} loops, "
+    core = f"core {config.n_core_blocks}"
+    if config.core_cycles:      # a two-state core (§1): its low stack C times, then its high one
+        core = (f"core of two stacks of {config.n_core_blocks // 2} ({config.core_cycles} low "
+                f"cycles, then the high stack)")
+    yield "layers", (f"prelude {config.n_pre_blocks}, {core} x {L} loops, "
                      f"coda {config.n_coda_blocks}: {config.n_layers(L)} cache layers at depth {L}")
     yield "blocks", (f"{config.block_layout} norms, {'q/k/v bias' if config.qkv_bias else 'no bias'}"
-                     f", {config.n_heads} heads x {config.head_dim}, {config.n_kv_heads} kv heads")
+                     f", {config.n_heads} heads x {config.head_dim}, {config.n_kv_heads} kv heads"
+                     f"{', attention gate' if config.attn_gate else ''}")
     yield "iterations", ", ".join([
         "injection adapter" if config.injection else "no injection",
         "step norm" if config.step_norm else "no step norm",
