@@ -408,8 +408,8 @@ static void two_state(fwd* f, uint32_t i) {
     memcpy(f->x, f->inject, state);
     for (uint32_t cycle = 0; cycle <= C; cycle++) { /* the low cycles, then the high one */
         add_high(f);
-        for (uint32_t j = 0; j < n; j++)
-            run_block(f, c->n_pre_blocks + (cycle < C ? j : n + j), tl_core_slot(c, i, cycle * n + j));
+        for (uint32_t a = cycle * n; a < (cycle + 1) * n; a++)
+            run_block(f, c->n_pre_blocks + tl_core_block_of(c, a), tl_core_slot(c, i, a));
         norm_rows(f, f->x, NULL, false);
         if (cycle + 1 == C) memcpy(f->inject, f->x, state);
     }
