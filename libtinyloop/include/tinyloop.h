@@ -316,6 +316,15 @@ TL_API tl_status tl_seq_last_logits(const tl_seq* seq, float* logits_out);
  * copied; the two then evolve independently. *out owned by the caller. Do not call while
  * another thread uses `seq`. */
 TL_API tl_status tl_seq_fork(const tl_seq* seq, tl_seq** out);
+/* Give the empty sequence an instruction block of `instruction_length` positions (docs/spec.md
+ * §4.1; 0 = causal, the default): positions 0 .. instruction_length-1 attend to each other
+ * bidirectionally. Its first prefill (tl_seq_prefill, tl_seq_prefill_all, tl_seq_decode) must
+ * then append at least that many tokens, else TL_ERR_INVALID_ARGUMENT and the sequence is
+ * unchanged; the chunk holding position 0 grows to hold the whole block (docs/spec.md §4.2).
+ * TL_ERR_INVALID_ARGUMENT on a sequence that holds tokens. Forks keep it. */
+TL_API tl_status tl_seq_set_instruction(tl_seq* seq, size_t instruction_length);
+/* The sequence's instruction length (0 for NULL; a sequence from a prefix has the prefix's). */
+TL_API size_t tl_seq_instruction(const tl_seq* seq);
 /* Tokens in the sequence (0 for NULL). */
 TL_API size_t tl_seq_length(const tl_seq* seq);
 /* Depth and window of the sequence (either pointer may be NULL). */
@@ -356,6 +365,14 @@ TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t 
  * KV (the message says both sizes). Unknown flags: TL_ERR_INVALID_ARGUMENT. */
 TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
                                     uint32_t cache_window, size_t chunk, uint32_t flags, tl_prefix** out);
+/* As tl_prefix_build_ex (which is this with instruction_length 0) for a prompt whose first
+ * instruction_length tokens are an instruction block (docs/spec.md §4.1, §5.4: they attend to
+ * each other bidirectionally); instruction_length > n is TL_ERR_INVALID_ARGUMENT. Every sequence
+ * and generation from the prefix has its instruction length (their suffix is causal), and
+ * tl_prefix_save / tl_prefix_load keep it. */
+TL_API tl_status tl_prefix_build_instruction(tl_model* model, const int32_t* tokens, size_t n,
+                                             size_t instruction_length, uint32_t loops, uint32_t cache_window,
+                                             size_t chunk, uint32_t flags, tl_prefix** out);
 /* Deepen a warm-start prefix to depth `loops` in place, computing only iterations L_b ..
  * loops-1 of its tokens (in chunks of `chunk`, 0 = all at once): afterwards it is bit for bit
  * the prefix tl_prefix_build at `loops` makes (KV, states, every generation from it). A depth
@@ -377,6 +394,8 @@ TL_API tl_prefix_storage tl_prefix_storage_get(const tl_prefix* prefix);
  * injection) + 4 * n_tokens (its token copy). Thread-safe. */
 TL_API void tl_prefix_info(const tl_prefix* prefix, size_t* n_tokens, uint32_t* loops,
                            uint32_t* cache_window, size_t* nbytes);
+/* The prefix's instruction length, 0 .. its n_tokens (0 for NULL). */
+TL_API size_t tl_prefix_instruction(const tl_prefix* prefix);
 /* The prefix's own copy of its tokens (borrowed: valid while the prefix lives); *n (may be
  * NULL) receives their count. */
 TL_API const int32_t* tl_prefix_tokens(const tl_prefix* prefix, size_t* n);
@@ -500,11 +519,19 @@ typedef struct tl_gen_params {
                                     are the same, the draft counts the wave's. Batches,
                                     schedulers and backends without a wave pass (CUDA) run
                                     rounds (at max(1, loops / 4) for draft_loops 0)          */
+    /* the prefix-LM instruction block (docs/spec.md §4.1); a caller built before this field
+       passes a smaller size and gets 0                                                      */
+    size_t instruction_length;   /* P: prompt positions 0 .. P-1 attend to each other
+                                    bidirectionally (HRM-Text's token_type_ids), every later
+                                    position sees them causally; 0 = causal. At most the
+                                    prompt's length (TL_ERR_INVALID_ARGUMENT otherwise). From a
+                                    prefix it must be 0: the prefix's own applies
+                                    (tl_prefix_build_instruction)                             */
 } tl_gen_params;
 
 /* max_tokens 32, default loops, full window, temperature 0, top_k 50, top_p 1, penalty 1,
  * seed 0, whole-prompt prefill, no stop sequences, no callbacks, no cache salt, plain decoding
- * (n_draft 0), no exit rule. */
+ * (n_draft 0), no exit rule, no instruction block (causal). */
 TL_API tl_gen_params tl_gen_params_default(void);
 
 /* Run prompt[0..n) and sample until a stop rule (docs/spec.md §5.3). With an automatic prefix

@@ -182,7 +182,7 @@ int main(void) {
                 int8_t s_qq[D_MAX];
                 int16_t s_qq16[D_MAX];
                 tl_attn_scratch scratch = {s_scores, s_u, s_num, s_qq, s_qq16, NULL, NULL, 0};
-                tl_attend(&tl_attn_scalar, &g, &kv, 0, 0, pos, window, qh, ref, &scratch);
+                tl_attend(&tl_attn_scalar, &g, &kv, 0, 0, pos, window, 0, qh, ref, &scratch);
 
                 int expect_ok = 1;
                 for (size_t d = 0; d < D; d++) {

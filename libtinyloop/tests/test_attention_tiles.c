@@ -5,7 +5,7 @@
  * span early), windows (with the blocks behind them released), other layers and kv heads of
  * the block in the way, extreme keys and values, the top of U's limbs, every branch of
  * docs/spec.md §4.1 (zero value rows, infinite value scales, infinite and NaN scores), non-finite
- * and zero queries, and a union of 140000 keys that would overflow an int32 accumulator without
+ * and zero queries, instruction blocks (queries seeing keys past their own position), and a union of 140000 keys that would overflow an int32 accumulator without
  * its flush. Runs the tile with the scalar and (where the CPU has it) the AVX2 per-row kernels;
  * in a TINYLOOP_AMX_EMULATION build on the emulated tiles, else on the real ones (skipped
  * without AMX). On real tiles, also: a sequence whose chunks never reach the tiles holds no
@@ -118,14 +118,14 @@ typedef struct tally {
 
 /* The tile at p0 .. p0+m-1 against tl_attend per query, with each kernel set. */
 static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer, uint32_t kv_head, size_t p0,
-                       size_t m, uint32_t window, const float* q, const char* what, tally* t) {
-    const size_t D = g->head_dim, n = p0 + m;
+                       size_t m, uint32_t window, size_t instruction, const float* q, const char* what, tally* t) {
+    const size_t D = g->head_dim, n = tl_attn_last_key(p0 + m - 1, instruction) + 1;
     float* ref = malloc(m * D * sizeof(float));
     float* got = malloc(m * D * sizeof(float));
     tl_attn_scratch rs = {malloc(n * sizeof(float)), malloc(n * sizeof(int32_t)), malloc(D * sizeof(int64_t)),
                           malloc(D), malloc(D * sizeof(int16_t)), NULL, malloc(tl_attn_rows_bytes(g) + 1), 0};
     for (size_t i = 0; i < m; i++)
-        tl_attend(&tl_attn_scalar, g, kv, layer, kv_head, p0 + i, window, q + i * D, ref + i * D, &rs);
+        tl_attend(&tl_attn_scalar, g, kv, layer, kv_head, p0 + i, window, instruction, q + i * D, ref + i * D, &rs);
     for (size_t i = 0; i < m * D; i++) {
         t->nan += ref[i] != ref[i];
         t->zero += ref[i] == 0.0f;
@@ -139,11 +139,11 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
     for (size_t ki = 0; ki < n_kernels; ki++) {
         memset(got, 0x55, m * D * sizeof(float));
         memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, g));
-        tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, m, window, q, D, got, D, 0, &ts);
+        tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, m, window, instruction, q, D, got, D, 0, &ts);
         for (size_t i = 0; i < m; i++)
             CHECK(tu_same_bits(ref + i * D, got + i * D, D),
-                  "%s, %s kernels: query %zu of %zu at %zu (D %zu, block %u, window %u, kv_bits %u)", what,
-                  names[ki], i, m, p0 + i, D, g->block_size, window, g->kv_bits);
+                  "%s, %s kernels: query %zu of %zu at %zu (D %zu, block %u, window %u, instruction %zu, kv_bits %u)",
+                  what, names[ki], i, m, p0 + i, D, g->block_size, window, instruction, g->kv_bits);
         t->compared++;
     }
     /* the values packed once for all n keys, as a chunk's slice packs them: this tile, and the
@@ -153,11 +153,12 @@ static void check_tile(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t laye
             memset(ts.tile, 0x5a, tl_attn_tile_bytes(n, g)); /* earlier tiles' leftovers: a tile clears what it reads */
             tl_attn_pack_slice(g, kv, layer, kv_head, n, &ts);
             memset(got, 0x55, m * D * sizeof(float));
-            tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, rows, window, q, D, got, D, n, &ts);
+            tl_attend_tile(kernels[ki], g, kv, layer, kv_head, p0, rows, window, instruction, q, D, got, D, n, &ts);
             for (size_t i = 0; i < rows; i++)
                 CHECK(tu_same_bits(ref + i * D, got + i * D, D),
                       "%s, %s kernels, values packed for %zu keys: query %zu of %zu at %zu (D %zu, block %u, "
-                      "kv_bits %u)", what, names[ki], n, i, rows, p0 + i, D, g->block_size, g->kv_bits);
+                      "instruction %zu, kv_bits %u)", what, names[ki], n, i, rows, p0 + i, D, g->block_size,
+                      instruction, g->kv_bits);
             t->compared++;
         }
     free(rs.scores), free(rs.u), free(rs.num), free(rs.qq), free(rs.qq16), free(rs.rows);
@@ -178,12 +179,12 @@ static void random_queries(float* q, size_t m, size_t D, fill_case fc, uint64_t*
     }
 }
 
-/* One case: a table of p0 + m keys in blocks of bs (an int8 or int4 cache), the tile's keys
- * filled for the case. */
-static void run_case(size_t D, uint32_t bs, uint32_t kv_bits, size_t p0, size_t m, uint32_t window, fill_case fc,
-                     uint64_t* rng, tally* t) {
+/* One case: a table of the keys the tile's queries see, p0 + m or the instruction block's, in
+ * blocks of bs (an int8 or int4 cache), the tile's keys filled for the case. */
+static void run_case(size_t D, uint32_t bs, uint32_t kv_bits, size_t p0, size_t m, uint32_t window,
+                     size_t instruction, fill_case fc, uint64_t* rng, tally* t) {
     const tl_kv_geom g = tl_kv_geom_make(bs, KV_HEADS, (uint32_t)D, kv_bits);
-    const size_t n = p0 + m;
+    const size_t n = tl_attn_last_key(p0 + m - 1, instruction) + 1;
     tl_kv_table kv;
     tl_kv_block** held = malloc(n * sizeof(tl_kv_block*));
     size_t n_held;
@@ -196,7 +197,7 @@ static void run_case(size_t D, uint32_t bs, uint32_t kv_bits, size_t p0, size_t 
     random_queries(q, m, D, fc, rng);
     char what[96];
     snprintf(what, sizeof what, "%s, %zu keys", case_name(fc), n);
-    check_tile(&g, &kv, layer, kv_head, p0, m, window, q, what, t);
+    check_tile(&g, &kv, layer, kv_head, p0, m, window, instruction, q, what, t);
     free(q);
     tl_kv_clear(&kv);
     for (size_t i = 0; i < n_held; i++) tl_kv_block_release(held[i]);
@@ -260,10 +261,13 @@ int main(void) {
         const int w = tu_uniform(&rng, 0, 3);
         const uint32_t window = w < 2 ? 0 : w == 2 ? (uint32_t)tu_uniform(&rng, 1, 40)
                                                    : (uint32_t)tu_uniform(&rng, 1, (int32_t)(p0 + m));
-        for (uint32_t kv_bits = 8; kv_bits >= 4; kv_bits -= 4) run_case(D, bs, kv_bits, p0, m, window, fc, &rng, &t);
+        /* an instruction block (docs/spec.md §4.1) every third case: past the tile, inside it or before it */
+        const size_t instruction = i % 3 ? 0 : (size_t)tu_uniform(&rng, 1, (int32_t)(p0 + m + 40));
+        for (uint32_t kv_bits = 8; kv_bits >= 4; kv_bits -= 4)
+            run_case(D, bs, kv_bits, p0, m, window, instruction, fc, &rng, &t);
     }
     /* 140000 keys of three full limbs: 127 * 127 * 140000 > 2^31 without the flush */
-    run_case(8, 64, 8, 140000 - TL_ATTN_TILE, TL_ATTN_TILE, 0, FILL_FULL_LIMBS, &rng, &t);
+    run_case(8, 64, 8, 140000 - TL_ATTN_TILE, TL_ATTN_TILE, 0, 0, FILL_FULL_LIMBS, &rng, &t);
     CHECK(t.compared > 800 && t.finite_nonzero > 50000 && t.zero > 1000 && t.nan > 1000,
           "%zu tiles compared; outputs finite and nonzero %zu, zero %zu, NaN %zu", t.compared, t.finite_nonzero, t.zero,
           t.nan);

@@ -17,6 +17,7 @@
  *  - warm start: a prefix built at L_b keeps its states on CUDA (the CPU's nbytes), and extended
  *    to L in one step or two saves the CPU's blob byte for byte (KV and states), the blob of a
  *    prefix built at L, and generates the CPU's tokens and logits;
+ *  - an instruction block (prefix-LM): generations and a prefix with one, the CPU's;
  *  - a decode step allocates nothing on the host once its sequence's scratch has grown. */
 #include <stdlib.h>
 #include <string.h>
@@ -233,6 +234,30 @@ static void check_batch(const pair* p) {
     }
 }
 
+/* An instruction block (docs/spec.md §4.1) on CUDA: generations in prefill chunks smaller than
+ * the block (one grown chunk, then one position a chunk), windowed or not, and from a prefix
+ * built with the block, each the CPU's. */
+static void check_instruction(const pair* p) {
+    enum { P = 7 };
+    for (uint32_t window = 0; window <= 3; window += 3) {
+        tl_gen_params gp = tu_gen_params(MAX_NEW, 2, window, 1, 5);
+        gp.instruction_length = P;
+        gp.prefill_chunk = 1;
+        tu_result want = tu_generate(p->cpu, tokens, PROMPT, &gp, p->V);
+        tu_result got = tu_generate(p->cuda, tokens, PROMPT, &gp, p->V);
+        CHECK(tu_same_result(&got, &want), "%s: P=%d, window %u: CUDA differs from the CPU", p->name, P, window);
+        tu_result_free(&got);
+        tl_prefix* x = NULL;
+        CHECK_OK(tl_prefix_build_instruction(p->cuda, tokens, PROMPT - 2, P, 2, window, 2, 0, &x));
+        gp.instruction_length = 0;
+        got = tu_from_prefix(x, tokens + PROMPT - 2, 2, &gp, p->V);
+        CHECK(tu_same_result(&got, &want), "%s: P=%d, window %u: from a CUDA prefix", p->name, P, window);
+        tl_prefix_free(x);
+        tu_result_free(&got);
+        tu_result_free(&want);
+    }
+}
+
 static size_t nbytes_of(const tl_prefix* x) {
     size_t n;
     tl_prefix_info(x, NULL, NULL, NULL, &n);
@@ -304,6 +329,7 @@ static void test_model(const char* name, const tu_spec* spec, tl_kv_mode kv_mode
             check_speculative(&p, 3, 2, 2, 1);
         }
         if (which & BATCH) check_batch(&p);
+        if (which & BATCH) check_instruction(&p);
         if (which & WARM) check_warm(&p, 1, 0, 3, 0);
         if (which & WARM) check_warm(&p, 1, 2, 3, 6);
         if (which & ALLOCATIONS) check_no_allocation(&p);

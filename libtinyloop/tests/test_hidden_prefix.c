@@ -271,11 +271,12 @@ static void test_mutations(tl_model* m, uint32_t storage, uint32_t d) {
     uint8_t* x = malloc(b.n);
     const tu_field cases[] = {
         {8, 4, 3, "version: unsupported 3"},
-        {8, 4, 1, "reserved: header bytes 88 .. 95"}, /* version 1 has no storage field */
+        {8, 4, 1, "must be 0 (kv) in a version-1 blob"},
         {88, 4, 3, "storage: unknown 3"},
         {88, 4, 0, "storage: unknown 0"},
         {88, 4, 3 - storage, "blob_bytes"},
-        {92, 4, 1, "reserved: header bytes 92 .. 95"},
+        {92, 4, 10, "instruction: 10 exceeds the prefix's 9 tokens"},
+        {92, 4, 9, NULL}, /* an instruction block of every token */
         {52, 4, 1, "has no warm start"},
         {64, 8, 3, "stores from h_start 4"},
         {64, 8, 5, "kv_start: 5, must be <= 4"},

@@ -286,7 +286,8 @@ static void check_file(const setup* s, tl_model* m, const char* dir, const char*
           "%s: key fields", name);
     const uint32_t n_layers = (uint32_t)(s->spec.n_pre + r.loops * (s->spec.n_core + s->spec.n_coda));
     CHECK(h.n_layers == n_layers, "%s: n_layers %u, want %u", name, h.n_layers, n_layers);
-    for (int k = 76; k < HEADER; k++) CHECK(b[k] == 0, "%s: reserved byte %d", name, k);
+    CHECK(tu_get_u32(b + 76) == 0, "%s: instruction %u of a causal tree", name, tu_get_u32(b + 76));
+    for (int k = 80; k < HEADER; k++) CHECK(b[k] == 0, "%s: reserved byte %d", name, k);
     CHECK(!memcmp(b + HEADER, salt, strlen(salt)), "%s: salt", name);
     for (size_t i = 0; i < n_tokens; i++)
         CHECK((int32_t)tu_get_u32(b + HEADER + strlen(salt) + 4 * i) == w->tokens[p][i], "%s: tokens[%zu]", name, i);
@@ -660,7 +661,7 @@ static tl_kv_block* random_block(const tl_block_model* m, tl_kv_table* t, uint32
 }
 
 static uint64_t name_of(const tl_block_model* m, const tl_block_place* at) {
-    return tl_block_name_more(tl_block_name_start(m, at->salt, strlen(at->salt), at->window, at->tree_depth),
+    return tl_block_name_more(tl_block_name_start(m, at, strlen(at->salt)),
                               at->tokens, ((size_t)at->index + 1) * BS);
 }
 
@@ -707,7 +708,7 @@ static void test_tier_budget(void) {
     char names[5][32];
     for (int k = 0; k < 5; k++) {
         for (int i = 0; i < BS; i++) tokens[k][i] = tu_uniform(&rng, 0, (int32_t)V - 1);
-        at[k] = (tl_block_place){"", 0, 0, 0, tokens[k]};
+        at[k] = (tl_block_place){"", 0, 0, 0, tokens[k], 0};
         file_name(&m, &at[k], names[k]);
     }
     const size_t one = tl_block_file_size(&m, 0, 0, 2);
@@ -799,7 +800,7 @@ static void one_block_open(one_block* o, const char* name, uint64_t seed) {
     o->dir = fresh_dir(name);
     o->m = block_model(8);
     for (int i = 0; i < BS; i++) o->tokens[i] = tu_uniform(&seed, 0, (int32_t)V - 1);
-    o->at = (tl_block_place){"", 0, 0, 0, o->tokens};
+    o->at = (tl_block_place){"", 0, 0, 0, o->tokens, 0};
     o->t = (tl_kv_table){0};
     o->b = random_block(&o->m, &o->t, 2, 0, &seed);
     o->d = NULL;
@@ -873,7 +874,7 @@ static void test_tier_join(void) {
     char names[3][32];
     for (int k = 0; k < 3; k++) {
         for (int i = 0; i < BS; i++) tokens[k][i] = tu_uniform(&rng, 0, (int32_t)V - 1);
-        at[k] = (tl_block_place){"", 0, 0, 0, tokens[k]};
+        at[k] = (tl_block_place){"", 0, 0, 0, tokens[k], 0};
         file_name(&m, &at[k], names[k]);
     }
     const size_t one = tl_block_file_size(&m, 0, 0, 2), deep = tl_block_file_size(&m, 0, 0, 3);
@@ -925,7 +926,7 @@ static void test_tier_device(void) {
     uint64_t rng = 77;
     int32_t tokens[BS];
     for (int i = 0; i < BS; i++) tokens[i] = tu_uniform(&rng, 0, (int32_t)V - 1);
-    const tl_block_place at = {"", 0, 0, 0, tokens};
+    const tl_block_place at = {"", 0, 0, 0, tokens, 0};
     tl_kv_table t = {0}, h = {0};
     tl_kv_block* b = random_block(&m, &t, 2, 0, &rng);
     CHECK_OK(tl_kv_reserve(&h, &host.geom, 2, 0, BS));
@@ -991,7 +992,7 @@ static void test_mutations(uint32_t kv_bits) {
     uint64_t rng = 21;
     int32_t tokens[2 * BS];
     for (int i = 0; i < 2 * BS; i++) tokens[i] = tu_uniform(&rng, 0, (int32_t)V - 1);
-    const tl_block_place at = {"ab", 6, 0, 1, tokens};
+    const tl_block_place at = {"ab", 6, 0, 1, tokens, 0};
     tl_kv_table t = {0};
     tl_kv_block* b = random_block(&m, &t, 2, 1, &rng);
     const size_t n = tl_block_file_size(&m, 2, 1, 2);
@@ -1026,7 +1027,8 @@ static void test_mutations(uint32_t kv_bits) {
         {64, 4, 65537, "n_layers: 65537"},
         {64, 4, 3, "file_bytes: "},
         {56, 4, 3, "file_bytes: "},
-        {76, 4, 1, "reserved"},
+        {76, 4, 1, "instruction: 1, the request's 0"},
+        {80, 4, 1, "reserved: header bytes 80 .. 95"},
         {92, 4, 1u << 24, "reserved"},
         {HEADER + 2 + 4 * 3, 4, V, "tokens[3]"},
         {HEADER + 2 + 4 * 5, 4, 0xffffffffu, "tokens[5]: -1"},
@@ -1061,7 +1063,7 @@ static void test_mutations(uint32_t kv_bits) {
         check_bad(&m, other, n, &at, 2, "block_size: 2, this model's 4", "a file of another block size");
         free(other);
     }
-    const tl_block_place coda = {"ab", 6, 2, 1, tokens};
+    const tl_block_place coda = {"ab", 6, 2, 1, tokens, 0};
     memcpy(x, file, n);
     tu_put_u32(x + 48, 2);
     tu_fix_checksum(x, n);
@@ -1204,19 +1206,7 @@ static void test_sched(const setup* s) {
         CHECK_OK(tl_generate(plain, w.tokens[p], w.n[p], &gp, want[p], &n, NULL));
         CHECK_OK(tl_sched_add(sched, w.tokens[p], w.n[p], &gp, &ids[p]));
     }
-    for (int step = 0; step < 1000; step++) {
-        uint64_t event_ids[8];
-        int32_t tokens[8];
-        uint8_t finish[8];
-        size_t n = 0;
-        CHECK_OK(tl_sched_step(sched, event_ids, tokens, finish, 8, &n));
-        for (size_t e = 0; e < n; e++)
-            for (int p = 0; p < N_PROMPTS; p++)
-                if (event_ids[e] == ids[p] && n_got[p] < MAX_NEW) got[p][n_got[p]++] = tokens[e];
-        tl_sched_stats st = {.size = sizeof st};
-        CHECK_OK(tl_sched_stats_get(sched, &st));
-        if (st.running + st.waiting == 0) break;
-    }
+    tu_sched_drain(sched, ids, N_PROMPTS, &got[0][0], MAX_NEW, n_got, 1000);
     for (int p = 0; p < N_PROMPTS; p++)
         CHECK(n_got[p] == MAX_NEW && !memcmp(got[p], want[p], sizeof got[p]), "scheduled prompt %d: tokens differ", p);
     CHECK(tu_cache_stats(m).disk_hit_blocks > 0, "the scheduler read nothing from disk");

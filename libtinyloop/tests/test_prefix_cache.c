@@ -455,7 +455,7 @@ static void test_lru_matches_reference(uint64_t seed) {
     for (int step = 0; step < 3000; step++) {
         const int op = tu_uniform(&rng, 0, 99), key = tu_uniform(&rng, 0, N_KEYS - 1);
         const uint32_t layers = tree_depths[key] ? tree_depths[key] : (uint32_t)tu_uniform(&rng, 1, 3);
-        const tl_pcache_key k = {salts[key], windows[key], layers, tree_depths[key]};
+        const tl_pcache_key k = {salts[key], windows[key], layers, tree_depths[key], 0};
         const size_t n = (size_t)tu_uniform(&rng, 1, MAX_PROMPT);
         for (size_t i = 0; i < n; i++) tokens[i] = tu_uniform(&rng, 0, 1);
         tl_kv_table* t = &slots[tu_uniform(&rng, 0, N_SLOTS - 1)];
@@ -498,7 +498,7 @@ enum { MAX_CHAIN = 8 };
 /* Insert the prompt of blocks {id, 0}, {id, 1}, ... (`blocks` of them: a new chain for a new
  * id) from table u (emptied first); returns the nodes the eviction walk visited for it. */
 static uint64_t insert_chain(tl_pcache* c, const tl_kv_geom* g, int32_t id, size_t blocks, tl_kv_table* u) {
-    const tl_pcache_key key = {NULL, 0, 1, 0};
+    const tl_pcache_key key = {NULL, 0, 1, 0, 0};
     int32_t tokens[MAX_CHAIN * BS];
     for (size_t i = 0; i < blocks; i++) {
         tokens[i * BS] = id;

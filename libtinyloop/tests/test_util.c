@@ -515,3 +515,21 @@ int tu_same_result(const tu_result* a, const tu_result* b) {
            memcmp(a->tokens, b->tokens, a->n * sizeof(int32_t)) == 0 &&
            tu_same_bits(a->logits, b->logits, a->n * a->vocab);
 }
+
+void tu_sched_drain(tl_sched* s, const uint64_t* ids, size_t n, int32_t* got, size_t cap, size_t* n_got,
+                    int max_steps) {
+    size_t finished = 0;
+    for (int step = 0; step < max_steps && finished < n; step++) {
+        uint64_t event_ids[8];
+        int32_t tokens[8];
+        uint8_t finish[8];
+        size_t n_events = 0;
+        CHECK_OK(tl_sched_step(s, event_ids, tokens, finish, 8, &n_events));
+        for (size_t e = 0; e < n_events; e++)
+            for (size_t i = 0; i < n; i++)
+                if (event_ids[e] == ids[i] && n_got[i] < cap) {
+                    got[i * cap + n_got[i]++] = tokens[e];
+                    finished += finish[e] != TL_FINISH_NONE;
+                }
+    }
+}

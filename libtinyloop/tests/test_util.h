@@ -161,5 +161,10 @@ tu_result tu_from_prefix(const tl_prefix* p, const int32_t* suffix, size_t n, co
 /* Whether both emitted the same tokens, at least one, with bit-identical logits (two empty
  * results prove nothing, so they differ). */
 int tu_same_result(const tu_result* a, const tu_result* b);
+/* Step `s` until the n requests ids[0..n) have finished (at most max_steps steps; a failed step
+ * is counted as a failed check): request i's tokens go to got[i * cap ..], at most cap of them,
+ * n_got[i] their count. */
+void tu_sched_drain(tl_sched* s, const uint64_t* ids, size_t n, int32_t* got, size_t cap, size_t* n_got,
+                    int max_steps);
 
 #endif

@@ -69,6 +69,18 @@ static tl_status check_length(const tl_config* c, size_t n0, size_t max_tokens) 
     return TL_OK;
 }
 
+/* The instruction block (docs/spec.md §4.1): at most the prompt's n tokens; from a prefix none
+ * (the prefix's own applies). */
+static tl_status check_instruction(const tl_prefix* prefix, size_t n, size_t instruction_length) {
+    if (prefix && instruction_length)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "a generation from a prefix takes the prefix's instruction length "
+                       "(%zu): instruction_length must be 0, got %zu", prefix->instruction, instruction_length);
+    if (!prefix && instruction_length > n)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "instruction_length %zu exceeds the prompt's %zu tokens",
+                       instruction_length, n);
+    return TL_OK;
+}
+
 /* Every rule but the draft's, which needs the resolved depth. */
 static tl_status check_request(const tl_engine* e, const tl_prefix* prefix, const int32_t* prompt, size_t n,
                                const tl_gen_params* given, tl_gen_params* p) {
@@ -80,6 +92,7 @@ static tl_status check_request(const tl_engine* e, const tl_prefix* prefix, cons
     if (!prefix && n == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "prompt is empty");
     st = tl_engine_check_tokens(e, prompt, n, prefix ? "suffix" : "prompt");
     if (st == TL_OK) st = resolve_params(e, given, p);
+    if (st == TL_OK) st = check_instruction(prefix, n, p->instruction_length);
     if (st != TL_OK) return st;
     if (!prefix) {
         st = check_length(tl_engine_config(e), n, p->max_tokens);
@@ -160,7 +173,7 @@ tl_status tl_gen_check(const tl_engine* e, const tl_prefix* prefix, const int32_
 tl_pcache_key tl_gen_cache_key(const tl_engine* e, const tl_seq* s, const tl_gen_params* p) {
     /* with a coda a block's coda slots hold its own depth only: one tree per depth (§4.3) */
     const uint32_t tree_depth = tl_engine_config(e)->n_coda_blocks ? s->loops : 0;
-    return (tl_pcache_key){p->cache_salt, p->cache_window, s->n_layers, tree_depth};
+    return (tl_pcache_key){p->cache_salt, p->cache_window, s->n_layers, tree_depth, (uint32_t)s->instruction};
 }
 
 /* Run the prompt into the empty sequence s, reusing the longest cached prefix of it. */
@@ -187,6 +200,7 @@ tl_status tl_gen_start(tl_engine* e, const tl_prefix* prefix, const int32_t* pro
     tl_seq* s = NULL;
     tl_status st = prefix ? tl_seq_from_prefix(prefix, p->loops, &s) : tl_seq_new(e, p->loops, p->cache_window, &s);
     if (st == TL_OK) {
+        if (!prefix) s->instruction = p->instruction_length;
         if (!prefix) st = run_prompt(e, s, prompt, n, p, &opts);
         else if (n) st = tl_seq_run(s, prompt, n, p->prefill_chunk, &opts);
         else st = tl_seq_last_logits(s, stream->logits);

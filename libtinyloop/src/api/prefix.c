@@ -20,6 +20,9 @@
  * captures every layer's input rows (core/hidden.h), the prefix keeps those instead of the KV
  * blocks, and each sequence started from it rebuilds its own KV from them.
  *
+ * Instruction block (docs/spec.md §5.4): a prefix built with one keeps its length P; the build,
+ * an extension and every sequence from it run with that P (their first chunk holds 0 .. P-1).
+ *
  * Concurrency: core/seq.h (struct tl_prefix). */
 #include <string.h>
 
@@ -73,14 +76,14 @@ static void read_lock(const tl_prefix* p) { pthread_rwlock_rdlock((pthread_rwloc
 static void read_unlock(const tl_prefix* p) { pthread_rwlock_unlock((pthread_rwlock_t*)&p->lock); }
 
 /* Rows 0 .. n-1 of s (positions 0 .. n-1, their KV reserved) through the part pass `whole` in
- * chunks of `chunk` rows (0 = all at once): each chunk runs whole with its rows of the per-row
+ * chunks of `chunk` rows (0 = all at once; the first holds the instruction block): each chunk runs whole with its rows of the per-row
  * arrays. Then the blocks outside the window are released, as tl_seq_run does. */
 static tl_status run_chunks(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, const tl_part* whole) {
     const size_t d = tl_engine_config(s->engine)->d_model;
     if (chunk == 0 || chunk > n) chunk = n;
     tl_status st = TL_OK;
-    for (size_t off = 0; off < n && st == TL_OK; off += chunk) {
-        const size_t T = n - off < chunk ? n - off : chunk;
+    for (size_t off = 0, T; off < n && st == TL_OK; off += T) {
+        T = tl_chunk_rows(s->instruction, off, chunk, n - off);
         tl_part part = *whole;
         part.state_in = whole->state_in ? whole->state_in + off * d : NULL;
         part.inject_in = whole->inject_in ? whole->inject_in + off * d : NULL;
@@ -135,8 +138,9 @@ static tl_status flags_storage(uint32_t flags, tl_prefix_storage* out) {
     return TL_OK;
 }
 
-TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
-                                    uint32_t cache_window, size_t chunk, uint32_t flags, tl_prefix** out) {
+TL_API tl_status tl_prefix_build_instruction(tl_model* model, const int32_t* tokens, size_t n,
+                                             size_t instruction_length, uint32_t loops, uint32_t cache_window,
+                                             size_t chunk, uint32_t flags, tl_prefix** out) {
     if (!out) return tl_fail(TL_ERR_INVALID_ARGUMENT, "out is NULL");
     *out = NULL;
     tl_prefix_storage storage = TL_STORE_KV;
@@ -153,6 +157,9 @@ TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size
     if (st == TL_OK && !tokens) st = tl_fail(TL_ERR_INVALID_ARGUMENT, "tokens is NULL");
     if (st == TL_OK && n > c->max_seq_len) /* before the copy of n tokens is allocated */
         st = tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", n, c->max_seq_len);
+    if (st == TL_OK && instruction_length > n)
+        st = tl_fail(TL_ERR_INVALID_ARGUMENT, "instruction_length %zu exceeds the prompt's %zu tokens",
+                     instruction_length, n);
     if (st == TL_OK) st = tl_prefix_check_storage(e, storage);
     if (st == TL_OK) st = tl_seq_new(e, loops, cache_window, &s);
     if (st == TL_OK) {
@@ -160,6 +167,7 @@ TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size
         p = tl_prefix_new(e, n, loops, cache_window, warm_start, warm_start && tl_prefix_can_resume(e));
         if (!p) st = tl_fail_oom("prefix");
     }
+    if (st == TL_OK) s->instruction = p->instruction = instruction_length;
     if (st == TL_OK && storage != TL_STORE_KV) {
         s->capture = p->hidden = tl_hidden_new(storage, s->n_layers, c->d_model, n, cache_window, c->rms_eps);
         if (!p->hidden) st = tl_fail_oom("hidden-state rows");
@@ -181,6 +189,11 @@ TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size
     tl_seq_free(s);
     tl_engine_unref(e);
     return st;
+}
+
+TL_API tl_status tl_prefix_build_ex(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
+                                    uint32_t cache_window, size_t chunk, uint32_t flags, tl_prefix** out) {
+    return tl_prefix_build_instruction(model, tokens, n, 0, loops, cache_window, chunk, flags, out);
 }
 
 TL_API tl_status tl_prefix_build(tl_model* model, const int32_t* tokens, size_t n, uint32_t loops,
@@ -236,6 +249,7 @@ static tl_status extend(tl_prefix* p, uint32_t loops, size_t chunk) {
     tl_seq* s;
     tl_status st = tl_seq_new(p->engine, loops, p->window, &s);
     if (st == TL_OK) {
+        s->instruction = p->instruction;
         loop_states = tl_alloc((size_t)loops * d * sizeof(float));
         if (p->states) states = tl_alloc(p->n * d * sizeof(float));
         if (p->injects) injects = tl_alloc(p->n * d * sizeof(float));
@@ -303,6 +317,8 @@ TL_API void tl_prefix_info(const tl_prefix* p, size_t* n_tokens, uint32_t* loops
     read_unlock(p);
 }
 
+TL_API size_t tl_prefix_instruction(const tl_prefix* p) { return p ? p->instruction : 0; }
+
 TL_API const int32_t* tl_prefix_tokens(const tl_prefix* p, size_t* n) {
     if (n) *n = p ? p->n : 0;
     return p ? p->tokens : NULL;
@@ -328,6 +344,7 @@ TL_API tl_status tl_seq_from_prefix(const tl_prefix* p, uint32_t loops, tl_seq**
     tl_seq* s = NULL;
     st = tl_prefix_check_loops(p, loops);
     if (st == TL_OK) st = tl_seq_new(p->engine, loops, p->window, &s);
+    if (st == TL_OK) s->instruction = p->instruction;
     if (st == TL_OK) st = p->hidden ? tl_hidden_rebuild(p->hidden, s) : tl_kv_share(&s->kv, &p->kv);
     if (st == TL_OK) {
         const size_t d = tl_engine_config(p->engine)->d_model;

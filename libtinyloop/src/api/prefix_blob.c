@@ -1,7 +1,7 @@
 /* prefix_blob.c — tl_prefix_save / tl_prefix_load: a prefix as bytes (docs/spec.md §7).
  *
- * The blob holds what generations and extensions read from a prefix: its tokens, the last
- * token's state at each depth, the KV rows of every cache slot from the first position it still
+ * The blob holds what generations and extensions read from a prefix: its tokens and instruction
+ * length (offset 92, zero in blobs saved before it), the last token's state at each depth, the KV rows of every cache slot from the first position it still
  * holds, and for warm start the tokens' kept states. Save writes the rows one by one from
  * whatever blocks hold them; load pages them into blocks of this model's kv_block_size laid out
  * as a build lays them out (block i from position i * block_size, those outside the window
@@ -22,7 +22,7 @@
 #include "core/kv_records.h"
 #include "core/seq.h"
 
-enum { HEADER_BYTES = TL_FRAME_HEADER_BYTES, VERSION_KV = 1, VERSION_HIDDEN = 2, STORAGE_AT = 88 };
+enum { HEADER_BYTES = TL_FRAME_HEADER_BYTES, VERSION_KV = 1, VERSION_HIDDEN = 2, STORAGE_AT = 88, INSTRUCTION_AT = 92 };
 
 static const tl_frame frame = {"prefix blob", "blob", "blob_bytes", "TLPREFIX", VERSION_KV, VERSION_HIDDEN};
 enum { FLAG_WARM_START = 1, FLAG_STATES = 2 };
@@ -32,6 +32,7 @@ typedef struct layout {
     uint32_t kv_mode, loops, window, flags, n_layers;
     uint32_t storage;    /* tl_prefix_storage: TL_STORE_KV (version 1), h8 or h4 (version 2) */
     uint64_t n, kv_start;
+    uint32_t instruction; /* the prefix's instruction length P, 0 .. n                      */
     size_t R, record;    /* kv: bytes of a kq / vq row; of one (slot, position, kv head) record.
                             hidden: bytes of a row q; of one (slot, position) record (R + 4)  */
     uint32_t heads;      /* records per (slot, position): G (kv) or 1 (hidden)              */
@@ -77,7 +78,8 @@ static uint64_t record_at(const layout* l, uint32_t slot, uint64_t pos, uint32_t
 static layout prefix_layout(const tl_prefix* p) {
     const tl_engine* e = p->engine;
     const tl_config* c = tl_engine_config(e);
-    layout l = {.kv_mode = tl_kv_geom_mode(&e->kv_geom), .loops = p->loops, .window = p->window, .n = p->n};
+    layout l = {.kv_mode = tl_kv_geom_mode(&e->kv_geom), .loops = p->loops, .window = p->window, .n = p->n,
+                .instruction = (uint32_t)p->instruction};
     l.flags = (p->warm_start ? FLAG_WARM_START : 0) | (p->states ? FLAG_STATES : 0);
     l.n_layers = (uint32_t)tl_n_layers(c, l.loops);
     l.storage = p->hidden ? p->hidden->storage : TL_STORE_KV;
@@ -135,6 +137,7 @@ static tl_status write_blob(const tl_prefix* p, const layout* l, uint8_t* blob) 
     wr_u32(blob + 80, c->head_dim);
     wr_u32(blob + 84, c->d_model);
     wr_u32(blob + STORAGE_AT, l->storage);
+    wr_u32(blob + INSTRUCTION_AT, l->instruction);
     for (size_t i = 0; i < l->n; i++) wr_u32(blob + HEADER_BYTES + 4 * i, (uint32_t)p->tokens[i]);
     write_f32s(blob + l->loop_states_at, p->loop_states, (size_t)l->loops * c->d_model);
     tl_status st = TL_OK;
@@ -209,12 +212,14 @@ static tl_status check_header(const tl_engine* e, const uint8_t* b, layout* l) {
     if (hidden && l->kv_start != kv_max)
         return bad("kv_start: %llu, a hidden-state prefix stores from h_start %llu (n_tokens %llu, window %u)",
                    (unsigned long long)l->kv_start, (unsigned long long)kv_max, (unsigned long long)l->n, l->window);
+    l->instruction = rd_u32(b + INSTRUCTION_AT);
+    if (l->instruction > l->n)
+        return bad("instruction: %u exceeds the prefix's %llu tokens", l->instruction, (unsigned long long)l->n);
     l->storage = hidden ? rd_u32(b + STORAGE_AT) : TL_STORE_KV;
+    if (!hidden && rd_u32(b + STORAGE_AT)) /* a kv prefix stores 0 there */
+        return bad("storage: %u, must be 0 (kv) in a version-1 blob", rd_u32(b + STORAGE_AT));
     if (hidden && l->storage != TL_STORE_H8 && l->storage != TL_STORE_H4)
         return bad("storage: unknown %u (1 = h8, 2 = h4)", l->storage);
-    for (int k = hidden ? STORAGE_AT + 4 : STORAGE_AT; k < HEADER_BYTES; k++)
-        if (b[k]) return bad("reserved: header bytes %d .. %d must be zero", hidden ? STORAGE_AT + 4 : STORAGE_AT,
-                             HEADER_BYTES - 1);
     set_records(l, &e->kv_geom, c->d_model);
     const bool injection = (l->flags & FLAG_STATES) && tl_has_inject(c);
     if (!place(l, c->d_model, injection))
@@ -304,6 +309,7 @@ static tl_status build(tl_engine* e, const uint8_t* b, const layout* l, tl_prefi
     const bool states = (l->flags & FLAG_STATES) && tl_prefix_can_resume(e);
     tl_prefix* p = tl_prefix_new(e, l->n, l->loops, l->window, warm_start, states);
     if (!p) return tl_fail_oom("prefix");
+    p->instruction = l->instruction;
     for (size_t i = 0; i < p->n; i++) p->tokens[i] = (int32_t)rd_u32(b + HEADER_BYTES + 4 * i);
     read_f32s(p->loop_states, b + l->loop_states_at, (size_t)l->loops * d);
     if (p->states) read_f32s(p->states, b + l->states_at, p->n * d);

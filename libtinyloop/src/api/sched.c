@@ -427,6 +427,7 @@ static tl_status admit(tl_sched* s) {
         tl_seq* q;
         tl_status st = tl_seq_new(e, r->p.loops, r->p.cache_window, &q);
         if (st != TL_OK) return st;
+        q->instruction = r->p.instruction_length;
         size_t hit = 0;
         r->prefill_end = phase_end(r);
         if (e->pcache) {
@@ -453,11 +454,15 @@ static tl_status admit(tl_sched* s) {
     return TL_OK;
 }
 
-/* The prefill chunk r gets from `budget` positions left in the step. */
+/* The prefill chunk r gets from `budget` positions left in the step: none when none is left,
+ * else at most `budget`, but the chunk at position 0 holds the instruction block (tl_chunk_rows). */
 static size_t chunk_of(const sched_req* r, size_t budget) {
-    const size_t left = r->prefill_end - r->stream.seq->n;
-    return left < budget ? left : budget;
+    const tl_seq* q = r->stream.seq;
+    return budget ? tl_chunk_rows(q->instruction, q->n, budget, r->prefill_end - q->n) : 0;
 }
+
+/* `budget` less a chunk of T positions (which an instruction block may take past it). */
+static size_t budget_after(size_t budget, size_t T) { return T < budget ? budget - T : 0; }
 
 /* Plan the step as it runs. In running order, each decoding request takes its positions: one,
  * or for a speculative one its round's K' (r->round) = min(n_draft, tokens left, room), the
@@ -485,7 +490,7 @@ static size_t plan_step(tl_sched* s, size_t capacity, size_t* decodes) {
         if (!decoding(r)) {
             const size_t T = chunk_of(r, budget);
             need += new_bytes(s, r, T);
-            budget -= T;
+            budget = budget_after(budget, T);
         }
     return need;
 }
@@ -609,9 +614,10 @@ static size_t collect_rows(tl_sched* s, size_t budget, bool mixed, size_t* n_dec
         const size_t T = decoding(r) ? 0 : chunk_of(r, budget);
         r->chunk_from = r->stream.seq->n;
         r->chunk_to = r->chunk_from + T;
-        budget -= T;
+        budget = budget_after(budget, T);
         const size_t prompt = prompt_part(r, T);
-        if (mixed && prompt)
+        /* an instruction block past the step's tokens (chunk_of) runs as its own pass, end_chunk */
+        if (mixed && prompt && n_tokens + prompt <= s->params.step_tokens)
             put_row(s, n++, r, prompt, (tl_exit){TL_EXIT_NONE, 0.0f, 0},
                     r->chunk_to == input_length(r) ? r->stream.logits : NULL, &n_tokens);
     }

@@ -61,6 +61,13 @@ TL_API tl_status tl_seq_create(tl_model* model, uint32_t loops, uint32_t cache_w
     return st;
 }
 
+tl_status tl_seq_check_instruction(const tl_seq* s, size_t n) {
+    if (s->n > 0 || n >= s->instruction) return TL_OK;
+    return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                   "the first prefill must hold the instruction block: %zu tokens, instruction length %zu", n,
+                   s->instruction);
+}
+
 /* Report one more chunk; true if the callback asks to stop. */
 static bool report(tl_progress* progress, size_t T) {
     if (!progress || !progress->fn) return false;
@@ -77,6 +84,7 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, c
     if (n == 0) return tl_fail(TL_ERR_INVALID_ARGUMENT, "no tokens given (n = 0)");
     if (!tokens) return tl_fail(TL_ERR_INVALID_ARGUMENT, "tokens is NULL");
     st = tl_engine_check_tokens(e, tokens, n, "tokens");
+    if (st == TL_OK) st = tl_seq_check_instruction(s, n);
     if (st != TL_OK) return st;
     if (n > c->max_seq_len - s->n)
         return tl_fail(TL_ERR_SEQ_TOO_LONG, "sequence length %zu exceeds max_seq_len %u", s->n + n,
@@ -87,8 +95,8 @@ tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, c
     const size_t n_before = s->n;
     const tl_kv_mark start = tl_kv_mark_now(&s->kv);
     bool stopped = false;
-    for (size_t off = 0; off < n && st == TL_OK && !stopped; off += chunk) {
-        const size_t T = n - off < chunk ? n - off : chunk;
+    for (size_t off = 0, T; off < n && st == TL_OK && !stopped; off += T) {
+        T = tl_chunk_rows(s->instruction, s->n, chunk, n - off);
         st = tl_kv_reserve(&s->kv, &e->kv_geom, s->n_layers, s->n, T);
         const bool last = off + T == n;
         /* a prefix build's every chunk writes every depth's coda slots; the last one's states stay */
@@ -154,10 +162,22 @@ TL_API tl_status tl_seq_fork(const tl_seq* seq, tl_seq** out) {
         return st;
     }
     s->n = seq->n;
+    s->instruction = seq->instruction;
     memcpy(s->last_hidden, seq->last_hidden, tl_engine_config(seq->engine)->d_model * sizeof(float));
     *out = s;
     return TL_OK;
 }
+
+TL_API tl_status tl_seq_set_instruction(tl_seq* seq, size_t instruction_length) {
+    if (!seq) return tl_fail(TL_ERR_INVALID_ARGUMENT, "seq is NULL");
+    if (seq->n > 0)
+        return tl_fail(TL_ERR_INVALID_ARGUMENT,
+                       "the instruction length is set on an empty sequence only (this one holds %zu tokens)", seq->n);
+    seq->instruction = instruction_length;
+    return TL_OK;
+}
+
+TL_API size_t tl_seq_instruction(const tl_seq* seq) { return seq ? seq->instruction : 0; }
 
 TL_API size_t tl_seq_length(const tl_seq* seq) { return seq ? seq->n : 0; }
 

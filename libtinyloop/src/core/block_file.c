@@ -9,7 +9,7 @@
 #include "base/le.h"
 #include "core/kv_records.h"
 
-enum { VERSION = 1, MAX_BLOCK_SIZE = 65536 };
+enum { VERSION = 1, MAX_BLOCK_SIZE = 65536, INSTRUCTION_AT = 76, RESERVED_AT = 80 };
 
 static const tl_frame frame = {"spilled block file", "the file", "file_bytes", "TLPBLOCK", VERSION, VERSION};
 
@@ -24,17 +24,18 @@ static uint64_t fnv_bytes(uint64_t h, const uint8_t* p, size_t n) {
     return h;
 }
 
-uint64_t tl_block_name_start(const tl_block_model* m, const char* salt, size_t salt_bytes, uint32_t window,
-                             uint32_t tree_depth) {
-    uint8_t key[32]; /* the header's key fields, in order (§4.3.1) */
+uint64_t tl_block_name_start(const tl_block_model* m, const tl_block_place* at, size_t salt_bytes) {
+    uint8_t key[36]; /* the header's key fields, in order (§4.3.1); instruction only when > 0 */
     wr_u32(key, m->checksum);
     wr_u64(key + 4, m->file_bytes);
     wr_u32(key + 12, tl_kv_geom_mode(&m->geom));
-    wr_u32(key + 16, window);
-    wr_u32(key + 20, tree_depth);
+    wr_u32(key + 16, at->window);
+    wr_u32(key + 20, at->tree_depth);
     wr_u32(key + 24, m->geom.block_size);
     wr_u32(key + 28, (uint32_t)salt_bytes);
-    return fnv_bytes(fnv_bytes(0xcbf29ce484222325u, key, sizeof key), (const uint8_t*)salt, salt_bytes);
+    wr_u32(key + 32, at->instruction);
+    const size_t key_bytes = at->instruction ? 36 : 32;
+    return fnv_bytes(fnv_bytes(0xcbf29ce484222325u, key, key_bytes), (const uint8_t*)at->salt, salt_bytes);
 }
 
 uint64_t tl_block_name_more(uint64_t h, const int32_t* tokens, size_t n) {
@@ -83,6 +84,7 @@ tl_status tl_block_file_encode(const tl_block_model* m, const tl_block_place* at
     wr_u32(out + 64, b->n_layers);
     wr_u32(out + 68, g->n_kv_heads);
     wr_u32(out + 72, g->head_dim);
+    wr_u32(out + INSTRUCTION_AT, at->instruction);
     memcpy(out + TL_BLOCK_HEADER_BYTES, at->salt, salt_bytes);
     for (size_t i = 0; i < n_tokens; i++) wr_u32(out + tokens_at(salt_bytes) + 4 * i, (uint32_t)at->tokens[i]);
     uint8_t* records = out + records_at(salt_bytes, g->block_size, at->index);
@@ -120,8 +122,8 @@ static tl_status check_header(const tl_block_model* m, const uint8_t* b) {
         return bad("block_index: %u, block %u ends past max_seq_len %u", index, index, m->max_seq_len);
     if (n_layers < 1 || n_layers > TL_BLOCK_MAX_LAYERS)
         return bad("n_layers: %u, must be 1 .. %d", n_layers, TL_BLOCK_MAX_LAYERS);
-    for (int k = 76; k < TL_BLOCK_HEADER_BYTES; k++)
-        if (b[k]) return bad("reserved: header bytes 76 .. %d must be zero", TL_BLOCK_HEADER_BYTES - 1);
+    for (int k = RESERVED_AT; k < TL_BLOCK_HEADER_BYTES; k++)
+        if (b[k]) return bad("reserved: header bytes %d .. %d must be zero", RESERVED_AT, TL_BLOCK_HEADER_BYTES - 1);
     const uint64_t tokens = ((uint64_t)index + 1) * bs; /* < 2^49: none of the sums below before kv overflows */
     uint64_t records, kv, bytes;
     if (__builtin_mul_overflow((uint64_t)bs * n_layers, (uint64_t)g->n_kv_heads, &records) ||
@@ -164,6 +166,8 @@ static tl_status check_place(const tl_block_model* m, const uint8_t* b, const tl
         return bad("tree_depth: %u, the request's %u", rd_u32(b + 48), at->tree_depth);
     if (rd_u32(b + 52) != m->geom.block_size)
         return bad("block_size: %u, this model's %u", rd_u32(b + 52), m->geom.block_size);
+    if (rd_u32(b + INSTRUCTION_AT) != at->instruction)
+        return bad("instruction: %u, the request's %u", rd_u32(b + INSTRUCTION_AT), at->instruction);
     if (rd_u32(b + 56) != salt_bytes || memcmp(b + TL_BLOCK_HEADER_BYTES, at->salt, salt_bytes) != 0)
         return bad("salt: not the request's");
     if (rd_u32(b + 60) != at->index) return bad("block_index: %u, the request's %u", rd_u32(b + 60), at->index);

@@ -1,6 +1,7 @@
 /* block_file.h — the spilled block file of the prefix cache's disk tier (docs/spec.md §7.6):
  * one full, block-aligned KV block as bytes, with the key of its place in the cache (model,
- * KV mode, window, tree depth, block size, salt and every token up to the block's end), and
+ * KV mode, window, tree depth, block size, instruction length, salt and every token up to the
+ * block's end), and
  * its name (§4.3.1: the FNV-1a hash of those key fields, the salt and the tokens).
  *
  * The writer fills a buffer of tl_block_file_size bytes; the reader checks every rule of §7.6
@@ -27,17 +28,18 @@ typedef struct tl_block_model {
 } tl_block_model;
 
 /* A block's place in the cache: block `index` (positions index*bs .. (index+1)*bs - 1) of the
- * tree (salt, window, tree_depth), reached by tokens[0 .. (index+1)*bs). */
+ * tree (salt, window, tree_depth, instruction), reached by tokens[0 .. (index+1)*bs). */
 typedef struct tl_block_place {
     const char* salt;       /* NUL-terminated, not NULL                 */
     uint32_t window, tree_depth, index;
     const int32_t* tokens;  /* [(index + 1) * bs]                       */
+    uint32_t instruction;   /* the tree's instruction length P          */
 } tl_block_place;
 
-/* The name hash, incrementally: tl_block_name_start over the key fields and the salt (of
- * salt_bytes bytes), then tl_block_name_more over the tokens in order. */
-uint64_t tl_block_name_start(const tl_block_model* m, const char* salt, size_t salt_bytes, uint32_t window,
-                             uint32_t tree_depth);
+/* The name hash, incrementally: tl_block_name_start over the key fields of `at` (the
+ * instruction only when it is > 0: a causal tree's names are those of version 0.8) and its
+ * salt (of salt_bytes bytes), then tl_block_name_more over the tokens in order. */
+uint64_t tl_block_name_start(const tl_block_model* m, const tl_block_place* at, size_t salt_bytes);
 uint64_t tl_block_name_more(uint64_t h, const int32_t* tokens, size_t n);
 /* "<16 lower-case hex digits>.tlblock" into out[32]. */
 void tl_block_name_format(uint64_t h, char out[32]);

@@ -1,7 +1,7 @@
 /* prefix_cache.c — the automatic prefix cache (prefix_cache.h, docs/spec.md §4.3).
  *
  * Nodes live in one chained hash table keyed by (parent node, the block's tokens), beside the
- * roots, one per (salt, window, tree depth) keyed by those; a root goes with its last child. Each lookup
+ * roots, one per (salt, window, tree depth, instruction length) keyed by those; a root goes with its last child. Each lookup
  * and each insert is one tick; every node it touches carries that tick and is never evicted
  * by it, so the chain being extended stays put. A lookup or an insert costs expected O(1) per
  * block of the prompt, whatever the number of nodes or tenants, plus its evictions (below).
@@ -51,6 +51,7 @@ typedef struct node {
     size_t n_children;
     uint32_t window;      /* roots                                             */
     uint32_t tree_depth;  /* roots: the key's tree_depth                       */
+    uint32_t instruction; /* roots: the key's instruction length               */
     char* salt;           /* roots: owned copy                                 */
     int32_t tokens[];     /* [block_size]: the block's tokens (block nodes)    */
 } node;
@@ -87,7 +88,7 @@ static uint64_t block_hash(const node* parent, const int32_t* tokens, uint32_t n
 static const char* salt_of(const tl_pcache_key* key) { return key->salt ? key->salt : ""; }
 
 static uint64_t root_hash(const tl_pcache_key* key) {
-    uint64_t h = mix(mix(0xcbf29ce484222325u, key->window), key->tree_depth);
+    uint64_t h = mix(mix(mix(0xcbf29ce484222325u, key->window), key->tree_depth), key->instruction);
     for (const char* p = salt_of(key); *p; p++) h = mix(h, (unsigned char)*p);
     return finish(h);
 }
@@ -170,7 +171,7 @@ static node* find_root(tl_pcache* c, const tl_pcache_key* key) {
     const uint64_t h = root_hash(key);
     for (node* r = *bucket_of(c, h); r; r = r->next)
         if (r->hash == h && !r->parent && r->window == key->window && r->tree_depth == key->tree_depth &&
-            strcmp(r->salt, salt_of(key)) == 0)
+            r->instruction == key->instruction && strcmp(r->salt, salt_of(key)) == 0)
             return r;
     return NULL;
 }
@@ -187,6 +188,7 @@ static node* make_root(tl_pcache* c, const tl_pcache_key* key) {
     r->salt = copy;
     r->window = key->window;
     r->tree_depth = key->tree_depth;
+    r->instruction = key->instruction;
     r->hash = root_hash(key);
     table_add(c, r);
     return r;
@@ -247,9 +249,8 @@ static void spill(tl_pcache* c, const node* x) {
         at -= bs;
         memcpy(tokens + at, y->tokens, bs * sizeof *tokens);
     }
-    const tl_block_place place = {root->salt, root->window, root->tree_depth, index, tokens};
-    const uint64_t start = tl_block_name_start(tl_pdisk_model(c->disk), root->salt, strlen(root->salt), root->window,
-                                               root->tree_depth);
+    const tl_block_place place = {root->salt, root->window, root->tree_depth, index, tokens, root->instruction};
+    const uint64_t start = tl_block_name_start(tl_pdisk_model(c->disk), &place, strlen(root->salt));
     if (tl_pdisk_spill(c->disk, &place, tl_block_name_more(start, tokens, n), x->block)) c->stats.spilled_blocks++;
     tl_free(tokens);
 }
@@ -266,11 +267,10 @@ static bool read_block(tl_pcache* c, const tl_pcache_key* key, const int32_t* to
                        tl_kv_table* t) {
     const uint32_t bs = c->geom.block_size;
     const char* salt = salt_of(key);
-    if (!w->hashed)
-        w->name = tl_block_name_start(tl_pdisk_model(c->disk), salt, strlen(salt), key->window, key->tree_depth);
+    const tl_block_place place = {salt, key->window, key->tree_depth, (uint32_t)k, tokens, key->instruction};
+    if (!w->hashed) w->name = tl_block_name_start(tl_pdisk_model(c->disk), &place, strlen(salt));
     w->name = tl_block_name_more(w->name, tokens + w->hashed, (k + 1) * bs - w->hashed);
     w->hashed = (k + 1) * bs;
-    const tl_block_place place = {salt, key->window, key->tree_depth, (uint32_t)k, tokens};
     return tl_pdisk_fetch(c->disk, &place, w->name, key->n_layers, t);
 }
 
@@ -400,6 +400,10 @@ void tl_pcache_lookup(tl_pcache* c, const tl_pcache_key* key, const int32_t* tok
         }
         parent = x;
         k++;
+    }
+    if (k * bs < key->instruction) { /* the instruction block is computed whole (§4.2, §4.3) */
+        tl_kv_clear(t);
+        k = 0;
     }
     c->inserting_root = NULL;
     c->walk = NULL;

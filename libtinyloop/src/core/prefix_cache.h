@@ -2,7 +2,8 @@
  * block-aligned KV blocks keyed by (cache salt, window, the tokens of every block up to and
  * including this one), with LRU eviction of blocks nobody else holds under a byte budget.
  *
- * The index is a tree: a root per (salt, window, tree depth), a node per cached block whose
+ * The index is a tree: a root per (salt, window, tree depth, instruction length), a node per
+ * cached block whose
  * parent is the node of the block before it. A node holds one reference to its block; the
  * block's depth is its layer count, and a node serves any request of its tree needing that many
  * layers or fewer. A model without a coda has one tree for all depths (tree depth 0: depth
@@ -31,12 +32,14 @@
 typedef struct tl_pcache tl_pcache;
 
 /* A request's place in the index: salt (NUL-terminated; NULL = ""), window, layers needed,
- * and its tree: 0 when blocks of every depth serve shallower ones (no coda), else the depth. */
+ * its tree: 0 when blocks of every depth serve shallower ones (no coda), else the depth, and
+ * its instruction length P (docs/spec.md §4.3: a tree per P). */
 typedef struct tl_pcache_key {
     const char* salt;
     uint32_t window;
     uint32_t n_layers;
     uint32_t tree_depth;
+    uint32_t instruction;
 } tl_pcache_key;
 
 /* A cache with budget `budget_bytes` (> 0) for blocks of geometry g, backed by the disk tier
@@ -55,7 +58,7 @@ void tl_pcache_close(tl_pcache* c);
 
 /* Share into the empty table `t` the longest chain of cached blocks that are a prefix of
  * tokens[0..n) and serve key->n_layers, leaving at least one token uncached (the last token's
- * logits are always computed); where no cached block serves, the disk tier's file of the block
+ * logits are always computed), or none when that chain ends before the instruction block does; where no cached block serves, the disk tier's file of the block
  * (read into a new block, cached as an insert caches one when it fits). *hit receives the
  * number of positions shared, a multiple of the block size. Out of memory: *hit = 0 and t
  * stays empty (the request simply misses). */

@@ -26,6 +26,8 @@ struct tl_seq {
     uint32_t loops;         /* L                                                          */
     uint32_t n_layers;      /* cache slots: tl_n_layers(cfg, L) <= TL_MAX_CACHE_LAYERS     */
     uint32_t window;        /* cache_window W, 0 = full                                   */
+    size_t instruction;     /* instruction length P (docs/spec.md §4.1), 0 = causal; fixed
+                               before the first position runs, whose prefill holds >= P    */
     size_t n;               /* tokens so far                                              */
     tl_kv_table kv;
     float* last_hidden;     /* [d] final hidden state of token n-1 (valid when n > 0)     */
@@ -49,6 +51,7 @@ struct tl_prefix {
     size_t n;
     _Atomic uint32_t loops; /* L_b, raised by tl_prefix_extend                            */
     uint32_t window;
+    size_t instruction;     /* instruction length P, 0 .. n (docs/spec.md §5.4)           */
     bool warm_start;        /* built with TL_PREFIX_WARM_START                            */
     tl_kv_table kv;         /* blocks immutable once written; every depth's coda slots    */
     float* loop_states;     /* [L_b][d]: last token's final state at depth i + 1           */
@@ -87,6 +90,20 @@ tl_status tl_seq_check_depth(const tl_engine* e, uint32_t loops);
 /* A new empty sequence at depth `loops` (engine reference taken); refuses a depth
  * tl_seq_check_depth refuses. */
 tl_status tl_seq_new(tl_engine* e, uint32_t loops, uint32_t window, tl_seq** out);
+/* The positions of the prefill chunk starting at position pos of a sequence with instruction
+ * length P, asked for `chunk` (>= 1) of the `left` (>= 1) positions still to run: the chunk
+ * holding position 0 holds the instruction block 0 .. P-1 whole, growing past `chunk` when it
+ * must (docs/spec.md §4.2: every key an instruction query sees is written in its own chunk);
+ * never more than `left`. */
+static inline size_t tl_chunk_rows(size_t P, size_t pos, size_t chunk, size_t left) {
+    const size_t want = pos == 0 && chunk < P ? P : chunk;
+    return want < left ? want : left;
+}
+
+/* TL_OK, or TL_ERR_INVALID_ARGUMENT when the first prefill of the sequence (s->n == 0) appends
+ * fewer than its instruction length: n tokens. */
+tl_status tl_seq_check_instruction(const tl_seq* s, size_t n);
+
 /* A prefill's progress report: fn(user_data, done, total) after each chunk, `done` counting
  * from its value at the start; a nonzero return sets `stopped`. */
 typedef struct tl_progress {
@@ -107,7 +124,8 @@ typedef struct tl_run_opts {
     tl_progress* progress; /* reported after each chunk; may stop the prefill               */
 } tl_run_opts;
 
-/* Prefill tokens[0..n) in chunks of `chunk` (0 = all at once). All-or-nothing: on error, or
+/* Prefill tokens[0..n) in chunks of `chunk` (0 = all at once; the first chunk of an empty
+ * sequence grows to its instruction length, tl_chunk_rows). All-or-nothing: on error, or
  * when progress stops it (then TL_OK with progress->stopped), the sequence is unchanged. */
 tl_status tl_seq_run(tl_seq* s, const int32_t* tokens, size_t n, size_t chunk, const tl_run_opts* opts);
 

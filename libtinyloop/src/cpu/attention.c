@@ -104,18 +104,19 @@ static void flush_values(const tl_attn_kernels* kern, value_batch* b, size_t D, 
 }
 
 void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
-               uint32_t kv_head, size_t t, uint32_t window, const float* qh, float* o, tl_attn_scratch* s) {
+               uint32_t kv_head, size_t t, uint32_t window, size_t instruction, const float* qh, float* o,
+               tl_attn_scratch* s) {
     const size_t D = g->head_dim;
     const bool packed = g->kv_bits != 8;
     const size_t piece = packed ? TL_ATTN_UNPACK_ROWS : SIZE_MAX; /* rows per kernel call, at most */
-    const size_t lo = tl_attn_first_key(t, window);
+    const size_t lo = tl_attn_first_key(t, window), hi = tl_attn_last_key(t, instruction);
     const float sq = kern->quantize(qh, D, 127, s->qq);
     for (size_t d = 0; d < D; d++) s->qq16[d] = s->qq[d];
     const float c = sq / sqrtf((float)D);
     float svmax = -INFINITY;
     tl_attn_segment seg;
     size_t si = tl_kv_find(kv, lo), index = 0, n;
-    while ((n = tl_attn_next_segment(kv, &si, lo, t, &seg))) {
+    while ((n = tl_attn_next_segment(kv, &si, lo, hi, &seg))) {
         const int8_t* keys = tl_kv_keys(g, seg.block, layer, kv_head);
         const float* sk = tl_kv_key_scales(g, seg.block, layer, kv_head) + seg.from;
         for (size_t j0 = 0; j0 < n; j0 += piece) {
@@ -137,7 +138,7 @@ void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_tab
     si = tl_kv_find(kv, lo);
     index = 0;
     value_batch batch = {.n = 0};
-    while ((n = tl_attn_next_segment(kv, &si, lo, t, &seg))) {
+    while ((n = tl_attn_next_segment(kv, &si, lo, hi, &seg))) {
         den += kern->weights(s->scores + index, tl_kv_value_scales(g, seg.block, layer, kv_head) + seg.from, n, M,
                              kappa, s->u + index, &nan_weight);
         const int8_t* values = tl_kv_values(g, seg.block, layer, kv_head);

@@ -26,9 +26,11 @@ static inline size_t tl_attn_rows_bytes(const tl_kv_geom* g) {
 }
 
 /* o[D] = attention of one query head qh[D] (already rotated) at position t over kv head
- * `kv_head` of cache layer `layer`; visible keys j <= t and, with window > 0, j > t - window.
+ * `kv_head` of cache layer `layer`; visible keys j <= e(t) (tl_attn_last_key: t, or
+ * instruction - 1 inside the instruction block) and, with window > 0, j > t - window.
  * Every visible key must be in the table. */
 void tl_attend(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
-               uint32_t kv_head, size_t t, uint32_t window, const float* qh, float* o, tl_attn_scratch* scratch);
+               uint32_t kv_head, size_t t, uint32_t window, size_t instruction, const float* qh, float* o,
+               tl_attn_scratch* scratch);
 
 #endif

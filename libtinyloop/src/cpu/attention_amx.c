@@ -3,10 +3,11 @@
  * integer products on AMX tiles (amx_tiles.h: real, or emulated in the test build). Every query
  * gets exactly tl_attend's bits:
  *
- *   keys     the union of the visible keys, lo(p0) .. p0+m-1 (a window gives each query its own
- *            lo; keys past a query's position are beyond its row). Query q sees the keys
- *            [lo_q - lo(p0), p_q - lo(p0)] of that range, and every max and sum below runs over
- *            that part of its row only.
+ *   keys     the union of the visible keys, lo(p0) .. hi, hi = e(p0+m-1) = max(p0+m-1, P-1), e the
+ *            last visible key (tl_attn_last_key, non-decreasing in the position; P the instruction
+ *            length, 0 for none); a window gives each query its own lo, and keys past a query's
+ *            e(p_q) are beyond its row. Query q sees the keys [lo_q - lo(p0), e(p_q) - lo(p0)] of
+ *            that range, and every max and sum below runs over that part of its row only.
  *   scores   C[j][q] = Σ_d kq_jd qq_qd by TDPBSSD with the key rows as A (16 keys x 64 bytes of d,
  *            straight from an int8 cache when D is a multiple of 64 and 16 keys of one block are
  *            at hand, else copied (or unpacked, from an int4 cache) into zero-padded rows) and
@@ -268,10 +269,10 @@ void tl_attn_pack_slice(const tl_kv_geom* g, const tl_kv_table* kv, uint32_t lay
 
 TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv,
                              uint32_t layer, uint32_t kv_head, size_t p0, size_t m, uint32_t window,
-                             const float* q, size_t q_stride, float* o, size_t o_stride, size_t packed_keys,
-                             tl_attn_scratch* s) {
-    const size_t D = g->head_dim, R = tl_kv_row_bytes(g), lo = tl_attn_first_key(p0, window), hi = p0 + m - 1,
-                 n = hi - lo + 1, n_pad = round_up(n, KB);
+                             size_t instruction, const float* q, size_t q_stride, float* o, size_t o_stride,
+                             size_t packed_keys, tl_attn_scratch* s) {
+    const size_t D = g->head_dim, R = tl_kv_row_bytes(g), lo = tl_attn_first_key(p0, window),
+                 hi = tl_attn_last_key(p0 + m - 1, instruction), n = hi - lo + 1, n_pad = round_up(n, KB);
     const bool packed = lo == 0 && hi < packed_keys; /* tl_attn_pack_slice packed this union */
     const bool unpacked = packed && g->kv_bits != 8;   /* and unpacked its int4 keys            */
     tile_buffers b;
@@ -308,7 +309,8 @@ TL_TILES void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, c
     bool nan_weight[TQ];
     for (size_t row = 0; row < LIMBS * TQ; row++) memset(b.limbs + row * b.n_pad, 0, n_pad);
     for (size_t i = 0; i < m; i++) {
-        const size_t first = tl_attn_first_key(p0 + i, window) - lo, count = p0 + i - lo - first + 1;
+        const size_t first = tl_attn_first_key(p0 + i, window) - lo,
+                     count = tl_attn_last_key(p0 + i, instruction) - lo - first + 1;
         svmax[i] = kern->max(b.sv + first, count, -INFINITY);
         nan_weight[i] = false;
         den[i] = 0;

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/attn_mask.h"
 #include "core/kvcache.h"
 #include "tinyloop.h"
 
@@ -67,11 +68,6 @@ const tl_attn_kernels* tl_attn_kernels_for(tl_isa row_isa);
 void tl_attn_scores_avx2(const tl_attn_scratch* s, const int8_t* k, const float* sk, size_t n, size_t D, float c,
                          float* scores);
 
-/* The first key visible from position t: t + 1 - window with a window, else 0. */
-static inline size_t tl_attn_first_key(size_t t, uint32_t window) {
-    return (window && t + 1 > window) ? t + 1 - window : 0;
-}
-
 /* A run of visible keys: slots [from, to) of one block. */
 typedef struct tl_attn_segment {
     tl_kv_block* block;
@@ -87,20 +83,21 @@ size_t tl_attn_next_segment(const tl_kv_table* kv, size_t* si, size_t lo, size_t
 enum { TL_ATTN_TILE = 16 }; /* queries per tl_attend_tile call, at most */
 
 /* Bytes of scratch->tile that tl_attend_tile needs when a tile's queries see at most max_keys
- * keys together (max_keys >= the last query's position + 1 always suffices). */
+ * keys together (max_keys >= tl_attn_last_key of the last query + 1 always suffices). */
 size_t tl_attn_tile_bytes(size_t max_keys, const tl_kv_geom* g);
 
 /* For i < m (1 .. TL_ATTN_TILE): o + i * o_stride = tl_attend(kern, g, kv, layer, kv_head, p0 + i,
- * window, q + i * q_stride), bit for bit: the m queries of one head at consecutive positions, as
- * in a prefill chunk, with the scores and the value sums computed on AMX tiles (real or
- * emulated, amx_tiles.h) and every other step by kern's per-query kernels. Uses scratch->u,
- * scratch->qq and scratch->tile. packed_keys: the keys the last tl_attn_pack_slice on this
- * scratch packed for this (kv, layer, kv_head), 0 for none; a tile
- * whose queries see keys 0 .. p0+m-1 with p0+m <= packed_keys uses them, any other packs its own
- * (and leaves the packing unusable: pack again before relying on it). */
+ * window, instruction, q + i * q_stride), bit for bit: the m queries of one head at consecutive
+ * positions, as in a prefill chunk, with the scores and the value sums computed on AMX tiles
+ * (real or emulated, amx_tiles.h) and every other step by kern's per-query kernels. Uses
+ * scratch->u, scratch->qq and scratch->tile. packed_keys: the keys the last tl_attn_pack_slice
+ * on this scratch packed for this (kv, layer, kv_head), 0 for none; a tile whose queries see
+ * keys 0 .. hi (hi = tl_attn_last_key(p0+m-1, instruction), the last any of them sees) with
+ * hi < packed_keys uses them, any other packs its own (and leaves the packing unusable: pack
+ * again before relying on it). */
 void tl_attend_tile(const tl_attn_kernels* kern, const tl_kv_geom* g, const tl_kv_table* kv, uint32_t layer,
-                    uint32_t kv_head, size_t p0, size_t m, uint32_t window, const float* q, size_t q_stride,
-                    float* o, size_t o_stride, size_t packed_keys, tl_attn_scratch* scratch);
+                    uint32_t kv_head, size_t p0, size_t m, uint32_t window, size_t instruction, const float* q,
+                    size_t q_stride, float* o, size_t o_stride, size_t packed_keys, tl_attn_scratch* scratch);
 
 /* Packs the values of keys 0 .. n-1 (1 <= n <= scratch->tile_keys, all in the table) of kv head
  * `kv_head` of cache layer `layer` into scratch->tile for the tiles that follow, and from an int4

@@ -251,8 +251,9 @@ static size_t plan_attention(fwd* f) {
  * heads, tile by tile, the values packed once when every tile's queries see keys from 0. */
 static void attend_slice(fwd* f, const attn_slice* a, tl_attn_scratch* scratch) {
     const tl_config* c = f->c;
-    const size_t D = c->head_dim, group = c->n_heads / c->n_kv_heads, keys = f->pos[a->t0 + a->m - 1] + 1;
     const tl_seq* s = f->seqs[a->t0];
+    const size_t D = c->head_dim, group = c->n_heads / c->n_kv_heads,
+                 keys = tl_attn_last_key(f->pos[a->t0 + a->m - 1], s->instruction) + 1;
     const uint32_t layer = tl_fwd_row_slot(f, a->t0);
     size_t packed = 0;
     if (s->window == 0 || keys <= s->window) {
@@ -263,8 +264,8 @@ static void attend_slice(fwd* f, const attn_slice* a, tl_attn_scratch* scratch) 
         const size_t m = a->t0 + a->m - t < TL_ATTN_TILE ? a->t0 + a->m - t : TL_ATTN_TILE;
         for (size_t h = a->kv_head * group; h < (a->kv_head + 1) * group; h++)
             tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, layer, a->kv_head, f->pos[t], m, s->window,
-                           f->qkv + t * f->qkv_dim + h * D, f->qkv_dim, f->o + t * f->hd + h * D, f->hd, packed,
-                           scratch);
+                           s->instruction, f->qkv + t * f->qkv_dim + h * D, f->qkv_dim, f->o + t * f->hd + h * D,
+                           f->hd, packed, scratch);
     }
 }
 
@@ -281,7 +282,7 @@ static void task_attention(void* ctx, size_t task, unsigned worker) {
     const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
     const tl_seq* s = f->seqs[t];
     tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, tl_fwd_row_slot(f, t), kv_head, f->pos[t], s->window,
-              f->qkv + t * f->qkv_dim + h * D, f->o + t * f->hd + h * D, &f->attn[worker]);
+              s->instruction, f->qkv + t * f->qkv_dim + h * D, f->o + t * f->hd + h * D, &f->attn[worker]);
 }
 
 /* gate := silu(gate) * up, then acts row t = Q8 of it. */

@@ -23,13 +23,15 @@
  *     maxima of NaN-free partial maxima and exact integer sums do not depend on the partition.
  *
  * Every sum is an exact integer and every maximum is over NaN-free partial maxima, so the split
- * over threads or blocks cannot change a bit. Visible keys are positions lo .. pos (lo = pos + 1 - W
- * with a window W, else 0); key k = j - lo lives in the row's span holding j, slot j - start.
+ * over threads or blocks cannot change a bit. Visible keys are positions lo .. e(pos) (core/attn_mask.h:
+ * lo = pos + 1 - W with a window W, else 0; e(pos) = pos, or P - 1 inside an instruction block of
+ * length P); key k = j - lo lives in the row's span holding j, slot j - start.
  * The per-key S_k (then U_k, as bits) go to scratch `scores` [rows][H][key_stride].
  * Cache layout per (layer, kv head): kq [bs][R], vq [bs][R], sk [bs] f32, sv [bs] f32 with rows of
  * R = D int8 values or, in the int4 KV mode, R = D / 2 bytes of packed Q4 values (kvcache.h),
  * which the passes unpack as they read them: the same integers, so the same formulas. */
 #include "common.cuh"
+#include "core/attn_mask.h"
 #include "cuda/attention_split.h"
 
 enum {
@@ -279,8 +281,8 @@ static __device__ head_view view_of(const att_args& a, unsigned hi) {
     v.r = a.row0 + hi / (unsigned)a.H;
     v.h = (int)(hi % (unsigned)a.H);
     const tl_cuda_row row = a.rows[v.r];
-    v.lo = (row.window && row.pos + 1 > row.window) ? row.pos + 1 - row.window : 0;
-    v.nvis = row.pos - v.lo + 1;
+    v.lo = (uint32_t)tl_attn_first_key(row.pos, row.window);
+    v.nvis = (uint32_t)tl_attn_last_key(row.pos, row.instruction) - v.lo + 1;
     /* the row's spans; first = the last span starting at or before lo */
     key_finder& f = v.f;
     f.sp = a.spans + row.first_span;

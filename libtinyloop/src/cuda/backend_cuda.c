@@ -18,6 +18,7 @@
 
 #include "base/alloc.h"
 #include "base/errors.h"
+#include "core/attn_mask.h"
 #include "core/engine.h"
 #include "core/exit_rule.h"
 #include "cpu/forward.h"
@@ -40,7 +41,7 @@ size_t tl_cuda_count_spans(tl_seq* const* seqs, size_t T) {
 static tl_cuda_row row_at(const tl_seq* s, size_t pos, int32_t token, uint32_t first_span, uint32_t n_spans) {
     const tl_kv_span* write = &s->kv.spans[tl_kv_find(&s->kv, pos)];
     return (tl_cuda_row){token, (uint32_t)pos, s->loops, s->window, write->block->data,
-                         (uint32_t)(pos - write->start), first_span, n_spans};
+                         (uint32_t)(pos - write->start), first_span, n_spans, (uint32_t)s->instruction};
 }
 
 size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* tokens, size_t T,
@@ -58,7 +59,8 @@ size_t tl_cuda_describe(tl_seq* const* seqs, const size_t* pos, const int32_t* t
             count = n_spans - first;
         }
         rows[t] = row_at(s, pos[t], tokens[t], (uint32_t)first, (uint32_t)count);
-        if (pos[t] + 1 > *max_keys) *max_keys = (uint32_t)(pos[t] + 1);
+        const size_t keys = tl_attn_last_key(pos[t], s->instruction) + 1;
+        if (keys > *max_keys) *max_keys = (uint32_t)keys;
     }
     return n_spans;
 }

@@ -71,12 +71,14 @@ typedef struct tl_cuda_row {
     uint32_t write_slot;   /* slot of pos in that block                                       */
     uint32_t first_span;   /* the row's sequence: spans[first_span .. first_span + n_spans)   */
     uint32_t n_spans;      /*   cover every key visible to the row (released ones omitted)   */
+    uint32_t instruction;  /* its sequence's instruction length P (docs/spec.md §4.1), 0 = causal */
 } tl_cuda_row;
 
 /* A forward pass of T rows (docs/spec.md §4), or a part of one (core/forward.h's tl_part). Rows
  * are ordered by loops, deepest first; the order of the steps and the rows each runs on is
  * cuda/pass.h's. Rows of one sequence sit at consecutive positions and share a span range; a row
- * attends to keys j <= pos (and j > pos - window) including the keys other rows of this batch
+ * attends to keys j <= e(pos) (core/attn_mask.h: pos, or instruction - 1 inside the instruction
+ * block) and j > pos - window, including the keys other rows of this batch
  * write in the same slot, so every KV write of a block precedes that block's attention. A part
  * (first_iter, coda_depth, state_out, inject_out) and a prefix build (loop_states) are passes of
  * one sequence: every row has the same loops, the depth the part runs to. */
@@ -85,7 +87,7 @@ typedef struct tl_cuda_batch {
     const tl_cuda_row* rows;    /* [T] host memory                                          */
     const tl_cuda_span* spans;  /* [n_spans] host memory                                    */
     size_t n_spans;
-    uint32_t max_keys;          /* > every row's pos                                         */
+    uint32_t max_keys;          /* > every row's last visible key e(pos)                     */
     uint32_t block_size;        /* kvcache geometry                                         */
     size_t head_bytes;
     uint32_t kv_bits;           /* 8 or 4 (int4 KV mode: packed Q4 rows)                     */

@@ -45,19 +45,20 @@
  * into an executable graph, kept in a small cache (least recently used out), and replayed with
  * cudaGraphLaunch on every later pass of that shape. Why a replay gives the plain path's bits,
  * by construction: launch_pass takes its kernel arguments only from the shape and from the
- * scratch addresses, and every value that changes per step (tokens, positions, windows, K/V
+ * scratch addresses, and every value that changes per step (tokens, positions, windows, instruction lengths, K/V
  * write slots, the span tables and so the keys each row sees, a resumed part's states) lives in
  * device memory (io, x, inject), rewritten by the copies before each launch and read there by
  * the kernels. A moved scratch buffer drops every graph.
  * So a replay is exactly the launches the plain path would make for this batch (same kernels,
  * same arguments, same order, same stream), and graphs on or off cannot change a bit. The key
- * stride is max_keys rounded up to a power of two (attention reads only keys below each row's
- * own pos + 1, whatever the stride), so a decode shape changes only when the context doubles.
+ * stride is max_keys rounded up to a power of two (attention reads only keys up to each row's
+ * own last visible key e(pos), whatever the stride), so a decode shape changes only when the context doubles.
  * Any failure of a graph call falls back to plain launches of the same pass and turns graphs off
  * for the model (c->graphs_off, also set by TINYLOOP_CUDA_GRAPHS=0). */
 #include <string.h>
 
 #include "common.cuh"
+#include "core/attn_mask.h"
 #include "cuda/pass.h"
 
 enum {
@@ -123,7 +124,8 @@ static tl_status check_batch(const tl_cuda* c, const tl_cuda_batch* b, uint32_t*
             (one_depth(b) && r->loops != b->rows[0].loops))
             return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad row %zu (token %d, position %u, loops %u)", t,
                            (int)r->token, r->pos, r->loops);
-        if (r->pos + 1 > keys) keys = r->pos + 1;
+        const size_t last = tl_attn_last_key(r->pos, r->instruction);
+        if (last + 1 > keys) keys = (uint32_t)(last + 1);
     }
     if (b->block_size == 0 || (b->n_spans && !b->spans))
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "CUDA forward: bad span table");

@@ -2,7 +2,7 @@
  * file (docs/spec.md §7.6, core/block_file.h) on the fuzzer's bytes, file_bytes and checksum
  * made consistent (fuzz_util.h). The tier's model is fixed (fuzz_block_model); the KV mode is
  * the one the file's kv_mode field names, and the place a lookup asks for is the one the file
- * claims (window, tree depth, salt, block index, tokens, layer count), so a file that is whole
+ * claims (window, tree depth, instruction length, salt, block index, tokens, layer count), so a file that is whole
  * gets through every rule to the records.
  *
  * Invariants: tl_block_file_check passes or fails as TL_ERR_BAD_FILE naming the spilled block
@@ -12,16 +12,17 @@
 
 #include "fuzz_util.h"
 
-enum { KV_MODE_AT = 40 };
+enum { KV_MODE_AT = 40, INSTRUCTION_AT = 76 };
 
 /* The place the file claims, copied out of it where it holds one (else zeros: the check fails
  * before it reads them). salt: room for TL_BLOCK_MAX_SALT bytes and a NUL. */
 static tl_block_place claimed_place(const uint8_t* f, size_t n, const tl_block_model* m, char* salt,
                                     int32_t* tokens) {
-    tl_block_place at = {salt, 0, 0, 0, tokens};
+    tl_block_place at = {salt, 0, 0, 0, tokens, 0};
     salt[0] = 0;
     if (n < TL_BLOCK_HEADER_BYTES) return at;
     at.window = tu_get_u32(f + 44), at.tree_depth = tu_get_u32(f + 48), at.index = tu_get_u32(f + 60);
+    at.instruction = tu_get_u32(f + INSTRUCTION_AT);
     const size_t salt_bytes = tu_get_u32(f + 56);
     if (salt_bytes > TL_BLOCK_MAX_SALT || TL_BLOCK_HEADER_BYTES + salt_bytes > n) return at;
     memcpy(salt, f + TL_BLOCK_HEADER_BYTES, salt_bytes);

@@ -135,7 +135,7 @@ static void block_seed(const char* name, uint32_t kv_bits, const char* salt, uin
                 tl_kv_value_scales(g, b, l, h)[p] = (float)tu_uniform(&rng, 0, 999) / 32.0f;
             }
         }
-    const tl_block_place at = {salt, 0, depth, index, tokens};
+    const tl_block_place at = {salt, 0, depth, index, tokens, 0};
     const size_t n = tl_block_file_size(&m, strlen(salt), index, n_layers);
     uint8_t* bytes = malloc(n);
     if (!bytes || tl_block_file_encode(&m, &at, b, NULL, bytes) != TL_OK) exit(2);
