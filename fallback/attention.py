@@ -9,15 +9,16 @@ import numpy as np
 from .numerics import F32, LOG2E, TWO_24, exp2s, int_to_f32, nan_ignoring_max, quantize_rows
 
 
-def key_range(pos0, n_tok, window):
-    """[lo, hi): the cached positions that queries pos0 .. pos0+n_tok-1 can see (spec §4.1)."""
+def key_range(pos0, n_tok, window, instruction=0):
+    """[lo, hi): the cached positions that queries pos0 .. pos0+T-1 can see (spec §4.1)."""
     lo = max(0, pos0 - window + 1) if window else 0
-    return lo, pos0 + n_tok
+    return lo, max(pos0 + n_tok, instruction if pos0 < instruction else 0)
 
 
-def visible_keys(query_pos, key_pos, window):
-    """(T, S) bool: key j is visible from query t (causal, and inside the window if W > 0)."""
-    mask = key_pos[None, :] <= query_pos[:, None]
+def visible_keys(query_pos, key_pos, window, instruction=0):
+    """(T, S) bool: key j is visible from query t (j <= e(t), and inside the window if W > 0)."""
+    last = np.where(query_pos < instruction, instruction - 1, query_pos)
+    mask = key_pos[None, :] <= last[:, None]
     if window:
         mask &= key_pos[None, :] > query_pos[:, None] - window
     return mask
@@ -60,6 +61,7 @@ def attend_cached(qh, cache, layer, pos0):
 
     qh: (T, H, D) float32. Reads the visible keys as contiguous arrays; returns (T, H * D).
     """
-    lo, hi = key_range(pos0, len(qh), cache.window)
-    visible = visible_keys(np.arange(pos0, hi), np.arange(lo, hi), cache.window)
+    lo, hi = key_range(pos0, len(qh), cache.window, cache.instruction)
+    visible = visible_keys(np.arange(pos0, pos0 + len(qh)), np.arange(lo, hi), cache.window,
+                           cache.instruction)
     return attend(qh, *cache.read(layer, lo, hi), visible)

@@ -17,7 +17,7 @@ from tinyloop.engine import CACHE_STAT_NAMES, NO_CALLBACKS, loops_mismatch, stop
 from . import hidden_prefix, prefix_blob
 from .exit_rules import exit_rule
 from .forward import NumpyKernels, decode_pass, forward_chunk, forward_part, head_logits, on_host
-from .kvcache import KV_BITS, KVCache
+from .kvcache import KV_BITS, KVCache, chunk_bounds
 from .pcache_disk import DiskTier
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
@@ -45,6 +45,7 @@ class Prefix:
     injected: Optional[np.ndarray] = field(default=None, repr=False)   # and carried: (n, d) f32
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # extend vs fork
     hidden: Optional[hidden_prefix.HiddenRows] = field(default=None, repr=False)   # h prefix
+    instruction: int = 0        # its instruction length P (spec §4.1), 0 .. n
 
     @property
     def storage(self):
@@ -101,8 +102,8 @@ class Engine:
                 "isa": k.isa, "threads": k.threads, "kv_block_size": self.pool.block_size,
                 "weight_bytes": host, "device_weight_bytes": device, "kv_mode": self.kv_mode}
 
-    def new_cache(self, loops, window):
-        return KVCache(self.pool, self.config.n_layers(loops), window)
+    def new_cache(self, loops, window, instruction=0):
+        return KVCache(self.pool, self.config.n_layers(loops), window, instruction)
 
     def prefill(self, cache, tokens, chunk, depth_states=None, all_logits=False, release=True,
                 on_chunk=None, kept=None, capture=None):
@@ -113,27 +114,27 @@ class Engine:
         call) runs after each chunk; kept: a list to receive each chunk's Rows; capture: an h
         prefix build's recorder of every layer's input (forward_part)."""
         outputs = []
-        for start in range(0, len(tokens), chunk):
-            piece = tokens[start:start + chunk]
+        for start, stop in chunk_bounds(cache.length, len(tokens), chunk, cache.instruction):
+            piece = tokens[start:stop]
             states = [] if depth_states is not None else None
             rows = forward_chunk(self.kernels, self.weights, cache, piece, states, capture)
             x = rows.hidden
             if kept is not None:
                 kept.append(rows)
-            if depth_states is not None and start + chunk >= len(tokens):
+            if depth_states is not None and stop == len(tokens):
                 depth_states.extend(states)
             if all_logits:
                 outputs.append(head_logits(self.kernels, self.weights, x))
             if on_chunk is not None:
-                on_chunk(min(start + chunk, len(tokens)))
+                on_chunk(stop)
         if release:
             cache.release_outside_window()
         if all_logits:
             return np.concatenate(outputs)
         return head_logits(self.kernels, self.weights, self.kernels.last_row(x))[0]
 
-    def logits(self, tokens, loops, window, chunk):
-        cache = self.new_cache(loops, window)
+    def logits(self, tokens, loops, window, chunk, instruction=0):
+        cache = self.new_cache(loops, window, instruction)
         try:
             return self.prefill(cache, tokens, chunk, all_logits=True)
         finally:
@@ -143,7 +144,7 @@ class Engine:
         """Returns (emitted ids, per-step logits); the logits are kept whatever want_logits says.
         callbacks.on_token(id) runs after each emitted token, callbacks.on_prefill(done, total)
         after each prompt chunk; if one raises, generation stops and the exception propagates."""
-        cache = self.new_cache(params.loops, params.cache_window)
+        cache = self.new_cache(params.loops, params.cache_window, params.instruction_length)
         try:
             logits = self._run_prompt(cache, prompt, params, callbacks.on_prefill)
         except BaseException:
@@ -172,9 +173,10 @@ class Engine:
         return logits
 
     def _tree(self, params):
-        """The prefix cache's tree of a request (docs/spec.md §4.3): per (salt, window), and
-        per depth too when the model has a coda (its slots hold one depth's KV)."""
-        tree = (params.cache_salt, params.cache_window)
+        """The prefix cache's tree of a request (docs/spec.md §4.3): per (salt, window,
+        instruction length), and per depth too when the model has a coda (its slots hold one
+        depth's KV)."""
+        tree = (params.cache_salt, params.cache_window, params.instruction_length)
         return tree + (params.loops,) if self.config.n_coda_blocks else tree
 
     def generate_batch(self, requests, want_logits=False):
@@ -194,11 +196,13 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def build_prefix(self, prompt, loops, window, chunk, warm_start=False, storage="kv"):
+    def build_prefix(self, prompt, loops, window, chunk, warm_start=False, storage="kv",
+                     instruction=0):
         """A prefix of `storage` "kv", "h8" or "h4" (docs/spec.md §5.4.1; ValueError when the
-        storage cannot be built: hidden_prefix.check_storage)."""
+        storage cannot be built: hidden_prefix.check_storage) whose first `instruction`
+        tokens are an instruction block (§4.1)."""
         hidden_prefix.check_storage(self.config, self.pool.kv_bits, storage, warm_start)
-        cache = self.new_cache(loops, window)
+        cache = self.new_cache(loops, window, instruction)
         states, kept = [], [] if warm_start else None
         hidden = capture = None
         if storage != "kv":
@@ -214,7 +218,7 @@ class Engine:
             cache.free()                 # at rest an h prefix keeps its rows, not its KV
             cache = None
         prefix = Prefix(self, prompt.copy(), loops, window, cache, states, warm_start,
-                        hidden=hidden)
+                        hidden=hidden, instruction=instruction)
         if warm_start:
             prefix.states = on_host(self.kernels, [rows.state for rows in kept])
             if self.config.carries_injected:
@@ -235,13 +239,13 @@ class Engine:
                 self._rebuild(prefix, loops, chunk)
                 return
             k, n, n_old = self.kernels, len(prefix.tokens), self.config.n_layers(prefix.loops)
-            cache = self.new_cache(loops, prefix.cache_window)
+            cache = self.new_cache(loops, prefix.cache_window, prefix.instruction)
             fresh = cache.layers[n_old:]
             cache.layers[:n_old] = prefix.cache.layers
             kept, carried = [], []
             try:
-                for start in range(0, n, chunk):
-                    rows = slice(start, start + chunk)
+                for start, stop in chunk_bounds(0, n, chunk, prefix.instruction):
+                    rows = slice(start, stop)
                     states = []
                     part = forward_part(k, self.weights, cache, start, first_iter=prefix.loops,
                                         state=k.table(prefix.states[rows]),
@@ -265,7 +269,8 @@ class Engine:
 
     def _rebuild(self, prefix, loops, chunk):
         """Deepen a warm-start prefix that kept no states by building it again at `loops`."""
-        deeper = self.build_prefix(prefix.tokens, loops, prefix.cache_window, chunk, True)
+        deeper = self.build_prefix(prefix.tokens, loops, prefix.cache_window, chunk, True,
+                                   instruction=prefix.instruction)
         prefix.cache.free()     # generations running from it keep their forks' blocks
         prefix.cache, prefix.loop_states = deeper.cache, deeper.loop_states
         prefix.states, prefix.injected, prefix.loops = deeper.states, deeper.injected, loops
@@ -281,7 +286,7 @@ class Engine:
         into the sequence's own cache (its rows never change: no lock)."""
         if prefix.hidden is not None:
             cache = hidden_prefix.rebuild(self, prefix.hidden, params.loops, prefix.cache_window,
-                                          params.prefill_chunk)
+                                          params.prefill_chunk, prefix.instruction)
             loop_state = prefix.loop_states[params.loops - 1]
         else:
             with prefix.lock:

@@ -105,12 +105,12 @@ def read_slots(config, weights, loops):
         yield config.coda_slot(loops, c), block
 
 
-def rebuild(engine, rows, loops, window, chunk):
-    """A new cache at depth `loops` holding the prefix's positions 0 .. n-1: in every slot
-    depth `loops` reads, the KV of positions rows.start .. n-1 from the rows, `chunk` positions
-    a pass; the blocks before rows.start (never visible) are not kept."""
+def rebuild(engine, rows, loops, window, chunk, instruction):
+    """A new cache at depth `loops` (window, instruction length) holding the prefix's positions
+    0 .. n-1: in every slot depth `loops` reads, the KV of positions rows.start .. n-1 from the
+    rows, `chunk` positions a pass; the blocks before rows.start (never visible) are not kept."""
     k, w, n = engine.kernels, engine.weights, rows.start + rows.q.shape[1]
-    cache = engine.new_cache(loops, window)
+    cache = engine.new_cache(loops, window, instruction)
     try:
         for slot, block in read_slots(engine.config, w, loops):
             cache.layers[slot].extend([None] * (rows.start // cache.pool.block_size))

@@ -102,12 +102,26 @@ class KVBlock:
         return twin
 
 
-class KVCache:
-    """One sequence's cache: `n_layers` lists of blocks (None where a window released one)."""
+def chunk_bounds(pos0, n, chunk, instruction):
+    """(start, stop) of each chunk of n tokens fed at positions pos0.. in chunks of `chunk`
+    (spec §4.2): the chunk holding position 0 holds the instruction block 0 .. P-1 whole."""
+    bounds, start = [], 0
+    while start < n:
+        size = max(chunk, instruction - pos0) if pos0 + start == 0 else chunk
+        bounds.append((start, min(n, start + size)))
+        start += size
+    return bounds
 
-    def __init__(self, pool, n_layers, window):
+
+class KVCache:
+    """One sequence's cache: `n_layers` lists of blocks (None where a window released one),
+    for a sequence with sliding window `window` (0: none) and instruction length
+    `instruction` (spec §4.1; 0: causal)."""
+
+    def __init__(self, pool, n_layers, window, instruction=0):
         self.pool = pool
         self.window = window
+        self.instruction = instruction
         self.length = 0          # positions written in every layer
         self.layers = [[] for _ in range(n_layers)]
 
@@ -181,7 +195,7 @@ class KVCache:
 
     def fork(self, n_layers):
         """A new cache sharing the first n_layers layers' blocks (no copies)."""
-        twin = KVCache(self.pool, n_layers, self.window)
+        twin = KVCache(self.pool, n_layers, self.window, self.instruction)
         twin.length = self.length
         for mine, theirs in zip(twin.layers, self.layers[:n_layers]):
             for blk in theirs:

@@ -307,8 +307,10 @@ def _head_output(scores, u, values, rows, out):
 
 
 @njit(parallel=True, cache=True)
-def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window, parts, out):
-    """spec §4.1 for T queries at pos0.. over the keys of one cache layer, read in place.
+def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, hi, window,
+                  instruction, parts, out):
+    """spec §4.1 for T queries at pos0.. over the keys lo .. hi-1 of one cache layer (the
+    union of what they see: past pos0+T-1 up to an instruction block's end), read in place.
 
     qh: (T, H, D) float32; kq, vq: (rows, block_size, G, D) int8 and sk, sv: (rows,
     block_size, G) float32, the pool's arena; position j is in arena row
@@ -322,11 +324,12 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
     group = n_heads // n_kv
     keys, values = kq.reshape(-1, head_dim), vq.reshape(-1, head_dim)    # row: slot * G + g
     kscale, vscale = sk.reshape(-1), sv.reshape(-1)
-    slots = _arena_slots(table, shift, block_size, lo, pos0 + n_tok)
+    slots = _arena_slots(table, shift, block_size, lo, hi)
     for item in prange(n_tok * parts):
         t, part = _interleaved(item // parts, n_tok), item % parts
         first = max(lo, pos0 + t - window + 1) if window else lo
-        bases = slots[first - lo:pos0 + t + 1 - lo] * n_kv
+        last = instruction - 1 if pos0 + t < instruction else pos0 + t    # e(t)
+        bases = slots[first - lo:last + 1 - lo] * n_kv
         h0, h1 = part * n_heads // parts, (part + 1) * n_heads // parts
         qq, c = _quantized_queries(qh[t], h0, h1)
         scores, u = np.empty((h1 - h0, len(bases)), F32), np.empty((h1 - h0, len(bases)), F32)
@@ -482,7 +485,7 @@ class NumbaKernels(NumpyKernels):
         return qh, (kq, sk, vq, sv)
 
     def attend(self, qh, cache, layer, pos0):
-        lo, hi = key_range(pos0, len(qh), cache.window)
+        lo, hi = key_range(pos0, len(qh), cache.window, cache.instruction)
         pool = cache.pool
         table, shift = pool.block_table(cache, layer, lo, hi)
         arena = pool.arena              # one arena: a growing thread may replace it
@@ -495,7 +498,7 @@ class NumbaKernels(NumpyKernels):
         threads = self.threads_for(qh.size * (hi - lo))
         parts = min(threads, qh.shape[1]) if len(qh) < threads else 1   # split a lone query
         self.launch(attend_kernel, threads, qh, kq, sk, vq, sv, table, shift, pool.block_size,
-                    pos0, lo, cache.window, parts, out)
+                    pos0, lo, hi, cache.window, cache.instruction, parts, out)
         return out.reshape(len(qh), -1)
 
     def swiglu(self, gu):

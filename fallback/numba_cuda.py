@@ -251,7 +251,8 @@ def _block_max(values, tid):
 
 
 @cuda.jit(fastmath=False)
-def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window, out):
+def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window, instruction,
+                  out):
     """spec §4.1; one block per (query t, head h) of n threads, n a power of two <= 32 and
     n >= D or n = 32. Thread i visits keys i, i + n, ... and output dims i, i + n, ...
 
@@ -274,6 +275,7 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
     num = cuda.local.array(DIMS_PER_THREAD, np.float64)    # dims tid + i * n
     pos = pos0 + t
     first = max(lo, pos - window + 1) if window else lo
+    last = instruction - 1 if pos < instruction else pos    # e(t): the instruction block
     if tid == 0:
         c_shared[0] = quantize_row(qh[t, h], qq[:head_dim], numba_scalar.QMAX8) / fsqrt(
             F32(head_dim))
@@ -281,7 +283,7 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
     c = c_shared[0]
     m = NEG_INF
     svmax = NEG_INF
-    for j in range(first + tid, pos + 1, n_thr):
+    for j in range(first + tid, last + 1, n_thr):
         b, row = _key(table, j - shift, block_size)
         score = _score(qq, kq, sk, b, row, g, head_dim, packed, c)
         m = score if score > m else m
@@ -296,17 +298,17 @@ def attend_kernel(qh, kq, sk, vq, sv, table, shift, block_size, pos0, lo, window
     den = 0.0
     if svmax > 0:
         kappa = numba_scalar.TWO_24 / svmax
-        for base in range(first, pos + 1, n_thr):
+        for base in range(first, last + 1, n_thr):
             j = base + tid
             u_chunk[tid] = 0
-            if j <= pos:
+            if j <= last:
                 b, row = _key(table, j - shift, block_size)
                 e_int, u = attention_weights(_score(qq, kq, sk, b, row, g, head_dim, packed, c),
                                              m, sv[b, row, g], kappa)
                 den = dadd(den, np.float64(e_int))
                 u_chunk[tid] = u
             cuda.syncthreads()
-            for jj in range(min(n_thr, pos + 1 - base)):
+            for jj in range(min(n_thr, last + 1 - base)):
                 b, row = _key(table, base + jj - shift, block_size)
                 u64 = np.float64(u_chunk[jj])
                 values = vq[b, row, g]
@@ -435,14 +437,14 @@ class CudaKernels(NumpyKernels):
 
     @staticmethod
     def attend(qh, cache, layer, pos0):
-        lo, hi = key_range(pos0, qh.shape[0], cache.window)
+        lo, hi = key_range(pos0, qh.shape[0], cache.window, cache.instruction)
         table, shift = cache.pool.block_table(cache, layer, lo, hi)
         out = cuda.device_array((qh.shape[0], qh.shape[1] * qh.shape[2]), F32)
         arena = cache.pool.arena
         n_thr = min(ATTN_THREADS, 1 << (qh.shape[2] - 1).bit_length())
         attend_kernel[(qh.shape[0], qh.shape[1]), n_thr](
             qh, arena["kq"], arena["sk"], arena["vq"], arena["sv"], table, shift,
-            cache.pool.block_size, pos0, lo, cache.window, out)
+            cache.pool.block_size, pos0, lo, cache.window, cache.instruction, out)
         return out
 
     @staticmethod

@@ -3,7 +3,8 @@ one file per block in a directory, named `<key>.tlblock` and laid out as §7.6, 
 libtinyloop's tier writes for the same block, so that each reads the other's files.
 
 `DiskTier.spill(tree, tokens, blocks)` writes a block of the tree `tree` (the prefix cache's
-key: (salt, window) or (salt, window, depth), fallback/engine.py's Engine._tree) whose chain of
+key: (salt, window, instruction) or (salt, window, instruction, depth), fallback/engine.py's
+Engine._tree) whose chain of
 tokens from position 0 is `tokens`, `blocks[slot]` its KV blocks (None for a slot its requests
 never write: the coda slots of other depths, stored as zero records). `DiskTier.read(name,
 tree, tokens, i, need)` gives back the blocks of block `i` of `tokens` from file `name` (one of
@@ -40,10 +41,10 @@ from .prefix_blob import KV_MODE_CODES, MAX_LAYERS
 MAGIC = b"TLPBLOCK"
 VERSION = 1
 SUFFIX = ".tlblock"
-HEADER = struct.Struct("<8sIIQIIQIIIIIIIII20s")
+HEADER = struct.Struct("<8sIIQIIQIIIIIIIIII16s")
 Header = namedtuple("Header", "magic version header_bytes file_bytes checksum model_checksum "
                               "model_file_bytes kv_mode window tree_depth block_size salt_bytes "
-                              "block_index n_layers n_kv_heads head_dim reserved")
+                              "block_index n_layers n_kv_heads head_dim instruction reserved")
 KEY_FIELDS = struct.Struct("<IQIIIII")   # model_checksum .. salt_bytes: the name's first bytes
 MAX_BLOCK_SIZE = MAX_SALT_BYTES = 65536
 FNV_BASIS, FNV_PRIME, U64 = 0xcbf29ce484222325, 0x100000001b3, (1 << 64) - 1
@@ -66,8 +67,8 @@ def _fail(message):
 
 
 def _tree_fields(tree):
-    """(salt as bytes, window, tree_depth) of a prefix cache tree key."""
-    return tree[0].encode("utf-8"), tree[1], tree[2] if len(tree) > 2 else 0
+    """(salt as bytes, window, instruction, tree_depth) of a prefix cache tree key."""
+    return tree[0].encode("utf-8"), tree[1], tree[2], tree[3] if len(tree) > 3 else 0
 
 
 class DiskTier:
@@ -117,10 +118,12 @@ class DiskTier:
     # -- names -------------------------------------------------------------------------------
     def names(self, tree, tokens):
         """The file names of blocks 0, 1, ... of `tokens` ((n,) int32) in `tree`, lazily."""
-        salt, window, depth = _tree_fields(tree)
-        h = fnv1a(salt, fnv1a(KEY_FIELDS.pack(self.model_checksum, self.model_file_bytes,
-                                              self.kv_mode, window, depth,
-                                              self.pool.block_size, len(salt))))
+        salt, window, instruction, depth = _tree_fields(tree)
+        key = KEY_FIELDS.pack(self.model_checksum, self.model_file_bytes, self.kv_mode, window,
+                              depth, self.pool.block_size, len(salt))
+        if instruction:                 # a causal tree's names stay those of TinyLoop 0.8
+            key += struct.pack("<I", instruction)
+        h = fnv1a(salt, fnv1a(key))
         bs = self.pool.block_size
         for i in range(len(tokens) // bs):
             h = fnv1a(tokens[i * bs:(i + 1) * bs].astype("<i4").tobytes(), h)
@@ -160,7 +163,7 @@ class DiskTier:
         return True
 
     def _file_bytes(self, tree, tokens, blocks):
-        salt, window, depth = _tree_fields(tree)
+        salt, window, instruction, depth = _tree_fields(tree)
         bs, g = self.pool.block_size, self.config.n_kv_heads
         records = np.zeros((len(blocks), bs, g), self.record)       # (n_layers, bs, G)
         for slot, block in enumerate(blocks):
@@ -170,7 +173,7 @@ class DiskTier:
         header = Header(MAGIC, VERSION, HEADER.size, self._size(len(salt), index, len(blocks)), 0,
                         self.model_checksum, self.model_file_bytes, self.kv_mode, window, depth,
                         bs, len(salt), index, len(blocks), g,
-                        self.config.head_dim, bytes(20))
+                        self.config.head_dim, instruction, bytes(16))
         data = bytearray(HEADER.pack(*header) + salt + tokens.astype("<i4").tobytes()
                          + records.tobytes())
         struct.pack_into("<I", data, CHECKSUM_AT, checksum(data))
@@ -217,14 +220,14 @@ class DiskTier:
         self.disk_bytes += size - self._files.pop(name, 0)     # counted now, if it was not
         self._files[name] = size
         self.disk_hit_blocks += 1
-        return self._blocks(records, _tree_fields(tree)[2])
+        return self._blocks(records, _tree_fields(tree)[3])
 
     def _load(self, name, tree, tokens, need):
         """((n_layers, bs, G) records, file size) of file `name` if it is a valid block ending
         `tokens` in `tree` serving `need` layers, else None. The body is read only once the
         header's sizes are the file's and those of such a block (nothing sized by a bad file);
         a FIFO or a link under the name is no block (never waited on, never followed)."""
-        want_salt, window, depth = _tree_fields(tree)
+        want_salt, window, instruction, depth = _tree_fields(tree)
         place = (len(want_salt), len(tokens) // self.pool.block_size - 1)   # salt_bytes, index
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
@@ -240,8 +243,8 @@ class DiskTier:
             h, salt, stored, records = self.parse(head + body)
         except (OSError, BlockFileError):
             return None
-        if (h.window, h.tree_depth, h.block_size, salt) != (window, depth, self.pool.block_size,
-                                                            want_salt):
+        if ((h.window, h.tree_depth, h.block_size, h.instruction, salt)
+                != (window, depth, self.pool.block_size, instruction, want_salt)):
             return None
         if len(stored) != len(tokens) or not np.array_equal(stored, tokens):
             return None
@@ -283,7 +286,7 @@ class DiskTier:
         if not 1 <= h.n_layers <= MAX_LAYERS:
             _fail(f"n_layers: {h.n_layers} out of range (1 .. {MAX_LAYERS})")
         if any(h.reserved):
-            _fail("reserved: bytes 76 .. 95 must be zero")
+            _fail("reserved: bytes 80 .. 95 must be zero")
         want = self._size(h.salt_bytes, h.block_index, h.n_layers, bs)
         if h.file_bytes != want:
             _fail(f"file_bytes: {h.file_bytes}, but the header's fields describe {want} bytes")

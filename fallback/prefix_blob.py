@@ -27,10 +27,10 @@ from .kv_records import record_dtype, row_bytes
 
 MAGIC = b"TLPREFIX"
 VERSIONS = (1, 2)                         # 1: a kv prefix, 2: an h prefix
-HEADER = struct.Struct("<8sIIQIIQIIIIQQIIIII4s")
+HEADER = struct.Struct("<8sIIQIIQIIIIQQIIIIII")
 Header = namedtuple("Header", "magic version header_bytes blob_bytes checksum model_checksum "
                               "model_file_bytes kv_mode loops window flags n_tokens kv_start "
-                              "n_layers n_kv_heads head_dim d_model storage reserved")
+                              "n_layers n_kv_heads head_dim d_model storage instruction")
 KV_MODE_CODES = {8: 0, 4: 1}              # pool.kv_bits -> the header's kv_mode
 KV_MODE_NAMES = {0: "int8", 1: "int4"}
 WARM_START, STATES = 1, 2                 # flags bits
@@ -85,7 +85,7 @@ def save(engine, prefix):
                     model_checksum, file_bytes, KV_MODE_CODES[engine.pool.kv_bits], prefix.loops,
                     prefix.cache_window, flags, n, kv_start, config.n_layers(prefix.loops),
                     config.n_kv_heads, config.head_dim, config.d_model,
-                    STORAGE_CODES[prefix.storage], bytes(4))
+                    STORAGE_CODES[prefix.storage], prefix.instruction)
     blob = bytearray(HEADER.pack(*header) + body)
     struct.pack_into("<I", blob, CHECKSUM_AT, checksum(blob))
     return bytes(blob)
@@ -152,8 +152,10 @@ def _check_header(engine, mv):
     if h.version == 2 and h.kv_start != hidden_prefix.h_start(n, h.window):
         _fail(f"kv_start: {h.kv_start}, but an h prefix stores from position "
               f"{hidden_prefix.h_start(n, h.window)} (window={h.window}, {n} tokens)")
-    if h.version == 1 and (h.storage or any(h.reserved)):
-        _fail("reserved: bytes 88 .. 95 must be zero")
+    if h.instruction > n:
+        _fail(f"instruction: {h.instruction} exceeds the prefix's {n} tokens")
+    if h.version == 1 and h.storage:
+        _fail(f"storage: {h.storage}, must be 0 (kv) in a version-1 blob")
     if h.version == 2:
         _check_storage(config, h)
     want = _expected_size(config, h, engine.pool.kv_bits)
@@ -163,14 +165,11 @@ def _check_header(engine, mv):
 
 
 def _check_storage(config, h):
-    """A version 2 blob's storage (1 h8, 2 h4; h4 only of an even d_model), then its reserved
-    bytes (92 .. 95; a version 1 blob's are 88 .. 95, its storage field included)."""
+    """A version 2 blob's storage: 1 h8, 2 h4 (h4 only of an even d_model)."""
     if h.storage not in (1, 2):
         _fail(f"storage: unknown {h.storage} (1 = h8, 2 = h4)")
     if h.storage == 2 and config.d_model % 2:
         _fail(f"storage: h4 needs an even d_model, this model's is {config.d_model}")
-    if any(h.reserved):
-        _fail("reserved: bytes 92 .. 95 must be zero")
 
 
 def _record_dtype(config, h, kv_bits):
@@ -251,7 +250,7 @@ def _fill_cache(engine, cache, records, n, kv_start):
 
 def load(engine, blob):
     """The fields of the fallback.engine.Prefix saved in `blob` (a contiguous buffer), after
-    every rule of the blob holds: tokens, loops, cache_window, cache, loop_states, warm_start,
+    every rule of the blob holds: tokens, loops, cache_window, instruction, cache, loop_states, warm_start,
     states, injected, hidden (all the engine's own copies; an h prefix: cache None and its
     rows in hidden)."""
     mv = memoryview(blob).cast("B")
@@ -262,7 +261,7 @@ def load(engine, blob):
     if h.version == 2:
         hidden = hidden_prefix.from_records(STORAGE_NAMES[h.storage], h.kv_start, records)
     else:
-        cache = engine.new_cache(h.loops, h.window)
+        cache = engine.new_cache(h.loops, h.window, h.instruction)
         try:
             _fill_cache(engine, cache, records, h.n_tokens, h.kv_start)
         except BaseException:
@@ -270,7 +269,7 @@ def load(engine, blob):
             raise
     table = engine.kernels.table
     return dict(tokens=tokens.astype(np.int32), loops=h.loops, cache_window=h.window,
-                cache=cache, hidden=hidden, warm_start=bool(h.flags & WARM_START),
+                instruction=h.instruction, cache=cache, hidden=hidden, warm_start=bool(h.flags & WARM_START),
                 loop_states=[table(loop_states[i:i + 1].astype(np.float32))
                              for i in range(h.loops)],
                 states=None if states is None else states.astype(np.float32),

@@ -1,7 +1,8 @@
 """The automatic prefix cache (docs/spec.md §4.3) for the Python engine: libtinyloop's
 prefix_cache.c in Python, with the same decisions.
 
-A tree per key (the caller's: (salt, window), plus the depth for a model with a coda): a node
+A tree per key (the caller's: (salt, window, instruction length), plus the depth for a model
+with a coda): a node
 per full, block-aligned block of some earlier prompt, keyed by the block's tokens under the node
 of the block before it. A node holds one reference to the block's per-layer KV blocks
 (`blocks[layer]`, n_layers of them; None for a slot its request never wrote, the coda slots of
@@ -105,6 +106,9 @@ class PrefixCache:
                         if b is not None:
                             self.pool.release(b)
                 node, k = child, k + 1
+            if k * bs < cache.instruction:        # short of the instruction block: none serve
+                self._unshare(cache)
+                k = 0
             cache.length = k * bs
             self._stats["hit_tokens"] += k * bs
             self._stats["prefilled_tokens"] += len(tokens) - k * bs
@@ -116,6 +120,12 @@ class PrefixCache:
             if blocks[layer] is not None:           # else a slot the request never writes
                 self.pool.retain(blocks[layer])
                 held.append(blocks[layer])
+
+    def _unshare(self, cache):
+        for held in cache.layers:
+            for b in held:
+                self.pool.release(b)
+            held.clear()
 
     def _adopt(self, parent, key, shallower, blocks):
         """Cache the blocks read from disk as insert would (replacing the shallower node when

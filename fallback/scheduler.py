@@ -145,8 +145,8 @@ class Scheduler:
         for r in [r for r in self.running if not self._decoding(r)]:
             if budget == 0:
                 break
-            T = min(budget, r.prefill_end - r.cache.length)
-            budget -= T
+            T = self._chunk(r, budget)
+            budget = max(0, budget - T)
             if self._prefill_chunk(r, T):
                 ready.append(r)
         return ready
@@ -198,7 +198,8 @@ class Scheduler:
         pcache = self.engine.prefix_cache
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            r.cache = self.engine.new_cache(r.params.loops, r.params.cache_window)
+            r.cache = self.engine.new_cache(r.params.loops, r.params.cache_window,
+                                            r.params.instruction_length)
             tokens = np.array(r.input[:self._shared_end(r)], np.int32)
             hit = pcache.lookup(self._tree(r), r.cache, tokens) if pcache is not None else 0
             r.prefill_end = len(r.input) - (r.rule is not None and len(r.emitted) > 0)
@@ -209,6 +210,13 @@ class Scheduler:
             del r.exits[r.prefill_end - r.n_prompt:]   # a pass whose token was not sampled
             self.counters["cached_tokens"] += hit
             self.running.append(self.waiting.popleft())
+
+    @staticmethod
+    def _chunk(r, budget):
+        """The positions of r's next prefill chunk, out of `budget` left: the instruction block
+        whole when it starts at position 0, even past the budget (docs/spec.md §5.5 step 4)."""
+        T = min(budget, r.prefill_end - r.cache.length)
+        return max(T, r.cache.instruction) if r.cache.length == 0 else T
 
     @staticmethod
     def _width(r):
@@ -240,9 +248,9 @@ class Scheduler:
         budget = left = self.step_tokens - used
         for r in self.running:
             if not self._decoding(r) and budget:
-                T = min(budget, r.prefill_end - r.cache.length)
+                T = self._chunk(r, budget)
                 need += self._new_bytes(r, T)
-                budget -= T
+                budget = max(0, budget - T)
         return need, left
 
     def _preempt_newest(self):

@@ -383,7 +383,7 @@ def corruptions(blob, storage, d):
         ("storage 3", patched(blob, 88, "<I", 3), "storage"),
         ("flags", patched(blob, 52, "<I", 1), "flags"),
         ("kv_start", patched(blob, 64, "<Q", kv_start - 1), "kv_start"),
-        ("reserved", patched(blob, 92, "<B", 1), "reserved"),
+        ("instruction", patched(blob, 92, "<I", n + 1), "instruction"),
         ("q", patched(blob, records + 1, "<B", bad_q),
          f"hidden: slot 0, position {kv_start}: .*row"),
         ("a", patched(blob, records + row_bytes(storage, d), "<f", -1.0),
@@ -401,9 +401,9 @@ def test_a_corrupted_h_blob_raises_naming_the_field(numpy_or_native, zoo, storag
         for name, bad, field in corruptions(blob, storage, MHA["d_model"]):
             with pytest.raises(PrefixFormatError, match=field):
                 model.prefix_from_bytes(bad)
-        # a version-1 (kv) blob whose storage field says h: not zero, as its reserved bytes
+        # a version-1 (kv) blob whose storage field says h: a kv prefix stores 0 there
         kv = build(ref, list(range(2, 25)), loops=2).to_bytes()
-        with pytest.raises(PrefixFormatError, match="reserved"):
+        with pytest.raises(PrefixFormatError, match="storage"):
             model.prefix_from_bytes(patched(kv, 88, "<I", STORAGE_CODES[storage]))
 
 

@@ -190,7 +190,8 @@ def _fields(model, blob):
         ("n_tokens", patched(blob, 56, "<Q", c["max_seq_len"] + 1)),
         ("kv_start", patched(patched(blob, 48, "<I", 0), 64, "<Q", kv_start)),
         ("kv_start", patched(blob, 64, "<Q", n)),
-        ("reserved", patched(blob, 90, "<B", 1)),
+        ("instruction", patched(blob, 92, "<I", n + 1)),
+        ("storage", patched(blob, 90, "<B", 1)),
         ("blob_bytes", with_checksum(blob[:16] + struct.pack("<Q", len(blob) + 4) + blob[24:]
                                      + bytes(4))),
         ("tokens", patched(blob, 96 + 4 * 3, "<i", c["vocab_size"])),

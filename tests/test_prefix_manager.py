@@ -443,7 +443,8 @@ def test_bound_manager_generates_what_the_model_generates(bound_model, data):
         prompt = prompt + data.draw(st.lists(st.integers(0, vocab - 1), max_size=6))
         kwargs = dict(max_tokens=data.draw(st.integers(1, 4)), seed=data.draw(st.integers(0, 99)),
                       temperature=data.draw(st.sampled_from([0.0, 0.9])),
-                      loops=data.draw(st.integers(1, bound_model.config()["default_loops"])))
+                      loops=data.draw(st.integers(1, bound_model.config()["default_loops"])),
+                      instruction_length=data.draw(st.sampled_from([0, 0, len(prompt)])))
         assert manager.generate(prompt, **kwargs) == bound_model.generate(prompt, **kwargs)
 
 

@@ -1,6 +1,7 @@
-"""cache_window: on every backend, the cached, paged, chunked engine equals a naive evaluation
-of the windowed definition (docs/spec.md §4.1) written here with no cache at all, bit for bit,
-whatever the model shape, thread count and KV block size."""
+"""cache_window and the instruction block: on every backend, the cached, paged, chunked engine
+equals a naive evaluation of the definition of the visible keys (docs/spec.md §4.1: causal, inside
+the window, and the first P positions seeing each other) written here with no cache at all, bit
+for bit, whatever the model shape, thread count, KV block size and chunking."""
 import numpy as np
 from hypothesis import strategies as st
 
@@ -31,7 +32,7 @@ def naive_attention_row(q, keys, values):
     return (num.astype(np.float32) / np.float32(den)) * svmax
 
 
-def naive_logits(weights, tokens, loops, window):
+def naive_logits(weights, tokens, loops, window, instruction=0):
     """Whole-sequence forward, layer by layer, attention by explicit loops over keys."""
     cfg = weights.config
     H, G, D, n = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, len(tokens)
@@ -46,7 +47,8 @@ def naive_logits(weights, tokens, loops, window):
         vq, sv = N.quantize_rows(z[:, (H + G) * D:].reshape(n, G, D))
         o = np.zeros((n, H, D), np.float32)
         for t in range(n):
-            seen = [j for j in range(t + 1) if window == 0 or j > t - window]
+            last = instruction - 1 if t < instruction else t
+            seen = [j for j in range(last + 1) if window == 0 or j > t - window]
             for h in range(H):
                 g = h // (H // G)
                 o[t, h] = naive_attention_row(qh[t, h], [(kq[j, g], sk[j, g]) for j in seen],
@@ -60,10 +62,11 @@ def naive_logits(weights, tokens, loops, window):
 _naive = {}    # the naive logits depend on neither backend nor engine settings: one per case
 
 
-def naive_logits_of(path, tokens, loops, window):
-    key = (path, tuple(tokens), loops, window)
+def naive_logits_of(path, tokens, loops, window, instruction=0):
+    key = (path, tuple(tokens), loops, window, instruction)
     if key not in _naive:
-        _naive[key] = naive_logits(Weights(*load_model(path)), np.array(tokens), loops, window)
+        _naive[key] = naive_logits(Weights(*load_model(path)), np.array(tokens), loops, window,
+                                   instruction)
     return _naive[key]
 
 
@@ -94,3 +97,16 @@ def test_window_changes_results_once_the_context_exceeds_it(on_backend):
     prompt = list(range(1, 30))
     assert not np.array_equal(model.logits(prompt, cache_window=4)[-1], model.logits(prompt)[-1])
     assert_same_bits(model.logits(prompt[:4], cache_window=4), model.logits(prompt[:4]))
+
+
+@backend_given(data=st.data())
+def test_instruction_block_equals_naive_definition(backend, zoo, data):
+    with drawn_model(data, zoo, backend, v1_like=True) as model:
+        prompt = data.draw(prompts(model.config()["vocab_size"], max_size=24))
+        instruction = data.draw(st.integers(0, len(prompt)), "instruction")
+        window = data.draw(st.sampled_from([0, 0, 2, 5]))
+        loops = data.draw(st.integers(1, 3))
+        got = model.logits(prompt, loops=loops, cache_window=window,
+                           prefill_chunk=data.draw(st.integers(1, 24)),
+                           instruction_length=instruction)
+        assert_same_bits(got, naive_logits_of(model.path, prompt, loops, window, instruction))

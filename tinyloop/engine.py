@@ -76,6 +76,8 @@ class GenerationParams:
     exit_rule: str = "none"    # adaptive depth (docs/spec.md §5.7): one of EXIT_RULES
     exit_threshold: float = 0.0   # the rule's q, resolved (never 0 with a rule)
     min_loops: int = 1         # iterations every decoded token runs at least, 1 .. loops
+    instruction_length: int = 0   # prompt positions forming an instruction block (docs/spec.md
+                                  # §4.1), 0 .. len(prompt); 0 from a prefix (it has its own)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ class EnginePrefix(Protocol):
     and calls `free` when it is collected."""
     tokens: np.ndarray         # (n,) int32, the engine's own copy of the prompt
     cache_window: int          # the window it was built with; it serves only that window
+    instruction: int           # its instruction length (docs/spec.md §4.1), 0 .. len(tokens)
 
     @property
     def loops(self) -> int:
@@ -231,13 +234,14 @@ class Engine(Protocol[PrefixT]):
         chunks), then sample until stop_reached."""
 
     def build_prefix(self, prompt: np.ndarray, loops: int, window: int,
-                     chunk: int, warm_start: bool = False, storage: str = "kv") -> PrefixT:
+                     chunk: int, warm_start: bool = False, storage: str = "kv",
+                     instruction: int = 0) -> PrefixT:
         """Prefill `prompt` at depth `loops` with attention window `window` (0 = none);
         `warm_start` also keeps every token's state after the last iteration (and its
         injected term), what extend_prefix needs (docs/spec.md §5.4). `storage` (one of
         PREFIX_STORAGES) "h8" / "h4" keeps each layer's input row instead of the KV (§5.4.1);
         ValueError naming the reason where it cannot (with warm_start, or rows as large as
-        the KV)."""
+        the KV). Its first `instruction` tokens are an instruction block (§4.1)."""
 
     def extend_prefix(self, prefix: PrefixT, loops: int, chunk: int) -> None:
         """Deepen a warm-start prefix to `loops` in place (prefix.loops becomes loops),
@@ -264,8 +268,10 @@ class Engine(Protocol[PrefixT]):
         """Run every request; returns one Generated per request, in order, each exactly what
         the request alone would give."""
 
-    def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int) -> np.ndarray:
-        """The (len(tokens), vocab_size) float32 logits at every position."""
+    def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int,
+               instruction: int = 0) -> np.ndarray:
+        """The (len(tokens), vocab_size) float32 logits at every position, its first
+        `instruction` tokens an instruction block (docs/spec.md §4.1)."""
 
     def new_scheduler(self, max_batch: int, step_tokens: int,
                       kv_budget_bytes: int) -> EngineScheduler:

@@ -38,7 +38,7 @@ CheckedRequest = Tuple[np.ndarray, np.ndarray, GenerationParams]
 REQUEST_ARGUMENTS = ("max_tokens", "loops", "temperature", "top_k", "top_p", "cache_window",
                      "repetition_penalty", "stop_sequences", "seed", "prefill_chunk", "cache_salt",
                      "draft_loops", "n_draft", "draft_stats", "exit_rule", "exit_threshold",
-                     "min_loops", "depth_stats")
+                     "min_loops", "depth_stats", "instruction_length")
 
 
 def _env_flag(var: str) -> bool:
@@ -121,7 +121,8 @@ class _DepthTally(_Tally):
 class PrefixCache:
     """A prompt prefix whose KV is computed once and shared by many generations.
 
-    Opaque: exposes `prompt` (a read-only copy), `loops`, `cache_window`, `warm_start`,
+    Opaque: exposes `prompt` (a read-only copy), `loops`, `cache_window`,
+    `instruction_length`, `warm_start`,
     `storage` ("kv", "h8" or "h4": docs/api.md, "Hidden-state prefixes") and `nbytes`. Its tokens never change; a warm-start prefix may be deepened in place (`extend`).
     It keeps its model alive and is freed by the garbage collector; it has no close().
     """
@@ -148,6 +149,11 @@ class PrefixCache:
         return self._state.cache_window
 
     @property
+    def instruction_length(self) -> int:
+        """Its first tokens that form an instruction block (docs/spec.md §4.1); 0: causal."""
+        return self._state.instruction
+
+    @property
     def warm_start(self) -> bool:
         """Whether it was built with warm_start=True: it can then be deepened (`extend`)."""
         return self._state.warm_start
@@ -166,7 +172,8 @@ class PrefixCache:
 
     def __repr__(self) -> str:
         return (f"PrefixCache(tokens={len(self)}, loops={self.loops}, "
-                f"cache_window={self.cache_window}, warm_start={self.warm_start}, "
+                f"cache_window={self.cache_window}, instruction_length={self.instruction_length}, "
+                f"warm_start={self.warm_start}, "
                 f"storage={self.storage!r}, nbytes={self.nbytes})")
 
     def extend(self, loops: int, prefill_chunk: int | None = None) -> None:
@@ -349,15 +356,16 @@ class Model:
                 seed: int | None = None, prefill_chunk: int | None = None,
                 cache_salt: str | None = None, draft_loops: int | str | None = None,
                 n_draft: int | None = None, draft_wave: bool = False, exit_rule: str | None = None,
-                exit_threshold: float | None = None,
-                min_loops: int | None = None) -> GenerationParams:
+                exit_threshold: float | None = None, min_loops: int | None = None,
+                instruction_length: int | None = None) -> GenerationParams:
         return P.generation_params(
             self._config, max_tokens=max_tokens, loops=loops, temperature=temperature,
             top_k=top_k, top_p=top_p, cache_window=cache_window,
             repetition_penalty=repetition_penalty, stop_sequences=stop_sequences, seed=seed,
             prefill_chunk=prefill_chunk, default_chunk=self._prefill_chunk, cache_salt=cache_salt,
             draft_loops=draft_loops, n_draft=n_draft, draft_wave=draft_wave, exit_rule=exit_rule,
-            exit_threshold=exit_threshold, min_loops=min_loops)
+            exit_threshold=exit_threshold, min_loops=min_loops,
+            instruction_length=instruction_length)
 
     def _request(self, prompt: TokenIds | None, prefix: PrefixCache | None,
                  kwargs: Mapping[str, Any]) -> CheckedRequest:
@@ -368,6 +376,7 @@ class Model:
         if prefix is None:
             tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
             params = self._params(**kwargs)
+            P.check_instruction(params.instruction_length, len(tokens))
             P.check_length(len(tokens) + params.max_tokens, self._config.max_seq_len)
             return tokens, tokens, params
         if not isinstance(prefix, PrefixCache):
@@ -380,6 +389,10 @@ class Model:
         if kwargs.get("cache_window") is None:
             kwargs["cache_window"] = prefix.cache_window
         params = self._params(**kwargs)
+        if params.instruction_length:
+            raise ValueError(f"instruction_length: a generation from a PrefixCache takes the "
+                             f"prefix's ({prefix.instruction_length}), got "
+                             f"{params.instruction_length}")
         if params.loops > prefix.loops and not prefix.warm_start:
             raise RuntimeError(loops_mismatch(prefix.loops, params.loops))
         if params.cache_window != prefix.cache_window:
@@ -404,8 +417,8 @@ class Model:
                  draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                  draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
-                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
-                 ) -> list[int]: ...
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...,
+                 instruction_length: int = ...) -> list[int]: ...
 
     @overload
     def generate(self, prompt: TokenIds, max_tokens: int = ..., loops: int | None = ...,
@@ -418,8 +431,8 @@ class Model:
                  draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                  draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
-                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
-                 ) -> IdsAndLogits: ...
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...,
+                 instruction_length: int = ...) -> IdsAndLogits: ...
 
     @overload
     def generate(self, prompt: TokenIds, max_tokens: int = ..., loops: int | None = ...,
@@ -432,8 +445,8 @@ class Model:
                  draft_loops: int | str | None = ..., n_draft: int | None = ..., draft_wave: bool = ...,
                  draft_stats: MutableMapping[str, Any] | None = ...,
                  exit_rule: str | None = ..., exit_threshold: float | None = ...,
-                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...
-                 ) -> list[int] | IdsAndLogits: ...
+                 min_loops: int | None = ..., depth_stats: MutableMapping[str, Any] | None = ...,
+                 instruction_length: int = ...) -> list[int] | IdsAndLogits: ...
 
     def generate(self, prompt: TokenIds, max_tokens: int = 32, loops: int | None = None,
                  temperature: float = 0.0, top_k: int = 50, top_p: float = 1.0,
@@ -445,8 +458,8 @@ class Model:
                  draft_loops: int | str | None = None, n_draft: int | None = None, draft_wave: bool = False,
                  draft_stats: MutableMapping[str, Any] | None = None,
                  exit_rule: str | None = None, exit_threshold: float | None = None,
-                 min_loops: int | None = None, depth_stats: MutableMapping[str, Any] | None = None
-                 ) -> list[int] | IdsAndLogits:
+                 min_loops: int | None = None, depth_stats: MutableMapping[str, Any] | None = None,
+                 instruction_length: int = 0) -> list[int] | IdsAndLogits:
         """Run `prompt` and sample up to `max_tokens` tokens. Returns prompt + emitted ids.
 
         on_token(id), if given, is called with each emitted id as soon as it is sampled
@@ -477,6 +490,10 @@ class Model:
         run all `loops`. A token exits at the same iteration on every backend, alone or
         batched. `depth_stats` (a dict) receives tokens, loops and mean_loops of the decode
         passes.
+
+        Prefix-LM (docs/spec.md §4.1): the first `instruction_length` prompt tokens (at most
+        the prompt's length) attend to each other bidirectionally, as HRM-Text's
+        `token_type_ids` 1 mark them; every later position is causal. 0: a causal prompt.
         """
         engine = self._live_engine()
         tally, depths = _DraftTally(draft_stats), _DepthTally(depth_stats)
@@ -486,7 +503,7 @@ class Model:
             stop_sequences=stop_sequences, seed=seed, prefill_chunk=prefill_chunk,
             cache_salt=cache_salt, draft_loops=draft_loops, n_draft=n_draft,
             draft_wave=draft_wave, exit_rule=exit_rule, exit_threshold=exit_threshold,
-            min_loops=min_loops))
+            min_loops=min_loops, instruction_length=instruction_length))
         try:
             with _out_of_memory_as_runtime_error():
                 emitted, logits = engine.generate(tokens, params, return_logits, Callbacks(
@@ -498,7 +515,8 @@ class Model:
 
     def build_prefix_cache(self, prompt: TokenIds, loops: int | None = None, cache_window: int = 0,
                            prefill_chunk: int | None = None,
-                           warm_start: bool = False, storage: str | None = None) -> PrefixCache:
+                           warm_start: bool = False, storage: str | None = None,
+                           instruction_length: int = 0) -> PrefixCache:
         """Prefill `prompt` once at depth `loops`; the result serves any depth <= loops.
         warm_start=True also keeps every token's state after the last iteration (4 * d_model
         bytes a token, twice that with injection), so that a deeper request extends the
@@ -506,18 +524,19 @@ class Model:
         model's prefix_storage) "h8" or "h4" keeps each layer's input row instead of the KV,
         rebuilding the KV for every generation from it (docs/api.md, "Hidden-state
         prefixes"); ValueError naming the reason where it cannot (with warm_start, or where
-        the rows take as many bytes as the KV)."""
+        the rows take as many bytes as the KV). `instruction_length`: as in generate; every
+        generation from the prefix has it (its suffix is causal)."""
         engine = self._live_engine()
-        args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)
+        args = self._prompt_run(prompt, loops, cache_window, prefill_chunk, instruction_length)
         if not isinstance(warm_start, (bool, np.bool_)):
             raise ValueError(f"warm_start must be a bool, got {type(warm_start).__name__}")
         storage = check_prefix_storage(self.prefix_storage if storage is None else storage,
                                        warm_start=bool(warm_start))
-        tokens, depth, window, chunk = args
+        tokens, depth, window, chunk, instruction = args
         with _out_of_memory_as_runtime_error():
             return PrefixCache(self, engine.build_prefix(tokens, depth, window, chunk,
                                                          warm_start=bool(warm_start),
-                                                         storage=storage))
+                                                         storage=storage, instruction=instruction))
 
     def prefix_from_bytes(self, blob: bytes | bytearray | memoryview) -> PrefixCache:
         """The PrefixCache whose to_bytes() gave `blob`, saved by a model of the same file and
@@ -715,22 +734,27 @@ class Model:
         self._live_engine().clear_prefix_cache()
 
     def logits(self, prompt: TokenIds, loops: int | None = None, cache_window: int = 0,
-               prefill_chunk: int | None = None) -> np.ndarray:
-        """Logits at every position of `prompt`: float32 array (len(prompt), vocab_size)."""
+               prefill_chunk: int | None = None, instruction_length: int = 0) -> np.ndarray:
+        """Logits at every position of `prompt`: float32 array (len(prompt), vocab_size);
+        `instruction_length` as in generate."""
         engine = self._live_engine()
-        args = self._prompt_run(prompt, loops, cache_window, prefill_chunk)
+        args = self._prompt_run(prompt, loops, cache_window, prefill_chunk, instruction_length)
         with _out_of_memory_as_runtime_error():
             return engine.logits(*args)
 
     def _prompt_run(self, prompt: TokenIds, loops: int | None, cache_window: int,
-                    prefill_chunk: int | None) -> tuple[np.ndarray, int, int, int]:
-        """Checked (tokens, loops, window, chunk) for running a prompt without decoding."""
+                    prefill_chunk: int | None, instruction_length: int
+                    ) -> tuple[np.ndarray, int, int, int, int]:
+        """Checked (tokens, loops, window, chunk, instruction length) for running a prompt
+        without decoding."""
         tokens = P.check_tokens("prompt", prompt, self._config.vocab_size)
         loops = P.check_loops(loops, self._config.default_loops)
         window = P.check_int("cache_window", cache_window, 0)
         chunk = P.check_prefill_chunk(prefill_chunk, self._prefill_chunk)
+        instruction = P.check_int("instruction_length", instruction_length, 0)
+        P.check_instruction(instruction, len(tokens))
         P.check_length(len(tokens), self._config.max_seq_len)
-        return tokens, loops, window, chunk
+        return tokens, loops, window, chunk, instruction
 
     @staticmethod
     def _result(tokens: np.ndarray, emitted: Sequence[int], logits: Sequence[np.ndarray] | None,

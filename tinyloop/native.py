@@ -47,6 +47,7 @@ class NativePrefix:
         self.tokens = tokens          # (n,) int32 copy
         self.cache_window = window
         self.warm_start = bool(engine.lib.tl_prefix_warm_start(handle))
+        self.instruction = int(engine.lib.tl_prefix_instruction(handle))
         lib = engine.lib
         self.storage = {lib.TL_STORE_KV: "kv", lib.TL_STORE_H8: "h8",
                         lib.TL_STORE_H4: "h4"}[lib.tl_prefix_storage_get(handle)]
@@ -246,6 +247,7 @@ class NativeEngine:
         p.exit_rule = EXIT_RULES.index(params.exit_rule)
         p.exit_threshold = params.exit_threshold
         p.min_loops = params.min_loops
+        p.instruction_length = params.instruction_length
         if params.cache_salt:
             keep.append(self.ffi.new("char[]", params.cache_salt.encode("utf-8")))
             p.cache_salt = keep[-1]
@@ -337,13 +339,14 @@ class NativeEngine:
             params, want_logits, callbacks)
 
     def build_prefix(self, prompt: np.ndarray, loops: int, window: int, chunk: int,
-                     warm_start: bool = False, storage: str = "kv") -> NativePrefix:
+                     warm_start: bool = False, storage: str = "kv",
+                     instruction: int = 0) -> NativePrefix:
         prompt, buf = self._tokens(prompt)
         out = self.ffi.new("tl_prefix**")
         store = {"kv": 0, "h8": self.lib.TL_PREFIX_STORE_H8, "h4": self.lib.TL_PREFIX_STORE_H4}
         flags = (self.lib.TL_PREFIX_WARM_START if warm_start else 0) | store[storage]
-        self._check(self.lib.tl_prefix_build_ex(self.model, buf, len(prompt), loops, window, chunk,
-                                                flags, out))
+        self._check(self.lib.tl_prefix_build_instruction(self.model, buf, len(prompt), instruction,
+                                                         loops, window, chunk, flags, out))
         return NativePrefix(self, self._owned(out, "tl_prefix_free"), prompt.copy(), window)
 
     def prefix_from_bytes(self, blob: bytes | bytearray | memoryview) -> NativePrefix:
@@ -372,13 +375,15 @@ class NativeEngine:
                 prefix.handle, buf, len(suffix), p, toks, n, lg),
             params, want_logits, callbacks)
 
-    def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int) -> np.ndarray:
+    def logits(self, tokens: np.ndarray, loops: int, window: int, chunk: int,
+               instruction: int = 0) -> np.ndarray:
         out = self.ffi.new("tl_seq**")
         self._check(self.lib.tl_seq_create(self.model, loops, window, out))
         seq = self._owned(out, "tl_seq_free")
         tokens, buf = self._tokens(tokens)
         result = np.empty((len(tokens), self.config.vocab_size), np.float32)
         try:
+            self._check(self.lib.tl_seq_set_instruction(seq, instruction))
             self._check(self.lib.tl_seq_prefill_all(seq, buf, len(tokens), chunk,
                                                     self.ffi.from_buffer("float[]", result)))
         finally:

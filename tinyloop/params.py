@@ -213,7 +213,8 @@ def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, tempe
                       stop_sequences: Any, seed: Any, prefill_chunk: Any, default_chunk: int,
                       cache_salt: Any = None, draft_loops: Any = None,
                       n_draft: Any = None, draft_wave: Any = False, exit_rule: Any = None,
-                      exit_threshold: Any = None, min_loops: Any = None) -> GenerationParams:
+                      exit_threshold: Any = None, min_loops: Any = None,
+                      instruction_length: Any = None) -> GenerationParams:
     """Check every generation argument, in this order (the draft arguments, then the exit
     rule's, last, against the resolved depth); `config` is the model's ModelConfig."""
     checked: dict[str, Any] = dict(
@@ -228,6 +229,8 @@ def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, tempe
         seed=check_seed(seed),
         prefill_chunk=check_prefill_chunk(prefill_chunk, default_chunk),
         cache_salt=check_cache_salt(cache_salt),
+        instruction_length=check_int("instruction_length",
+                                     0 if instruction_length is None else instruction_length, 0),
     )
     if not isinstance(draft_wave, (bool, np.bool_)):
         raise ValueError(f"draft_wave must be a bool, got {type(draft_wave).__name__}")
@@ -238,6 +241,13 @@ def generation_params(config: ModelConfig, *, max_tokens: Any, loops: Any, tempe
     return GenerationParams(**checked, draft_loops=draft_loops, n_draft=n_draft,
                             draft_wave=bool(draft_wave), exit_rule=rule,
                             exit_threshold=threshold, min_loops=minimum)
+
+
+def check_instruction(instruction_length: int, n_tokens: int) -> None:
+    """An instruction block (docs/spec.md §4.1) lies inside the prompt that starts it."""
+    if instruction_length > n_tokens:
+        raise ValueError(f"instruction_length {instruction_length} exceeds the prompt's "
+                         f"{n_tokens} tokens")
 
 
 def check_length(n_tokens: int, max_seq_len: int) -> None:

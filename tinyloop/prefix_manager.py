@@ -236,16 +236,19 @@ class PrefixCacheManager:
         ``Model.generate``, ``prefill_chunk`` excepted: it is ``block_size``).
 
         The longest registered prefix is reused, the suffix prefilled in
-        ``block_size`` chunks; returns exactly ``model.generate(prompt, ...)``.
+        ``block_size`` chunks; returns exactly ``model.generate(prompt, ...)``. A
+        request with an ``instruction_length`` reuses none (the registered prefixes
+        are causal: docs/spec.md §4.1).
         """
         self._require_model()
         if "prefill_chunk" in kwargs:
             raise TypeError("prefill_chunk is the manager's block_size")
         toks = _as_tokens(prompt, "prompt")
         hit, index = self._longest_match(toks)
-        if index is None:
+        instruction = kwargs.pop("instruction_length", 0)
+        if index is None or instruction:
             tokens: list[int] = self._model.generate(list(toks), prefill_chunk=self._block_size,
-                                                     **kwargs)
+                                                     instruction_length=instruction, **kwargs)
         else:
             tokens = self._model.generate_from_prefix_cache(
                 self._entries[index], suffix=list(toks[hit:]), prefill_chunk=self._block_size,

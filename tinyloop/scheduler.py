@@ -70,21 +70,25 @@ class Scheduler:
             stop_sequences: Sequence[TokenIds] | None = (), seed: int | None = None,
             cache_salt: str | None = None, draft_loops: int | None = None,
             n_draft: int | None = None, exit_rule: str | None = None,
-            exit_threshold: float | None = None, min_loops: int | None = None) -> int:
+            exit_threshold: float | None = None, min_loops: int | None = None,
+            instruction_length: int = 0) -> int:
         """Queue a request; Model.generate's arguments and errors (a prompt too long for
         max_seq_len: RuntimeError), plus ValueError when it alone could need more KV than
         kv_budget_bytes. With draft_loops (and n_draft) it decodes speculatively: a step runs
         one round of it, emitting 1 .. n_draft of its tokens (the same tokens); stats() counts
         the drafted and accepted ones. With exit_rule (exit_threshold, min_loops) its decoded
         tokens run at adaptive depth (docs/spec.md §5.7); stats() counts the decode passes and
-        the core iterations they ran. Returns its id."""
+        the core iterations they ran. instruction_length: its prompt's instruction block
+        (docs/spec.md §4.1, §5.5: prefilled in one chunk, even past step_tokens). Returns its
+        id."""
         engine = self._live()
         tokens, _, params = self._model._request(prompt, None, dict(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
             top_p=top_p, cache_window=cache_window, repetition_penalty=repetition_penalty,
             stop_sequences=stop_sequences, seed=seed, cache_salt=cache_salt,
             draft_loops=draft_loops, n_draft=n_draft, exit_rule=exit_rule,
-            exit_threshold=exit_threshold, min_loops=min_loops))
+            exit_threshold=exit_threshold, min_loops=min_loops,
+            instruction_length=instruction_length))
         return engine.add(tokens, params)
 
     def cancel(self, request_id: int) -> bool:
