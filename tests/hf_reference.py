@@ -76,13 +76,17 @@ def rope_interleaved(x, theta):
     return out
 
 
-def causal_attention(q, k, v):
-    """q: (n, H, D), k, v: (n, G, D) -> (n, H * D), softmax(q k^T / sqrt(D)) v per head."""
+def causal_attention(q, k, v, instruction=0):
+    """q: (n, H, D), k, v: (n, G, D) -> (n, H * D), softmax(q k^T / sqrt(D)) v per head; causal,
+    except that positions 0 .. instruction-1 see each other (transformers' blockwise overlay of
+    HRM-Text's token_type_ids 1: the mask is causal OR both in the block)."""
     n, H, D = q.shape
     G = k.shape[1]
     k, v = np.repeat(k, H // G, axis=1), np.repeat(v, H // G, axis=1)
     scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)
-    scores = np.where(np.tril(np.ones((n, n), bool))[None], scores, -np.inf)
+    block = np.arange(n) < instruction
+    visible = np.tril(np.ones((n, n), bool)) | (block[:, None] & block[None, :])
+    scores = np.where(visible[None], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
@@ -299,33 +303,35 @@ def weightless_norm(x, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _hrm_layer(t, p, x, cfg):
+def _hrm_layer(t, p, x, cfg, instruction):
     """HrmTextDecoderLayer, from the checkpoint's fused tensors (transformers' conversion
     mapping splits `attn.gqkv_proj` into gate, q, k, v and `mlp.gate_up_proj` into gate, up):
     pre-norm (weightless) attention with a sigmoid gate on its output, then a pre-norm SwiGLU
-    MLP; multi-head (k and v have every head)."""
+    MLP; multi-head (k and v have every head); the first `instruction` positions attend to
+    each other (the prefix-LM mask)."""
     H, D, eps = cfg["num_attention_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
     theta = cfg["rope_parameters"]["rope_theta"]
     n = len(x)
     h = weightless_norm(x, eps)
     g, q, k, v = (z.reshape(n, H, D)
                   for z in np.split(h @ t[p + "attn.gqkv_proj.weight"].T, 4, axis=1))
-    o = causal_attention(rope_rotate_half(q, theta), rope_rotate_half(k, theta), v)
+    o = causal_attention(rope_rotate_half(q, theta), rope_rotate_half(k, theta), v, instruction)
     o = o * (1.0 / (1.0 + np.exp(-g.reshape(n, H * D))))
     x = x + o @ t[p + "attn.o_proj.weight"].T
     gate, up = np.split(t[p + "mlp.gate_up_proj.weight"], 2)
     return x + swiglu(weightless_norm(x, eps), gate, up, t[p + "mlp.down_proj.weight"])
 
 
-def _hrm_stack(t, stack, x, cfg):
+def _hrm_stack(t, stack, x, cfg, instruction):
     """HrmTextStack: its layers, then its weightless final_norm."""
     for j in range(cfg["num_layers_per_stack"]):
-        x = _hrm_layer(t, f"model.{stack}.layers.{j}.", x, cfg)
+        x = _hrm_layer(t, f"model.{stack}.layers.{j}.", x, cfg, instruction)
     return weightless_norm(x, cfg["rms_norm_eps"])
 
 
-def hrm_text_logits(t, cfg, tokens, steps=None):
-    """HrmTextModel.forward with the causal mask (no token_type_ids): the high state starts at
+def hrm_text_logits(t, cfg, tokens, steps=None, instruction=0):
+    """HrmTextModel.forward, with the causal mask or (instruction > 0, prefix_lm) the prefix-LM
+    one of token_type_ids 1 on the first `instruction` tokens: the high state starts at
     the embedding times embedding_scale, the low one at z_L_init; each of `steps` (default
     H_cycles) high cycles runs the L stack L_cycles times on low + high, then the H stack on
     high + low; lm_head reads the last high state."""
@@ -333,8 +339,8 @@ def hrm_text_logits(t, cfg, tokens, steps=None):
     high, low = x, np.broadcast_to(t["model.z_L_init"], x.shape)
     for _ in range(cfg["H_cycles"] if steps is None else steps):
         for _ in range(cfg["L_cycles"]):
-            low = _hrm_stack(t, "L_module", low + high, cfg)
-        high = _hrm_stack(t, "H_module", high + low, cfg)
+            low = _hrm_stack(t, "L_module", low + high, cfg, instruction)
+        high = _hrm_stack(t, "H_module", high + low, cfg, instruction)
     return high @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
 
 

@@ -25,7 +25,7 @@ from tinyloop.quickbench import backend_kwargs
 
 from fidelity_floors import assert_faithful
 from hf_folders import RETROFIT_LLAMA, checkpoint, write_folder
-from hf_reference import LOGITS, nanbeige_logits, retrofit_llama_logits
+from hf_reference import LOGITS, hrm_text_logits, nanbeige_logits, retrofit_llama_logits
 
 
 TOKENS = np.random.default_rng(5).integers(0, 96, 60).tolist()     # ids < every vocab here
@@ -117,6 +117,26 @@ def test_published_looped_layout_matches_reference(tmp_path, backend, arch, over
                              **steps)
     assert_faithful(tinyloop_logits(tmp_path / "m.tinyloop", backend, loops), reference,
                     f"{arch} L={loops or 'default'}")
+
+
+@pytest.mark.parametrize("instruction", [1, 25, 48])
+def test_hrm_text_prefix_lm_mask_matches_reference(tmp_path, backend, instruction):
+    """HRM-Text's prefix-LM mask (token_type_ids 1 on the first `instruction` tokens) against
+    the float64 reference's; the causal logits differ from it, so a backend ignoring the
+    instruction block fails the floors. (This fan-in-scaled checkpoint's int8 noise leaves a
+    lone position under the 0.99 floor at some lengths, as at some seeds with the causal mask:
+    0.95 at P = 59. Against transformers' own HrmTextForCausalLM every length holds >= 0.9999,
+    tests/transformers5/test_hrm_text.py.)"""
+    cfg, tensors = checkpoint("HrmTextForCausalLM", seed=4)
+    write_folder(tmp_path / "hf", cfg, tensors)
+    tinyloop.convert(tmp_path / "hf", tmp_path / "m.tinyloop", weight_format="int8")
+    reference = hrm_text_logits({k: v.astype(np.float64) for k, v in tensors.items()}, cfg,
+                                TOKENS, instruction=instruction)
+    model = tinyloop.Model(str(tmp_path / "m.tinyloop"), **backend_kwargs(backend))
+    got = model.logits(TOKENS, instruction_length=instruction, prefill_chunk=7)
+    assert_faithful(got, reference, f"HRM-Text prefix-LM P={instruction}")
+    if instruction > 1:
+        assert not np.allclose(got[0], model.logits(TOKENS)[0])
 
 
 def test_reference_layout_agrees_with_transformers_llama(tmp_path):

@@ -7,8 +7,9 @@ norecursedirs).
 
 A random-weight HrmTextForCausalLM (its own initialisation, the tiny shape below, two layers per
 stack) is saved with save_pretrained, converted to int8 and run on every backend with the
-causal mask at two depths (H_cycles 2 and 3); its float32 logits at every position are the
-reference, held to the int8 floors of tests/fidelity_floors.py. tests/hf_reference.py's float64
+causal mask at two depths (H_cycles 2 and 3), and with the prefix-LM mask (token_type_ids 1 on
+the first P tokens, TinyLoop's instruction_length P) at several P; its float32 logits at every
+position are the reference, held to the int8 floors of tests/fidelity_floors.py. tests/hf_reference.py's float64
 HRM-Text forward, which CI's main run uses, is checked against the same logits here.
 """
 import numpy as np
@@ -41,10 +42,14 @@ def published(tmp_path_factory):
     return folder, model
 
 
-def published_logits(model, h_cycles):
+def published_logits(model, h_cycles, instruction=0):
+    """The published forward's logits; with `instruction` > 0, token_type_ids 1 on the first
+    `instruction` tokens (the prefix-LM mask, config.prefix_lm being True by default)."""
     model.config.H_cycles = h_cycles
+    types = torch.tensor([[1] * instruction + [0] * (len(TOKENS) - instruction)])
     with torch.no_grad():
-        return model(torch.tensor([TOKENS]), use_cache=False).logits[0].double().numpy()
+        return model(torch.tensor([TOKENS]), use_cache=False,
+                     token_type_ids=types if instruction else None).logits[0].double().numpy()
 
 
 @pytest.mark.parametrize("h_cycles", [2, 3])
@@ -58,13 +63,26 @@ def test_int8_conversion_tracks_published_code(tmp_path, backend, published, h_c
                     f"HRM-Text H_cycles={h_cycles}")
 
 
-@pytest.mark.parametrize("h_cycles", [2, 3])
-def test_float64_reference_is_the_published_forward(published, h_cycles):
+@pytest.mark.parametrize("instruction", [1, 17, 47, len(TOKENS)])
+def test_prefix_lm_mask_tracks_published_code(tmp_path, backend, published, instruction):
+    folder, model = published
+    assert model.config.prefix_lm
+    tinyloop.convert(folder, tmp_path / "m.tinyloop", weight_format="int8")
+    tl = tinyloop.Model(str(tmp_path / "m.tinyloop"), **backend_kwargs(backend))
+    expected = published_logits(model, 2, instruction)
+    if instruction > 1:         # the mask matters (a block of one token is causal)
+        assert not np.allclose(expected[0], published_logits(model, 2)[0])
+    assert_faithful(tl.logits(TOKENS, loops=2, instruction_length=instruction, prefill_chunk=5),
+                    expected, f"HRM-Text prefix-LM P={instruction}")
+
+
+@pytest.mark.parametrize("h_cycles, instruction", [(2, 0), (3, 0), (2, 17)])
+def test_float64_reference_is_the_published_forward(published, h_cycles, instruction):
     folder, model = published
     with safe_open(folder / "model.safetensors", "np") as saved:     # the fused on-disk names
         tensors = {name: saved.get_tensor(name).astype(np.float64) for name in saved.keys()}
     cfg = {**model.config.to_dict(), "H_cycles": h_cycles}
-    reference = hrm_text_logits(tensors, cfg, TOKENS)
-    expected = published_logits(model, h_cycles)
+    reference = hrm_text_logits(tensors, cfg, TOKENS, instruction=instruction)
+    expected = published_logits(model, h_cycles, instruction)
     scale = np.abs(expected).max()
     assert np.abs(reference - expected).max() <= 1e-4 * scale, np.abs(reference - expected).max()
