@@ -62,6 +62,16 @@ def test_generate_text_and_ids(small):
     assert code == 0 and len(text.split()) == 4
 
 
+def test_generate_prefix_lm_runs_the_prompt_as_an_instruction_block(small):
+    prompt = [1, 7, 2, 9, 4, 3]
+    code, text = run("generate", ",".join(map(str, prompt)), "--ids", "--prefix-lm", "--model",
+                     small[0], "--max-tokens", "6", "--temperature", "0", "--backend", "numpy")
+    with tinyloop.Model(small[0], backend="numpy") as model:
+        want = model.generate(prompt, max_tokens=6, instruction_length=len(prompt))[len(prompt):]
+        assert want != model.generate(prompt, max_tokens=6)[len(prompt):]   # the flag matters
+    assert code == 0 and [int(t) for t in text.split()] == want
+
+
 def test_info_names_model_and_backend():
     code, text = run("info", "--backend", "numpy")
     assert code == 0 and "tinyloop-demo" in text and "backend: numpy" in text

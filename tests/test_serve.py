@@ -133,7 +133,8 @@ def test_models_and_health(demo, client):
 
 
 SAMPLINGS = [dict(temperature=1.0), dict(temperature=0.0),
-             dict(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.3, loops=3)]
+             dict(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.3, loops=3),
+             dict(temperature=0.0, instruction_length=5)]
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
@@ -206,6 +207,15 @@ def test_adaptive_completion_equals_offline_generate_and_counts_its_loops(demo, 
     buckets = [after[f'{histogram}_bucket{{"le": "{u}.0"}}'] for u in range(1, deepest + 1)]
     assert buckets == sorted(buckets) and buckets[-1] == after[histogram + "_count"]
     assert buckets[0] < buckets[-1]                # passes of several depths
+
+
+def test_an_instruction_block_of_the_whole_prompt(client, reference):
+    """instruction_length "prompt": the prompt is one instruction block (prefix-LM models)."""
+    ids = reference.encode(PROMPTS[4])
+    reply = client.completions.create(model=DEMO, prompt=PROMPTS[4], max_tokens=12, seed=2,
+                                      temperature=0.0, extra_body={"instruction_length": "prompt"})
+    assert reply.choices[0].text == offline(reference, PROMPTS[4], 12, 2, temperature=0.0,
+                                            instruction_length=len(ids))[0]
 
 
 def test_token_id_prompt_and_default_max_tokens(client, reference):
@@ -717,6 +727,9 @@ BAD_COMPLETIONS = [
     (dict(GOOD, stream_options={"include_usage": True}), 400, "stream_options"),
     (dict(GOOD, cache_salt=5), 400, "cache_salt"),
     (dict(GOOD, cache_salt="a\0b"), 400, "cache_salt"),
+    (dict(GOOD, instruction_length=-1), 400, "instruction_length"),
+    (dict(GOOD, instruction_length=10 ** 6), 400, "instruction_length"),
+    (dict(GOOD, instruction_length="all"), 400, "instruction_length"),
     (dict(GOOD, logprobs=3), 400, "logprobs"),
     (dict(GOOD, frobnicate=1), 400, "frobnicate"),
 ]
@@ -842,7 +855,7 @@ FIELDS = {
     "cache_salt": st.text(max_size=6) | JSON, "draft_loops": st.integers(-1, 3) | JSON,
     "n_draft": st.integers(-1, 5) | JSON, "exit_rule": st.sampled_from(
         ["none", "gate", "latent", "kl", "argmax"]) | JSON, "exit_threshold": JSON,
-    "min_loops": JSON, "logprobs": JSON, "echo": JSON, "user": JSON, "frobnicate": JSON}
+    "min_loops": JSON, "instruction_length": st.integers(-1, 40) | JSON, "logprobs": JSON, "echo": JSON, "user": JSON, "frobnicate": JSON}
 BODIES = st.fixed_dictionaries({}, optional=FIELDS)
 
 

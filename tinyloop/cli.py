@@ -165,7 +165,8 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
                 prefill_chunk=PROGRESS_CHUNK if progress.enabled else None,
                 draft_loops=args.draft_loops, n_draft=args.n_draft, draft_stats=drafts,
                 exit_rule=args.exit, exit_threshold=args.exit_threshold,
-                min_loops=args.min_loops, depth_stats=depths)
+                min_loops=args.min_loops, depth_stats=depths,
+                instruction_length=len(prompt) if args.prefix_lm else 0)
         finally:
             if first:                        # ends the streamed line, also before an error
                 print(stream.flush() if is_text else "", file=out, flush=True)
@@ -436,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompt and --stop are token ids: integers separated by commas or "
                           "spaces (default: text, for a model with a tokenizer)")
     sampling(gen, max_tokens=64)
+    gen.add_argument("--prefix-lm", action="store_true",
+                     help="run the whole prompt as an instruction block, its tokens attending to "
+                          "each other both ways (prefix-LM models such as HRM-Text: "
+                          "token_type_ids 1 on the prompt) (default: causal)")
     gen.add_argument("--stop", action="append", default=[],
                      help="stop once the output ends with this text (token ids with --ids); "
                           "repeatable (default: none)")

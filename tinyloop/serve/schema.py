@@ -2,8 +2,9 @@
 
 `completion_request` and `chat_request` read the JSON body of POST /v1/completions and
 /v1/chat/completions (the OpenAI API's schema plus TinyLoop's top_k, repetition_penalty,
-loops, cache_salt, draft_loops / n_draft for self-speculative decoding, and exit_rule /
-exit_threshold / min_loops for adaptive depth) and return a
+loops, cache_salt, draft_loops / n_draft for self-speculative decoding, exit_rule /
+exit_threshold / min_loops for adaptive depth, and instruction_length for prefix-LM models:
+an integer or "prompt", the whole prompt) and return a
 `GenerationRequest`: prompt token ids and the keyword arguments of `Scheduler.add`, every value
 checked. Anything wrong raises `RequestError` naming the field, which the app answers with the
 OpenAI error body (`RequestError.body`). Nothing here runs the model: it only tokenizes and
@@ -39,7 +40,7 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "l
            "reasoning_effort": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "loops",
           "draft_loops", "n_draft", "exit_rule", "exit_threshold", "min_loops", "cache_salt",
-          "seed", "stop", "stream", "stream_options", "n", "user"}
+          "instruction_length", "seed", "stop", "stream", "stream_options", "n", "user"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 
@@ -183,6 +184,7 @@ def _request(body: Body, model: Model, prompt_field: str, ids: list[int], max_fi
         seed=P.check_seed(_number(body, "seed", int, P.check_seed, None)),   # None: a fresh one
         cache_salt=_field(body, "cache_salt", str) or "",
         stop_sequences=token_stops,
+        instruction_length=_instruction(body, len(ids)),
     )
     if "\0" in sampling["cache_salt"]:
         raise RequestError("cache_salt must not contain NUL characters", "cache_salt")
@@ -302,6 +304,19 @@ def _field(body: Body, name: str, kind: type, param: Optional[str] = None,
         raise RequestError(f"{param or name} must be a {kind.__name__}, got {_kind(value)}",
                            param or name)
     return value
+
+
+def _instruction(body: Body, n_prompt: int) -> int:
+    """instruction_length (docs/spec.md §4.1): the prompt tokens of the instruction block, an
+    integer up to the prompt's token count or "prompt" for all of them; 0 when absent."""
+    if body.get("instruction_length") == "prompt":
+        return n_prompt
+
+    def check(value: Any) -> int:
+        length = P.check_int("instruction_length", value, 0)
+        P.check_instruction(length, n_prompt)
+        return length
+    return int(_number(body, "instruction_length", int, check, 0))
 
 
 def _number(body: Body, name: str, kind: type, check: Callable[[Any], Any],
