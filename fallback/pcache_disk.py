@@ -121,7 +121,7 @@ class DiskTier:
         salt, window, instruction, depth = _tree_fields(tree)
         key = KEY_FIELDS.pack(self.model_checksum, self.model_file_bytes, self.kv_mode, window,
                               depth, self.pool.block_size, len(salt))
-        if instruction:                 # a causal tree's names stay those of TinyLoop 0.8
+        if instruction:                 # a causal tree's names stay those of TinyLoop 0.7
             key += struct.pack("<I", instruction)
         h = fnv1a(salt, fnv1a(key))
         bs = self.pool.block_size

@@ -37,7 +37,7 @@ typedef struct tl_block_place {
 } tl_block_place;
 
 /* The name hash, incrementally: tl_block_name_start over the key fields of `at` (the
- * instruction only when it is > 0: a causal tree's names are those of version 0.8) and its
+ * instruction only when it is > 0: a causal tree's names are those of TinyLoop 0.7) and its
  * salt (of salt_bytes bytes), then tl_block_name_more over the tokens in order. */
 uint64_t tl_block_name_start(const tl_block_model* m, const tl_block_place* at, size_t salt_bytes);
 uint64_t tl_block_name_more(uint64_t h, const int32_t* tokens, size_t n);
