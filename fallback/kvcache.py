@@ -102,14 +102,20 @@ class KVBlock:
         return twin
 
 
+def chunk_rows(pos, chunk, left, instruction):
+    """The positions of the prefill chunk starting at position `pos`, asked for `chunk` of the
+    `left` still to run (spec §4.2): the chunk holding position 0 holds the instruction block
+    0 .. P-1 whole, growing past `chunk` when it must; never more than `left`."""
+    return min(max(chunk, instruction) if pos == 0 else chunk, left)
+
+
 def chunk_bounds(pos0, n, chunk, instruction):
-    """(start, stop) of each chunk of n tokens fed at positions pos0.. in chunks of `chunk`
-    (spec §4.2): the chunk holding position 0 holds the instruction block 0 .. P-1 whole."""
+    """(start, stop) of each chunk of n tokens fed at positions pos0.. in chunks of `chunk`."""
     bounds, start = [], 0
     while start < n:
-        size = max(chunk, instruction - pos0) if pos0 + start == 0 else chunk
-        bounds.append((start, min(n, start + size)))
-        start += size
+        stop = start + chunk_rows(pos0 + start, chunk, n - start, instruction)
+        bounds.append((start, stop))
+        start = stop
     return bounds
 
 

@@ -35,6 +35,7 @@ from tinyloop.engine import SCHED_STAT_NAMES, finish_reason
 
 from .exit_rules import ForcedExit, exit_rule
 from .forward import decode_adaptive, decode_pass, head_logits
+from .kvcache import chunk_rows
 from .sampling import NumericError
 from .speculate import speculative_round
 
@@ -215,8 +216,8 @@ class Scheduler:
     def _chunk(r, budget):
         """The positions of r's next prefill chunk, out of `budget` left: the instruction block
         whole when it starts at position 0, even past the budget (docs/spec.md §5.5 step 4)."""
-        T = min(budget, r.prefill_end - r.cache.length)
-        return max(T, r.cache.instruction) if r.cache.length == 0 else T
+        return chunk_rows(r.cache.length, budget, r.prefill_end - r.cache.length,
+                          r.cache.instruction)
 
     @staticmethod
     def _width(r):
