@@ -6,7 +6,7 @@ float32, element-wise, in the spec's order.
 """
 import numpy as np
 
-from .numerics import F32, LOG2E, TWO_24, exp2s, int_to_f32, nan_ignoring_max, quantize_rows
+from .numerics import F32, LOG2E, TWO_24, exp2s, int_to_f32, nan_ignoring_max, quantize_rows, sigmoid
 
 
 def key_range(pos0, n_tok, window, instruction=0):
@@ -56,12 +56,35 @@ def attend(qh, kq, sk, vq, sv, visible):
     return out.reshape(n_tok, n_heads * head_dim)
 
 
-def attend_cached(qh, cache, layer, pos0):
-    """Attention of T queries at positions pos0 .. pos0+T-1 over one layer of a KVCache.
+def attend_cached(qh, cache, layer, pos0, window=None):
+    """Attention of T queries at positions pos0 .. pos0+T-1 over one layer of a KVCache,
+    through the cache's window or `window` (loop attention's local window, local_window).
 
     qh: (T, H, D) float32. Reads the visible keys as contiguous arrays; returns (T, H * D).
     """
-    lo, hi = key_range(pos0, len(qh), cache.window, cache.instruction)
-    visible = visible_keys(np.arange(pos0, pos0 + len(qh)), np.arange(lo, hi), cache.window,
+    window = cache.window if window is None else window
+    lo, hi = key_range(pos0, len(qh), window, cache.instruction)
+    visible = visible_keys(np.arange(pos0, pos0 + len(qh)), np.arange(lo, hi), window,
                            cache.instruction)
     return attend(qh, *cache.read(layer, lo, hi), visible)
+
+
+def local_window(window, loop_window):
+    """W' of loop attention's local branch (spec §4): W_l, or min(W, W_l) when the sequence
+    has a window W."""
+    return min(window, loop_window) if window else loop_window
+
+
+def loop_mix(qh, global_out, local_out, gate):
+    """Loop attention's gated mix (spec §4): per query head h, g = sig(((f32)(qq . gw_h) *
+    sq) * gs_h + gb_h) on Q8 of the head's query, then g * global + (1 - g) * local.
+
+    qh: (T, H, D) float32 queries after RoPE; global_out, local_out: (T, H * D) float32;
+    gate: a LoopGate (w (H, D) int8, s, b (H,) float32). Returns (T, H * D) float32.
+    """
+    n_tok, n_heads, head_dim = qh.shape
+    qq, sq = quantize_rows(qh)                                            # (T, H, D), (T, H)
+    dots = np.einsum("thd,hd->th", qq.astype(np.int64), np.asarray(gate.w, np.int64))
+    g = sigmoid(((int_to_f32(dots) * sq) * gate.s) + gate.b)[..., None]   # (T, H, 1)
+    mixed = (g * global_out.reshape(qh.shape)) + ((F32(1) - g) * local_out.reshape(qh.shape))
+    return mixed.reshape(n_tok, n_heads * head_dim)

@@ -40,7 +40,10 @@ the same operations, each of which must give bit-identical results:
                 kv_bits)                     and Q8 (kv_bits 8) or Q4 (4) of K (after RoPE)
                                              and V as the cache stores them (kv_row): kq,
                                              vq (T, G, D * kv_bits / 8), sk, sv (T, G)
-    attend(qh, cache, layer, pos0)           (T, H, D) queries over one cache layer -> (T, H * D)
+    attend(qh, cache, layer, pos0,           (T, H, D) queries over one cache layer -> (T, H * D),
+           window=None)                      through the cache's window or `window`
+    loop_mix(qh, global_out, local_out,      loop attention's gated mix (§4) of two attend
+             gate)                           outputs (T, H * D) by a LoopGate -> (T, H * D)
     swiglu(gu)                               (T, 2F) gate|up -> (T, F)
     gate(o, z, at)                           attn_gate: o (T, H * D) times sig of
                                              z[:, at : at + H * D] (§4), a new (T, H * D)
@@ -56,7 +59,7 @@ import numpy as np
 
 from tinyloop.modelfile import pack_int4
 
-from .attention import attend_cached
+from .attention import attend_cached, local_window, loop_mix
 from .kvcache import BlockPool, kv_row_format
 from .numerics import F32, quantize_rows, rms_norm, rms_quantize, rope, sigmoid, silu
 from .sampling import sample
@@ -113,6 +116,7 @@ class NumpyKernels:
     rms_norm = staticmethod(rms_norm)
     split_heads = staticmethod(split_heads)
     attend = staticmethod(attend_cached)
+    loop_mix = staticmethod(loop_mix)
     swiglu = staticmethod(swiglu)
     gate = staticmethod(gate)
     add = staticmethod(np.add)
@@ -159,11 +163,22 @@ def attention_block(kernels, weights, block, cache, slot, x, pos0, capture=None)
         capture(slot, pos0, x, q, a)
     cfg = weights.config
     qh, z = write_kv(kernels, weights, block, cache, slot, q, a, pos0)
-    o = kernels.attend(qh, cache, slot, pos0)                  # (T, H * D)
+    o = attend_layer(kernels, cfg, block, qh, cache, slot, pos0)   # (T, H * D)
     if cfg.attn_gate:
         o = kernels.gate(o, z, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
     q, s = kernels.quantize_rows(o)
     return residual(kernels, weights, x, block.attn_out(q, s), block.attn_post_norm)
+
+
+def attend_layer(kernels, cfg, block, qh, cache, slot, pos0):
+    """The attention of the layer at cache slot `slot`: §4.1's, or with loop attention in a
+    core slot of iteration >= 1, the gated mix of the global attention over iteration 0's slot
+    and the local one over its own slot through the loop window (§4). Returns (T, H * D)."""
+    glob = cfg.loop_global_slot(slot)
+    if glob is None:
+        return kernels.attend(qh, cache, slot, pos0)
+    local = kernels.attend(qh, cache, slot, pos0, local_window(cache.window, cfg.loop_window))
+    return kernels.loop_mix(qh, kernels.attend(qh, cache, glob, pos0), local, block.loop_gate)
 
 
 def mlp_block(kernels, weights, block, x):

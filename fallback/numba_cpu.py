@@ -100,7 +100,7 @@ S = numba_scalar.build(scalar, SimpleNamespace(
 quantize_row, store_kv_row, rms_scale, rms_norm_row, linear_out = (
     S.quantize_row, S.store_kv_row, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times, exp2s = S.rope_pair, S.silu_times, S.exp2s
-sigmoid_times = S.sigmoid_times
+sigmoid_times, loop_gate, loop_mixed = S.sigmoid_times, S.loop_gate, S.loop_mixed
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
 
@@ -381,6 +381,23 @@ def gate_kernel(o, z, at, out):
             out[t, i] = sigmoid_times(z[t, at + i], o[t, i])
 
 
+@njit(parallel=True, cache=True)
+def loop_mix_kernel(qh, glob, local, gw, gs, gb, out):
+    """Loop attention's gated mix (spec §4). qh: (T, H, D) float32 queries; glob, local,
+    out: (T, H * D) float32; gw: (H, D) int8; gs, gb: (H,) float32."""
+    n_heads, head_dim = qh.shape[1], qh.shape[2]
+    for t in prange(qh.shape[0]):
+        q8 = np.empty(head_dim, np.int8)
+        for h in range(n_heads):
+            sq = quantize_row(qh[t, h], q8, numba_scalar.QMAX8)
+            dot = 0
+            for d in range(head_dim):
+                dot += np.int32(q8[d]) * np.int32(gw[h, d])       # |dot| <= 127^2 * 1024
+            g, rest = loop_gate(dot, sq, gs, gb, h)
+            for i in range(h * head_dim, (h + 1) * head_dim):
+                out[t, i] = loop_mixed(g, rest, glob[t, i], local[t, i])
+
+
 # -- sampling -------------------------------------------------------------------------------
 
 @njit(cache=True)
@@ -484,8 +501,9 @@ class NumbaKernels(NumpyKernels):
                     qh, kq, sk, vq, sv)
         return qh, (kq, sk, vq, sv)
 
-    def attend(self, qh, cache, layer, pos0):
-        lo, hi = key_range(pos0, len(qh), cache.window, cache.instruction)
+    def attend(self, qh, cache, layer, pos0, window=None):
+        window = cache.window if window is None else window
+        lo, hi = key_range(pos0, len(qh), window, cache.instruction)
         pool = cache.pool
         table, shift = pool.block_table(cache, layer, lo, hi)
         arena = pool.arena              # one arena: a growing thread may replace it
@@ -498,8 +516,14 @@ class NumbaKernels(NumpyKernels):
         threads = self.threads_for(qh.size * (hi - lo))
         parts = min(threads, qh.shape[1]) if len(qh) < threads else 1   # split a lone query
         self.launch(attend_kernel, threads, qh, kq, sk, vq, sv, table, shift, pool.block_size,
-                    pos0, lo, hi, cache.window, cache.instruction, parts, out)
+                    pos0, lo, hi, window, cache.instruction, parts, out)
         return out.reshape(len(qh), -1)
+
+    def loop_mix(self, qh, global_out, local_out, gate):
+        out = np.empty(global_out.shape, F32)
+        self.launch(loop_mix_kernel, self.threads_for(out.size * 16), qh, global_out,
+                    local_out, gate.w, gate.s, gate.b, out)
+        return out
 
     def swiglu(self, gu):
         h = np.empty((len(gu), gu.shape[1] // 2), F32)

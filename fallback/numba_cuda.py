@@ -59,6 +59,7 @@ fmul, fadd, fsqrt, dmul, dadd = OPS.mul, OPS.add, OPS.sqrt, OPS.dmul, OPS.dadd
 quantize_row, store_kv_row, kv_value, rms_scale, rms_norm_row, linear_out = (
     S.quantize_row, S.store_kv_row, S.kv_value, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times, sigmoid_times = S.rope_pair, S.silu_times, S.sigmoid_times
+loop_gate, loop_mixed = S.loop_gate, S.loop_mixed
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
 
@@ -111,6 +112,24 @@ def gate_kernel(o, z, at, out):
     if i < out.size:
         t, c = i // out.shape[1], i % out.shape[1]
         out[t, c] = sigmoid_times(z[t, at + c], o[t, c])
+
+
+@cuda.jit(fastmath=False)
+def loop_mix_kernel(qh, glob, local, gw, gs, gb, out):
+    """Loop attention's gated mix (spec §4), one thread per (row t, head h). qh: (T, H, D)
+    float32; glob, local, out: (T, H * D) float32; gw: (H, D) int8; gs, gb: (H,) float32."""
+    i = cuda.grid(1)
+    n_heads, head_dim = qh.shape[1], qh.shape[2]
+    if i < qh.shape[0] * n_heads:
+        t, h = i // n_heads, i % n_heads
+        q8 = cuda.local.array(MAX_HEAD_DIM, np.int8)
+        sq = quantize_row(qh[t, h], q8[:head_dim], numba_scalar.QMAX8)
+        dot = 0
+        for d in range(head_dim):
+            dot += np.int32(q8[d]) * np.int32(gw[h, d])           # |dot| <= 127^2 * 1024
+        g, rest = loop_gate(dot, sq, gs, gb, h)
+        for c in range(h * head_dim, (h + 1) * head_dim):
+            out[t, c] = loop_mixed(g, rest, glob[t, c], local[t, c])
 
 
 @cuda.jit(fastmath=False)
@@ -436,15 +455,23 @@ class CudaKernels(NumpyKernels):
         return qh, (kq, sk, vq, sv)
 
     @staticmethod
-    def attend(qh, cache, layer, pos0):
-        lo, hi = key_range(pos0, qh.shape[0], cache.window, cache.instruction)
+    def attend(qh, cache, layer, pos0, window=None):
+        window = cache.window if window is None else window
+        lo, hi = key_range(pos0, qh.shape[0], window, cache.instruction)
         table, shift = cache.pool.block_table(cache, layer, lo, hi)
         out = cuda.device_array((qh.shape[0], qh.shape[1] * qh.shape[2]), F32)
         arena = cache.pool.arena
         n_thr = min(ATTN_THREADS, 1 << (qh.shape[2] - 1).bit_length())
         attend_kernel[(qh.shape[0], qh.shape[1]), n_thr](
             qh, arena["kq"], arena["sk"], arena["vq"], arena["sv"], table, shift,
-            cache.pool.block_size, pos0, lo, cache.window, cache.instruction, out)
+            cache.pool.block_size, pos0, lo, window, cache.instruction, out)
+        return out
+
+    @staticmethod
+    def loop_mix(qh, global_out, local_out, gate):
+        out = cuda.device_array(global_out.shape, F32)
+        loop_mix_kernel[_grid(qh.shape[0] * qh.shape[1])](qh, global_out, local_out, gate.w,
+                                                          gate.s, gate.b, out)
         return out
 
     @staticmethod

@@ -176,8 +176,21 @@ def build(jit, ops):
         """spec §4.1: o_d = ((f32) num_d / (f32) den) * svmax (num, den exact integers)."""
         return mul(F32(num) / F32(den), svmax)
 
+    @jit
+    def loop_gate(dot, sq, gs, gb, h):
+        """spec §4, loop attention: (g, 1 - g) of head h, g = sig(((f32) dot * sq) * gs_h +
+        gb_h) (the gate logit is linear_out's formula)."""
+        g = sigmoid_times(linear_out(dot, sq, gs, gb, h), ONE)
+        return g, sub(ONE, g)
+
+    @jit
+    def loop_mixed(g, rest, og, ol):
+        """spec §4: (g * og) + ((1 - g) * ol)."""
+        return add(mul(g, og), mul(rest, ol))
+
     return SimpleNamespace(clamp=clamp, exp2s=exp2s, silu_times=silu_times,
-                           sigmoid_times=sigmoid_times,
+                           sigmoid_times=sigmoid_times, loop_gate=loop_gate,
+                           loop_mixed=loop_mixed,
                            quantize_row=quantize_row, store_kv_row=store_kv_row,
                            kv_value=kv_value, rms_scale=rms_scale,
                            rms_norm_row=rms_norm_row, linear_out=linear_out,

@@ -53,6 +53,19 @@ class Linear:
 
 
 @dataclass
+class LoopGate:
+    """A core block's loop-attention gate (docs/spec.md §4): w (H, D) int8, s and b (H,)
+    float32, placed by the kernel set's table."""
+    w: object
+    s: object
+    b: object
+
+    @property
+    def nbytes(self):
+        return self.w.nbytes + self.s.nbytes + self.b.nbytes
+
+
+@dataclass
 class Block:
     """One block's weights: its four linears (attn_qkv with its bias when the model has one)
     and, in the sandwich and post placements, the gains of its two residual norms."""
@@ -62,11 +75,13 @@ class Block:
     ffn_down: object
     attn_post_norm: object = None     # (d,) f32 table, or None (block_layout "pre")
     ffn_post_norm: object = None
+    loop_gate: object = None          # a core block's LoopGate with loop attention, else None
 
     def parts(self):
-        """What the block holds, for byte counts: its linears and gain tables."""
+        """What the block holds, for byte counts: its linears, gain tables and loop gate."""
         return [p for p in (self.attn_qkv, self.attn_out, self.ffn_gate_up, self.ffn_down,
-                            self.attn_post_norm, self.ffn_post_norm) if p is not None]
+                            self.attn_post_norm, self.ffn_post_norm, self.loop_gate)
+                if p is not None]
 
 
 class Weights:
@@ -129,10 +144,14 @@ class Weights:
     def _block(self, tensors, prefix):
         post = self.config.block_layout != "pre"
         bias = tensors[f"{prefix}.attn_qkv.b"] if self.config.qkv_bias else None
+        gate = None
+        if self.config.loop_window and prefix.startswith("core."):
+            gate = LoopGate(*(self._table(np.asarray(tensors[f"{prefix}.loop_gate.{part}"]))
+                              for part in "wsb"))
         return Block(self._linear(tensors, f"{prefix}.attn_qkv", bias),
                      *(self._linear(tensors, f"{prefix}.{part}") for part in LINEAR_PARTS[1:]),
                      self._vector(tensors, f"{prefix}.attn_post_norm", post),
-                     self._vector(tensors, f"{prefix}.ffn_post_norm", post))
+                     self._vector(tensors, f"{prefix}.ffn_post_norm", post), gate)
 
     def _vector(self, tensors, name, present):
         return self._table(np.asarray(tensors[name], np.float32)) if present else None

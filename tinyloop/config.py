@@ -76,6 +76,8 @@ class ModelConfig:
     # version 3 (§6.1 offsets 220, 224): HRM's two-state core (§1) and attention gate (§4)
     core_cycles: int = 0     # 0: one state; C >= 1: the low stack's cycles per iteration
     attn_gate: bool = False  # attn_qkv ends with H * D gate rows: o *= sig(gate)
+    # version 3 (§6.1 offset 228): IQuest's loop attention (§4), W_l; 0 = none, 1 .. 2^20
+    loop_window: int = 0
 
     def __post_init__(self) -> None:
         for field in ("rope_theta", "rms_eps", "embed_scale", "exit_threshold"):
@@ -86,7 +88,8 @@ class ModelConfig:
     @property
     def file_version(self) -> int:
         """The version a writer gives this model's file: the lowest that holds it (§6.5)."""
-        return 3 if self.stop_ids or self.exit_gate or self.core_cycles or self.attn_gate else 2
+        return 3 if (self.stop_ids or self.exit_gate or self.core_cycles or self.attn_gate
+                     or self.loop_window) else 2
 
     def stop_token_ids(self) -> FrozenSet[int]:
         """Every id whose emission ends generation (§5.3): eos_id (when >= 0) and stop_ids."""
@@ -151,6 +154,7 @@ class ModelConfig:
                  self.attn_gate)
         _require(version >= 3 or not self.attn_gate, "attn_gate", "needs a version-3 file",
                  self.attn_gate)
+        self._check_loop_window(version)
         self._check_name()
         _require(isinstance(self.stop_ids, tuple), "stop_ids", "must be a tuple of token ids",
                  self.stop_ids)
@@ -282,6 +286,9 @@ class ModelConfig:
             out.append((f"{b}.ffn_down", ("linear", (d, F))))
             if post:
                 out.append((f"{b}.ffn_post_norm", ("f32", (d,))))
+            if self.loop_window and b.startswith("core."):    # int8 whatever weight_format
+                out += [(f"{b}.loop_gate.w", ("i8", (H, D))), (f"{b}.loop_gate.s", ("f32", (H,))),
+                        (f"{b}.loop_gate.b", ("f32", (H,)))]
         if self.injection:
             out += [("core.adapter_state", ("linear", (d, d))),
                     ("core.adapter_inject", ("linear", (d, d)))]
@@ -335,6 +342,27 @@ class ModelConfig:
                          self.n_heads * self.head_dim), ("ffn_dim", self.ffn_dim)):
             _require(k % self.group_size == 0, "group_size", f"must divide {field} ({k})",
                      self.group_size)
+
+    def _check_loop_window(self, version: int) -> None:
+        """§6.1's loop_window rules: 0 .. 2^20; loop attention (>= 1) needs a version-3 file,
+        a one-state core (core_cycles 0), then no attention gate."""
+        self._int_range("loop_window", 0, 2**20)
+        if not self.loop_window:
+            return
+        _require(version >= 3, "loop_window", "needs a version-3 file", self.loop_window)
+        _require(self.core_cycles == 0, "loop_window", "needs core_cycles 0 (a one-state core)",
+                 self.core_cycles)
+        _require(not self.attn_gate, "loop_window", "excludes the attention gate (attn_gate 1)",
+                 self.attn_gate)
+
+    def loop_global_slot(self, slot: int) -> Optional[int]:
+        """With loop attention, the iteration-0 slot the layer of cache slot `slot` reads its
+        global attention from when that layer is a core application of an iteration >= 1
+        (§4); else None."""
+        if not self.loop_window or slot < self.n_pre_blocks:
+            return None
+        i, j = divmod(slot - self.n_pre_blocks, self.core_width + self.n_coda_blocks)
+        return self.core_slot(0, j) if i >= 1 and j < self.core_width else None
 
     def _check_core_cycles(self, version: int) -> None:
         """§6.1's core_cycles rules: 0 .. 256; a two-state core (>= 1) needs a version-3

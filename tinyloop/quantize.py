@@ -4,7 +4,8 @@ Round-to-nearest with a per-row (int8) or per-group (int4) clipping search, afte
 RMSNorm gain that feeds a linear into that linear's input columns (docs/spec.md §6.4); the
 gains that cannot fold (post norms, step and coda norms) and the biases are stored as f32. The
 exit gate (§5.7), which reads the final norm's output as the head does, is int8 whatever the
-weight format: one row with the final norm gain folded in, its scale and bias f32.
+weight format: one row with the final norm gain folded in, its scale and bias f32; so are loop
+attention's gates (§4), a row per head over the head's query.
 
 GPTQ (Frantar et al. 2022) for int4, when the linear's input Gram matrix H = X^T X is given
 (tinyloop.calibrate.input_grams): the columns are quantized in order, each one's rounding error
@@ -24,6 +25,7 @@ be lazy, loading a value when it is looked up, e.g. memory-mapped safetensors), 
     B.w_up (F, d), B.w_down (d, F), B.ffn_post_norm (d,) [sandwich, post];
     core.adapter (d, 2d) [injection: columns 0 .. d-1 act on the state, d .. 2d-1 on e];
     core.step_norm (d,) [step_norm]; coda.input_norm (d,) [coda_norm];
+    core.J.loop_gate (H, D), core.J.loop_gate_bias (H,) [loop_window: core blocks J];
     exit_gate (1, d), exit_gate_bias (1,) [exit_gate].
 
 Memory: one linear at a time, its float64 form only a block of rows at a time (quantization is
@@ -245,6 +247,10 @@ def quantize_model(config: ModelConfig, weights: Mapping[str, np.ndarray],
         linear(f"{b}.ffn_down", weights[f"{b}.w_down"])
         if post:
             vector(f"{b}.ffn_post_norm", f"{b}.ffn_post_norm")
+        if config.loop_window and b.startswith("core."):
+            gate_q, gate_s = quantize_int8(weights[f"{b}.loop_gate"])
+            put({f"{b}.loop_gate.w": gate_q, f"{b}.loop_gate.s": gate_s})
+            vector(f"{b}.loop_gate.b", f"{b}.loop_gate_bias")
     if config.injection:
         adapter, d = weights["core.adapter"], config.d_model
         linear("core.adapter_state", adapter[:, :d])

@@ -67,6 +67,9 @@ def random_float_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.nda
                 w[f"{b}.bg"] = normal(H * D, 0.1)
         if config.block_layout != "pre":
             w[f"{b}.attn_post_norm"], w[f"{b}.ffn_post_norm"] = gain(), gain()
+        if config.loop_window and b.startswith("core."):     # gate logits of about unit size
+            w[f"{b}.loop_gate"] = normal((H, D), D ** -0.5)
+            w[f"{b}.loop_gate_bias"] = normal(H, 0.5)
     if config.injection:
         w["core.adapter"] = normal((d, 2 * d), (2 * d) ** -0.5)
     if config.step_norm:
