@@ -16,7 +16,7 @@ import numpy as np
 D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS, POSITIONS = 32, 4, 2, 8, 64, 270, 3, 64
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "NanbeigeForCausalLM", "OuroForCausalLM", "RavenForCausalLM",
-                 "HrmTextForCausalLM")
+                 "HrmTextForCausalLM", "IQuestLoopCoderForCausalLM")
 # A retrofitted-recurrence Llama (McLeish et al. 2025): a RavenForCausalLM with its own layout.
 RETROFIT_LLAMA = "RavenForCausalLM:retrofit-llama"
 LAYOUTS = ARCHITECTURES + (RETROFIT_LLAMA,)
@@ -68,7 +68,9 @@ def checkpoint(arch, seed=0, **overrides):
                    "NanbeigeForCausalLM": dict(num_loops=2, skip_loop_final_norm=False),
                    "OuroForCausalLM": dict(total_ut_steps=3, use_sliding_window=False,
                                            sliding_window=None,
-                                           early_exit_threshold=1.0)}.get(arch, {}))
+                                           early_exit_threshold=1.0),
+                   "IQuestLoopCoderForCausalLM": dict(loop_num=2, loop_window_size=8)
+                   }.get(arch, {}))
     config.update(overrides)
     d, H, G, D, F = D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN
     V = config["vocab_size"]
@@ -88,6 +90,10 @@ def checkpoint(arch, seed=0, **overrides):
         if arch == "OuroForCausalLM":
             t[p + "input_layernorm_2.weight"] = draw.gain()
             t[p + "post_attention_layernorm_2.weight"] = draw.gain()
+    if arch == "IQuestLoopCoderForCausalLM":      # gate logits about unit size, off centre
+        for i in range(config["num_hidden_layers"]):
+            t[f"model.gate_projections.{i}.weight"] = draw.matrix(H, D)
+            t[f"model.gate_projections.{i}.bias"] = bf16(0.5 + draw.vector(H) * 5)
     if arch == "OuroForCausalLM":
         t["model.early_exit_gate.weight"] = draw.matrix(1, d)
         t["model.early_exit_gate.bias"] = draw.vector(1)

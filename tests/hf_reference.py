@@ -3,7 +3,8 @@
 Written from the published model code's description (Ouro's `modeling_ouro.py`, Huginn's
 `raven_modeling_minimal.py`, Nanbeige's `modeling_nanbeige.py`, the retrofitted-recurrence
 Llama's `raven_modeling_minimal_llama.py` from github.com/LoopedLMs/retrofitting-recurrence at
-e21042a6, HRM-Text's `modeling_hrm_text.py` in transformers 5.23.0), not from any TinyLoop
+e21042a6, HRM-Text's `modeling_hrm_text.py` in transformers 5.23.0, IQuest-Coder Loop's
+`iquest_loopcoder.py` in vLLM 0.32.0), not from any TinyLoop
 backend, so a converter or backend that misreads a layout
 disagrees with them. Each `*_logits` takes a checkpoint's tensors by their Hugging Face names
 and its `config.json` dict and returns float64 logits (n, V) for a token list, attending
@@ -76,16 +77,19 @@ def rope_interleaved(x, theta):
     return out
 
 
-def causal_attention(q, k, v, instruction=0):
+def causal_attention(q, k, v, instruction=0, window=0):
     """q: (n, H, D), k, v: (n, G, D) -> (n, H * D), softmax(q k^T / sqrt(D)) v per head; causal,
     except that positions 0 .. instruction-1 see each other (transformers' blockwise overlay of
-    HRM-Text's token_type_ids 1: the mask is causal OR both in the block)."""
+    HRM-Text's token_type_ids 1: the mask is causal OR both in the block); with a window W > 0
+    a query at t sees only keys j > t - W (vLLM's sliding_window: W keys, itself included)."""
     n, H, D = q.shape
     G = k.shape[1]
     k, v = np.repeat(k, H // G, axis=1), np.repeat(v, H // G, axis=1)
     scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)
     block = np.arange(n) < instruction
     visible = np.tril(np.ones((n, n), bool)) | (block[:, None] & block[None, :])
+    if window:
+        visible &= np.arange(n)[None, :] > np.arange(n)[:, None] - window
     scores = np.where(visible[None], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
@@ -344,6 +348,48 @@ def hrm_text_logits(t, cfg, tokens, steps=None, instruction=0):
     return high @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
 
 
+# ---- IQuest-Coder Loop (vLLM 0.32.0's model_executor/models/iquest_loopcoder.py) -----------
+
+def _iquest_layer(t, i, x, cfg, loop, global_kv):
+    """LoopCoderDecoderLayer i in loop `loop`: a pre-norm LLaMA layer (q, k, v and o with no
+    bias, head_dim = hidden_size / heads) whose attention, in loop 0, is causal over its own K/V
+    (kept in global_kv[i]); in a later loop it mixes the causal attention of its own queries
+    over loop 0's K/V (global) with their attention over this loop's K/V through a sliding
+    window of loop_window_size (local), by g = sigmoid(gate_projections.i(q_h))[h] per head:
+    g * global + (1 - g) * local."""
+    p, eps = f"model.layers.{i}.", cfg["rms_norm_eps"]
+    H, G = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D, n = cfg["hidden_size"] // H, len(x)
+    theta = cfg.get("rope_theta", 10000.0)
+    h = rms_norm(x, t[p + "input_layernorm.weight"], eps)
+    q = rope_rotate_half((h @ t[p + "self_attn.q_proj.weight"].T).reshape(n, H, D), theta)
+    k = rope_rotate_half((h @ t[p + "self_attn.k_proj.weight"].T).reshape(n, G, D), theta)
+    v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(n, G, D)
+    if loop == 0:
+        global_kv[i] = k, v
+        o = causal_attention(q, k, v)
+    else:
+        gp = f"model.gate_projections.{i}."
+        logit = np.einsum("thd,hd->th", q, t[gp + "weight"]) + t[gp + "bias"]
+        g = np.repeat(1.0 / (1.0 + np.exp(-logit)), D, axis=1)           # (n, H * D)
+        local = causal_attention(q, k, v, window=cfg.get("loop_window_size", 64))
+        o = causal_attention(q, *global_kv[i]) * g + local * (1 - g)
+    x = x + o @ t[p + "self_attn.o_proj.weight"].T
+    return x + _llama_mlp(t, p, rms_norm(x, t[p + "post_attention_layernorm.weight"], eps))
+
+
+def iquest_loop_logits(t, cfg, tokens, steps=None):
+    """IQuestLoopCoderModel.forward: `steps` (default loop_num) loops over every layer with
+    shared weights and no norm between them (_iquest_layer), model.norm, lm_head."""
+    emb, head = _embed_and_head(t)
+    x, global_kv = emb[np.asarray(tokens)], {}
+    for loop in range(cfg.get("loop_num", 2) if steps is None else steps):
+        for i in range(cfg["num_hidden_layers"]):
+            x = _iquest_layer(t, i, x, cfg, loop, global_kv)
+    return rms_norm(x, t["model.norm.weight"], cfg["rms_norm_eps"]) @ head.T
+
+
 LOGITS = {"OuroForCausalLM": ouro_logits, "NanbeigeForCausalLM": nanbeige_logits,
           "RavenForCausalLM": huginn_logits, RETROFIT_LLAMA: retrofit_llama_logits,
-          "HrmTextForCausalLM": hrm_text_logits}
+          "HrmTextForCausalLM": hrm_text_logits,
+          "IQuestLoopCoderForCausalLM": iquest_loop_logits}

@@ -102,7 +102,7 @@ def test_looped_span_matches_unrolled_transformers(tmp_path, backend, arch):
 # loop_loss_weights (3 loops, num_loops 2); the retrofitted Llama (3) at 8 too.
 PUBLISHED = ([(arch, {}, None) for arch in sorted(LOGITS)]
              + [("NanbeigeForCausalLM", dict(loop_loss_weights=[0.5, 0.5]), None),
-                (RETROFIT_LLAMA, {}, 8)])
+                (RETROFIT_LLAMA, {}, 8), ("IQuestLoopCoderForCausalLM", {}, 3)])
 
 
 @pytest.mark.parametrize("arch, overrides, loops", PUBLISHED,

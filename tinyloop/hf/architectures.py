@@ -330,6 +330,32 @@ def _ouro(config: Dict[str, Any], options: Options) -> Plan:
     return dataclasses.replace(plan, config=mc, recipe=recipe)
 
 
+def _iquest_loop(config: Dict[str, Any], options: Options) -> Plan:
+    """IQuest-Coder Loop (vLLM's iquest_loopcoder.py): LLaMA's pre-norm layers all looped
+    loop_num times with no norm between loops, loop attention (docs/spec.md §4) with window
+    loop_window_size and model.gate_projections.{i} (weight [H, D], bias [H]) as layer i's gate.
+    As the published model does, head_dim is hidden_size / num_attention_heads whatever the
+    config says, and attention_bias is ignored (its q, k, v and o projections have none)."""
+    loops, window = _int(config, "loop_num", 2), _int(config, "loop_window_size", 64)
+    if loops < 1 or not 1 <= window <= 2**20:
+        raise ConvertError(f"config.json: loop_num ({loops}) must be >= 1 and loop_window_size "
+                           f"({window}) in 1 .. 2^20")
+    d, H = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    if d % H:
+        raise ConvertError(f"config.json: hidden_size {d} is not a multiple of "
+                           f"num_attention_heads {H}")
+    llama = {k: v for k, v in config.items() if k not in ("head_dim", "attention_bias")}
+    plan = _llama_plan({**llama, "head_dim": d // H}, options, loops=loops, loopable=False)
+    mc = dataclasses.replace(plan.config, loop_window=window)
+    mc.validate()
+    recipe = dict(plan.recipe)
+    for j, b in enumerate(mc.block_prefixes()):
+        p = f"model.gate_projections.{j}."
+        recipe[f"{b}.loop_gate"] = take(p + "weight", (H, d // H))
+        recipe[f"{b}.loop_gate_bias"] = take(p + "bias", (H,))
+    return dataclasses.replace(plan, config=mc, recipe=recipe)
+
+
 # ---- RavenForCausalLM: Huginn-0125 and retrofitted-recurrence Llamas -----------------------
 #
 # McLeish et al. 2025 ("Teaching pretrained language models to think deeper with retrofitted
@@ -579,15 +605,13 @@ MAPPERS: Dict[str, Mapper] = {
     "OuroForCausalLM": _by_config(_ouro),
     "RavenForCausalLM": _raven,
     "HrmTextForCausalLM": _by_config(_hrm_text),
+    "IQuestLoopCoderForCausalLM": _by_config(_iquest_loop),
 }
 
 
 # Looped models TinyLoop knows of but cannot run yet, and the operations docs/spec.md lacks for
 # each (docs/models.md, "Not supported"). Parcae's config names no architecture, only its class.
 NOT_YET = {
-    "IQuestLoopCoderForCausalLM": "IQuest-Coder Loop's later loops, which attend to loop 0's KV "
-                                  "and to their own through a sliding window, mixed per head "
-                                  "by a sigmoid gate",
     "ParcaeConfig": "Parcae's ReLU^2 MLP, per-head q/k norms after RoPE, gated value "
                     "embeddings, prelude norm, the linear before the coda and its diagonal "
                     "injection",
