@@ -23,7 +23,8 @@ def model_shapes(draw, tiny=False, v1_like=False):
     (and up to 3 more stop ids and an exit gate, version-3 options, unless `v1_like`),
     and the version-2 layout (docs/spec.md §1, §4): k = 1 .. 3 core blocks, 0 .. 2 coda blocks,
     block placement, qkv bias, injection, step and coda norms, an embedding scale; or (version
-    3) a two-state core of two stacks with 1 or 2 low cycles, and the attention gate.
+    3) a two-state core of two stacks with 1 or 2 low cycles, the attention gate, or (one-state,
+    ungated) loop attention.
     `tiny`: the smallest widths (for numba's CUDA simulator). `v1_like`: the version-2 fields
     at their version-1 values (one core block, no coda, pre-norm, ...)."""
     n_kv_heads = draw(st.integers(1, 2 if tiny else 3))
@@ -55,6 +56,8 @@ def model_shapes(draw, tiny=False, v1_like=False):
             shape.update(core_cycles=draw(st.integers(1, 2)), injection=False, step_norm=False,
                          n_core_blocks=2 * draw(st.integers(1, 1 if tiny else 2)))
         shape.update(attn_gate=draw(st.booleans()))    # the attention gate (§4), version 3
+        if not shape.get("core_cycles") and not shape["attn_gate"]:    # loop attention (§4)
+            shape.update(loop_window=draw(st.sampled_from([0, 1, 2, 5])))
         if draw(st.booleans()):            # an exit gate (docs/spec.md §5.7), version 3 too
             shape.update(exit_gate=True, exit_threshold=draw(st.sampled_from([0.5, 0.9, 1.0])))
     return shape

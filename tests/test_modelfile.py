@@ -37,8 +37,9 @@ HEADER = {"magic": (0, "8s"), "version": (8, "<I"), "header_bytes": (12, "<I"),
           "n_core_blocks": (184, "<I"), "n_coda_blocks": (188, "<I"), "block_layout": (192, "<I"),
           "qkv_bias": (196, "<I"), "injection": (200, "<I"), "step_norm": (204, "<I"),
           "embed_scale": (208, "<f"), "coda_norm": (212, "<I"), "exit_threshold": (216, "<f"),
-          "core_cycles": (220, "<I"), "attn_gate": (224, "<I"), "reserved": (228, "28s")}
-V2_RESERVED = (216, "40s")     # §6.5: in version 2 exit_threshold .. attn_gate are reserved
+          "core_cycles": (220, "<I"), "attn_gate": (224, "<I"), "loop_window": (228, "<I"),
+          "reserved": (232, "24s")}
+V2_RESERVED = (216, "40s")     # §6.5: in version 2 exit_threshold .. loop_window are reserved
 V1_RESERVED = (184, "72s")                  # §6.5: in version 1 the version-2 fields are reserved
 ENTRY = {"name": (0, "48s"), "dtype": (48, "<I"), "ndim": (52, "<I"), "dims": (56, "<4Q"),
          "offset": (88, "<Q")}
@@ -106,7 +107,9 @@ CONFIGS = {"int8": small_config(), "int8-tied": small_config(tied_head=True),
                                        exit_threshold=0.75),
            # HRM-Text's shape: a two-state core of two 2-block stacks, 3 low cycles, gated
            "v3-two-state": int4_config(n_pre_blocks=0, n_core_blocks=4, core_cycles=3,
-                                       attn_gate=True, qkv_bias=True, n_coda_blocks=1)}
+                                       attn_gate=True, qkv_bias=True, n_coda_blocks=1),
+           # IQuest-Coder Loop's shape, int4 weights (its int8 gates), a prelude and a coda
+           "v3-loop": int4_config(n_core_blocks=2, n_coda_blocks=1, loop_window=5)}
 # Version-1 files of the version-2 kinds that version 1 can express (§6.5).
 V1_KINDS = {"v1-int8": "int8", "v1-int4-tied": "int4-tied", "v1-no-pre": "no-pre"}
 CONFIGS.update({v1: CONFIGS[v2] for v1, v2 in V1_KINDS.items()})
@@ -302,7 +305,7 @@ EXIT_GATE = ["exit_gate.w", "exit_gate.s", "exit_gate.b"]
 def test_an_exit_gate_makes_a_version_3_file_with_its_tensors_and_threshold():
     buf = valid_file("v3-exit-gate")
     assert (header(buf, "version"), header(buf, "exit_threshold")) == (3, 0.75)
-    assert header(buf, "reserved") == bytes(28)
+    assert header(buf, "reserved") == bytes(24)
     # int8 beside int4 linears: one row of d weights, its scale and bias f32 [1]
     assert [entry(buf, name, "dtype") for name in EXIT_GATE] == [(2,), (1,), (1,)]
     assert [entry(buf, name, "dims") for name in EXIT_GATE] == [(1, 16, 0, 0), (1, 0, 0, 0),
@@ -701,6 +704,15 @@ HOSTILE = [
      "attn_gate: must be a bool"),
     ("attn_gate off", "v3-two-state", lambda b: set_header(b, "attn_gate", 0),
      "tensor 'coda.0.attn_qkv.b': shape (48,) != expected (32,)"),
+    ("loop_window 2^20 + 1", "v3-loop", lambda b: set_header(b, "loop_window", 2**20 + 1),
+     "loop_window: must be an int in 0 .. 1048576, got 1048577"),
+    ("loop_window with a two-state core", "v3-two-state",
+     lambda b: set_header(b, "loop_window", 4),
+     "loop_window: needs core_cycles 0 (a one-state core), got 3"),
+    ("loop_window with the attention gate", "v3-loop", lambda b: set_header(b, "attn_gate", 1),
+     "loop_window: excludes the attention gate (attn_gate 1), got True"),
+    ("loop_window off", "v3-loop", lambda b: set_header(b, "loop_window", 0),
+     "unexpected tensor 'core.0.loop_gate."),
     ("version-1 tokenizer 2", "v1-int8", lambda b: set_header(b, "tokenizer", 2),
      "tokenizer: 'hf' (file code 2) needs a version-2 file, got 'hf'"),
     ("name not UTF-8", "int8", lambda b: set_header(b, "name", b"\xff\xfe"),
@@ -763,6 +775,11 @@ HOSTILE = [
      "missing tensor 'core.step_norm'"),
     ("missing coda norm", "v2", lambda b: rebuild(b, drop=["coda.input_norm"]),
      "missing tensor 'coda.input_norm'"),
+    ("missing loop gate", "v3-loop", lambda b: rebuild(b, drop=["core.1.loop_gate.s"]),
+     "missing tensor 'core.1.loop_gate.s'"),
+    ("loop gate wrong shape", "v3-loop",
+     lambda b: set_entry(b, "core.0.loop_gate.b", "dims", 3, 0, 0, 0),
+     "tensor 'core.0.loop_gate.b': shape (3,) != expected (2,)"),
     ("coda tensors with n_coda_blocks 0", "v2", lambda b: set_header(b, "n_coda_blocks", 0),
      "unexpected tensor 'coda.0."),
     ("adapter without injection", "v2", lambda b: set_header(b, "injection", 0),
@@ -826,6 +843,10 @@ HOSTILE = [
      "tensor 'coda.input_norm': values must be finite, found inf"),
     ("adapter scale -1", "v2", lambda b: set_value(b, "core.adapter_state.s", "<f", -1.0),
      "tensor 'core.adapter_state.s': scales must be finite and >= 0"),
+    ("loop gate scale -1", "v3-loop", lambda b: set_value(b, "core.1.loop_gate.s", "<f", -1.0, 1),
+     "tensor 'core.1.loop_gate.s': scales must be finite and >= 0, found -1.0"),
+    ("loop gate bias NaN", "v3-loop", lambda b: set_value(b, "core.0.loop_gate.b", "<f", NAN, 1),
+     "tensor 'core.0.loop_gate.b': values must be finite, found nan"),
     ("stop id past the vocabulary", "v3-stop-ids", lambda b: set_value(b, "stop_ids", "<i", 300, 1),
      "tensor 'stop_ids': ids must be in 0 .. 299, found 300"),
     ("negative stop id", "v3-stop-ids", lambda b: set_value(b, "stop_ids", "<i", -1, 2),
@@ -893,7 +914,7 @@ HOSTILE = [
      lambda b: set_value(set_header(b, "exit_threshold", 0.0), "exit_gate.s", "<f", NAN),
      "tensor 'exit_gate.s'"),
     ("exit_threshold before the reserved bytes", "v3-exit-gate",
-     lambda b: patch(set_header(b, "exit_threshold", 2.0), 230, "<B", 1), "exit_threshold"),
+     lambda b: patch(set_header(b, "exit_threshold", 2.0), 240, "<B", 1), "exit_threshold"),
     ("exit_threshold before flags", "v3-stop-ids",
      lambda b: set_header(set_header(b, "exit_threshold", 0.5), "flags", 1), "exit_threshold"),
     ("stop ids in version 2", "v3-stop-ids", lambda b: set_header(b, "version", 2),
@@ -956,10 +977,12 @@ HOSTILE = [
     ("version-1 reserved 255", "v1-no-pre", lambda b: patch(b, 255, "<B", 1), "reserved"),
     ("version-2 exit_threshold is reserved", "v2", lambda b: set_header(b, "exit_threshold", 0.5),
      "reserved: header bytes 216 .. 255 must be zero"),
-    ("version-3 reserved 228", "v3-exit-gate", lambda b: patch(b, 228, "<B", 1),
-     "reserved: header bytes 228 .. 255 must be zero"),
+    ("version-3 reserved 232", "v3-exit-gate", lambda b: patch(b, 232, "<B", 1),
+     "reserved: header bytes 232 .. 255 must be zero"),
     ("version-3 reserved 255", "v3-stop-ids", lambda b: patch(b, 255, "<B", 1),
-     "reserved: header bytes 228 .. 255 must be zero"),
+     "reserved: header bytes 232 .. 255 must be zero"),
+    ("version-2 loop_window is reserved", "v2", lambda b: set_header(b, "loop_window", 1),
+     "reserved: header bytes 216 .. 255 must be zero"),
     ("version-2 core_cycles is reserved", "v2", lambda b: set_header(b, "core_cycles", 1),
      "reserved: header bytes 216 .. 255 must be zero"),
     ("version-2 attn_gate is reserved", "v2", lambda b: set_header(b, "attn_gate", 1),
