@@ -1,7 +1,9 @@
-"""cache_window and the instruction block: on every backend, the cached, paged, chunked engine
-equals a naive evaluation of the definition of the visible keys (docs/spec.md §4.1: causal, inside
-the window, and the first P positions seeing each other) written here with no cache at all, bit
-for bit, whatever the model shape, thread count, KV block size and chunking."""
+"""cache_window, the instruction block and loop attention: on every backend, the cached, paged,
+chunked engine equals a naive evaluation of the definition of the visible keys (docs/spec.md §4.1:
+causal, inside the window, and the first P positions seeing each other) and of loop attention
+(§4: later iterations mix iteration 0's keys with their own inside the loop window) written here
+with no cache at all, bit for bit, whatever the model shape, thread count, KV block size and
+chunking."""
 import numpy as np
 from hypothesis import strategies as st
 
@@ -10,7 +12,7 @@ from tinyloop.fallback.weights import Weights
 from tinyloop.modelfile import load_model
 
 from conftest import assert_same_bits, backend_given
-from strategies import drawn_model, prompts
+from strategies import drawn_model, engine_settings, model_shapes, prompts, simulated
 
 
 def naive_attention_row(q, keys, values):
@@ -32,8 +34,18 @@ def naive_attention_row(q, keys, values):
     return (num.astype(np.float32) / np.float32(den)) * svmax
 
 
+def naive_loop_mix(q, global_row, local_row, gate, h):
+    """Loop attention's gate on one query head h, q (D,) float32, and its mix of the two rows."""
+    qq, sq = N.quantize_rows(q[None])
+    dot = int(qq[0].astype(np.int64) @ np.asarray(gate.w[h], np.int64))
+    g = N.sigmoid(((np.float32(dot) * sq[0]) * gate.s[h]) + gate.b[h])
+    return (g * global_row) + ((np.float32(1) - g) * local_row)
+
+
 def naive_logits(weights, tokens, loops, window, instruction=0):
-    """Whole-sequence forward, layer by layer, attention by explicit loops over keys."""
+    """Whole-sequence forward, layer by layer, attention by explicit loops over keys (a
+    version-1 shape: one core block, each layer's K/V its own; with loop attention, the core
+    layers after the first also read the first one's)."""
     cfg = weights.config
     H, G, D, n = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, len(tokens)
     x = weights.embedding[tokens].astype(np.float32) * weights.embedding_scale[tokens][:, None]
@@ -45,14 +57,26 @@ def naive_logits(weights, tokens, loops, window, instruction=0):
         qh = N.rope(z[:, :H * D].reshape(n, H, D), cos, sin)
         kq, sk = N.quantize_rows(N.rope(z[:, H * D:(H + G) * D].reshape(n, G, D), cos, sin))
         vq, sv = N.quantize_rows(z[:, (H + G) * D:].reshape(n, G, D))
+        if layer == cfg.n_pre_blocks:
+            first_core = kq, sk, vq, sv                   # iteration 0's keys and values
+        looped = cfg.loop_window and layer > cfg.n_pre_blocks
         o = np.zeros((n, H, D), np.float32)
         for t in range(n):
             last = instruction - 1 if t < instruction else t
             seen = [j for j in range(last + 1) if window == 0 or j > t - window]
             for h in range(H):
                 g = h // (H // G)
-                o[t, h] = naive_attention_row(qh[t, h], [(kq[j, g], sk[j, g]) for j in seen],
-                                              [(vq[j, g], sv[j, g]) for j in seen])
+                if not looped:
+                    o[t, h] = naive_attention_row(qh[t, h], [(kq[j, g], sk[j, g]) for j in seen],
+                                                  [(vq[j, g], sv[j, g]) for j in seen])
+                    continue
+                near = [j for j in seen if j > t - cfg.loop_window]
+                k0, s0, v0, t0 = first_core
+                global_row = naive_attention_row(qh[t, h], [(k0[j, g], s0[j, g]) for j in seen],
+                                                 [(v0[j, g], t0[j, g]) for j in seen])
+                local_row = naive_attention_row(qh[t, h], [(kq[j, g], sk[j, g]) for j in near],
+                                                [(vq[j, g], sv[j, g]) for j in near])
+                o[t, h] = naive_loop_mix(qh[t, h], global_row, local_row, blk.loop_gate, h)
         x = x + blk.attn_out(*N.quantize_rows(o.reshape(n, H * D)))
         gu = blk.ffn_gate_up(*N.rms_quantize(x, cfg.rms_eps))
         x = x + blk.ffn_down(*N.quantize_rows(N.silu(gu[:, :cfg.ffn_dim]) * gu[:, cfg.ffn_dim:]))
@@ -97,6 +121,33 @@ def test_window_changes_results_once_the_context_exceeds_it(on_backend):
     prompt = list(range(1, 30))
     assert not np.array_equal(model.logits(prompt, cache_window=4)[-1], model.logits(prompt)[-1])
     assert_same_bits(model.logits(prompt[:4], cache_window=4), model.logits(prompt[:4]))
+
+
+@backend_given(data=st.data())
+def test_loop_attention_equals_naive_definition(backend, zoo, data):
+    shape = data.draw(model_shapes(tiny=simulated(backend), v1_like=True), "shape")
+    shape.update(loop_window=data.draw(st.integers(1, 6), "loop_window"))
+    with zoo.open(shape, backend, **data.draw(engine_settings(), "engine")) as model:
+        prompt = data.draw(prompts(model.config()["vocab_size"], max_size=24))
+        window = data.draw(st.sampled_from([0, 0, 2, 5]))
+        instruction = data.draw(st.sampled_from([0, 0, min(3, len(prompt))]), "instruction")
+        loops = data.draw(st.integers(1, 3))
+        got = model.logits(prompt, loops=loops, cache_window=window,
+                           prefill_chunk=data.draw(st.integers(1, 24)),
+                           instruction_length=instruction)
+        assert_same_bits(got, naive_logits_of(model.path, prompt, loops, window, instruction))
+
+
+def test_loop_attention_local_branch_keeps_the_narrower_window(backend, zoo):
+    """W' = min(W, W_l) (§4): a sequence window narrower than the loop window cuts the local
+    branch too, and a wider one leaves it at W_l."""
+    shape = dict(vocab_size=64, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=16,
+                 n_pre_blocks=1, default_loops=3, max_seq_len=64, tied_head=False, loop_window=5)
+    with zoo.open(shape, backend, threads=2, block_size=4) as model:
+        prompt = [(7 * i + 3) % 64 for i in range(20)]
+        for window in (2, 9):
+            assert_same_bits(model.logits(prompt, cache_window=window, prefill_chunk=6),
+                             naive_logits_of(model.path, prompt, 3, window))
 
 
 @backend_given(data=st.data())
