@@ -377,6 +377,20 @@ def test_info_shows_a_two_state_core_and_the_attention_gate(tmp_path):
         assert re.search(rf"^ +{re.escape(line)}$", text, re.M), (line, text)
 
 
+def test_info_shows_loop_attention(tmp_path):
+    from hf_folders import checkpoint, write_folder
+    config, tensors = checkpoint("IQuestLoopCoderForCausalLM")
+    src = write_folder(tmp_path / "iquest-tiny", config, tensors)
+    out = str(tmp_path / "iquest.tinyloop")
+    assert run("convert", src, out)[0] == 0
+    code, text = run("info", "--model", out, "--backend", "numpy")
+    assert code == 0
+    for line in ("architecture: IQuestLoopCoderForCausalLM",
+                 "layers: prelude 0, core 3 x 2 loops, coda 0: 6 cache layers at depth 2",
+                 "blocks: pre norms, no bias, 4 heads x 8, 2 kv heads, loop attention (window 8)"):
+        assert re.search(rf"^ +{re.escape(line)}$", text, re.M), (line, text)
+
+
 def test_info_of_a_model_made_by_tinyloop():
     code, text = run("info", "--backend", "numpy")
     assert code == 0

@@ -106,8 +106,10 @@ def plan_and_weights(folder):
 def test_the_float_forward_matches_the_float64_reference(tmp_path, arch):
     """Ouro (sandwich, step norm, GQA), Nanbeige (pre, step norm), Huginn (post, injection,
     q/k biases, coda and its norm, embedding scale, tied head) and HRM-Text (two-state core,
-    attention gate) against tests/hf_reference.py."""
-    hf_config, t = checkpoint(arch)
+    attention gate) and IQuest-Coder Loop (loop attention, its window shorter than the windows)
+    against tests/hf_reference.py."""
+    hf_config, t = checkpoint(arch, **({"loop_window_size": 3}
+                                       if arch == "IQuestLoopCoderForCausalLM" else {}))
     folder = write_folder(tmp_path / arch, hf_config, t, tokenizer=False)
     config, weights, inv_freq, ckpt = plan_and_weights(folder)
     reference = {k: v.astype(np.float64) for k, v in t.items()}

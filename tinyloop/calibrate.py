@@ -24,8 +24,9 @@ core.adapter_state the state (zero entering iteration 0, §4.4), core.adapter_in
 prelude's output, and head the final normalized state. Every layout of the converter is
 covered: pre / sandwich / post placements, q/k/v biases, GQA, injection, the step norm, the
 coda and its norm, the embedding scale, HRM-Text's two-state core (its closing norms have no
-gain) and attention gate (its rows are attn_qkv's, seeing the same input); a head tied to the embedding still has its Gram
-recorded (quantize_model uses it only when it unties the head).
+gain) and attention gate (its rows are attn_qkv's, seeing the same input), IQuest-Coder
+Loop's loop attention (its gates are int8 round-to-nearest, so unobserved); a head tied to the
+embedding still has its Gram recorded (quantize_model uses it only when it unties the head).
 
 Cost: one (K, K) float64 matrix per linear of the file, held together until quantization, so
 8 * sum(K^2) bytes (per block d^2 + (H D)^2 + d^2 + F^2, plus d^2 per adapter half and for the
@@ -38,7 +39,7 @@ Not here: GPTQ itself (quantize.py), reading and tokenizing the text (tinyloop.h
 TinyLoop's integer numerics (this forward quantizes nothing: it stands for the float model the
 quantized one approximates), KV caches (each window is attended in full).
 """
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -97,7 +98,7 @@ def forward(config: ModelConfig, weights: Mapping[str, np.ndarray], windows: np.
             x = (run.linear("core.adapter_state", x, adapter[:, :config.d_model])
                  + run.linear("core.adapter_inject", e, adapter[:, config.d_model:]))
         for j in range(config.n_core_blocks):
-            x = run.block(f"core.{j}", x)
+            x = run.block(f"core.{j}", x, iteration=i)
     if config.coda_norm:
         x = run.norm(x, "coda.input_norm")
     for c in range(config.n_coda_blocks):
@@ -143,6 +144,7 @@ class _Forward:
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], length: int,
                  inv_freq: Optional[np.ndarray], observe: Observer) -> None:
         self.c, self.w, self.observe = config, weights, observe
+        self.first_kv: Dict[str, Tuple[Array, Array]] = {}   # loop attention: iteration 0's k, v
         angles = rope_angles(length, config.head_dim, config.rope_theta, inv_freq)
         self.cos, self.sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
@@ -162,7 +164,8 @@ class _Forward:
             return x + self.norm(y, gain_name)
         return self.norm(x + y, gain_name)                                   # post
 
-    def block(self, b: str, x: Array) -> Array:
+    def block(self, b: str, x: Array, iteration: int = 0) -> Array:
+        """Block `b` on x (N, T, d); a core block in `iteration` (loop attention's)."""
         c, w = self.c, self.w
         H, G, D, F = c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim
         parts = "qkvg" if c.attn_gate else "qkv"          # attn_qkv's rows (§6.3)
@@ -175,7 +178,8 @@ class _Forward:
         q = self.rope(z[..., :H * D].reshape(n, t, H, D))
         k = self.rope(z[..., H * D:(H + G) * D].reshape(n, t, G, D))
         v = z[..., (H + G) * D:(H + 2 * G) * D].reshape(n, t, G, D)
-        o = self.attention(q, k, v)
+        o = self.loop_attention(b, q, k, v, iteration) if c.loop_window and b.startswith(
+            "core.") else self.attention(q, k, v)
         if c.attn_gate:                                    # o * sigmoid(gate) (§4)
             o = o / (1.0 + np.exp(-z[..., (H + 2 * G) * D:]))
         x = self.residual(x, self.linear(f"{b}.attn_out", o, _f64(w[f"{b}.wo"])),
@@ -193,12 +197,28 @@ class _Forward:
         a, b = x[..., :half], x[..., half:]
         return np.concatenate([a * self.cos - b * self.sin, b * self.cos + a * self.sin], -1)
 
-    def attention(self, q: Array, k: Array, v: Array) -> Array:
+    def loop_attention(self, b: str, q: Array, k: Array, v: Array, iteration: int) -> Array:
+        """Loop attention (§4) of core block b: iteration 0 attends as any layer and keeps its
+        k, v; a later one mixes the attention over those (global) with its own through the loop
+        window (local) by sigmoid(gate_h . q_h + bias_h) per head."""
+        if iteration == 0:
+            self.first_kv[b] = k, v
+            return self.attention(q, k, v)
+        logit = np.einsum("nthd,hd->nth", q, _f64(self.w[f"{b}.loop_gate"]))
+        gate = np.repeat(1.0 / (1.0 + np.exp(-(logit + _f64(self.w[f"{b}.loop_gate_bias"])))),
+                         q.shape[-1], axis=-1)                      # (N, T, H * D)
+        local = self.attention(q, k, v, self.c.loop_window)
+        return gate * self.attention(q, *self.first_kv[b]) + (1 - gate) * local
+
+    def attention(self, q: Array, k: Array, v: Array, window: int = 0) -> Array:
         """Causal softmax attention, q (N, T, H, D), k, v (N, T, G, D) -> (N, T, H * D), one
-        window at a time (T^2 * H scores held)."""
+        window at a time (T^2 * H scores held); a query at t sees keys j > t - window when
+        window > 0."""
         n, t, H, D = q.shape
         G = k.shape[2]
         visible = np.tril(np.ones((t, t), bool))
+        if window:
+            visible &= np.arange(t)[None, :] > np.arange(t)[:, None] - window
         out = np.empty((n, t, H, D))
         for i in range(n):
             qi = q[i].reshape(t, G, H // G, D)

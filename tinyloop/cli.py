@@ -254,7 +254,9 @@ def architecture_lines(cfg: Mapping[str, Any],
                      f"coda {config.n_coda_blocks}: {config.n_layers(L)} cache layers at depth {L}")
     yield "blocks", (f"{config.block_layout} norms, {'q/k/v bias' if config.qkv_bias else 'no bias'}"
                      f", {config.n_heads} heads x {config.head_dim}, {config.n_kv_heads} kv heads"
-                     f"{', attention gate' if config.attn_gate else ''}")
+                     f"{', attention gate' if config.attn_gate else ''}"
+                     + (f", loop attention (window {config.loop_window})" if config.loop_window
+                        else ""))
     yield "iterations", ", ".join([
         "injection adapter" if config.injection else "no injection",
         "step norm" if config.step_norm else "no step norm",
