@@ -235,8 +235,8 @@ class Engine:
                 return
             if not prefix.warm_start:
                 raise RuntimeError(loops_mismatch(prefix.loops, loops))
-            if prefix.states is None:
-                self._rebuild(prefix, loops, chunk)
+            if prefix.states is None or (self.config.loop_window and prefix.cache_window):
+                self._rebuild(prefix, loops, chunk)   # loop attention: released iteration-0 keys
                 return
             k, n, n_old = self.kernels, len(prefix.tokens), self.config.n_layers(prefix.loops)
             cache = self.new_cache(loops, prefix.cache_window, prefix.instruction)
@@ -268,7 +268,9 @@ class Engine:
             prefix.loops = loops
 
     def _rebuild(self, prefix, loops, chunk):
-        """Deepen a warm-start prefix that kept no states by building it again at `loops`."""
+        """Deepen a warm-start prefix by building it again at `loops`: one that kept no states,
+        or with loop attention under a window, whose released iteration-0 keys the new
+        iterations would read (docs/spec.md §5.4)."""
         deeper = self.build_prefix(prefix.tokens, loops, prefix.cache_window, chunk, True,
                                    instruction=prefix.instruction)
         prefix.cache.free()     # generations running from it keep their forks' blocks
