@@ -3,7 +3,7 @@
 # backend "native-cuda" against numpy, bit for bit: cross-backend (drawn version-1 and version-2
 # shapes), batches of mixed depths, windows, chunk sizes, prefix splits, the int4 KV mode,
 # hidden-state prefixes, speculative decoding, warm start, the scheduler with its mixed pass and
-# the instruction block
+# the instruction block and loop attention
 # (every native model of those suites on the device: TINYLOOP_DEVICE=cuda). The same selection runs on the emulated
 # device in CI (libtinyloop/run_cuda_emulation.sh) and on a real GPU first in bench/gpu_check.sh.
 #
@@ -20,7 +20,9 @@ properties=(test_cross_backend
             test_speculative_generation_is_plain_generation test_an_extended_prefix_is_a_prefix_built_at_its
             test_every_request_gets_what_it_gets_alone test_the_mixed_pass_emits_what_separate_passes_emit
             test_instruction_block_equals_naive_definition test_instruction_logits_match_numpy
-            test_every_path_of_an_instruction_prompt_is_the_plain_run)
+            test_every_path_of_an_instruction_prompt_is_the_plain_run
+            test_loop_attention_equals_naive_definition
+            test_loop_attention_local_branch_keeps_the_narrower_window)
 selected=$(printf ' or %s' "${properties[@]}")
 TINYLOOP_TEST_BACKENDS=native-cuda TINYLOOP_REQUIRE_BACKENDS=native-cuda TINYLOOP_DEVICE=cuda \
   python3 -m pytest -q -p no:cacheprovider -k "${selected# or }" "$@" tests/test_cross_backend.py \

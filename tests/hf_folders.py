@@ -71,14 +71,16 @@ def checkpoint(arch, seed=0, **overrides):
                                            early_exit_threshold=1.0),
                    "IQuestLoopCoderForCausalLM": dict(loop_num=2, loop_window_size=8)
                    }.get(arch, {}))
-    config.update(overrides)
-    d, H, G, D, F = D_MODEL, HEADS, KV_HEADS, HEAD_DIM, FFN
+    config.update(overrides)          # the widths too: the tensors follow the config
+    d, H, G, D, F = (config[key] for key in ("hidden_size", "num_attention_heads",
+                                             "num_key_value_heads", "head_dim",
+                                             "intermediate_size"))
     V = config["vocab_size"]
-    t = {"model.embed_tokens.weight": draw.matrix(V, d), "model.norm.weight": draw.gain()}
+    t = {"model.embed_tokens.weight": draw.matrix(V, d), "model.norm.weight": draw.gain(d)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = draw.gain()
-        t[p + "post_attention_layernorm.weight"] = draw.gain()
+        t[p + "input_layernorm.weight"] = draw.gain(d)
+        t[p + "post_attention_layernorm.weight"] = draw.gain(d)
         for part, heads in (("q", H), ("k", G), ("v", G)):
             t[f"{p}self_attn.{part}_proj.weight"] = draw.matrix(heads * D, d)
             if arch == "Qwen2ForCausalLM":
@@ -88,8 +90,8 @@ def checkpoint(arch, seed=0, **overrides):
         t[p + "mlp.up_proj.weight"] = draw.matrix(F, d)
         t[p + "mlp.down_proj.weight"] = draw.matrix(d, F)
         if arch == "OuroForCausalLM":
-            t[p + "input_layernorm_2.weight"] = draw.gain()
-            t[p + "post_attention_layernorm_2.weight"] = draw.gain()
+            t[p + "input_layernorm_2.weight"] = draw.gain(d)
+            t[p + "post_attention_layernorm_2.weight"] = draw.gain(d)
     if arch == "IQuestLoopCoderForCausalLM":      # gate logits about unit size, off centre
         for i in range(config["num_hidden_layers"]):
             t[f"model.gate_projections.{i}.weight"] = draw.matrix(H, D)
