@@ -4,7 +4,9 @@
  * step such as filling the prefix cache may absorb one), the operation must free everything it
  * allocated (bytes_in_use back to the baseline; ASan checks the rest), leave a sequence
  * unchanged, and leave the model usable with unchanged results. Adaptive depth's requests (an
- * exit rule, alone, batched and scheduled) are swept too. */
+ * exit rule, alone, batched and scheduled) are swept too. An argument names the kernel path the
+ * models open on ("avx2": each path repacks weights its own way at open; the test is skipped,
+ * exit 77, on a CPU without it); none, the default path. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,6 +14,7 @@
 #include "test_util.h"
 
 static const char* path;
+static tl_isa isa = TL_ISA_AUTO;
 static int32_t prompt[21];
 static int32_t reference[8];
 
@@ -36,6 +39,7 @@ typedef tl_status (*op_fn)(tl_model* m);
 static tl_status op_open(tl_model* unused) {
     (void)unused;
     tl_model_params p = tl_model_params_default();
+    p.isa = isa;
     p.n_threads = 3;
     tl_model* m = NULL;
     tl_status st = tl_model_open(path, &p, &m);
@@ -226,6 +230,7 @@ static tl_status op_batch(tl_model* m) {
 static tl_status op_cached(tl_model* unused) {
     (void)unused;
     tl_model_params p = tl_model_params_default();
+    p.isa = isa;
     p.n_threads = 2;
     p.kv_block_size = 4;
     p.prefix_cache_bytes = 1 << 20;
@@ -321,13 +326,18 @@ static void sweep(const char* name, op_fn op, tl_model* m) {
     printf("%s: %zu allocations, %d injected failures reported\n", name, n_allocs, failures);
 }
 
-int main(void) {
+int main(int argc, char** argv) {
+    if (argc > 1) {
+        CHECK(strcmp(argv[1], "avx2") == 0, "unknown kernel path argument");
+        isa = TL_ISA_AVX2;
+        if (!tl_cpu_supports(isa)) return 77;
+    }
     tu_spec spec = tu_spec_default();
     spec.int4 = 1;
     spec.group_size = 8;
     path = tu_write_model("alloc.tinyloop", &spec);
     for (int i = 0; i < 21; i++) prompt[i] = (i * 37 + 11) % 256;
-    tl_model* m = tu_open(path, 2, TL_ISA_AUTO, 4);
+    tl_model* m = tu_open(path, 2, isa, 4);
     CHECK_OK(greedy(m, reference));
     const tl_gen_params adaptive = eight_tokens(TL_EXIT_LATENT, 1e30f);
     size_t n_adaptive;

@@ -91,7 +91,9 @@ tl_status tl_linear_prepare(tl_linear* L, const tl_linear_src* src, tl_isa isa) 
         L->packed = tl_alloc(cells);
         if (L->tile_rows == 16) L->corr = tl_alloc_zeroed(L->rows_padded, sizeof(int32_t));
     }
-    if (!L->scale || !L->packed || (src->group_size && !L->mult) || (L->tile_rows == 16 && !L->corr)) {
+    /* int4 keeps corr at every tile height; int8 only for 16-row tiles */
+    const bool needs_corr = src->group_size || L->tile_rows == 16;
+    if (!L->scale || !L->packed || (src->group_size && !L->mult) || (needs_corr && !L->corr)) {
         tl_linear_release(L);
         return tl_fail_oom("repacked weights");
     }
