@@ -226,6 +226,11 @@ typedef struct tl_model_config {
     uint32_t core_cycles;   /* 0: one state; C >= 1: a two-state core (n_core_blocks / 2 low
                                blocks run C times, then the high ones, each iteration)        */
     uint32_t attn_gate;     /* 1: the attention output is gated, o *= sigmoid(gate)           */
+    /* version 3 (docs/spec.md §1, §4, §6.1): IQuest-Coder Loop's loop attention; a caller built
+       before it gets the fields above                                                        */
+    uint32_t loop_window;   /* 0: none; W_l >= 1: core iterations i >= 1 mix a global attention
+                               over iteration 0's KV and a local one over their own KV seen
+                               through a window of W_l positions, gated per head             */
 } tl_model_config;
 
 /* Copy the configuration into *out, up to out->size (set by the caller). Thread-safe.

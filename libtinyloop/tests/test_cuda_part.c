@@ -4,8 +4,9 @@
  * device. Each model file is opened twice, on the CPU and on CUDA: a plain pre-norm model, a
  * Huginn-like one (prelude, core of 2 with injection and step norm, coda with coda norm, sandwich
  * blocks, qkv biases) also with int4 KV, one with a coda and no prelude, one of 5 token ids
- * (where drafts often agree), and HRM-like ones (a two-state core, the attention gate; int8, and
- * int4 weights and KV with biases and post blocks). Checked:
+ * (where drafts often agree), HRM-like ones (a two-state core, the attention gate; int8, and
+ * int4 weights and KV with biases and post blocks) and IQuest-Coder-Loop-like ones (loop attention;
+ * int8, and int4 weights and KV with biases and sandwich blocks). Checked:
  *  - the part passes of self-speculative decoding (docs/spec.md §5.6): drafts to L_d, row by row
  *    and as a chunk, their coda in depth L's slots, resumed to L by one verification pass; and a
  *    warm-start build's pass split at L_b and resumed (§5.4): every kept state, injected term,
@@ -359,6 +360,10 @@ int main(void) {
     hrm4.int4 = 1, hrm4.group_size = 16, hrm4.qkv_bias = 1, hrm4.layout = 2;
     test_model("cuda-part-hrm.tinyloop", &hrm, TL_KV_INT8, PARTS | SPECULATE | BATCH | WARM);
     test_model("cuda-part-hrm-int4.tinyloop", &hrm4, TL_KV_INT4, PARTS | SPECULATE | WARM);
+    tu_spec loop = tu_spec_loop(), loop4 = tu_spec_loop(); /* loop attention */
+    loop4.int4 = 1, loop4.group_size = 16, loop4.qkv_bias = 1, loop4.layout = 1;
+    test_model("cuda-part-loop.tinyloop", &loop, TL_KV_INT8, PARTS | SPECULATE | BATCH | WARM);
+    test_model("cuda-part-loop-int4.tinyloop", &loop4, TL_KV_INT4, PARTS | SPECULATE | WARM);
     CHECK(total_accepted > 0, "no draft was ever accepted on CUDA (drafted %zu): the test proves little",
           total_drafted);
     printf("test_cuda_part: drafted %zu, accepted %zu on CUDA\n", total_drafted, total_accepted);

@@ -1,6 +1,7 @@
 /* test_loader.c — the `.tinyloop` reader against valid and hostile files (docs/spec.md §6),
  * versions 3, 2 and 1: named rule violations (header fields, the tensor set of every version-2
- * option and of the exit gate, meta.* texts, value rules, exit_threshold), the order in which
+ * option, of the exit gate and of loop attention, meta.* texts, value rules, exit_threshold), the
+ * order in which
  * rules are reported, truncation at
  * many lengths, random byte flips with the checksum fixed up, huge dimensions and offsets.
  * Every bad file must give TL_ERR_BAD_FILE (never a crash or an out-of-bounds read: run under
@@ -232,7 +233,7 @@ static void e_gate_shape(uint8_t* f, size_t n) {
 static void e_gate_scale(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.s"), 0xbf800000); }
 static void e_gate_bias(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.b"), 0x7fc00000); }
 static void e_gate_renamed(uint8_t* f, size_t n) { (void)n, rename_entry(f, "exit_gate.b", "exit_gate.bias"); }
-static void e_v3_reserved(uint8_t* f, size_t n) { (void)n, f[228] = 1; }
+static void e_v3_reserved(uint8_t* f, size_t n) { (void)n, f[232] = 1; }
 /* version 3's core_cycles and attn_gate (docs/spec.md §6.1 offsets 220, 224; §6.3 step 2) */
 static void e_cycles_big(uint8_t* f, size_t n) { (void)n, put32(f + 220, 257); }
 static void e_cycles_on(uint8_t* f, size_t n) { (void)n, put32(f + 220, 1); }
@@ -248,6 +249,29 @@ static void e_cycles_and_gate(uint8_t* f, size_t n) { e_cycles_big(f, n), e_gate
 static void e_coda_norm_and_cycles(uint8_t* f, size_t n) { e_cycles_big(f, n), put32(f + 212, 2); }
 static void e_cycles_in_v2(uint8_t* f, size_t n) { (void)n, put32(f + 8, 2); }
 static void e_attn_gate_in_v2(uint8_t* f, size_t n) { (void)n, put32(f + 8, 2), put32(f + 224, 1); }
+/* version 3's loop_window and the loop gate (docs/spec.md §6.1 offset 228, §6.3) */
+static void e_loop_big(uint8_t* f, size_t n) { (void)n, put32(f + 228, (1u << 20) + 1); }
+static void e_loop_on(uint8_t* f, size_t n) { (void)n, put32(f + 228, 3); }
+static void e_loop_off(uint8_t* f, size_t n) { (void)n, put32(f + 228, 0); }
+static void e_loop_in_v2(uint8_t* f, size_t n) { (void)n, put32(f + 8, 2), put32(f + 228, 3); }
+/* the first broken field wins: core_cycles before attn_gate before loop_window */
+static void e_cycles_and_loop(uint8_t* f, size_t n) { e_cycles_big(f, n), e_loop_big(f, n); }
+static void e_gate_and_loop(uint8_t* f, size_t n) { e_gate_big(f, n), e_loop_big(f, n); }
+static void e_loop_gate_shape(uint8_t* f, size_t n) { (void)n, put64(f + entry_of(f, "core.1.loop_gate.w") + 64, 6); }
+static void e_loop_gate_dtype(uint8_t* f, size_t n) { (void)n, put32(f + entry_of(f, "core.0.loop_gate.s") + 48, 2); }
+static void e_loop_scale_nan(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "core.1.loop_gate.s") + 4, 0x7fc00000); }
+static void e_loop_scale_negative(uint8_t* f, size_t n) {
+    (void)n, put32(data_of(f, "core.0.loop_gate.s"), 0xbf800000);
+}
+static void e_loop_bias_inf(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "core.0.loop_gate.b") + 12, 0x7f800000); }
+/* the required order: core.0's loop gate ends its block's list, before core.1's tensors, after
+ * core.0's ffn_down */
+static void e_loop_scale_and_next(uint8_t* f, size_t n) {
+    e_loop_scale_negative(f, n), put32(data_of(f, "core.1.attn_qkv.s"), 0x7fc00000);
+}
+static void e_down_and_loop_scale(uint8_t* f, size_t n) {
+    e_loop_scale_negative(f, n), put32(data_of(f, "core.0.ffn_down.s"), 0x7fc00000);
+}
 static void e_threshold_and_reserved(uint8_t* f, size_t n) { e_threshold_zero(f, n), e_v3_reserved(f, n); }
 static void e_scale_and_threshold(uint8_t* f, size_t n) { e_threshold_zero(f, n), e_gate_scale(f, n); }
 
@@ -378,7 +402,7 @@ static void test_v3_rules(void) {
     expect_rule_on(&gate, "gate scale", e_gate_scale, "tensor 'exit_gate.s': scales must be finite and >= 0", 1);
     expect_rule_on(&gate, "gate bias", e_gate_bias, "tensor 'exit_gate.b': values must be finite", 1);
     expect_rule_on(&gate, "gate renamed", e_gate_renamed, "unexpected tensor 'exit_gate.bias'", 1);
-    expect_rule_on(&gate, "reserved", e_v3_reserved, "reserved: header bytes 228 .. 255 must be zero", 1);
+    expect_rule_on(&gate, "reserved", e_v3_reserved, "reserved: header bytes 232 .. 255 must be zero", 1);
     expect_rule_on(&gate, "threshold before reserved", e_threshold_and_reserved, "exit_threshold", 1);
     expect_rule_on(&gate, "values before threshold", e_scale_and_threshold, "tensor 'exit_gate.s'", 1);
     expect_rule_on(&gate, "checksum first", e_threshold_zero, "checksum mismatch", 0);
@@ -410,6 +434,42 @@ static void test_v3_core_rules(void) {
     expect_rule_on(&two, "core_cycles in version 2", e_cycles_in_v2, "reserved: header bytes 216 .. 255", 1);
     expect_rule_on(&plain, "attn_gate in version 2", e_attn_gate_in_v2, "reserved: header bytes 216 .. 255", 1);
     expect_rule_on(&hrm, "checksum first", e_cycles_big, "checksum mismatch", 0);
+}
+
+static void test_v3_loop_rules(void) {
+    const tu_spec loop = tu_spec_loop(), hrm = tu_spec_hrm();
+    tu_spec plain = tu_spec_default(), gated = tu_spec_default(), v2 = tu_spec_default();
+    plain.version = gated.version = 3;
+    gated.attn_gate = 1;
+    const struct {
+        const tu_spec* spec;
+        const char* what;
+        edit_fn edit;
+        const char* needle;
+    } rules[] = {
+        {&loop, "loop_window 2^20 + 1", e_loop_big, "loop_window: must be an int in 0 .. 1048576, got 1048577"},
+        {&hrm, "with a two-state core", e_loop_on, "loop_window: needs core_cycles 0 (a one-state core), got 2"},
+        {&gated, "with the attention gate", e_loop_on, "loop_window: excludes the attention gate (attn_gate 1), got 1"},
+        {&hrm, "core_cycles before loop_window", e_cycles_and_loop, "core_cycles: must be an int"},
+        {&loop, "attn_gate before loop_window", e_gate_and_loop, "attn_gate: must be 0 or 1, got 2"},
+        {&plain, "loop gate missing", e_loop_on, "missing tensor 'core.0.loop_gate.w'"},
+        {&loop, "loop gate unexpected", e_loop_off, "unexpected tensor 'core.0.loop_gate.w'"},
+        {&loop, "loop gate shape", e_loop_gate_shape, "tensor 'core.1.loop_gate.w': shape does not match the config"},
+        {&loop, "loop gate dtype", e_loop_gate_dtype, "tensor 'core.0.loop_gate.s': dtype int8"},
+        {&loop, "loop scale NaN", e_loop_scale_nan,
+         "tensor 'core.1.loop_gate.s': scales must be finite and >= 0, found nan"},
+        {&loop, "loop scale < 0", e_loop_scale_negative,
+         "tensor 'core.0.loop_gate.s': scales must be finite and >= 0, found -1"},
+        {&loop, "loop bias inf", e_loop_bias_inf, "tensor 'core.0.loop_gate.b': values must be finite"},
+        {&loop, "loop gate before core.1", e_loop_scale_and_next, "tensor 'core.0.loop_gate.s'"},
+        {&loop, "loop gate after ffn_down", e_down_and_loop_scale, "tensor 'core.0.ffn_down.s'"},
+        {&loop, "loop gate in version 2", e_cycles_in_v2, "unexpected tensor 'core.0.loop_gate.w'"},
+        {&v2, "loop_window in version 2", e_loop_in_v2, "reserved: header bytes 216 .. 255"},
+        {&v2, "loop_window set in version 2", e_loop_on, "reserved: header bytes 216 .. 255"},
+    };
+    for (size_t i = 0; i < sizeof rules / sizeof rules[0]; i++)
+        expect_rule_on(rules[i].spec, rules[i].what, rules[i].edit, rules[i].needle, 1);
+    expect_rule_on(&loop, "checksum first", e_loop_big, "checksum mismatch", 0);
 }
 
 /* The exit gate loads, with int8 or int4 weights (its own are int8 either way), runs, and
@@ -586,6 +646,32 @@ static void test_v3_core_models(void) {
     }
 }
 
+/* Loop attention (docs/spec.md §4) loads and runs, with int8 or int4 weights (the loop gate's
+ * own are int8 either way), the largest window, no prelude or coda, and reaches
+ * tl_model_config_get, which a caller built before its field gets without it. */
+static void test_v3_loop_models(void) {
+    tu_spec specs[3] = {tu_spec_loop(), tu_spec_loop(), tu_spec_loop()};
+    specs[1].int4 = 1, specs[1].group_size = 16, specs[1].layout = 2, specs[1].qkv_bias = 1;
+    specs[2].loop_window = 1u << 20, specs[2].n_pre = 0, specs[2].n_coda = 0, specs[2].n_core = 1;
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        const tu_spec* sp = &specs[i];
+        tl_model_config cfg;
+        tl_model* m = open_spec(sp, "loop.tinyloop", i, &cfg);
+        if (!m) continue;
+        CHECK(cfg.version == 3 && cfg.loop_window == sp->loop_window && cfg.core_cycles == 0 && cfg.attn_gate == 0 &&
+                  cfg.n_core_blocks == sp->n_core,
+              "v3 loop model %zu: config loop_window %u", i, cfg.loop_window);
+        tl_model_config old;
+        memset(&old, 0xab, sizeof old);
+        old.size = offsetof(tl_model_config, loop_window);
+        CHECK_OK(tl_model_config_get(m, &old));
+        CHECK(old.size == offsetof(tl_model_config, loop_window) && old.attn_gate == 0 &&
+                  old.loop_window == 0xababababu,
+              "a tl_model_config without loop_window");
+        tl_model_free(m);
+    }
+}
+
 /* A version-1 file is the version-2 model it describes (docs/spec.md §6.5): the same tensors
  * under `loop` give the same logits, bit for bit, at every depth. */
 static void test_v1_is_v2(void) {
@@ -665,6 +751,8 @@ int main(void) {
     test_v3_core_rules();
     test_v3_exit_gate();
     test_v3_core_models();
+    test_v3_loop_rules();
+    test_v3_loop_models();
     test_checksum_first();
     test_v2_models();
     test_v1_is_v2();

@@ -73,6 +73,12 @@ tu_spec tu_spec_hrm(void) {
     return s;
 }
 
+tu_spec tu_spec_loop(void) {
+    tu_spec s = tu_spec_default();
+    s.version = 3, s.n_core = 2, s.loop_window = 3, s.n_coda = 1;
+    return s;
+}
+
 uint32_t tu_core_width(uint32_t k, uint32_t cycles) { return cycles ? (cycles + 1) * (k / 2) : k; }
 
 /* ---- file writer ---------------------------------------------------------------------- */
@@ -177,6 +183,12 @@ static size_t layout(const tu_spec* s, tensor* t) {
         snprintf(name, sizeof name, "%s.ffn_down", p);
         add_linear(s, t, &n, name, d, F, 0.5f);
         if (post) add_f32(t, &n, K_GAIN, d, "%s.ffn_post_norm", p);
+        if (s->loop_window && b >= s->n_pre && b < s->n_pre + s->n_core) { /* int8 whatever the format */
+            snprintf(name, sizeof name, "%s.loop_gate.w", p);
+            add(t, &n, name, K_EMB_W, 2, H, D);
+            add_f32(t, &n, K_EMB_S, H, "%s.loop_gate.s", p);
+            add_f32(t, &n, K_BIAS, H, "%s.loop_gate.b", p);
+        }
     }
     if (s->injection) {
         add_linear(s, t, &n, "core.adapter_state", d, d, 0.7f);
@@ -252,12 +264,13 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         fprintf(stderr, "tu_model_bytes: version 1 has one core block and none of the version-2 options\n");
         exit(2);
     }
-    if ((s->exit_gate || s->core_cycles || s->attn_gate) && s->version < 3) {
-        fprintf(stderr, "tu_model_bytes: an exit gate, a two-state core or the attention gate needs version 3\n");
+    if ((s->exit_gate || s->core_cycles || s->attn_gate || s->loop_window) && s->version < 3) {
+        fprintf(stderr, "tu_model_bytes: an exit gate, a two-state core, the attention gate or loop attention "
+                        "needs version 3\n");
         exit(2);
     }
     const uint32_t blocks = s->n_pre + s->n_core + s->n_coda;
-    tensor* t = calloc(4 + 15 * (size_t)blocks + 6 + 2 + 3 + 3 + 3, sizeof *t);
+    tensor* t = calloc(4 + 18 * (size_t)blocks + 6 + 2 + 3 + 3 + 3, sizeof *t);
     const size_t n = layout(s, t);
     const uint64_t data_offset = (256 + 96 * n + 63) / 64 * 64;
     uint64_t end = data_offset;
@@ -292,6 +305,7 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         putf(f + 216, s->exit_threshold);
         put32(f + 220, s->core_cycles);
         put32(f + 224, s->attn_gate);
+        put32(f + 228, s->loop_window);
     }
     uint64_t rng = s->seed;
     for (size_t i = 0; i < n; i++) {
@@ -503,6 +517,29 @@ tu_result tu_generate(tl_model* m, const int32_t* prompt, size_t n, const tl_gen
     return r;
 }
 
+int tu_batch_agrees(tl_model* m, const int32_t* prompt, const size_t* n, const tl_gen_params* const* gp, size_t count,
+                    uint32_t vocab) {
+    tu_result* got = calloc(count, sizeof *got);
+    tl_request* reqs = calloc(count, sizeof *reqs);
+    tl_request** ptrs = calloc(count, sizeof *ptrs);
+    if (!got || !reqs || !ptrs) exit(2);
+    for (size_t i = 0; i < count; i++) {
+        got[i] = tu_result_new(gp[i]->max_tokens, vocab);
+        reqs[i] = (tl_request){sizeof reqs[i], NULL, prompt, n[i], gp[i], got[i].tokens, got[i].logits, 0};
+        ptrs[i] = &reqs[i];
+    }
+    CHECK_OK(tl_generate_batch(m, ptrs, count));
+    int agree = 1;
+    for (size_t i = 0; i < count; i++) {
+        got[i].n = reqs[i].n_out;
+        tu_result want = tu_generate(m, prompt, n[i], gp[i], vocab);
+        agree = agree && tu_same_result(&want, &got[i]);
+        tu_result_free(&want), tu_result_free(&got[i]);
+    }
+    free(got), free(reqs), free(ptrs);
+    return agree;
+}
+
 tu_result tu_from_prefix(const tl_prefix* p, const int32_t* suffix, size_t n, const tl_gen_params* gp,
                          uint32_t vocab) {
     tu_result r = tu_result_new(gp->max_tokens, vocab);
@@ -514,6 +551,31 @@ int tu_same_result(const tu_result* a, const tu_result* b) {
     return a->n == b->n && a->n > 0 && a->vocab == b->vocab &&
            memcmp(a->tokens, b->tokens, a->n * sizeof(int32_t)) == 0 &&
            tu_same_bits(a->logits, b->logits, a->n * a->vocab);
+}
+
+int tu_sched_agrees(tl_model* m, const tl_sched_params* sp, const int32_t* prompt, const size_t* n,
+                    const tl_gen_params* const* gp, size_t count, uint32_t vocab) {
+    size_t cap = 1;
+    for (size_t i = 0; i < count; i++) cap = gp[i]->max_tokens > cap ? gp[i]->max_tokens : cap;
+    uint64_t* ids = calloc(count, sizeof *ids);
+    int32_t* got = calloc(count * cap, sizeof *got);
+    size_t* n_got = calloc(count, sizeof *n_got);
+    if (!ids || !got || !n_got) exit(2);
+    tl_sched* s = NULL;
+    CHECK_OK(tl_sched_create(m, sp, &s));
+    int agree = s != NULL;
+    for (size_t i = 0; s && i < count; i++) CHECK_OK(tl_sched_add(s, prompt, n[i], gp[i], &ids[i]));
+    if (s) tu_sched_drain(s, ids, count, got, cap, n_got, 200);
+    for (size_t i = 0; s && i < count; i++) {
+        tu_result want = tu_generate(m, prompt, n[i], gp[i], vocab);
+        const int same = n_got[i] == want.n && !memcmp(got + i * cap, want.tokens, want.n * sizeof(int32_t));
+        CHECK(same, "scheduled request %zu: %zu tokens, tl_generate %zu", i, n_got[i], want.n);
+        agree = agree && same;
+        tu_result_free(&want);
+    }
+    tl_sched_free(s);
+    free(ids), free(got), free(n_got);
+    return agree;
 }
 
 void tu_sched_drain(tl_sched* s, const uint64_t* ids, size_t n, int32_t* got, size_t cap, size_t* n_got,

@@ -62,6 +62,8 @@ typedef struct tu_spec {
     float exit_threshold; /* header offset 216, written in version 3                       */
     uint32_t core_cycles; /* header offset 220: a two-state core (§1); needs version 3     */
     uint32_t attn_gate;   /* header offset 224: H * D gate rows in attn_qkv (§4); version 3 */
+    uint32_t loop_window; /* header offset 228: loop attention (§4), each core block's
+                             loop_gate.w, .s, .b; version 3                                   */
 } tu_spec;
 
 /* A small int8 GQA model of one core block, written as version 2 (the tokenizer is bytes
@@ -78,12 +80,16 @@ tu_spec tu_spec_coda(void);
 /* An HRM-like version-3 model (docs/spec.md §1): a two-state core of 2 + 2 blocks, 2 low cycles,
  * the attention gate, a prelude and a coda of 1 (HRM has neither: they test the slots). */
 tu_spec tu_spec_hrm(void);
+/* An IQuest-Coder-Loop-like version-3 model (docs/spec.md §1, §4): loop attention with a window
+ * of 3 over a core of 2 blocks, 3 loops, a prelude and a coda of 1 (IQuest has neither: they test
+ * the slots). */
+tu_spec tu_spec_loop(void);
 /* w, the core's layers per iteration (docs/spec.md §1) of k core blocks: k, or with `cycles`
  * >= 1 (a two-state core) (cycles + 1) * k / 2. */
 uint32_t tu_core_width(uint32_t k, uint32_t cycles);
 /* The bytes of a valid model file (malloc'd), *n its size; exits with status 2 on a spec that
- * version 1 cannot express, or an exit gate, a two-state core or the attention gate before
- * version 3. */
+ * version 1 cannot express, or an exit gate, a two-state core, the attention gate or loop
+ * attention before version 3. */
 uint8_t* tu_model_bytes(const tu_spec* spec, size_t* n);
 /* Recompute the header checksum after editing bytes (a model file's, or a prefix blob's: both
  * at offset 24, the CRC-32 with the field read as zero). */
@@ -158,6 +164,10 @@ tl_gen_params tu_gen_params(size_t max_tokens, uint32_t loops, uint32_t window, 
 tu_result tu_generate(tl_model* m, const int32_t* prompt, size_t n, const tl_gen_params* gp, uint32_t vocab);
 tu_result tu_from_prefix(const tl_prefix* p, const int32_t* suffix, size_t n, const tl_gen_params* gp,
                          uint32_t vocab);
+/* Requests i < count (prompt[0 .. n[i]), gp[i]) run together by tl_generate_batch: whether each
+ * gives tl_generate's tokens and logits alone (a failure is counted as a failed check). */
+int tu_batch_agrees(tl_model* m, const int32_t* prompt, const size_t* n, const tl_gen_params* const* gp, size_t count,
+                    uint32_t vocab);
 /* Whether both emitted the same tokens, at least one, with bit-identical logits (two empty
  * results prove nothing, so they differ). */
 int tu_same_result(const tu_result* a, const tu_result* b);
@@ -166,5 +176,11 @@ int tu_same_result(const tu_result* a, const tu_result* b);
  * n_got[i] their count. */
 void tu_sched_drain(tl_sched* s, const uint64_t* ids, size_t n, int32_t* got, size_t cap, size_t* n_got,
                     int max_steps);
+
+/* Requests i < count (prompt[0 .. n[i]), gp[i]) added to a scheduler of parameters sp and
+ * drained (tu_sched_drain, at most 200 steps): whether each emits tl_generate's tokens alone (a
+ * failure is counted as a failed check). */
+int tu_sched_agrees(tl_model* m, const tl_sched_params* sp, const int32_t* prompt, const size_t* n,
+                    const tl_gen_params* const* gp, size_t count, uint32_t vocab);
 
 #endif

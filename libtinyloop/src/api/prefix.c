@@ -12,7 +12,9 @@
  * term or low state and earlier layers' KV, so resuming is the whole pass; the coda slots of
  * each new depth are written on a copy of the state, as a build writes them. With a window the
  * extension computes every position (the released ones in temporary blocks) and releases
- * outside the window at the end, as a build does. The old layers are copied where the blocks
+ * outside the window at the end, as a build does; with loop attention (docs/spec.md §4) the
+ * later iterations of a released position read iteration 0's KV, which went with its block, so
+ * there it runs every iteration from the tokens instead (the build's result, at its cost). The old layers are copied where the blocks
  * live (on a device, by its allocator's copy). A backend without a part pass, or without that copy, keeps
  * no states: its extension rebuilds the prefix from its tokens (same result, full cost).
  *
@@ -210,10 +212,21 @@ tl_status tl_prefix_check_loops(const tl_prefix* p, uint32_t loops) {
                    p->warm_start ? "tl_prefix_extend deepens it" : "build it with TL_PREFIX_WARM_START to extend it");
 }
 
+/* Whether the window released blocks of p whose iteration-0 KV its extension would read: with
+ * loop attention (docs/spec.md §4) every later iteration of an old position attends globally
+ * over iteration 0's keys up to it, and a released block kept none. */
+static bool lost_iteration_zero(const tl_prefix* p) {
+    if (!tl_engine_config(p->engine)->loop_window) return false;
+    for (size_t i = 0; i < p->kv.n_spans; i++)
+        if (!p->kv.spans[i].block) return true;
+    return false;
+}
+
 /* The extension of p to depth `loops` (> p->loops, p warm-start, `extending` held) in the empty
  * sequence s at that depth: s gets the KV, loop_states [loops][d] the last token's final states
  * and, when p keeps states, states [n][d] every token's state after iteration loops-1 and, when
- * it keeps injects, injects [n][d] their injected terms or low states then. */
+ * it keeps injects, injects [n][d] their injected terms or low states then. Without states, or
+ * where the old layers it would read are gone (lost_iteration_zero), it rebuilds from the tokens. */
 static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_states, float* states, float* injects) {
     if (!p->states) {
         const tl_run_opts opts = {.loop_states = loop_states};
@@ -222,6 +235,8 @@ static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_state
     const tl_kv_geom* g = &s->engine->kv_geom;
     tl_status st = tl_kv_reserve(&s->kv, g, s->n_layers, 0, p->n);
     if (st != TL_OK) return st;
+    tl_part whole = {.depth = s->loops, .state_out = states, .inject_out = injects, .loop_states = loop_states};
+    if (lost_iteration_zero(p)) return run_chunks(s, p->tokens, p->n, chunk, &whole);
     /* Both tables span positions 0 .. n-1 as reserving them from 0 lays them out (block i from
      * position i * block_size; a build, or an earlier extension, made the old one so), and a
      * block's data is [layer][kv head][head_bytes], so the old layers are a byte prefix of the
@@ -234,9 +249,7 @@ static tl_status deepen(tl_prefix* p, tl_seq* s, size_t chunk, float* loop_state
     if (st != TL_OK) return st;
     const size_t d = tl_engine_config(s->engine)->d_model;
     memcpy(loop_states, p->loop_states, (size_t)p->loops * d * sizeof(float));
-    const tl_part whole = {.first_iter = p->loops, .depth = s->loops, .state_in = p->states,
-                           .inject_in = p->injects, .state_out = states, .inject_out = injects,
-                           .loop_states = loop_states};
+    whole.first_iter = p->loops, whole.state_in = p->states, whole.inject_in = p->injects;
     return run_chunks(s, NULL, p->n, chunk, &whole);
 }
 

@@ -15,6 +15,12 @@ static inline TL_HD size_t tl_attn_first_key(size_t t, uint32_t window) {
     return (window && t + 1 > window) ? t + 1 - window : 0;
 }
 
+/* W', the window of loop attention's local attention (docs/spec.md §4): the loop window W_l
+ * under the sequence's window W, W_l when W = 0 (full), else min(W, W_l). */
+static inline TL_HD uint32_t tl_loop_local_window(uint32_t window, uint32_t loop_window) {
+    return window && window < loop_window ? window : loop_window;
+}
+
 /* The last key visible from position t, e(t): P - 1 inside the instruction block (t < P, the
  * block's positions see each other), else t itself. */
 static inline TL_HD size_t tl_attn_last_key(size_t t, size_t instruction) {

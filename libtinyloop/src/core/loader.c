@@ -1,6 +1,7 @@
 /* loader.c — read a `.tinyloop` file into private memory and validate it against
  * docs/spec.md §6: version 3 or 2 (a version-2 file has no stop_ids, exit gate, exit_threshold,
- * two-state core or attention gate), or version 1 read as the version-2 model it describes (§6.5).
+ * two-state core, attention gate or loop attention), or version 1 read as the version-2 model it
+ * describes (§6.5).
  *
  * The file is read once, front to back, with pread: the header, the tensor table, then each
  * tensor into its own allocation (the bytes between tensors are summed and dropped). The
@@ -11,8 +12,8 @@
  *
  * The checks report in the same order as the Python reader (tinyloop/modelfile.py): size,
  * magic, version, header_bytes, file_bytes, checksum, the config (name first, then header
- * order, the version-2 fields, then version 3's core_cycles and attn_gate), table bounds, each
- * table entry, overlaps, the tensor set (required and optional), tensor values,
+ * order, the version-2 fields, then version 3's core_cycles, attn_gate and loop_window), table
+ * bounds, each table entry, overlaps, the tensor set (required and optional), tensor values,
  * exit_threshold, reserved bytes, flags. The first broken rule is reported. The checksum needs
  * every byte, but the structure (config, table, tensor set) says where the bytes go, so the
  * structure is checked first and a rule it breaks is reported only once the checksum is known
@@ -188,9 +189,20 @@ static tl_status check_core_cycles(tl_config* c, uint32_t cycles) {
     return TL_OK;
 }
 
+/* loop_window (header offset 228, docs/spec.md §6.1): 0 or W_l in 1 .. 2^20; loop attention
+ * (>= 1) runs in a one-state core (core_cycles = 0) without the attention gate (attn_gate = 0). */
+static tl_status check_loop_window(tl_config* c, uint32_t window) {
+    TRY(check_range("loop_window", window, 0, 1 << 20));
+    if (window == 0) return TL_OK;
+    if (c->core_cycles) return bad("loop_window: needs core_cycles 0 (a one-state core), got %u", c->core_cycles);
+    if (c->attn_gate) return bad("loop_window: excludes the attention gate (attn_gate 1), got %u", c->attn_gate);
+    c->loop_window = window;
+    return TL_OK;
+}
+
 /* The config fields at header offset 48 .. 183, in versions 2 and 3 184 .. 215, and in version
- * 3 220 .. 227 (core_cycles, attn_gate), checked like ModelConfig.validate(); the header's
- * version (1, 2 or 3, checked) decides which. A version-3 file's exit_threshold (offset 216) is
+ * 3 220 .. 231 (core_cycles, attn_gate, loop_window), checked like ModelConfig.validate(); the
+ * header's version (1, 2 or 3, checked) decides which. A version-3 file's exit_threshold (offset 216) is
  * read here and checked in step 8, once the tensor set says whether the file has the exit gate
  * (check_exit_threshold). */
 static tl_status parse_config(const uint8_t* h, tl_config* c) {
@@ -288,7 +300,8 @@ static tl_status parse_config(const uint8_t* h, tl_config* c) {
     if (c->version < 3) return TL_OK;
     TRY(check_core_cycles(c, rd_u32(h + 220)));
     c->attn_gate = rd_u32(h + 224);
-    return check_flag("attn_gate", c->attn_gate);
+    TRY(check_flag("attn_gate", c->attn_gate));
+    return check_loop_window(c, rd_u32(h + 228));
 }
 
 /* ---- the tensor set (docs/spec.md §6.3), in the required order -------------------------- */
@@ -298,6 +311,7 @@ typedef enum target {
     T_EMB_W, T_EMB_S, T_ROPE_COS, T_ROPE_SIN,
     T_LINEAR_W8, T_LINEAR_W4, T_LINEAR_M, T_LINEAR_S, /* of linear `index`        */
     T_QKV_BIAS, T_ATTN_POST_NORM, T_FFN_POST_NORM,    /* of block `index`         */
+    T_LOOP_GATE_W, T_LOOP_GATE_S, T_LOOP_GATE_B,      /* of core block `index`    */
     T_STEP_NORM, T_CODA_NORM,
     T_STOP_IDS,                                       /* copied into the config   */
     T_EXIT_GATE_W, T_EXIT_GATE_S, T_EXIT_GATE_B,      /* all three or none        */
@@ -376,7 +390,7 @@ static void block_prefix(const tl_config* c, uint32_t b, char* out, size_t size)
 
 /* An upper bound on required_tensors' count. */
 static size_t max_required(const tl_config* c) {
-    const size_t per_block = 3 * TL_PARTS + 3; /* linears as .w .m .s, the bias, two gains */
+    const size_t per_block = 3 * TL_PARTS + 6; /* linears as .w .m .s, the bias, two gains, the loop gate */
     return 4 + per_block * tl_n_blocks(c) + 3 * 3 + 2 + 1 + 3 + 3; /* adapter, head; norms;
                                                                      stop ids; gate; texts */
 }
@@ -402,6 +416,12 @@ static size_t required_tensors(const tl_config* c, required* r) {
         add_linear(c, r, &n, tl_block_linear_index(b, TL_PART_GATE_UP), 2 * F, d, "%s.ffn_gate_up", p);
         add_linear(c, r, &n, tl_block_linear_index(b, TL_PART_DOWN), d, F, "%s.ffn_down", p);
         if (post) add_required(r, &n, T_FFN_POST_NORM, b, DT_F32, d, 0, "%s.ffn_post_norm", p);
+        if (c->loop_window && b >= c->n_pre_blocks && b < c->n_pre_blocks + c->n_core_blocks) {
+            /* the loop gate's weights are int8 whatever weight_format */
+            add_required(r, &n, T_LOOP_GATE_W, b, DT_I8, c->n_heads, D, "%s.loop_gate.w", p);
+            add_required(r, &n, T_LOOP_GATE_S, b, DT_F32, c->n_heads, 0, "%s.loop_gate.s", p);
+            add_required(r, &n, T_LOOP_GATE_B, b, DT_F32, c->n_heads, 0, "%s.loop_gate.b", p);
+        }
     }
     if (c->injection) {
         add_linear(c, r, &n, tl_adapter_linear_index(c, 0), d, d, "core.adapter_state");
@@ -634,7 +654,8 @@ static const char* f32_rule(target tg) {
     switch (tg) {
     case T_EMB_S:
     case T_LINEAR_S:
-    case T_EXIT_GATE_S: return "scales must be finite and >= 0";
+    case T_EXIT_GATE_S:
+    case T_LOOP_GATE_S: return "scales must be finite and >= 0";
     case T_ROPE_COS:
     case T_ROPE_SIN: return "values must be finite with |v| <= 1";
     case T_QKV_BIAS:
@@ -642,14 +663,15 @@ static const char* f32_rule(target tg) {
     case T_FFN_POST_NORM:
     case T_STEP_NORM:
     case T_CODA_NORM:
-    case T_EXIT_GATE_B: return "values must be finite"; /* biases and gains */
+    case T_EXIT_GATE_B:
+    case T_LOOP_GATE_B: return "values must be finite"; /* biases and gains */
     default: return NULL;
     }
 }
 
 static int f32_ok(target tg, float v) {
     if (!isfinite(v)) return 0;
-    if (tg == T_EMB_S || tg == T_LINEAR_S || tg == T_EXIT_GATE_S) return v >= 0;
+    if (tg == T_EMB_S || tg == T_LINEAR_S || tg == T_EXIT_GATE_S || tg == T_LOOP_GATE_S) return v >= 0;
     if (tg == T_ROPE_COS || tg == T_ROPE_SIN) return fabsf(v) <= 1;
     return 1;
 }
@@ -735,6 +757,9 @@ static void place(table* t, const required* r, tl_file* f) {
     case T_QKV_BIAS: f->blocks[r->index].qkv_bias = take(t, r); break;
     case T_ATTN_POST_NORM: f->blocks[r->index].attn_post_norm = take(t, r); break;
     case T_FFN_POST_NORM: f->blocks[r->index].ffn_post_norm = take(t, r); break;
+    case T_LOOP_GATE_W: f->blocks[r->index].loop_gate_w = take(t, r); break;
+    case T_LOOP_GATE_S: f->blocks[r->index].loop_gate_s = take(t, r); break;
+    case T_LOOP_GATE_B: f->blocks[r->index].loop_gate_b = take(t, r); break;
     case T_STEP_NORM: f->step_norm = take(t, r); break;
     case T_CODA_NORM: f->coda_norm = take(t, r); break;
     case T_STOP_IDS: {
@@ -830,8 +855,9 @@ static tl_status validate(reader* r, tl_file* f) {
     }
     if (st == TL_OK) st = check_values(&t, &f->cfg, req, n_req);
     if (st == TL_OK) st = check_exit_threshold(&f->cfg);
-    /* version 1 reserves the version-2 fields, version 2 exit_threshold, core_cycles, attn_gate */
-    const int reserved_from = version == 1 ? 184 : version == 2 ? 216 : 228;
+    /* version 1 reserves the version-2 fields, version 2 exit_threshold, core_cycles, attn_gate
+     * and loop_window */
+    const int reserved_from = version == 1 ? 184 : version == 2 ? 216 : 232;
     for (int k = reserved_from; st == TL_OK && k < HEADER_BYTES; k++)
         if (h[k]) st = bad("reserved: header bytes %d .. %d must be zero", reserved_from, HEADER_BYTES - 1);
     if (st == TL_OK && rd_u32(h + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(h + 116));
@@ -890,7 +916,8 @@ static size_t vector_bytes(const tl_file* f) {
     size_t bytes = held(f->step_norm) + held(f->coda_norm) + held(f->exit_gate_w);
     for (uint32_t b = 0; f->blocks && b < tl_n_blocks(&f->cfg); b++) {
         const tl_block_vectors* v = &f->blocks[b];
-        bytes += held(v->qkv_bias) + held(v->attn_post_norm) + held(v->ffn_post_norm);
+        bytes += held(v->qkv_bias) + held(v->attn_post_norm) + held(v->ffn_post_norm) + held(v->loop_gate_w) +
+                 held(v->loop_gate_s) + held(v->loop_gate_b);
     }
     return bytes;
 }
@@ -911,6 +938,9 @@ void tl_file_close(tl_file* f) {
         tl_free((void*)f->blocks[b].qkv_bias);
         tl_free((void*)f->blocks[b].attn_post_norm);
         tl_free((void*)f->blocks[b].ffn_post_norm);
+        tl_free((void*)f->blocks[b].loop_gate_w);
+        tl_free((void*)f->blocks[b].loop_gate_s);
+        tl_free((void*)f->blocks[b].loop_gate_b);
     }
     tl_free(f->blocks);
     tl_free((void*)f->step_norm);

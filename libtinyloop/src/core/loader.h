@@ -38,6 +38,8 @@ typedef struct tl_config {
     /* version 3 (§1, §4, §6.1 offsets 220, 224; 0 before) */
     uint32_t core_cycles;   /* 0: one state; C >= 1: a two-state core, its low stack C times */
     uint32_t attn_gate;     /* 1: attn_qkv ends with H * D gate rows, o *= sig(gate)       */
+    /* version 3 (§1, §4, §6.1 offset 228; 0 before) */
+    uint32_t loop_window;   /* 0: none; W_l >= 1: loop attention (the loop_gate.* tensors) */
 } tl_config;
 
 /* Whether emitting `token` ends generation by the model's own rule (docs/spec.md §5.3): it
@@ -64,6 +66,9 @@ typedef struct tl_block_vectors {
     const float* qkv_bias;       /* [tl_qkv_rows] when qkv_bias                         */
     const float* attn_post_norm; /* [d] gain, sandwich and post layouts                  */
     const float* ffn_post_norm;  /* [d] gain, sandwich and post layouts                  */
+    const int8_t* loop_gate_w;   /* [H][D] a core block's loop gate (loop_window >= 1)   */
+    const float* loop_gate_s;    /* [H] its row scales                                   */
+    const float* loop_gate_b;    /* [H] its biases                                       */
 } tl_block_vectors;
 
 /* Every tensor below is its own 64-byte-aligned allocation, owned by the tl_file. The blocks
@@ -123,6 +128,17 @@ static inline size_t tl_n_layers(const tl_config* c, uint32_t loops) {
  * coda block c at depth i + 1. */
 static inline size_t tl_core_slot(const tl_config* c, uint32_t i, uint32_t a) {
     return (size_t)c->n_pre_blocks + (size_t)i * (tl_core_width(c) + c->n_coda_blocks) + a;
+}
+
+/* Loop attention (docs/spec.md §1, §4): whether the layer of cache slot `slot` is a core
+ * application j of an iteration i >= 1 of a loop model, and then *global = n_pre + j, the slot
+ * of application j in iteration 0, whose KV its global attention reads. */
+static inline bool tl_loop_slot(const tl_config* c, size_t slot, uint32_t* global) {
+    if (!c->loop_window || slot < c->n_pre_blocks) return false;
+    const size_t per = (size_t)c->n_core_blocks + c->n_coda_blocks, r = slot - c->n_pre_blocks;
+    if (r < per || r % per >= c->n_core_blocks) return false;
+    *global = c->n_pre_blocks + (uint32_t)(r % per);
+    return true;
 }
 
 /* Whether a pass has work after the last iteration (coda_norm or coda blocks): what a prefix

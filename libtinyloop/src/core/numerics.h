@@ -116,6 +116,15 @@ static inline TL_HD float tl_silu(float v) { return v / tl_silu_den(v); }
 /* §2.5 sig(v) = 1 / (1 + exps(-v)). */
 static inline TL_HD float tl_sigmoid(float v) { return 1.0f / tl_silu_den(v); }
 
+/* §4 loop attention's gate of one head: g = sig(gz), gz = (((f32)dot * sq) * gs) + gb, where dot
+ * is the exact integer Σ_d qq_d * gw_d of the head's quantized query (qq, sq) and its gate row. */
+static inline TL_HD float tl_loop_gate(int64_t dot, float sq, float gs, float gb) {
+    return tl_sigmoid((((float)dot * sq) * gs) + gb);
+}
+
+/* §4 loop attention's mix of one element: (g * og) + (rest * ol), rest = 1 - g (once per head). */
+static inline TL_HD float tl_loop_mix(float g, float rest, float og, float ol) { return (g * og) + (rest * ol); }
+
 /* f32 -> i64 of an integral value as x86 converts (and so numpy on x86): a NaN or a value
  * outside the i64 range gives INT64_MIN instead of undefined behaviour. */
 static inline TL_HD int64_t tl_to_i64(float x) {

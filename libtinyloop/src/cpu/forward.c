@@ -33,9 +33,13 @@
  * the attention of a chunk of two rows or more per (slice of 16-row tiles, kv head):
  * tl_attend_tile, the slice's values packed once by tl_attn_pack_slice). Each
  * output element is computed by exactly one task from inputs that no concurrent task writes,
- * so the thread count never changes a bit. All scratch lives in one arena owned by the sequence
- * (a batch borrows its first sequence's), grown only when a bigger chunk, or a history longer by
- * KEYS_STEP keys, arrives: a decode step allocates nothing.
+ * so the thread count never changes a bit. In a loop layer (loop attention, docs/spec.md §4: a
+ * core application of an iteration i >= 1 of a loop model) a row's query heads attend twice,
+ * globally over iteration 0's slot into o and locally over their own slot through W' into
+ * o_local (both on tiles or alone, as any layer's), then one row task mixes the two per head
+ * and quantizes the result (task_loop_attention). All scratch lives in one arena owned by the
+ * sequence (a batch borrows its first sequence's), grown only when a bigger chunk, or a history
+ * longer by KEYS_STEP keys, arrives: a decode step allocates nothing.
  * Not here: choosing the device (core/backend.h; this pass is the CPU backend's, backend_cpu.c).
  *
  * Shapes (per token): x [d], qkv [(H + 2G) * D] (Q heads, K heads, V heads; with the attention
@@ -91,6 +95,7 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->y = tl_take(c, cfg->block_layout == TL_LAYOUT_SANDWICH ? state : 0);
     f->qkv = tl_take(c, T * f->qkv_dim * sizeof(float));
     f->o = tl_take(c, T * f->hd * sizeof(float));
+    f->o_local = tl_take(c, cfg->loop_window ? T * f->hd * sizeof(float) : 0);
     f->gu = tl_take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
     f->acts.q = tl_take(c, T * kmax);
     f->acts.tiled = tl_take(c, tl_acts_tiled_bytes(f->e->isa, T, kmax));
@@ -247,26 +252,58 @@ static size_t plan_attention(fwd* f) {
     return f->n_slices + f->n_alone * f->c->n_heads;
 }
 
-/* o[t][h] = the attention of query head h of row t for the slice's rows and its kv head's query
- * heads, tile by tile, the values packed once when every tile's queries see keys from 0. */
-static void attend_slice(fwd* f, const attn_slice* a, tl_attn_scratch* scratch) {
+/* One attention of a row's query heads (docs/spec.md §4.1): over cache slot `layer`, its keys
+ * seen through `window`, into o ([T][hd]). */
+typedef struct attn_read {
+    uint32_t layer, window;
+    float* o;
+} attn_read;
+
+/* The attentions row t runs in the current layer, into reads; returns their count: one over its
+ * slot with its sequence's window into o, or in a loop layer (docs/spec.md §4, tl_loop_slot) the
+ * global one over iteration 0's slot with that window into o and the local one over its own slot
+ * through W' into o_local. */
+static size_t attn_reads(const fwd* f, size_t t, attn_read reads[2]) {
+    const tl_seq* s = f->seqs[t];
+    const uint32_t slot = tl_fwd_row_slot(f, t);
+    uint32_t global;
+    if (!tl_loop_slot(f->c, slot, &global)) {
+        reads[0] = (attn_read){slot, s->window, f->o};
+        return 1;
+    }
+    reads[0] = (attn_read){global, s->window, f->o};
+    reads[1] = (attn_read){slot, tl_loop_local_window(s->window, f->c->loop_window), f->o_local};
+    return 2;
+}
+
+/* r->o[t][h] = attention r of query head h of row t for the slice's rows and its kv head's query
+ * heads, tile by tile, the values of r's layer packed once when every tile's queries see keys
+ * from 0 through r's window. */
+static void attend_slice_read(fwd* f, const attn_slice* a, const attn_read* r, tl_attn_scratch* scratch) {
     const tl_config* c = f->c;
     const tl_seq* s = f->seqs[a->t0];
     const size_t D = c->head_dim, group = c->n_heads / c->n_kv_heads,
                  keys = tl_attn_last_key(f->pos[a->t0 + a->m - 1], s->instruction) + 1;
-    const uint32_t layer = tl_fwd_row_slot(f, a->t0);
     size_t packed = 0;
-    if (s->window == 0 || keys <= s->window) {
-        tl_attn_pack_slice(&f->e->kv_geom, &s->kv, layer, a->kv_head, keys, scratch);
+    if (r->window == 0 || keys <= r->window) {
+        tl_attn_pack_slice(&f->e->kv_geom, &s->kv, r->layer, a->kv_head, keys, scratch);
         packed = keys;
     }
     for (size_t t = a->t0; t < a->t0 + a->m; t += TL_ATTN_TILE) {
         const size_t m = a->t0 + a->m - t < TL_ATTN_TILE ? a->t0 + a->m - t : TL_ATTN_TILE;
         for (size_t h = a->kv_head * group; h < (a->kv_head + 1) * group; h++)
-            tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, layer, a->kv_head, f->pos[t], m, s->window,
-                           s->instruction, f->qkv + t * f->qkv_dim + h * D, f->qkv_dim, f->o + t * f->hd + h * D,
+            tl_attend_tile(f->attn_kernels, &f->e->kv_geom, &s->kv, r->layer, a->kv_head, f->pos[t], m, r->window,
+                           s->instruction, f->qkv + t * f->qkv_dim + h * D, f->qkv_dim, r->o + t * f->hd + h * D,
                            f->hd, packed, scratch);
     }
+}
+
+/* The slice's attentions (attn_reads of its rows, which share their slot), one after the other:
+ * each packs its own layer's values. */
+static void attend_slice(fwd* f, const attn_slice* a, tl_attn_scratch* scratch) {
+    attn_read reads[2];
+    const size_t n = attn_reads(f, a->t0, reads);
+    for (size_t k = 0; k < n; k++) attend_slice_read(f, a, &reads[k], scratch);
 }
 
 /* task < n_slices: slice `task`; after them, (i * H + h): query head h of lone row alone[i]. */
@@ -281,8 +318,11 @@ static void task_attention(void* ctx, size_t task, unsigned worker) {
     const size_t H = c->n_heads, D = c->head_dim, h = task % H, t = f->alone[task / H];
     const uint32_t kv_head = (uint32_t)(h / (H / c->n_kv_heads));
     const tl_seq* s = f->seqs[t];
-    tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, tl_fwd_row_slot(f, t), kv_head, f->pos[t], s->window,
-              s->instruction, f->qkv + t * f->qkv_dim + h * D, f->o + t * f->hd + h * D, &f->attn[worker]);
+    attn_read reads[2];
+    const size_t n = attn_reads(f, t, reads);
+    for (size_t k = 0; k < n; k++)
+        tl_attend(f->attn_kernels, &f->e->kv_geom, &s->kv, reads[k].layer, kv_head, f->pos[t], reads[k].window,
+                  s->instruction, f->qkv + t * f->qkv_dim + h * D, reads[k].o + t * f->hd + h * D, &f->attn[worker]);
 }
 
 /* gate := silu(gate) * up, then acts row t = Q8 of it. */
@@ -308,15 +348,30 @@ static void task_attn_gate(void* ctx, size_t t, unsigned worker) {
     finish_row(f, t, f->hd);
 }
 
-/* acts = Q8(o), after the attention gate when the model has one. */
+/* In a loop layer (docs/spec.md §4), o row t := the per-head gated mix of its global attention
+ * (o) and its local one (o_local), the gates from its query heads; then acts row t = Q8 of o. */
+static void task_loop_attention(void* ctx, size_t t, unsigned worker) {
+    fwd* f = ctx;
+    const tl_config* c = f->c;
+    const tl_block_vectors* vec = &f->e->file.blocks[f->block];
+    float* o = f->o + t * f->hd;
+    uint32_t global;
+    if (tl_loop_slot(c, tl_fwd_row_slot(f, t), &global))
+        tl_loop_mix_row(f->qkv + t * f->qkv_dim, vec->loop_gate_w, vec->loop_gate_s, vec->loop_gate_b, c->n_heads,
+                        c->head_dim, o, f->o_local + t * f->hd, f->attn[worker].qq);
+    f->acts.scale[t] = q8_row(f, o, f->hd, f->acts.q + t * f->acts.stride);
+    finish_row(f, t, f->hd);
+}
+
+/* acts = Q8(o), after the attention gate or loop attention's mix when the model has one. */
 static void quantize_attention(fwd* f) {
-    if (!f->c->attn_gate) {
+    if (!f->c->attn_gate && !f->c->loop_window) {
         quantize_rows(f, f->o, f->hd, f->hd, false);
         return;
     }
     f->acts.n = f->T;
     f->acts.stride = tl_acts_stride(f->hd);
-    tl_pool_run(f->e->pool, f->T, task_attn_gate, f);
+    tl_pool_run(f->e->pool, f->T, f->c->attn_gate ? task_attn_gate : task_loop_attention, f);
 }
 
 /* ---- the pass ------------------------------------------------------------------------------ */
@@ -351,6 +406,7 @@ static void run_block(fwd* f, uint32_t block, size_t slot) {
     const tl_linear* part = &f->linears[tl_block_linear_index(block, 0)]; /* part p at part[p] */
     const tl_block_vectors* vec = &f->e->file.blocks[block];
     f->layer = (uint32_t)slot;
+    f->block = block;
 
     if (f->chunk && f->seqs[0]->capture) tl_hidden_capture(f->seqs[0]->capture, f->layer, f->pos[0], f->T, f->x);
     quantize_rows(f, f->x, d, d, true);

@@ -33,6 +33,7 @@ typedef struct fwd {
     int32_t* tokens;         /* [T]                                                    */
     size_t qkv_dim, hd;      /* tl_qkv_rows ((H + 2G) * D, + H * D gate rows), H * D   */
     uint32_t layer;          /* cache slot of the current layer (row t's: tl_fwd_row_slot) */
+    uint32_t block;          /* the current layer's block (file order)                   */
     uint32_t* iters;         /* [T] wave pass: each row's core iteration; else NULL     */
     bool per_row_slots;      /* a wave pass's core blocks: row t runs in iters[t]'s slots */
     bool simd;               /* SIMD kernels: acts need qx                              */
@@ -51,7 +52,8 @@ typedef struct fwd {
                                 a batch with probes: the probed rows' copies           */
     float* y;                /* [T][d] sandwich: a sublayer's output before its norm    */
     float* qkv;              /* [T][qkv_dim]                                           */
-    float* o;                /* [T][hd]                                                */
+    float* o;                /* [T][hd]; a loop layer's rows: the global attention's    */
+    float* o_local;          /* [T][hd] loop attention (loop_window): the local one's    */
     float* gu;               /* [T][2F]                                                */
     tl_acts acts;            /* [T][stride] for the next linear                        */
     tl_attn_scratch* attn;   /* [pool threads]                                         */

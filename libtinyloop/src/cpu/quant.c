@@ -53,6 +53,17 @@ void tl_gate_row(float* o, const float* z, size_t n) {
     for (size_t i = 0; i < n; i++) o[i] = o[i] * tl_sigmoid(z[i]);
 }
 
+void tl_loop_mix_row(const float* q, const int8_t* gw, const float* gs, const float* gb, size_t H, size_t D,
+                     float* og, const float* ol, int8_t* qq) {
+    for (size_t h = 0; h < H; h++) {
+        const float sq = tl_quantize_row(q + h * D, D, 127, qq);
+        int64_t dot = 0;
+        for (size_t d = 0; d < D; d++) dot += (int64_t)qq[d] * gw[h * D + d];
+        const float g = tl_loop_gate(dot, sq, gs[h], gb[h]), rest = 1.0f - g;
+        for (size_t d = 0; d < D; d++) og[h * D + d] = tl_loop_mix(g, rest, og[h * D + d], ol[h * D + d]);
+    }
+}
+
 void tl_rope_head(float* x, size_t D, const float* cos, const float* sin) {
     const size_t half = D / 2;
     for (size_t i = 0; i < half; i++) {

@@ -20,6 +20,11 @@ void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, flo
 void tl_swiglu_row(float* gate, const float* up, size_t n);
 /* §4 the attention output gate in place: o[i] = o[i] * sig(z[i]). */
 void tl_gate_row(float* o, const float* z, size_t n);
+/* §4 loop attention's mix of one row of H heads of D: per head h, (qq, sq) = Q8(q[h]) (qq[D]
+ * scratch), g = tl_loop_gate(qq . gw[h], sq, gs[h], gb[h]), then og[h][d] = (g * og[h][d]) +
+ * ((1 - g) * ol[h][d]) in place. */
+void tl_loop_mix_row(const float* q, const int8_t* gw, const float* gs, const float* gb, size_t H, size_t D,
+                     float* og, const float* ol, int8_t* qq);
 
 /* §2.6 RoPE in place on one head x[D] with the position's table rows cos[D/2], sin[D/2]. */
 void tl_rope_head(float* x, size_t D, const float* cos, const float* sin);

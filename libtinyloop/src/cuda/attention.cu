@@ -259,6 +259,7 @@ typedef struct att_args {
     uint32_t key_stride;
     int H, G, D;
     uint32_t layer, block_size;
+    uint32_t loop_window;   /* 0, or loop attention's local one: W' = tl_loop_local_window */
     size_t head_bytes;
     uint32_t kv_bits;       /* 8, or 4: packed Q4 rows                                  */
     /* split launches only: grid (heads, n_splits) */
@@ -281,7 +282,8 @@ static __device__ head_view view_of(const att_args& a, unsigned hi) {
     v.r = a.row0 + hi / (unsigned)a.H;
     v.h = (int)(hi % (unsigned)a.H);
     const tl_cuda_row row = a.rows[v.r];
-    v.lo = (uint32_t)tl_attn_first_key(row.pos, row.window);
+    const uint32_t window = a.loop_window ? tl_loop_local_window(row.window, a.loop_window) : row.window;
+    v.lo = (uint32_t)tl_attn_first_key(row.pos, window);
     v.nvis = (uint32_t)tl_attn_last_key(row.pos, row.instruction) - v.lo + 1;
     /* the row's spans; first = the last span starting at or before lo */
     key_finder& f = v.f;
@@ -507,8 +509,8 @@ size_t tl_cu_attention_split_bytes(const tl_cuda* c, size_t T, size_t score_rows
 }
 
 tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_span* spans, size_t T,
-                          const float* qkv, float* o, uint32_t layer, uint32_t block_size, size_t head_bytes,
-                          uint32_t kv_bits, uint32_t key_stride, float* scores, size_t score_rows,
+                          const float* qkv, float* o, uint32_t layer, uint32_t loop_window, uint32_t block_size,
+                          size_t head_bytes, uint32_t kv_bits, uint32_t key_stride, float* scores, size_t score_rows,
                           void* split_scratch) {
     const tl_config* cfg = &c->cfg;
     const size_t H = cfg->n_heads, G = cfg->n_kv_heads, D = cfg->head_dim;
@@ -529,6 +531,7 @@ tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_spa
     a.G = (int)G;
     a.D = (int)D;
     a.layer = layer;
+    a.loop_window = loop_window;
     a.block_size = block_size;
     a.head_bytes = head_bytes;
     a.kv_bits = kv_bits;

@@ -16,7 +16,8 @@
  *                byte b holds element b in its low nibble and element b+4 in its high nibble)
  *                with m8 [rows_pad][cols/8] u8 (the group multiplier of each word) for GEMV
  *   bias         [rows_pad] f32 (attn_qkv with qkv_bias), added after the row scale
- *   gains        [d] f32 per vector (tl_cu_block's, step_norm, coda_norm) */
+ *   gains        [d] f32 per vector (tl_cu_block's, step_norm, coda_norm)
+ *   loop gate    w [H][D] i8, s [H] f32, b [H] f32 per core block (loop attention) */
 #ifndef TL_CUDA_COMMON_CUH
 #define TL_CUDA_COMMON_CUH
 
@@ -71,6 +72,9 @@ typedef struct tl_cu_linear {
 typedef struct tl_cu_block {
     float* attn_post_norm;        /* [d]                                      */
     float* ffn_post_norm;         /* [d]                                      */
+    int8_t* loop_gate_w;          /* [H][D] a core block's loop gate (loop_window >= 1) */
+    float* loop_gate_s;           /* [H]                                      */
+    float* loop_gate_b;           /* [H]                                      */
 } tl_cu_block;
 
 /* A grow-on-demand device (or pinned host) buffer. */
@@ -152,6 +156,7 @@ struct tl_cuda {
     int sm_count;                 /* multiprocessors: how far decode attention splits       */
     /* scratch of tl_cuda_forward (device, from `pool` when there is one, unless noted) */
     tl_cu_buf x, qkv, o, gu, acts, ascale, raw, scores, att_split, io, logits, states;
+    tl_cu_buf o_local;            /* [T][H * D] loop attention: the local attention's output */
     tl_cu_buf inject;             /* [T][d] the injected term linear(adapter_inject; Q8(e)),
                                      or a two-state core's low state l                      */
     tl_cu_buf high;               /* [T][d] a two-state core: h while the stacks run on x   */
@@ -293,6 +298,11 @@ tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda
 /* o [T][H * D]: o := o * sig(gate) (in place; the gate rows end each row of qkv [T][qkv_dim],
  * docs/spec.md §4), then q[t] = Q8(o), scale[t] = s. */
 tl_status tl_cu_attn_gate_q8(tl_cuda* c, float* o, const float* qkv, size_t T, int8_t* q, size_t lda, float* scale);
+/* Loop attention's mix (docs/spec.md §4): og [T][H * D] := per head h the gate g of the row's
+ * quantized query head h in qkv and block b's loop gate, g * og + (1 - g) * ol (ol [T][H * D]),
+ * then q[t] = Q8(og), scale[t] = s. */
+tl_status tl_cu_loop_mix_q8(tl_cuda* c, float* og, const float* ol, const float* qkv, const tl_cu_block* b, size_t T,
+                            int8_t* q, size_t lda, float* scale);
 /* dst[t] = RN(src[t], gain) (docs/spec.md §2.7; gain NULL: the weightless RN(x)), or dst[t] +
  * RN(src[t], gain) when add, rows t < T of d floats; dst may be src. */
 tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add);
@@ -308,11 +318,13 @@ tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, c
 
 /* attention.cu */
 /* o [T][H * D] = attention (docs/spec.md §4.1) of each row's rotated query heads in qkv over
- * cache layer `layer`; `scores` holds score_rows * H * key_stride floats (rows go in chunks;
- * key_stride > every row's pos), `split_scratch` tl_cu_attention_split_bytes (NULL when 0). */
+ * cache layer `layer`, each row's keys seen through its window or, with loop_window (loop
+ * attention's local one, §4), through tl_loop_local_window(its window, loop_window); `scores`
+ * holds score_rows * H * key_stride floats (rows go in chunks; key_stride > every row's pos),
+ * `split_scratch` tl_cu_attention_split_bytes (NULL when 0). */
 tl_status tl_cu_attention(tl_cuda* c, const tl_cuda_row* rows, const tl_cuda_span* spans, size_t T,
-                          const float* qkv, float* o, uint32_t layer, uint32_t block_size, size_t head_bytes,
-                          uint32_t kv_bits, uint32_t key_stride, float* scores, size_t score_rows,
+                          const float* qkv, float* o, uint32_t layer, uint32_t loop_window, uint32_t block_size,
+                          size_t head_bytes, uint32_t kv_bits, uint32_t key_stride, float* scores, size_t score_rows,
                           void* split_scratch);
 /* Rows per attention launch (at most T) whose scores fit the scratch cap: the `score_rows` to
  * size `scores` with. */

@@ -171,6 +171,15 @@ static tl_status upload_vector(tl_cuda* c, float** dst, const float* src, size_t
     return st;
 }
 
+/* Block v's loop gate (loop attention, docs/spec.md §4): w [H][D] i8, s and b [H]; none stays NULL. */
+static tl_status upload_loop_gate(tl_cuda* c, tl_cu_block* dst, const tl_block_vectors* v) {
+    const size_t H = c->cfg.n_heads;
+    if (v->loop_gate_w)
+        TL_CU_TRY(upload(c, (void**)&dst->loop_gate_w, v->loop_gate_w, H * c->cfg.head_dim, "loop_gate.w"));
+    TL_CU_TRY(upload_vector(c, &dst->loop_gate_s, v->loop_gate_s, H, H, "loop_gate.s"));
+    return upload_vector(c, &dst->loop_gate_b, v->loop_gate_b, H, H, "loop_gate.b");
+}
+
 static void free_linear(tl_cu_linear* L) {
     cudaFree(L->w8);
     cudaFree(L->w_hi);
@@ -182,8 +191,8 @@ static void free_linear(tl_cu_linear* L) {
     memset(L, 0, sizeof *L);
 }
 
-/* Every block's qkv bias (onto its attn_qkv linear) and post-norm gains, and the step and coda
- * norm gains. */
+/* Every block's qkv bias (onto its attn_qkv linear), post-norm gains and loop gate, and the step
+ * and coda norm gains. */
 static tl_status upload_vectors(tl_cuda* c, const tl_file* f) {
     const tl_config* cfg = &f->cfg;
     const uint32_t n_blocks = tl_n_blocks(cfg);
@@ -196,6 +205,7 @@ static tl_status upload_vectors(tl_cuda* c, const tl_file* f) {
         TL_CU_TRY(upload_vector(c, &qkv->bias, v->qkv_bias, qkv->rows, qkv->rows_pad, "qkv bias"));
         TL_CU_TRY(upload_vector(c, &c->blocks[b].attn_post_norm, v->attn_post_norm, d, d, "attn_post_norm"));
         TL_CU_TRY(upload_vector(c, &c->blocks[b].ffn_post_norm, v->ffn_post_norm, d, d, "ffn_post_norm"));
+        TL_CU_TRY(upload_loop_gate(c, &c->blocks[b], v));
     }
     TL_CU_TRY(upload_vector(c, &c->step_norm, f->step_norm, d, d, "core.step_norm"));
     return upload_vector(c, &c->coda_norm, f->coda_norm, d, d, "coda.input_norm");
@@ -336,6 +346,9 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     for (uint32_t b = 0; c->blocks && b < tl_n_blocks(&c->cfg); b++) {
         cudaFree(c->blocks[b].attn_post_norm);
         cudaFree(c->blocks[b].ffn_post_norm);
+        cudaFree(c->blocks[b].loop_gate_w);
+        cudaFree(c->blocks[b].loop_gate_s);
+        cudaFree(c->blocks[b].loop_gate_b);
     }
     tl_free(c->blocks);
     cudaFree(c->step_norm);
@@ -346,7 +359,7 @@ extern "C" void tl_cuda_free(tl_cuda* c) {
     cudaFree(c->rope_sin);
     tl_cu_buf* bufs[] = {&c->x,      &c->qkv,       &c->o,  &c->gu,     &c->acts,   &c->ascale, &c->raw,
                          &c->scores, &c->att_split, &c->io, &c->logits, &c->states, &c->inject, &c->high, &c->sub,
-                         &c->xcopy};
+                         &c->xcopy,  &c->o_local};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tl_cu_scratch_release(c, bufs[i]);
     if (c->stream_made) cudaStreamSynchronize(c->stream); /* the pool's frees are done */
     cudaFreeHost(c->host_io.p);

@@ -18,7 +18,10 @@
  *   before any attention reads) -> attention -> (the attention gate) Q8(o) -> out linear ->
  *   residual -> NQ(x)
  *   -> gate_up linear -> SwiGLU + Q8 -> down linear -> residual,
- * the residual per block_layout: pre x += y; sandwich x += RN(y, g); post x = RN(x + y, g).
+ * the residual per block_layout: pre x += y; sandwich x += RN(y, g); post x = RN(x + y, g). A
+ * loop layer (loop attention, docs/spec.md §4: a core block of an iteration i >= 1) attends
+ * twice, globally over iteration 0's slot into o and locally over its own slot through W' into
+ * o_local, and its gated mix replaces o before the Q8 (one kernel for both).
  * Then hidden = x, and logits = head(NQ(x)) of every row, of the rows asked for (logit_rows: the
  * last rows of a mixed pass's spans; their indices ride in io after the spans, so a graph
  * replays them), or of the last one, when asked for.
@@ -31,7 +34,8 @@
  * raw [T_pad][max int4 rows_pad] i32, scores [rows per launch][H][key_stride], att_split (split
  * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d],
  * and as the model needs them inject [T][d] (injection, a two-state core's l), high [T][d] (a
- * two-state core's h aside), sub [T][d] (sandwich), xcopy [T][d] (a prefix build with a coda);
+ * two-state core's h aside), sub [T][d] (sandwich), xcopy [T][d] (a prefix build with a coda),
+ * o_local [T][H * D] (loop attention);
  * pinned host: host_io stages rows + spans (a resumed part's states and injected terms too;
  * kv_from_rows: rows, q, a), host_out the outputs, host_capture [T][d] a capture's rows.
  * Device scratch comes from the model's stream-ordered pool (c->pool): a buffer grows (old one
@@ -249,6 +253,8 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     TL_CU_TRY(reserve(c, &c->x, T * d * sizeof(float), false, "x"));
     TL_CU_TRY(reserve_kv_write(c, T));
     TL_CU_TRY(reserve(c, &c->o, T * H * D * sizeof(float), false, "attention output"));
+    TL_CU_TRY(reserve(c, &c->o_local, cfg->loop_window ? T * H * D * sizeof(float) : 0, false,
+                      "local attention output"));
     TL_CU_TRY(reserve(c, &c->gu, T * 2 * F * sizeof(float), false, "gate/up"));
     TL_CU_TRY(reserve(c, &c->scores, score_rows * H * s->key_stride * sizeof(float), false, "attention scores"));
     TL_CU_TRY(reserve(c, &c->att_split, tl_cu_attention_split_bytes(c, T, score_rows), false,
@@ -320,17 +326,47 @@ static tl_status write_kv(tl_cuda* c, const tl_cu_linear* attn_qkv, const tl_cud
     return tl_cu_rope_kv(c, rows, n, qkv, slot, block_size, head_bytes, kv_bits);
 }
 
+/* o = the attention of rows[0 .. n)'s query heads in qkv over cache slot `layer`, through each
+ * row's window, or with loop_window through loop attention's local window W'. */
+static tl_status attend(const pass* p, const tl_cuda_row* rows, size_t n, uint32_t layer, uint32_t loop_window,
+                        float* o) {
+    tl_cuda* c = p->c;
+    return tl_cu_attention(c, rows, p->spans, n, (const float*)c->qkv.p, o, layer, loop_window, p->s->block_size,
+                           p->s->head_bytes, p->s->kv_bits, p->s->key_stride, (float*)c->scores.p, p->score_rows,
+                           c->att_split.p);
+}
+
+/* acts = Q8 of the attention output of rows[0 .. n) in the layer of cache slot `slot` (docs/spec.md
+ * §4): o over the slot, gated by the attention gate; or in a loop layer the mix of the global
+ * attention over iteration 0's slot (in o) and the local one over this slot (in o_local). */
+static tl_status attention(const pass* p, const tl_cuda_row* rows, size_t n, uint32_t slot, const tl_cu_block* b,
+                           size_t lda) {
+    tl_cuda* c = p->c;
+    const tl_config* cfg = &c->cfg;
+    const size_t hd = (size_t)cfg->n_heads * cfg->head_dim;
+    float* o = (float*)c->o.p;
+    int8_t* acts = (int8_t*)c->acts.p;
+    float* ascale = (float*)c->ascale.p;
+    uint32_t global;
+    const bool loop = tl_loop_slot(cfg, slot, &global);
+    TL_CU_TRY(attend(p, rows, n, loop ? global : slot, 0, o));
+    if (loop) {
+        TL_CU_TRY(attend(p, rows, n, slot, cfg->loop_window, (float*)c->o_local.p));
+        return tl_cu_loop_mix_q8(c, o, (const float*)c->o_local.p, (const float*)c->qkv.p, b, n, acts, lda, ascale);
+    }
+    if (cfg->attn_gate) return tl_cu_attn_gate_q8(c, o, (const float*)c->qkv.p, n, acts, lda, ascale);
+    return tl_cu_quantize(c, o, hd, hd, n, false, acts, lda, ascale);
+}
+
 /* Block `block` on rows [lo, hi) of state `on`, its K/V into cache slot `slot`. */
 static tl_status run_block(const pass* p, uint32_t slot, uint32_t block, size_t lo, size_t hi, tl_cu_state on) {
     tl_cuda* c = p->c;
     const tl_config* cfg = &c->cfg;
-    const size_t n = hi - lo, d = cfg->d_model, hd = (size_t)cfg->n_heads * cfg->head_dim, F = cfg->ffn_dim;
+    const size_t n = hi - lo, d = cfg->d_model, F = cfg->ffn_dim;
     const tl_cu_linear* part = &c->lin[tl_block_linear_index(block, 0)]; /* part q at part[q] */
     const tl_cu_block* gains = &c->blocks[block];
     const tl_cuda_row* rows = p->rows + lo;
     float* x = state_of(p, on) + lo * d;
-    float* qkv = (float*)c->qkv.p;
-    float* o = (float*)c->o.p;
     float* gu = (float*)c->gu.p;
     int8_t* acts = (int8_t*)c->acts.p;
     float* ascale = (float*)c->ascale.p;
@@ -339,11 +375,7 @@ static tl_status run_block(const pass* p, uint32_t slot, uint32_t block, size_t 
 
     TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_QKV].cols_pad, ascale));
     TL_CU_TRY(write_kv(c, &part[TL_PART_QKV], rows, n, slot, p->s->block_size, p->s->head_bytes, p->s->kv_bits));
-    TL_CU_TRY(tl_cu_attention(c, rows, p->spans, n, qkv, o, slot, p->s->block_size, p->s->head_bytes,
-                              p->s->kv_bits, p->s->key_stride, (float*)c->scores.p, p->score_rows,
-                              c->att_split.p));
-    if (cfg->attn_gate) TL_CU_TRY(tl_cu_attn_gate_q8(c, o, qkv, n, acts, part[TL_PART_OUT].cols_pad, ascale));
-    else TL_CU_TRY(tl_cu_quantize(c, o, hd, hd, n, false, acts, part[TL_PART_OUT].cols_pad, ascale));
+    TL_CU_TRY(attention(p, rows, n, slot, gains, part[TL_PART_OUT].cols_pad));
     TL_CU_TRY(residual(c, &part[TL_PART_OUT], n, x, gains->attn_post_norm));
 
     TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_GATE_UP].cols_pad, ascale));

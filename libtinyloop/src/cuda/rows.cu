@@ -1,8 +1,9 @@
 /* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
  * Q8 / NQ of activation rows, RoPE + the Q8 (int4 KV mode: packed Q4) K/V write into the paged
- * cache, SwiGLU + Q8, the attention gate + Q8, the RMSNorm with a gain RN (step norm, coda norm,
- * sandwich and post residuals) or without (a two-state core's closing norms), and the row
- * addition (the injected term into the adapter's output, a two-state core's l + h).
+ * cache, SwiGLU + Q8, the attention gate + Q8, loop attention's gated mix + Q8, the RMSNorm
+ * with a gain RN (step norm, coda norm, sandwich and post residuals) or without (a two-state
+ * core's closing norms), and the row addition (the injected term into the adapter's output, a
+ * two-state core's l + h).
  * One thread block per row (per (row, head) for RoPE/KV); every element-wise f32 step is the
  * host's own numerics.h function, so each value is bit-identical to cpu/quant.c / cpu/forward.c.
  *
@@ -131,6 +132,36 @@ attn_gate_kernel(float* o, const float* qkv, size_t qkv_dim, int hd, int8_t* q, 
     if (threadIdx.x == 0) scale[t] = s;
 }
 
+/* og[t] := per head h, (g * og) + ((1 - g) * ol) with g = sig(gz), gz = (((f32)(qq . gw[h]) * sq) *
+ * gs[h]) + gb[h] over (qq, sq) = Q8 of the row's query head h (docs/spec.md §4, cpu/quant.c
+ * tl_loop_mix_row), then Q8 of it. grid T. */
+static __global__ void __launch_bounds__(ROW_THREADS)
+loop_mix_kernel(float* og, const float* ol, const float* qkv, size_t qkv_dim, const int8_t* gw, const float* gs,
+                const float* gb, int H, int D, int8_t* q, size_t lda, float* scale) {
+    __shared__ int8_t qq[MAX_HEAD_DIM];
+    __shared__ float sh[32];
+    __shared__ long long sh64[32];
+    const size_t t = blockIdx.x;
+    const size_t hd = (size_t)H * D;
+    float* ot = og + t * hd;
+    const float* lt = ol + t * hd;
+    for (int h = 0; h < H; h++) {
+        int unused;
+        const float sq = tl_cu_block_q8(qkv + t * qkv_dim + (size_t)h * D, D, qq, &unused, sh);
+        long long part = 0;
+        for (int d = threadIdx.x; d < D; d += blockDim.x) part += (long long)qq[d] * gw[(size_t)h * D + d];
+        const float g = tl_loop_gate(tl_cu_block_sum(part, sh64), sq, gs[h], gb[h]), rest = 1.0f - g;
+        for (int d = threadIdx.x; d < D; d += blockDim.x)
+            ot[(size_t)h * D + d] = tl_loop_mix(g, rest, ot[(size_t)h * D + d], lt[(size_t)h * D + d]);
+    }
+    __syncthreads(); /* og complete: the Q8 reads its elements in another order than the heads wrote them */
+    int8_t* qt = q + t * lda;
+    for (size_t i = hd + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
+    int unused;
+    const float s = tl_cu_block_q8(ot, (int)hd, qt, &unused, sh);
+    if (threadIdx.x == 0) scale[t] = s;
+}
+
 /* dst[t] = RN(src[t], g), or dst[t] + RN(src[t], g) with add (quant.c tl_rms_norm_row): Q16 of
  * the row (amax from 0 ignoring NaN, the tiny-row rule, r = 32767 / amax), the exact i64 Σ q²,
  * t = tl_rms_of, then (x_i / t) * g_i (g NULL: x_i / t). dst may be src: every thread reads and writes only its own
@@ -211,6 +242,17 @@ tl_status tl_cu_attn_gate_q8(tl_cuda* c, float* o, const float* qkv, size_t T, i
     TL_CU_LAUNCH(attn_gate_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
     (o, qkv, tl_qkv_rows(cfg), (int)(cfg->n_heads * cfg->head_dim), q, lda, scale);
     return tl_cu_launched("attention gate kernel");
+}
+
+tl_status tl_cu_loop_mix_q8(tl_cuda* c, float* og, const float* ol, const float* qkv, const tl_cu_block* b, size_t T,
+                            int8_t* q, size_t lda, float* scale) {
+    const tl_config* cfg = &c->cfg;
+    if (cfg->head_dim > MAX_HEAD_DIM)
+        return tl_fail(TL_ERR_INTERNAL, "CUDA backend: head_dim %u > %d", cfg->head_dim, (int)MAX_HEAD_DIM);
+    TL_CU_LAUNCH(loop_mix_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
+    (og, ol, qkv, tl_qkv_rows(cfg), b->loop_gate_w, b->loop_gate_s, b->loop_gate_b, (int)cfg->n_heads,
+     (int)cfg->head_dim, q, lda, scale);
+    return tl_cu_launched("loop attention kernel");
 }
 
 tl_status tl_cu_rms_norm(tl_cuda* c, const float* src, const float* gain, size_t T, float* dst, bool add) {

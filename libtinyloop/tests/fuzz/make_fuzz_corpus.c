@@ -4,7 +4,7 @@
  * that a fresh run writes exactly the files there).
  *   model_file/   version 1, 2 and 3 models: int8 and int4, every block layout and version-2
  *                 option, the bytes tokenizer, hf tokenizer meta texts, an exit gate, a
- *                 two-state core with the attention gate
+ *                 two-state core with the attention gate, loop attention
  *   prefix_blob/  blobs of fuzz_blob_model_spec's model: KV int8 and int4, a window, warm start
  *                 with states, hidden-state h8 and h4
  *   prefix_blob_model.tinyloop   that model's file (for the Python readers: readers_agree.py)
@@ -51,6 +51,7 @@ static void model_seeds(void) {
         {"v2-huginn", tiny(tu_spec_huginn())},   {"v2-coda", tiny(tu_spec_coda())},
         {"v1", tiny(tu_spec_default())},         {"v2-int4-post", tiny(tu_spec_huginn())},
         {"v3-exit-gate", tiny(tu_spec_default())}, {"v3-two-state", tiny(tu_spec_hrm())},
+        {"v3-loop", tiny(tu_spec_loop())},
     };
     seeds[0].spec.vocab = 256; /* the bytes tokenizer */
     seeds[4].spec.version = 1;
