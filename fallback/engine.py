@@ -235,8 +235,8 @@ class Engine:
                 return
             if not prefix.warm_start:
                 raise RuntimeError(loops_mismatch(prefix.loops, loops))
-            if prefix.states is None or (self.config.loop_window and prefix.cache_window):
-                self._rebuild(prefix, loops, chunk)   # loop attention: released iteration-0 keys
+            if prefix.states is None or self._lost_iteration_zero(prefix):
+                self._rebuild(prefix, loops, chunk)
                 return
             k, n, n_old = self.kernels, len(prefix.tokens), self.config.n_layers(prefix.loops)
             cache = self.new_cache(loops, prefix.cache_window, prefix.instruction)
@@ -266,6 +266,13 @@ class Engine:
             prefix.cache, prefix.states, prefix.injected = cache, deeper, injected
             prefix.loop_states = prefix.loop_states + states
             prefix.loops = loops
+
+    def _lost_iteration_zero(self, prefix):
+        """Whether the window released blocks whose iteration-0 KV the prefix's extension would
+        read: with loop attention (docs/spec.md §4) every later iteration of an old position
+        attends over iteration 0's keys near it."""
+        return bool(self.config.loop_window) and any(
+            blk is None for blocks in prefix.cache.layers for blk in blocks)
 
     def _rebuild(self, prefix, loops, chunk):
         """Deepen a warm-start prefix by building it again at `loops`: one that kept no states,
