@@ -100,7 +100,7 @@ S = numba_scalar.build(scalar, SimpleNamespace(
 quantize_row, store_kv_row, rms_scale, rms_norm_row, linear_out = (
     S.quantize_row, S.store_kv_row, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times, exp2s = S.rope_pair, S.silu_times, S.exp2s
-sigmoid_times, loop_gate, loop_mixed = S.sigmoid_times, S.loop_gate, S.loop_mixed
+sigmoid_times, loop_mix_head = S.sigmoid_times, S.loop_mix_head
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
 
@@ -385,17 +385,10 @@ def gate_kernel(o, z, at, out):
 def loop_mix_kernel(qh, glob, local, gw, gs, gb, out):
     """Loop attention's gated mix (spec §4). qh: (T, H, D) float32 queries; glob, local,
     out: (T, H * D) float32; gw: (H, D) int8; gs, gb: (H,) float32."""
-    n_heads, head_dim = qh.shape[1], qh.shape[2]
     for t in prange(qh.shape[0]):
-        q8 = np.empty(head_dim, np.int8)
-        for h in range(n_heads):
-            sq = quantize_row(qh[t, h], q8, numba_scalar.QMAX8)
-            dot = 0
-            for d in range(head_dim):
-                dot += np.int32(q8[d]) * np.int32(gw[h, d])       # |dot| <= 127^2 * 1024
-            g, rest = loop_gate(dot, sq, gs, gb, h)
-            for i in range(h * head_dim, (h + 1) * head_dim):
-                out[t, i] = loop_mixed(g, rest, glob[t, i], local[t, i])
+        q8 = np.empty(qh.shape[2], np.int8)
+        for h in range(qh.shape[1]):
+            loop_mix_head(qh[t, h], q8, gw, gs, gb, h, glob[t], local[t], out[t])
 
 
 # -- sampling -------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ fmul, fadd, fsqrt, dmul, dadd = OPS.mul, OPS.add, OPS.sqrt, OPS.dmul, OPS.dadd
 quantize_row, store_kv_row, kv_value, rms_scale, rms_norm_row, linear_out = (
     S.quantize_row, S.store_kv_row, S.kv_value, S.rms_scale, S.rms_norm_row, S.linear_out)
 rope_pair, silu_times, sigmoid_times = S.rope_pair, S.silu_times, S.sigmoid_times
-loop_gate, loop_mixed = S.loop_gate, S.loop_mixed
+loop_mix_head = S.loop_mix_head
 attention_score, attention_weights, attention_out = (
     S.attention_score, S.attention_weights, S.attention_out)
 
@@ -123,13 +123,7 @@ def loop_mix_kernel(qh, glob, local, gw, gs, gb, out):
     if i < qh.shape[0] * n_heads:
         t, h = i // n_heads, i % n_heads
         q8 = cuda.local.array(MAX_HEAD_DIM, np.int8)
-        sq = quantize_row(qh[t, h], q8[:head_dim], numba_scalar.QMAX8)
-        dot = 0
-        for d in range(head_dim):
-            dot += np.int32(q8[d]) * np.int32(gw[h, d])           # |dot| <= 127^2 * 1024
-        g, rest = loop_gate(dot, sq, gs, gb, h)
-        for c in range(h * head_dim, (h + 1) * head_dim):
-            out[t, c] = loop_mixed(g, rest, glob[t, c], local[t, c])
+        loop_mix_head(qh[t, h], q8[:head_dim], gw, gs, gb, h, glob[t], local[t], out[t])
 
 
 @cuda.jit(fastmath=False)

@@ -184,13 +184,21 @@ def build(jit, ops):
         return g, sub(ONE, g)
 
     @jit
-    def loop_mixed(g, rest, og, ol):
-        """spec §4: (g * og) + ((1 - g) * ol)."""
-        return add(mul(g, og), mul(rest, ol))
+    def loop_mix_head(q, q8, gw, gs, gb, h, glob, local, out):
+        """spec §4, loop attention's gated mix of query head h: q (D,) float32 its query, q8
+        (D,) int8 scratch for Q8(q); glob, local, out (H * D,) float32 rows, out's head h
+        written (g * og) + ((1 - g) * ol); gw (H, D) int8, gs, gb (H,) float32."""
+        head_dim = q.shape[0]
+        sq = quantize_row(q, q8, QMAX8)
+        dot = 0
+        for d in range(head_dim):
+            dot += np.int32(q8[d]) * np.int32(gw[h, d])           # |dot| <= 127^2 * 1024
+        g, rest = loop_gate(dot, sq, gs, gb, h)
+        for i in range(h * head_dim, (h + 1) * head_dim):
+            out[i] = add(mul(g, glob[i]), mul(rest, local[i]))
 
     return SimpleNamespace(clamp=clamp, exp2s=exp2s, silu_times=silu_times,
-                           sigmoid_times=sigmoid_times, loop_gate=loop_gate,
-                           loop_mixed=loop_mixed,
+                           sigmoid_times=sigmoid_times, loop_mix_head=loop_mix_head,
                            quantize_row=quantize_row, store_kv_row=store_kv_row,
                            kv_value=kv_value, rms_scale=rms_scale,
                            rms_norm_row=rms_norm_row, linear_out=linear_out,
