@@ -34,7 +34,10 @@ the same operations, each of which must give bit-identical results:
              kv_bits)                        4: int4 KV)
     embed(weights, tokens)                   tokens (T,) int32 -> (T, d) f32:
                                              ((f32) E[t] * es[t]) * weights.embed_scale
-    rms_quantize(x, eps) / quantize_rows(x)  NQ / Q8 of every row: (q int8, scale (rows,) f32)
+    rms_quantize(x, eps, block=0) /          a linear's input rows: NQ / Q8 of every row,
+    quantize_rows(x, block=0)                (q int8, scale (rows,) f32); with block B >= 1
+                                             NQB / QB (§2.2.1), (p int16, scale); `linear`
+                                             takes either
     rms_norm(x, gain, eps)                   RN (§2.7) of every row: (T, d) -> (T, d) f32
     split_heads(z, cos, sin, config,         z (T, (H + 2G) * D) -> qh (T, H, D) after RoPE,
                 kv_bits)                     and Q8 (kv_bits 8) or Q4 (4) of K (after RoPE)
@@ -61,7 +64,8 @@ from tinyloop.modelfile import pack_int4
 
 from .attention import attend_cached, local_window, loop_mix
 from .kvcache import BlockPool, kv_row_format
-from .numerics import F32, quantize_rows, rms_norm, rms_quantize, rope, sigmoid, silu
+from .numerics import (F32, quantize_input, quantize_rows, rms_norm, rms_quantize_input, rope,
+                       sigmoid, silu)
 from .sampling import sample
 from .weights import Linear
 
@@ -111,8 +115,8 @@ class NumpyKernels:
     table = staticmethod(np.asarray)
     new_pool = BlockPool
     embed = staticmethod(embed)
-    rms_quantize = staticmethod(rms_quantize)
-    quantize_rows = staticmethod(quantize_rows)
+    rms_quantize = staticmethod(rms_quantize_input)
+    quantize_rows = staticmethod(quantize_input)
     rms_norm = staticmethod(rms_norm)
     split_heads = staticmethod(split_heads)
     attend = staticmethod(attend_cached)
@@ -158,15 +162,15 @@ def write_kv(kernels, weights, block, cache, slot, q, a, pos0):
 def attention_block(kernels, weights, block, cache, slot, x, pos0, capture=None):
     """x: (T, d) -> residual(x, attention output), writing slot's KV at pos0 .. pos0+T-1;
     capture(slot, pos0, x, q, a), when given, records the rows and their NQ (q, a)."""
-    q, a = kernels.rms_quantize(x, weights.config.rms_eps)
+    cfg = weights.config
+    q, a = kernels.rms_quantize(x, cfg.rms_eps, cfg.act_block)
     if capture is not None:
         capture(slot, pos0, x, q, a)
-    cfg = weights.config
     qh, z = write_kv(kernels, weights, block, cache, slot, q, a, pos0)
     o = attend_layer(kernels, cfg, block, qh, cache, slot, pos0)   # (T, H * D)
     if cfg.attn_gate:
         o = kernels.gate(o, z, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
-    q, s = kernels.quantize_rows(o)
+    q, s = kernels.quantize_rows(o, cfg.act_block)
     return residual(kernels, weights, x, block.attn_out(q, s), block.attn_post_norm)
 
 
@@ -183,9 +187,10 @@ def attend_layer(kernels, cfg, block, qh, cache, slot, pos0):
 
 def mlp_block(kernels, weights, block, x):
     """x: (T, d) -> residual(x, SwiGLU MLP output)."""
-    q, a = kernels.rms_quantize(x, weights.config.rms_eps)
+    cfg = weights.config
+    q, a = kernels.rms_quantize(x, cfg.rms_eps, cfg.act_block)
     h = kernels.swiglu(block.ffn_gate_up(q, a))                # (T, F)
-    q, s = kernels.quantize_rows(h)
+    q, s = kernels.quantize_rows(h, cfg.act_block)
     return residual(kernels, weights, x, block.ffn_down(q, s), block.ffn_post_norm)
 
 
@@ -215,7 +220,7 @@ def core_iteration(kernels, weights, cache, i, x, injected, pos0, capture=None):
     if cfg.step_norm and i >= 1:
         x = kernels.rms_norm(x, weights.step_norm, cfg.rms_eps)
     if cfg.injection:
-        x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x)), injected)
+        x = kernels.add(weights.adapter_state(*kernels.quantize_rows(x, cfg.act_block)), injected)
     for j, block in enumerate(weights.core_blocks):
         x = run_block(kernels, weights, block, cache, cfg.core_slot(i, j), x, pos0, capture)
     return x, injected
@@ -251,7 +256,8 @@ def prelude(kernels, weights, cache, tokens, pos0, capture=None):
         return x, kernels.table(np.zeros((len(tokens), weights.config.d_model), F32))
     if not weights.config.injection:
         return x, None
-    injected = weights.adapter_inject(*kernels.quantize_rows(x))    # the same every iteration
+    # the injected term, the same in every iteration
+    injected = weights.adapter_inject(*kernels.quantize_rows(x, weights.config.act_block))
     return kernels.table(np.zeros((len(tokens), weights.config.d_model), F32)), injected  # §4.4
 
 
@@ -359,5 +365,5 @@ def stack_rows(kernels, parts):
 
 def head_logits(kernels, weights, x):
     """x: (T, d) final hidden states -> (T, V) float32 logits, on the host."""
-    q, a = kernels.rms_quantize(x, weights.config.rms_eps)
+    q, a = kernels.rms_quantize(x, weights.config.rms_eps, weights.config.act_block)
     return kernels.to_host(weights.head(q, a))

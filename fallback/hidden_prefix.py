@@ -35,13 +35,17 @@ def row_bytes(storage, d):
 
 def check_storage(config, kv_bits, storage, warm_start):
     """ValueError naming the reason when a prefix of `storage` cannot be built: an unknown
-    name, an h prefix with warm start, an h4 row of an odd d_model, or rows that would take as
-    many bytes as the KV they replace (per slot and position: r + 4 against 2G(R + 4))."""
+    name, an h prefix with warm start, an h4 row of an odd d_model, an h8 row of a model with
+    block activations (§5.4.1), or rows that would take as many bytes as the KV they replace
+    (per slot and position: r + 4 against 2G(R + 4))."""
     if check_prefix_storage(storage, warm_start=warm_start) == "kv":
         return
     d, G, D = config.d_model, config.n_kv_heads, config.head_dim
     if storage == "h4" and d % 2:
         raise ValueError(f"h4 prefixes need an even d_model, this model's is {d}: use h8 or kv")
+    if storage == "h8" and config.act_block:
+        raise ValueError("h8 prefixes need one activation scale per row (act_block 0), this "
+                         f"model's act_block is {config.act_block}: use h4 or kv")
     rows, kv = row_bytes(storage, d) + 4, 2 * G * (kv_row_format(D, kv_bits).row_bytes + 4)
     if rows >= kv:
         raise ValueError(f"{storage} prefixes take {rows} bytes per layer and position, the KV "

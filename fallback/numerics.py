@@ -19,6 +19,7 @@ LOG2_COEFFS = tuple(np.array([0x4038AA3B, 0x3F76384F, 0x3F13BB63, 0x3ED30BB1,
 LN2 = np.array(0x3F317218, dtype=np.uint32).view(np.float32)[()]
 Q_TINY = F32(2.0 ** -64)     # rows whose max |x| is below this quantize to zero
 TWO_24 = F32(2.0 ** 24)
+BLOCK_QMAX = 127 * 255       # QB's row scale unit: s = amax / 32385 (§2.2.1)
 
 
 def clamp(x, lo, hi):
@@ -49,6 +50,30 @@ def quantize_rows(x, qmax=127):
     return q, s
 
 
+def quantize_blocks(x, block):
+    """spec §2.2.1 QB(x, B). x: (..., n) float32, B divides n -> p: (..., n) int16 (p = m_b * q,
+    q in [-127, 127], m_b in 1 .. 255 per block of B), s: (...) float32."""
+    x = np.asarray(x, dtype=F32)
+    amax = np.fmax.reduce(np.abs(x), axis=-1, initial=F32(0))
+    live = amax >= Q_TINY
+    safe_amax = np.where(live, amax, F32(1))
+    u, v = F32(255) / safe_amax, F32(BLOCK_QMAX) / safe_amax
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)        # (..., n/B, B)
+    block_amax = np.fmax.reduce(np.abs(blocks), axis=-1, initial=F32(0))  # (..., n/B)
+    with np.errstate(invalid="ignore"):        # inf * 0 in a non-finite row: clamp maps it
+        m = np.ceil(clamp(block_amax * u[..., None], 1, 255))
+        r = v[..., None] / m
+        q = np.rint(clamp(blocks * r[..., None], -127, 127))
+    p = (q.astype(np.int16) * m.astype(np.int16)[..., None]).reshape(x.shape)
+    p[~live] = 0
+    return p, np.where(live, amax / F32(BLOCK_QMAX), F32(0))
+
+
+def quantize_input(x, block=0):
+    """A linear's input rows (§4): Q8 (block 0) or QB(x, block) -> (q int8 or p int16, s)."""
+    return quantize_blocks(x, block) if block else quantize_rows(x)
+
+
 def root_mean_square(q, s, eps):
     """spec §2.3 step 3 (shared by §2.7): t from the row's integers q (..., n) and scale s."""
     q64 = q.astype(np.int64)
@@ -65,6 +90,14 @@ def rms_quantize(x, eps):
     """spec §2.3 NQ(x). x: (..., n) float32 -> q: (..., n) int8, a: (...) float32."""
     q, s = quantize_rows(x)
     return q, s / root_mean_square(q, s, eps)
+
+
+def rms_quantize_input(x, eps, block=0):
+    """A linear's normed input rows (§4): NQ (block 0) or NQB(x, eps, block) (§2.2.1)."""
+    if not block:
+        return rms_quantize(x, eps)
+    p, s = quantize_blocks(x, block)
+    return p, s / root_mean_square(p, s, eps)
 
 
 def rms_norm(x, gain, eps):

@@ -46,7 +46,8 @@ class Linear:
         return self.weight.nbytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, q, a):
-        """q: (T, K) int8, a: (T,) float32 -> (T, R) float32."""
+        """q: (T, K) int8, or int16 block inputs p (§3; |acc| < 2^53, so float64 stays exact),
+        a: (T,) float32 -> (T, R) float32."""
         acc = q.astype(np.float64) @ self.weight
         y = (int_to_f32(acc) * a[:, None]) * self.scale
         return y if self.bias is None else y + self.bias

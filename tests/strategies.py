@@ -58,6 +58,8 @@ def model_shapes(draw, tiny=False, v1_like=False):
         shape.update(attn_gate=draw(st.booleans()))    # the attention gate (§4), version 3
         if not shape.get("core_cycles") and not shape["attn_gate"]:    # loop attention (§4)
             shape.update(loop_window=draw(st.sampled_from([0, 1, 2, 5])))
+        if draw(st.booleans()):            # block activations (§2.2.1), version 3
+            shape.update(act_block=draw(st.sampled_from([b for b in range(1, k + 1) if k % b == 0])))
         if draw(st.booleans()):            # an exit gate (docs/spec.md §5.7), version 3 too
             shape.update(exit_gate=True, exit_threshold=draw(st.sampled_from([0.5, 0.9, 1.0])))
     return shape

@@ -352,6 +352,7 @@ def test_convert_shows_progress_then_info_shows_the_architecture(hf_folder, tmp_
     for line in ("architecture: OuroForCausalLM",
                  "layers: prelude 0, core 3 x 2 loops, coda 0: 6 cache layers at depth 2",
                  "blocks: sandwich norms, no bias, 4 heads x 8, 2 kv heads",
+                 "activations: int8, one scale per row",
                  "iterations: no injection, step norm, no coda norm, embed scale 1",
                  "tokenizer: hf", "exit_gate: True", "exit_threshold: 1.0"):
         assert re.search(rf"^ +{re.escape(line)}$", text, re.M), (line, text)
@@ -398,7 +399,19 @@ def test_info_of_a_model_made_by_tinyloop():
     assert re.search(r"^ +layers: prelude \d+, core 1 x \d+ loops, coda 0: ", text, re.M), text
 
 
+def test_convert_act_block_writes_block_activations(hf_folder, tmp_path):
+    out = str(tmp_path / "ouro-act.tinyloop")
+    assert run("convert", hf_folder, out, "--act-block", "8")[0] == 0
+    code, text = run("info", "--model", out, "--backend", "numpy")
+    assert code == 0 and re.search(r"^ +activations: int8 in blocks of 8 \(integer multipliers "
+                                   r"of one row scale\)$", text, re.M), text
+    with tinyloop.Model(out, backend="numpy") as model:
+        assert model.config()["act_block"] == 8
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--act-block", "7"], "act_block: must divide d_model"),
+    (["--act-block", "-1"], "argument --act-block: must be an integer from 0 to 65536"),
     (["--core", "3"], "argument --core: '3' is not START:END"),
     (["--core", "0:2"], "--core applies to plain LLaMA-family models only"),
     (["--group-size", "16"], "group_size 16 applies to int4 only"),
@@ -415,6 +428,6 @@ def test_convert_help_states_every_default(capsys):
     code, _ = run("convert", "--help")
     entries = help_entries(capsys.readouterr().out)
     assert code == 0 and set(entries) >= {"--format", "--group-size", "--loops", "--core",
-                                          "--max-seq-len"}
+                                          "--max-seq-len", "--act-block"}
     for option, entry in entries.items():
         assert option == "-h" or "(default: " in entry, entry

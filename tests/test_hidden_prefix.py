@@ -51,7 +51,10 @@ def kv_bytes(shape, kv_mode):
 
 
 def fits(shape, storage, kv_mode):
-    return row_bytes(storage, shape["d_model"]) + 4 < kv_bytes(shape, kv_mode)
+    """Whether a model of `shape` can build `storage` prefixes: rows smaller than the KV, and
+    h8 only with one activation scale per row."""
+    return (row_bytes(storage, shape["d_model"]) + 4 < kv_bytes(shape, kv_mode)
+            and not (storage == "h8" and shape.get("act_block")))
 
 
 def h_start(n, window):
@@ -291,6 +294,17 @@ def test_h4_needs_an_even_d_model(backend, zoo):
                                              "33: use h8 or kv"):
             build(model, [1, 2, 3], storage="h4")
         assert build(model, [1, 2, 3], storage="h8").storage == "h8"
+
+
+@pytest.mark.parametrize("act_block", [1, 16])
+def test_h8_needs_one_activation_scale_per_row(backend, zoo, act_block):
+    if simulated(backend):
+        pytest.skip("the properties run the simulator")
+    with zoo.open(dict(MHA, act_block=act_block), backend) as model:
+        with pytest.raises(ValueError, match=r"h8 prefixes need one activation scale per row "
+                           rf"\(act_block 0\), this model's act_block is {act_block}: use h4 or kv"):
+            build(model, [1, 2, 3], storage="h8")
+        assert build(model, [1, 2, 3], storage="h4").storage == "h4"
 
 
 @pytest.mark.parametrize("env, int4, want", [

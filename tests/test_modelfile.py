@@ -38,8 +38,8 @@ HEADER = {"magic": (0, "8s"), "version": (8, "<I"), "header_bytes": (12, "<I"),
           "qkv_bias": (196, "<I"), "injection": (200, "<I"), "step_norm": (204, "<I"),
           "embed_scale": (208, "<f"), "coda_norm": (212, "<I"), "exit_threshold": (216, "<f"),
           "core_cycles": (220, "<I"), "attn_gate": (224, "<I"), "loop_window": (228, "<I"),
-          "reserved": (232, "24s")}
-V2_RESERVED = (216, "40s")     # §6.5: in version 2 exit_threshold .. loop_window are reserved
+          "act_block": (232, "<I"), "reserved": (236, "20s")}
+V2_RESERVED = (216, "40s")     # §6.5: in version 2 exit_threshold .. act_block are reserved
 V1_RESERVED = (184, "72s")                  # §6.5: in version 1 the version-2 fields are reserved
 ENTRY = {"name": (0, "48s"), "dtype": (48, "<I"), "ndim": (52, "<I"), "dims": (56, "<4Q"),
          "offset": (88, "<Q")}
@@ -109,7 +109,10 @@ CONFIGS = {"int8": small_config(), "int8-tied": small_config(tied_head=True),
            "v3-two-state": int4_config(n_pre_blocks=0, n_core_blocks=4, core_cycles=3,
                                        attn_gate=True, qkv_bias=True, n_coda_blocks=1),
            # IQuest-Coder Loop's shape, int4 weights (its int8 gates), a prelude and a coda
-           "v3-loop": int4_config(n_core_blocks=2, n_coda_blocks=1, loop_window=5)}
+           "v3-loop": int4_config(n_core_blocks=2, n_coda_blocks=1, loop_window=5),
+           # block activations (§2.2.1) in blocks of 2: d 16, H * D 12 and F 18 all differ
+           "v3-act-block": small_config(head_dim=6, ffn_dim=18, n_core_blocks=2, injection=True,
+                                        act_block=2)}
 # Version-1 files of the version-2 kinds that version 1 can express (§6.5).
 V1_KINDS = {"v1-int8": "int8", "v1-int4-tied": "int4-tied", "v1-no-pre": "no-pre"}
 CONFIGS.update({v1: CONFIGS[v2] for v1, v2 in V1_KINDS.items()})
@@ -305,7 +308,7 @@ EXIT_GATE = ["exit_gate.w", "exit_gate.s", "exit_gate.b"]
 def test_an_exit_gate_makes_a_version_3_file_with_its_tensors_and_threshold():
     buf = valid_file("v3-exit-gate")
     assert (header(buf, "version"), header(buf, "exit_threshold")) == (3, 0.75)
-    assert header(buf, "reserved") == bytes(24)
+    assert header(buf, "reserved") == bytes(20)
     # int8 beside int4 linears: one row of d weights, its scale and bias f32 [1]
     assert [entry(buf, name, "dtype") for name in EXIT_GATE] == [(2,), (1,), (1,)]
     assert [entry(buf, name, "dims") for name in EXIT_GATE] == [(1, 16, 0, 0), (1, 0, 0, 0),
@@ -711,6 +714,14 @@ HOSTILE = [
      "loop_window: needs core_cycles 0 (a one-state core), got 3"),
     ("loop_window with the attention gate", "v3-loop", lambda b: set_header(b, "attn_gate", 1),
      "loop_window: excludes the attention gate (attn_gate 1), got True"),
+    ("act_block 2^16 + 1", "v3-act-block", lambda b: set_header(b, "act_block", 2**16 + 1),
+     "act_block: must be an int in 0 .. 65536, got 65537"),
+    ("act_block not dividing d_model", "v3-act-block", lambda b: set_header(b, "act_block", 32),
+     "act_block: must divide d_model (16), got 32"),
+    ("act_block not dividing n_heads * head_dim", "v3-act-block",
+     lambda b: set_header(b, "act_block", 8), "act_block: must divide n_heads * head_dim (12), got 8"),
+    ("act_block not dividing ffn_dim", "v3-act-block", lambda b: set_header(b, "act_block", 4),
+     "act_block: must divide ffn_dim (18), got 4"),
     ("loop_window off", "v3-loop", lambda b: set_header(b, "loop_window", 0),
      "unexpected tensor 'core.0.loop_gate."),
     ("version-1 tokenizer 2", "v1-int8", lambda b: set_header(b, "tokenizer", 2),
@@ -977,11 +988,13 @@ HOSTILE = [
     ("version-1 reserved 255", "v1-no-pre", lambda b: patch(b, 255, "<B", 1), "reserved"),
     ("version-2 exit_threshold is reserved", "v2", lambda b: set_header(b, "exit_threshold", 0.5),
      "reserved: header bytes 216 .. 255 must be zero"),
-    ("version-3 reserved 232", "v3-exit-gate", lambda b: patch(b, 232, "<B", 1),
-     "reserved: header bytes 232 .. 255 must be zero"),
+    ("version-3 reserved 236", "v3-exit-gate", lambda b: patch(b, 236, "<B", 1),
+     "reserved: header bytes 236 .. 255 must be zero"),
     ("version-3 reserved 255", "v3-stop-ids", lambda b: patch(b, 255, "<B", 1),
-     "reserved: header bytes 232 .. 255 must be zero"),
+     "reserved: header bytes 236 .. 255 must be zero"),
     ("version-2 loop_window is reserved", "v2", lambda b: set_header(b, "loop_window", 1),
+     "reserved: header bytes 216 .. 255 must be zero"),
+    ("version-2 act_block is reserved", "v2", lambda b: set_header(b, "act_block", 4),
      "reserved: header bytes 216 .. 255 must be zero"),
     ("version-2 core_cycles is reserved", "v2", lambda b: set_header(b, "core_cycles", 1),
      "reserved: header bytes 216 .. 255 must be zero"),

@@ -81,6 +81,67 @@ def test_q8_rounds_half_to_even_and_handles_zero_tiny_and_nonfinite_rows():
     assert q.tolist() == [[127, -127, -64]]
 
 
+def literal_qb(x, block):
+    """§2.2.1 QB(x, B) of one row, element by element in the spec's words (ceil and rint on
+    exact f32 values, Python ints): (p, s, the block multipliers m)."""
+    f = np.float32
+    x = [f(v) for v in x]
+    amax = f(0)
+    for v in x:
+        amax = np.fmax(amax, f(abs(v)))
+    if amax < f(2.0 ** -64):
+        return [0] * len(x), f(0), []
+    u, v = f(255) / amax, f(32385) / amax
+    p, ms = [], []
+    for b0 in range(0, len(x), block):
+        amax_b = f(0)
+        for e in x[b0:b0 + block]:
+            amax_b = np.fmax(amax_b, f(abs(e)))
+        m = int(np.ceil(N.clamp(f(amax_b * u), 1, 255)))
+        r = f(v / f(m))
+        p += [m * int(np.rint(N.clamp(f(e * r), -127, 127))) for e in x[b0:b0 + block]]
+        ms.append(m)
+    return p, f(amax / f(32385)), ms
+
+
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(
+    st.sampled_from([1, 2, 4, 8]), st.lists(f32s, min_size=8 * n, max_size=8 * n))))
+def test_qb_is_the_spec_and_keeps_each_block_within_half_its_step(case):
+    block, values = case
+    x = np.array(values, np.float32)
+    p, s = N.quantize_blocks(x[None], block)
+    want_p, want_s, ms = literal_qb(x, block)
+    assert p.dtype == np.int16 and p[0].tolist() == want_p and s[0] == want_s
+    if s[0] == 0 or not np.isfinite(x).all():
+        return
+    for b0, m in zip(range(0, len(x), block), ms):
+        ps = p[0, b0:b0 + block].astype(np.int64)
+        assert 1 <= m <= 255 and np.abs(ps).max() <= 127 * m
+        step = np.float64(s[0]) * m
+        assert np.all(np.abs(ps * np.float64(s[0]) - x[b0:b0 + block]) <= 0.5001 * step + 1e-30)
+
+
+def test_qb_keeps_a_small_block_next_to_an_outlier_block():
+    x = np.array([[0.01, -0.02, 0.015, 0.005, 50.0, -3.0, 1.0, 0.5]], np.float32)
+    p, s = N.quantize_blocks(x, 4)
+    q8, s8 = N.quantize_rows(x)
+    assert q8[0, :4].tolist() == [0, 0, 0, 0]                  # one scale per row loses it
+    assert p[0, :4].tolist() == [6, -13, 10, 3]           # m = 1: steps of 50 / 32385
+    assert p[0, 4:].tolist() == [255 * 127, -255 * 8, 255 * 3, 255 * 1]
+    assert s[0] == np.float32(50) / np.float32(32385)
+    q, a = N.rms_quantize_input(x, 1e-6, 4)
+    assert q.tolist() == p.tolist()
+    assert a[0] == s[0] / N.root_mean_square(p, s, 1e-6)[0]
+
+
+def test_qb_handles_zero_tiny_and_nonfinite_rows():
+    p, s = N.quantize_blocks(np.zeros((2, 4), np.float32) + np.array([[0], [1e-30]], np.float32), 2)
+    assert not p.any() and not s.any()
+    p, s = N.quantize_blocks(np.array([[np.inf, 1.0, np.nan, 2.0]], np.float32), 2)
+    assert p.tolist() == [[-127, 0, -127, 0]] and np.isinf(s[0])    # m = 1 everywhere: u = 0
+    assert N.quantize_input(np.ones((1, 4), np.float32), 0)[0].dtype == np.int8
+
+
 def test_q4_uses_seven_levels():
     q, s = N.quantize_rows(np.array([[1.0, -0.5, 0.25, 0.07]], np.float32), qmax=7)
     assert q.tolist() == [[7, -4, 2, 0]] and s[0] == np.float32(1) / np.float32(7)

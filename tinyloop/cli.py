@@ -257,6 +257,8 @@ def architecture_lines(cfg: Mapping[str, Any],
                      f"{', attention gate' if config.attn_gate else ''}"
                      + (f", loop attention (window {config.loop_window})" if config.loop_window
                         else ""))
+    yield "activations", (f"int8 in blocks of {config.act_block} (integer multipliers of one "
+                          "row scale)" if config.act_block else "int8, one scale per row")
     yield "iterations", ", ".join([
         "injection adapter" if config.injection else "no injection",
         "step norm" if config.step_norm else "no step norm",
@@ -308,7 +310,7 @@ def run_convert(args: argparse.Namespace, out: TextIO) -> int:
 
     config = convert(args.src, args.out, args.format, loops=args.loops, core=args.core,
                      max_seq_len=args.max_seq_len, group_size=args.group_size, progress=progress,
-                     gptq=args.gptq, calibration=args.calibration)
+                     gptq=args.gptq, calibration=args.calibration, act_block=args.act_block)
     print(f"wrote {args.out}: {config.name}, {config.weight_format}, prelude "
           f"{config.n_pre_blocks} + core {config.n_core_blocks} x {config.default_loops} + coda "
           f"{config.n_coda_blocks}, vocab {config.vocab_size}, tokenizer {config.tokenizer}",
@@ -521,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--group-size", type=integer(2), default=None,
                       help="int4 weights per multiplier, even, dividing every input width "
                            "(default: 32 for int4)")
+    conv.add_argument("--act-block", type=integer(0, 2**16), default=0, metavar="B",
+                      help="activations in blocks of B, integer multipliers of one row scale "
+                           "(docs/spec.md §2.2.1; B divides every input width); 0: one scale "
+                           "per row (default: %(default)s)")
     conv.add_argument("--loops", type=integer(1, P.MAX_LOOPS), default=None,
                       help="the default depth L (default: the checkpoint's; 1 for a plain "
                            "LLaMA-family model)")

@@ -78,6 +78,8 @@ class ModelConfig:
     attn_gate: bool = False  # attn_qkv ends with H * D gate rows: o *= sig(gate)
     # version 3 (§6.1 offset 228): IQuest's loop attention (§4), W_l; 0 = none, 1 .. 2^20
     loop_window: int = 0
+    # version 3 (§6.1 offset 232): block activations (§2.2.1), B; 0 = one scale per row
+    act_block: int = 0
 
     def __post_init__(self) -> None:
         for field in ("rope_theta", "rms_eps", "embed_scale", "exit_threshold"):
@@ -89,7 +91,7 @@ class ModelConfig:
     def file_version(self) -> int:
         """The version a writer gives this model's file: the lowest that holds it (§6.5)."""
         return 3 if (self.stop_ids or self.exit_gate or self.core_cycles or self.attn_gate
-                     or self.loop_window) else 2
+                     or self.loop_window or self.act_block) else 2
 
     def stop_token_ids(self) -> FrozenSet[int]:
         """Every id whose emission ends generation (§5.3): eos_id (when >= 0) and stop_ids."""
@@ -155,6 +157,7 @@ class ModelConfig:
         _require(version >= 3 or not self.attn_gate, "attn_gate", "needs a version-3 file",
                  self.attn_gate)
         self._check_loop_window(version)
+        self._check_act_block(version)
         self._check_name()
         _require(isinstance(self.stop_ids, tuple), "stop_ids", "must be a tuple of token ids",
                  self.stop_ids)
@@ -354,6 +357,18 @@ class ModelConfig:
                  self.core_cycles)
         _require(not self.attn_gate, "loop_window", "excludes the attention gate (attn_gate 1)",
                  self.attn_gate)
+
+    def _check_act_block(self, version: int) -> None:
+        """§6.1's act_block rules: 0 .. 2^16; block activations (>= 1) need a version-3 file
+        and a B dividing every linear's input width (the same words as libtinyloop's loader)."""
+        self._int_range("act_block", 0, 2**16)
+        if not self.act_block:
+            return
+        _require(version >= 3, "act_block", "needs a version-3 file", self.act_block)
+        for field, k in (("d_model", self.d_model), ("n_heads * head_dim",
+                         self.n_heads * self.head_dim), ("ffn_dim", self.ffn_dim)):
+            _require(k % self.act_block == 0, "act_block", f"must divide {field} ({k})",
+                     self.act_block)
 
     def loop_global_slot(self, slot: int) -> Optional[int]:
         """With loop attention, the iteration-0 slot the layer of cache slot `slot` reads its

@@ -59,13 +59,13 @@ STOP_IDS = "stop_ids"                                                    # §6.3
 
 # §6.1: magic, version, header_bytes, file_bytes, checksum, n_tensors, table_offset,
 # data_offset | 17 config fields, vocab_size .. rms_eps | flags, name | 8 version-2 fields,
-# n_core_blocks .. coda_norm | exit_threshold, core_cycles, attn_gate, loop_window (version 3)
-# | reserved.
-HEADER = struct.Struct("<8sIIQIIQQ" "12I2iI2f" "I64s" "6IfI" "fIII24s")
+# n_core_blocks .. coda_norm | exit_threshold, core_cycles, attn_gate, loop_window, act_block
+# (version 3) | reserved.
+HEADER = struct.Struct("<8sIIQIIQQ" "12I2iI2f" "I64s" "6IfI" "fIIII20s")
 V1_VALUES = 27                   # HEADER's values up to the name; version 1 reserves the rest
 CHECKSUM_AT = 24
 V2_FIELDS_AT = 184
-V3_FIELDS_AT = 216               # exit_threshold .. loop_window; version 2 reserves them
+V3_FIELDS_AT = 216               # exit_threshold .. act_block; version 2 reserves them
 # §6.2: name, dtype, ndim, dims[4], offset.
 ENTRY = struct.Struct("<48sII4QQ")
 assert HEADER.size == HEADER_BYTES and ENTRY.size == ENTRY_BYTES
@@ -76,8 +76,8 @@ TableEntry = Tuple[np.dtype[Any], Tuple[int, ...], int]
 class HeaderFields(TypedDict):
     """The header fields _parse_header_start returns, `config` the 25 config fields in
     ModelConfig's order (a version-1 header's last 8 the §6.5 values), `exit_threshold` 0.0
-    and `core` (core_cycles, attn_gate, loop_window) (0, 0, 0) in versions 1 and 2 (whose `reserved` bytes
-    hold their place)."""
+    and `core` (core_cycles, attn_gate, loop_window, act_block) (0, 0, 0, 0) in versions 1 and 2
+    (whose `reserved` bytes hold their place)."""
     checksum: int
     n_tensors: int
     table_offset: int
@@ -87,7 +87,7 @@ class HeaderFields(TypedDict):
     config: Tuple[Any, ...]
     name: bytes
     exit_threshold: float
-    core: Tuple[Any, Any, Any]  # unchecked codes, as config's
+    core: Tuple[Any, Any, Any, Any]  # unchecked codes, as config's
     reserved: bytes
 
 
@@ -174,7 +174,7 @@ def _file_parts(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> list[
         c.rms_eps, 0, c.name.encode("utf-8"),
         c.n_core_blocks, c.n_coda_blocks, _code(BLOCK_LAYOUTS, c.block_layout), int(c.qkv_bias),
         int(c.injection), int(c.step_norm), c.embed_scale, int(c.coda_norm), c.exit_threshold,
-        c.core_cycles, int(c.attn_gate), c.loop_window, bytes(24)))
+        c.core_cycles, int(c.attn_gate), c.loop_window, c.act_block, bytes(20)))
     parts: list[Buffer] = [header, *table, bytes(data_offset - table_end), *data]
     crc = 0
     for part in parts:
@@ -305,17 +305,17 @@ def _parse_header_start(mv: memoryview, size: int) -> tuple[int, HeaderFields]:
     if file_bytes != size:
         raise ModelFormatError(f"file_bytes: header says {file_bytes}, file has {size} bytes")
     v2_fields: Sequence[float]
-    core = (0, 0, 0)
+    core = (0, 0, 0, 0)
     if version == 1:
         v2_fields = (1, 0, 0, 0, 0, 0, 1.0, 0)
         exit_threshold, reserved = 0.0, bytes(mv[V2_FIELDS_AT:HEADER_BYTES])
     else:
-        *v2_fields, exit_threshold, core_cycles, attn_gate, loop_window, reserved = \
+        *v2_fields, exit_threshold, core_cycles, attn_gate, loop_window, act_block, reserved = \
             values[V1_VALUES:]
         if version == 2:
             exit_threshold, reserved = 0.0, bytes(mv[V3_FIELDS_AT:HEADER_BYTES])
         else:
-            core = (core_cycles, attn_gate, loop_window)
+            core = (core_cycles, attn_gate, loop_window, act_block)
     return version, dict(checksum=checksum, n_tensors=n_tensors, table_offset=table_offset,
                          data_offset=data_offset, file_bytes=file_bytes, flags=flags,
                          config=(*config_fields, *v2_fields), name=name_field,
@@ -332,7 +332,7 @@ def _parse_config(version: int, fields: HeaderFields) -> ModelConfig:
      max_seq_len, weight_format, group_size, tied_head, bos_id, eos_id, tokenizer, rope_theta,
      rms_eps, n_core_blocks, n_coda_blocks, block_layout, qkv_bias, injection, step_norm,
      embed_scale, coda_norm) = fields["config"]
-    core_cycles, attn_gate, loop_window = fields["core"]
+    core_cycles, attn_gate, loop_window, act_block = fields["core"]
     config = ModelConfig(
         vocab_size, d_model, n_heads, n_kv_heads, head_dim, ffn_dim, n_pre_blocks,
         default_loops, max_seq_len, WEIGHT_FORMATS.get(weight_format, weight_format),
@@ -342,7 +342,7 @@ def _parse_config(version: int, fields: HeaderFields) -> ModelConfig:
         BLOCK_LAYOUTS.get(block_layout, block_layout), BOOLS.get(qkv_bias, qkv_bias),
         BOOLS.get(injection, injection), BOOLS.get(step_norm, step_norm), embed_scale,
         BOOLS.get(coda_norm, coda_norm), core_cycles=core_cycles,
-        attn_gate=BOOLS.get(attn_gate, attn_gate), loop_window=loop_window)
+        attn_gate=BOOLS.get(attn_gate, attn_gate), loop_window=loop_window, act_block=act_block)
     config.validate(version)
     return config
 

@@ -6,7 +6,8 @@ usage: make_golden.py OUT_DIR       (needs the tinyloop package installed: pip i
 Writes small random models (int8 and int4, GQA, n_pre 0..2, tied and untied heads, odd
 vocabularies, an eos id; and version-2 shapes: several core blocks, a coda, the sandwich and
 post block layouts, q/k/v biases, the injection adapter, step and coda norms, an embedding
-scale; and version 3's stop ids, exit gate, two-state core, attention gate and loop attention) and, for each, expected logits at every position and expected tokens
+scale; and version 3's stop ids, exit gate, two-state core, attention gate, loop attention
+and block activations) and, for each, expected logits at every position and expected tokens
 (greedy, sampled with seeds, penalties, stop sequences, chunked prefill, windows, prefixes at
 nested depths) into OUT_DIR, with OUT_DIR/manifest.txt listing the cases one per line:
 
@@ -79,6 +80,12 @@ MODELS = {
                          ffn_dim=64, n_pre_blocks=1, n_core_blocks=2, n_coda_blocks=1,
                          default_loops=3, loop_window=3, max_seq_len=160, weight_format="int8",
                          tied_head=False)),
+    # block activations (docs/spec.md §2.2.1) in blocks of 16 over int4 weights, with the
+    # injection adapter between a prelude and a coda
+    "v3_act_block": (21, dict(vocab_size=263, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                              ffn_dim=96, n_pre_blocks=1, n_coda_blocks=1, default_loops=3,
+                              max_seq_len=160, weight_format="int4", group_size=16,
+                              tied_head=False, injection=True, act_block=16)),
 }
 
 

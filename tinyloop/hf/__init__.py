@@ -44,7 +44,8 @@ __all__ = ["MAPPERS", "ConvertError", "DEFAULT_CALIBRATION", "DEFAULT_INT4_GROUP
 def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optional[int] = None,
             core: Optional[Sequence[int]] = None, max_seq_len: Optional[int] = None,
             group_size: Optional[int] = None, progress: Optional[Progress] = None,
-            gptq: bool = False, calibration: Optional[Path] = None) -> ModelConfig:
+            gptq: bool = False, calibration: Optional[Path] = None,
+            act_block: int = 0) -> ModelConfig:
     """Convert the Hugging Face model folder `src` into the .tinyloop file `out`.
 
     weight_format: "int8" or "int4" (group_size: int4 weights per multiplier, default 32).
@@ -56,6 +57,8 @@ def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optiona
     core: (start, end) for a LLaMA-family model: layers [0, start) become the prelude,
     [start, end) the looped core, [end, n) the coda (default: all layers are the core).
     max_seq_len: positions (default: the checkpoint's max_position_embeddings / block_size).
+    act_block: 0 (one activation scale per row) or B, the block activations of docs/spec.md
+    §2.2.1 (B must divide the hidden size, heads * head_dim and the intermediate size).
     progress(done, total, what) is called as each float weight is read.
     Returns the ModelConfig written. Raises ConvertError (a ValueError) naming the key,
     tensor or option that cannot be converted, or ModelFormatError for a config that breaks
@@ -72,7 +75,7 @@ def convert(src: Path, out: Path, weight_format: str = "int8", *, loops: Optiona
         meta = _meta_texts(src, architecture)
         config: ModelConfig = dataclasses.replace(
             plan.config, name=_name(src),
-            tokenizer="hf" if "meta.tokenizer_json" in meta else "none")
+            tokenizer="hf" if "meta.tokenizer_json" in meta else "none", act_block=act_block)
         config = _with_special_ids(config, checkpoint.config, _generation_config(src), meta)
         config.validate()
         weights = LazyWeights(checkpoint, plan.recipe, progress)
