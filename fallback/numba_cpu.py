@@ -7,9 +7,10 @@ bit-identical to the numpy reference (tests/test_numba*.py):
 
 - integer sums are exact: the matmuls accumulate in int32 (docs/spec.md §3 proves the bound
   per tensor), int4 weights unpacked with their group multiplier folded in as int16
-  (weights.integer_weights), so int8 and int4 share one kernel; attention's Σ U vq is split
-  so that its int32 partial sums are bounded too (_add_weighted_rows). The vector loops are
-  numba_dot's intrinsics;
+  (weights.integer_weights), so int8 and int4 share one kernel; block inputs (act_block,
+  §2.2.1: int16, up to 32385) sum in int32 over a bounded run of columns at a time, then in
+  int64 (numba_dot); attention's Σ U vq is split so that its int32 partial sums are bounded
+  too (_add_weighted_rows). The vector loops are numba_dot's intrinsics;
 - every float operation is one float32 operation in the spec's order (numba_scalar.py); no
   kernel uses fastmath, and LLVM does not contract a*b+c into an FMA without it (checked on
   the compiled assembly by tests/test_numba_cpu.py);
@@ -19,12 +20,13 @@ bit-identical to the numpy reference (tests/test_numba*.py):
   way.
 
 Kernels are compiled on first use and cached on disk (`cache=True`, NUMBA_CACHE_DIR to move
-the cache). numba's cache is keyed by each function's own source file: after editing
-numba_scalar.py or numba_dot.py, touch this file (or clear the cache) so cached kernels are
-rebuilt. Every kernel is compiled parallel and run on `threads` threads for work of
-PARALLEL_WORK or more, else on one (numba keeps the count per calling thread). A parallel
-region ends at a barrier: when another process holds a core, a worker waits for a time
-slice, so regions shorter than a few milliseconds (all of a decode step's) run on one thread.
+the cache). numba's cache is keyed by each function's own source file (its contents in
+recent numba, its time stamp in older releases): after editing numba_scalar.py or
+numba_dot.py, clear the cache so cached kernels are rebuilt. Every kernel is compiled
+parallel and run on `threads` threads for work of PARALLEL_WORK or more, else on one (numba
+keeps the count per calling thread). A parallel region ends at a barrier: when another
+process holds a core, a worker waits for a time slice, so regions shorter than a few
+milliseconds (all of a decode step's) run on one thread.
 """
 import threading
 from types import SimpleNamespace
@@ -85,6 +87,11 @@ def _floor(x):
 
 
 @scalar
+def _ceil(x):
+    return np.ceil(x)
+
+
+@scalar
 def _sqrt(x):
     return np.sqrt(x)
 
@@ -95,10 +102,11 @@ def _f32_from_bits(i):
 
 
 S = numba_scalar.build(scalar, SimpleNamespace(
-    mul=_mul, add=_add, sub=_sub, rint=_rint, floor=_floor, sqrt=_sqrt,
+    mul=_mul, add=_add, sub=_sub, rint=_rint, floor=_floor, ceil=_ceil, sqrt=_sqrt,
     f32_from_bits=_f32_from_bits))
-quantize_row, store_kv_row, rms_scale, rms_norm_row, linear_out = (
-    S.quantize_row, S.store_kv_row, S.rms_scale, S.rms_norm_row, S.linear_out)
+quantize_row, quantize_input_row, store_kv_row, rms_scale, rms_norm_row, linear_out = (
+    S.quantize_row, S.quantize_input_row, S.store_kv_row, S.rms_scale, S.rms_norm_row,
+    S.linear_out)
 rope_pair, silu_times, exp2s = S.rope_pair, S.silu_times, S.exp2s
 sigmoid_times, loop_mix_head = S.sigmoid_times, S.loop_mix_head
 attention_score, attention_weights, attention_out = (
@@ -108,17 +116,25 @@ attention_score, attention_weights, attention_out = (
 # -- row quantization ---------------------------------------------------------------------
 
 @njit(parallel=True, cache=True)
-def quantize_rows_kernel(x, q, s):
-    """Q8 of every row. x: (N, n) float32 -> q: (N, n) int8, s: (N,) float32."""
+def quantize_rows_kernel(x, block, q, s):
+    """Q8 (block 0) or QB(., block) of every row. x: (N, n) float32 -> q: (N, n) int8 (block
+    0) or int16, s: (N,) float32."""
     for i in prange(x.shape[0]):
-        s[i] = quantize_row(x[i], q[i], numba_scalar.QMAX8)
+        s[i] = quantize_input_row(x[i], q[i], block)
 
 
 @njit(parallel=True, cache=True)
-def rms_quantize_kernel(x, eps, q, a):
-    """NQ of every row. x: (N, n) float32 -> q: (N, n) int8, a: (N,) float32."""
+def rms_quantize_kernel(x, eps, block, q, a):
+    """NQ (block 0) or NQB(., block) of every row. x: (N, n) float32 -> q: (N, n) int8 (block
+    0) or int16, a: (N,) float32."""
     for i in prange(x.shape[0]):
-        a[i] = rms_scale(q[i], quantize_row(x[i], q[i], numba_scalar.QMAX8), eps)
+        a[i] = rms_scale(q[i], quantize_input_row(x[i], q[i], block), eps)
+
+
+def input_type(block):
+    """The integer type of a linear's quantized input rows: int8 (Q8, NQ), or int16 with block
+    activations (QB, NQB: |p| <= 32385)."""
+    return np.int16 if block else np.int8
 
 
 @njit(parallel=True, cache=True)
@@ -142,13 +158,14 @@ def _store_tile(accs, n_tok, n_rows, t, r, a, scale, bias, y):
 
 @njit(parallel=True, cache=True)
 def linear_kernel(q, a, w, scale, bias, y):
-    """spec §3 for T tokens: y = ((f32) acc * a) * ws (+ b) with acc exact in int32.
+    """spec §3 for T tokens: y = ((f32) acc * a) * ws (+ b) with acc exact: in int32 for an
+    int8 input, in int64 for int16 block inputs (numba_dot.int_dots).
 
-    q: (T, K) int8; a: (T,) float32; w: NumbaLinear.w, R' >= R rows, a multiple of
-    ROW_BLOCK; scale: (R',) float32; bias: (R,) float32, or empty -> y: (T, R) float32.
-    Each thread takes ROW_BLOCK weight rows and runs every token over them: TOKEN_TILE tokens
-    x ROW_TILE rows per int_dots call, the last tokens one row at a time (one row streams
-    weights from memory faster than several).
+    q: (T, K) int8, or int16 block inputs; a: (T,) float32; w: NumbaLinear.w, R' >= R rows, a
+    multiple of ROW_BLOCK; scale: (R',) float32; bias: (R,) float32, or empty -> y: (T, R)
+    float32. Each thread takes ROW_BLOCK weight rows and runs every token over them:
+    TOKEN_TILE tokens x ROW_TILE rows per int_dots call, the last tokens one row at a time
+    (one row streams weights from memory faster than several).
     """
     q16 = q.astype(np.int16)
     n_tok = q.shape[0]
@@ -157,12 +174,12 @@ def linear_kernel(q, a, w, scale, bias, y):
         first = rb * ROW_BLOCK
         for t in range(0, tiled, TOKEN_TILE):
             for r in range(first, first + ROW_BLOCK, ROW_TILE):
-                accs = numba_dot.int_dots(q16, t, w, r, TOKEN_TILE, ROW_TILE)
+                accs = numba_dot.int_dots(q16, t, w, r, TOKEN_TILE, ROW_TILE, q.dtype)
                 _store_tile(accs, TOKEN_TILE, ROW_TILE, t, r, a, scale, bias, y)
         for t in range(tiled, n_tok):
             for r in range(first, first + ROW_BLOCK):
-                _store_tile(numba_dot.int_dots(q16, t, w, r, 1, 1), 1, 1, t, r, a, scale, bias,
-                            y)
+                _store_tile(numba_dot.int_dots(q16, t, w, r, 1, 1, q.dtype), 1, 1, t, r, a,
+                            scale, bias, y)
 
 
 def _pad_rows(array, n_rows):
@@ -195,7 +212,7 @@ class NumbaLinear:
         return sum(part.nbytes for part in parts) + self.scale.nbytes + self.bias.nbytes
 
     def __call__(self, q, a):
-        """q: (T, K) int8, a: (T,) float32 -> (T, R) float32."""
+        """q: (T, K) int8, or int16 block inputs, a: (T,) float32 -> (T, R) float32."""
         y = np.empty((len(q), self.n_out), F32)
         self.kernels.launch(linear_kernel, self.kernels.threads_for(len(self.scale) * q.size),
                             np.ascontiguousarray(q), a, self.w, self.scale, self.bias, y)
@@ -251,7 +268,7 @@ def _scores(qq, c, h0, keys, kscale, vscale, bases, group, scores, svs):
     for i in range(bases.shape[0]):
         for h in range(h0, h0 + scores.shape[0]):
             r = bases[i] + h // group
-            dot = numba_dot.int_dots(qq, h, keys, r, 1, 1)[0]
+            dot = numba_dot.int_dots(qq, h, keys, r, 1, 1, np.int8)[0]
             scores[h - h0, i] = attention_score(dot, c[h], kscale[r])
             svs[h - h0, i] = vscale[r]
 
@@ -468,15 +485,15 @@ class NumbaKernels(NumpyKernels):
     def linear(self, w, scale, multipliers=None, group_size=0, bias=None):
         return NumbaLinear(self, w, scale, multipliers, group_size, bias)
 
-    def quantize_rows(self, x):
-        q, s = np.empty(x.shape, np.int8), np.empty(x.shape[:-1], F32)
+    def quantize_rows(self, x, block=0):
+        q, s = np.empty(x.shape, input_type(block)), np.empty(x.shape[:-1], F32)
         self.launch(quantize_rows_kernel, self.threads_for(x.size), x.reshape(-1, x.shape[-1]),
-                    q.reshape(-1, x.shape[-1]), s.reshape(-1))
+                    block, q.reshape(-1, x.shape[-1]), s.reshape(-1))
         return q, s
 
-    def rms_quantize(self, x, eps):
-        q, a = np.empty(x.shape, np.int8), np.empty(len(x), F32)
-        self.launch(rms_quantize_kernel, self.threads_for(x.size), x, F32(eps), q, a)
+    def rms_quantize(self, x, eps, block=0):
+        q, a = np.empty(x.shape, input_type(block)), np.empty(len(x), F32)
+        self.launch(rms_quantize_kernel, self.threads_for(x.size), x, F32(eps), block, q, a)
         return q, a
 
     def rms_norm(self, x, gain, eps):

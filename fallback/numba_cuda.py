@@ -7,8 +7,9 @@ numba_arena.py) and attention reads them through a block table, so paging, shari
 copy-on-write are the numpy backend's own code.
 
 Exactness on the device:
-- integer matmuls accumulate exactly in int32 (int4 weights are unpacked with their group
-  multiplier folded in, weights.integer_weights; the spec's bound keeps every sum in i32);
+- integer matmuls accumulate exactly (int4 weights are unpacked with their group multiplier
+  folded in, weights.integer_weights): in int32 over each TILE of inputs, whatever the input
+  (block inputs too, act_block: |p| <= 32385, §2.2.1), then in int64;
 - the float numerics are numba_scalar.py's, with libdevice's fmul_rn / fadd_rn / fsub_rn:
   NVVM contracts a plain a*b+c into fma.rn.f32 even without fastmath, never these; division
   and sqrt are div.rn / sqrt.rn (fastmath off). tests/test_numba_cuda.py reads every kernel's
@@ -35,6 +36,7 @@ F32 = np.float32
 I32 = np.int32
 NEG_INF = F32(-np.inf)
 TILE = 16             # linear: TILE weight rows x up to TILE tokens per block, K in TILE steps
+                      # (at most 32: a K tile's int32 sum of block inputs, TILE * 32385 * 2040)
 ATTN_THREADS = 32     # attention: one block of at most this many threads per (query, head)
 MAX_HEAD_DIM = 1024   # spec §6.1
 DIMS_PER_THREAD = MAX_HEAD_DIM // ATTN_THREADS
@@ -44,20 +46,22 @@ ROWS_PER_BLOCK = 64   # row kernels: one thread per row (or element)
 def _float_ops():
     if config.ENABLE_CUDASIM:
         return SimpleNamespace(mul=operator.mul, add=operator.add, sub=operator.sub,
-                               rint=np.rint, floor=np.floor, sqrt=np.sqrt,
+                               rint=np.rint, floor=np.floor, ceil=np.ceil, sqrt=np.sqrt,
                                f32_from_bits=lambda i: np.int32(i).view(np.float32),
                                dmul=operator.mul, dadd=operator.add)
     from numba.cuda import libdevice as ld
     return SimpleNamespace(mul=ld.fmul_rn, add=ld.fadd_rn, sub=ld.fsub_rn, rint=ld.rintf,
-                           floor=ld.floorf, sqrt=ld.fsqrt_rn, f32_from_bits=ld.int_as_float,
+                           floor=ld.floorf, ceil=ld.ceilf, sqrt=ld.fsqrt_rn,
+                           f32_from_bits=ld.int_as_float,
                            dmul=ld.dmul_rn, dadd=ld.dadd_rn)
 
 
 OPS = _float_ops()
 S = numba_scalar.build(cuda.jit(device=True), OPS)
 fmul, fadd, fsqrt, dmul, dadd = OPS.mul, OPS.add, OPS.sqrt, OPS.dmul, OPS.dadd
-quantize_row, store_kv_row, kv_value, rms_scale, rms_norm_row, linear_out = (
-    S.quantize_row, S.store_kv_row, S.kv_value, S.rms_scale, S.rms_norm_row, S.linear_out)
+quantize_row, quantize_input_row, store_kv_row, kv_value = (
+    S.quantize_row, S.quantize_input_row, S.store_kv_row, S.kv_value)
+rms_scale, rms_norm_row, linear_out = S.rms_scale, S.rms_norm_row, S.linear_out
 rope_pair, silu_times, sigmoid_times = S.rope_pair, S.silu_times, S.sigmoid_times
 loop_mix_head = S.loop_mix_head
 attention_score, attention_weights, attention_out = (
@@ -127,19 +131,21 @@ def loop_mix_kernel(qh, glob, local, gw, gs, gb, out):
 
 
 @cuda.jit(fastmath=False)
-def quantize_rows_kernel(x, q, s):
-    """Q8 of every row: x (N, n) float32 -> q (N, n) int8, s (N,)."""
+def quantize_rows_kernel(x, block, q, s):
+    """Q8 (block 0) or QB(., block) of every row: x (N, n) float32 -> q (N, n) int8 (block 0)
+    or int16, s (N,)."""
     i = cuda.grid(1)
     if i < x.shape[0]:
-        s[i] = quantize_row(x[i], q[i], numba_scalar.QMAX8)
+        s[i] = quantize_input_row(x[i], q[i], block)
 
 
 @cuda.jit(fastmath=False)
-def rms_quantize_kernel(x, eps, q, a):
-    """NQ of every row: x (N, n) float32 -> q (N, n) int8, a (N,)."""
+def rms_quantize_kernel(x, eps, block, q, a):
+    """NQ (block 0) or NQB(., block) of every row: x (N, n) float32 -> q (N, n) int8 (block
+    0) or int16, a (N,)."""
     i = cuda.grid(1)
     if i < x.shape[0]:
-        a[i] = rms_scale(q[i], quantize_row(x[i], q[i], numba_scalar.QMAX8), eps)
+        a[i] = rms_scale(q[i], quantize_input_row(x[i], q[i], block), eps)
 
 
 @cuda.jit(fastmath=False)
@@ -190,10 +196,11 @@ def quantize_kv_kernel(kh, z, v_col, qmax, kq, sk, vq, sv):
 
 @cuda.jit(fastmath=False)
 def linear_kernel(q, a, w, scale, bias, y):
-    """spec §3: y (T, R) = ((f32) (q @ w.T) * a) * ws (+ b), exact int32 accumulation.
+    """spec §3: y (T, R) = ((f32) (q @ w.T) * a) * ws (+ b), exact: each K tile's sum in
+    int32 (|term| <= 32385 * 2040, TILE of them < 2**31), the tiles' in int64.
 
-    q: (T, K) int8; a: (T,) float32; w: (R, K) int8, or int16 holding m * w for int4;
-    scale: (R,) float32; bias: (R,) float32, or empty for a linear without one.
+    q: (T, K) int8, or int16 block inputs; a: (T,) float32; w: (R, K) int8, or int16 holding
+    m * w for int4; scale: (R,) float32; bias: (R,) float32, or empty for a linear without one.
     Block (TILE, n): thread (x, y) computes weight row x of the block's TILE rows for token
     y of its n tokens; K advances in TILE-wide tiles staged in shared memory.
     """
@@ -203,15 +210,17 @@ def linear_kernel(q, a, w, scale, bias, y):
     r0 = cuda.blockIdx.x * TILE
     t = cuda.blockIdx.y * n_tok_block + ty
     n_tok, n_in = q.shape
-    acc = I32(0)
+    acc = np.int64(0)
     for k0 in range(0, n_in, TILE):
         k = k0 + tx
         sq[ty, tx] = I32(q[t, k]) if t < n_tok and k < n_in else I32(0)
         for i in range(ty, TILE, n_tok_block):
             sw[i, tx] = I32(w[r0 + i, k]) if r0 + i < w.shape[0] and k < n_in else I32(0)
         cuda.syncthreads()
+        part = I32(0)
         for kk in range(TILE):
-            acc = I32(acc + sq[ty, kk] * sw[tx, kk])
+            part = I32(part + sq[ty, kk] * sw[tx, kk])
+        acc += part
         cuda.syncthreads()
     if t < n_tok and r0 + tx < w.shape[0]:
         y[t, r0 + tx] = linear_out(acc, a[t], scale, bias, r0 + tx)
@@ -233,7 +242,8 @@ class CudaLinear:
         return self.w.nbytes + self.scale.nbytes + self.bias.nbytes
 
     def __call__(self, q, a):
-        """q: (T, K) int8, a: (T,) float32 (device) -> (T, R) float32 (device)."""
+        """q: (T, K) int8, or int16 block inputs, a: (T,) float32 (device) -> (T, R) float32
+        (device)."""
         n_tok = q.shape[0]
         per_block = min(TILE, n_tok)
         y = cuda.device_array((n_tok, self.n_out), F32)
@@ -414,15 +424,17 @@ class CudaKernels(NumpyKernels):
         return out
 
     @staticmethod
-    def quantize_rows(x):
-        q, s = cuda.device_array(x.shape, np.int8), cuda.device_array(x.shape[0], F32)
-        quantize_rows_kernel[_grid(x.shape[0])](x, q, s)
+    def quantize_rows(x, block=0):
+        q = cuda.device_array(x.shape, numba_cpu.input_type(block))
+        s = cuda.device_array(x.shape[0], F32)
+        quantize_rows_kernel[_grid(x.shape[0])](x, block, q, s)
         return q, s
 
     @staticmethod
-    def rms_quantize(x, eps):
-        q, a = cuda.device_array(x.shape, np.int8), cuda.device_array(x.shape[0], F32)
-        rms_quantize_kernel[_grid(x.shape[0])](x, F32(eps), q, a)
+    def rms_quantize(x, eps, block=0):
+        q = cuda.device_array(x.shape, numba_cpu.input_type(block))
+        a = cuda.device_array(x.shape[0], F32)
+        rms_quantize_kernel[_grid(x.shape[0])](x, F32(eps), block, q, a)
         return q, a
 
     @staticmethod

@@ -1,15 +1,19 @@
 """Exact integer sums of products for the numba CPU kernels, as intrinsics written in LLVM IR.
 
-    int_dots(x, i, w, j, n_x, n_w)       the n_x * n_w int32 dot products
-                                         Σ_k x[i + a, k] * w[j + b, k], at index a * n_w + b
+    int_dots(x, i, w, j, n_x, n_w, x_type)
+                                         the n_x * n_w dot products Σ_k x[i + a, k] * w[j + b, k],
+                                         at index a * n_w + b: int32 when x holds int8
+                                         values, int64 when int16 ones
     int_weighted_rows(u, w, rows, out, n_u)
                                          out[a, d] += Σ_{p < n2} u[a, p] * w[rows[p], d]
                                          for a < n_u and d < D16
 
-int_dots: x (N, K) int16; w the weights of K inputs: a (M, K) int8 or int16 matrix, or int4
-as the tuple (values (M, K) int8, multipliers (M, ceil(K / LANES)) int16), one multiplier per
-LANES columns: acc = Σ_k x_k (m_{k / LANES} w_k), that is docs/spec.md §3 when the group size
-is a multiple of LANES.
+int_dots: x (N, K) int16 holding values of x_type, np.int8 (a row-scaled input, a query) or
+np.int16 (block inputs, docs/spec.md §2.2.1; an array's dtype will do); w the weights of K inputs: a
+(M, K) int8 or int16 matrix with |w| <= W_MAX, or int4 as the tuple (values (M, K) int8,
+multipliers (M, ceil(K / LANES)) int16), one multiplier per LANES columns:
+acc = Σ_k x_k (m_{k / LANES} w_k), that is docs/spec.md §3 when the group size is a multiple of
+LANES.
 int_weighted_rows: u (n_u, n) int16, w (M, D) int8, rows (n,) int64, out (n_u, D) int32, with
 D16 = D - D % LANES and n2 = n - n % 2 (the caller adds the terms left out). All arrays are
 C-contiguous; n_x, n_w and n_u are compile-time constants. Rows are not bounds-checked: the
@@ -21,10 +25,12 @@ loop whose accumulators live in an array not well at all; yet a tile of accumula
 registers is what lets one load serve several products. Here each step takes LANES products
 in int32, adds adjacent pairs, and accumulates 8 int32 lanes in a register: target-independent
 IR that x86 lowers to vpmaddwd. Every product and sum is an exact integer wherever it runs.
-The caller bounds the sums to int32 (docs/spec.md §3 for the linears, whose every partial sum
-is bounded by the sum of |terms|; attention splits its weights, see numba_cpu). No float
-operation is involved. int_dots prefetches weight rows PREFETCH_BYTES ahead: a one-token
-matmul streams its weights from memory once.
+For int8 values the caller bounds the sums to int32 (docs/spec.md §3 for the linears, whose
+every partial sum is bounded by the sum of |terms|; attention splits its weights, see
+numba_cpu). Sums of int16 values may exceed that: their lanes restart every WIDE_CHUNK
+columns, where a lane holds at most WIDE_CHUNK / LANES * 2 * 32768 * W_MAX < 2**31, and each
+chunk's lanes are added to int64 lanes. No float operation is involved. int_dots prefetches
+weight rows PREFETCH_BYTES ahead: a one-token matmul streams its weights from memory once.
 """
 from llvmlite import ir
 from numba import types
@@ -33,11 +39,16 @@ from numba.extending import intrinsic
 
 LANES = 16                    # columns per step: 16 products, 8 pair sums
 PREFETCH_BYTES = 2048         # how far ahead of the current column weight rows are prefetched
+W_MAX = 255 * 8               # the largest |w| of any weights: int8, or int4 times its multiplier
+WIDE_CHUNK = 16 * LANES       # int16 values: columns per int32 lane sum
 I16 = ir.IntType(16)
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 PAIR_SUMS = ir.VectorType(I32, LANES // 2)
 ZERO_SUMS = ir.Constant(PAIR_SUMS, None)
+WIDE_SUMS = ir.VectorType(I64, LANES // 4)    # half of PAIR_SUMS' lanes: 256 bits, as they are
+HALVES = [ir.Constant(ir.VectorType(I32, LANES // 4), list(range(h, h + LANES // 4)))
+          for h in (0, LANES // 4)]
 
 
 def _constant(value):
@@ -172,21 +183,45 @@ def _products_loop(builder, xs, ws, start, end, accs):
     return _loop(builder, start, end, _constant(LANES), accs, step)
 
 
-def _dots(builder, xs, ws, n_cols):
-    """The exact int32 dot products of every (x row, weight row) pair: LANES columns at a
-    time, then the last n_cols % LANES one by one."""
+def _wide_products_loop(builder, xs, ws, end, n_accs):
+    """The pair products over k in [0, end) as int64 lanes: _products_loop's int32 lanes over
+    WIDE_CHUNK columns at a time, each chunk's added to two halves of int64 lanes (256-bit
+    vectors: on x86, 512-bit ones would slow every vector instruction around them)."""
+    def chunk(k, totals):
+        chunk_end = builder.add(k, _constant(WIDE_CHUNK))
+        chunk_end = builder.select(builder.icmp_signed("<", chunk_end, end), chunk_end, end)
+        sums = _products_loop(builder, xs, ws, k, chunk_end, [ZERO_SUMS] * n_accs)
+        return [builder.add(totals[2 * n + h],
+                            builder.sext(builder.shuffle_vector(part, part, half), WIDE_SUMS))
+                for n, part in enumerate(sums) for h, half in enumerate(HALVES)]
+    totals = _loop(builder, _constant(0), end, _constant(WIDE_CHUNK),
+                   [ir.Constant(WIDE_SUMS, None)] * (2 * n_accs), chunk)
+    return [builder.add(totals[2 * n], totals[2 * n + 1]) for n in range(n_accs)]
+
+
+def _dots(builder, xs, ws, n_cols, acc_type):
+    """The exact dot products of every (x row, weight row) pair, as acc_type (i32, or i64 in
+    chunks for int16 values): LANES columns at a time, then the last n_cols % LANES one by one
+    (fewer than LANES terms: their int32 sum is below 2**31 for any int16 x)."""
     n_x, n_w = len(xs.rows), len(ws.rows)
     k_end = builder.and_(n_cols, _constant(-LANES))
-    accs = _products_loop(builder, xs, ws, _constant(0), k_end, [ZERO_SUMS] * (n_x * n_w))
+    if acc_type == I32:
+        accs = _products_loop(builder, xs, ws, _constant(0), k_end, [ZERO_SUMS] * (n_x * n_w))
+    else:
+        accs = _wide_products_loop(builder, xs, ws, k_end, n_x * n_w)
 
     def add_column(k, sums):
         return [builder.add(sums[a * n_w + b], builder.mul(xs.element(a, k), ws.element(b, k)))
                 for a in range(n_x) for b in range(n_w)]
     tails = _loop(builder, k_end, n_cols, _constant(1), [ir.Constant(I32, 0)] * (n_x * n_w),
                   add_column)
+    lanes = accs[0].type
     reduce_add = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(I32, [PAIR_SUMS]), "llvm.vector.reduce.add.v8i32")
-    return [builder.add(builder.call(reduce_add, [acc]), tail) for acc, tail in zip(accs, tails)]
+        builder.module, ir.FunctionType(acc_type, [lanes]),
+        f"llvm.vector.reduce.add.v{lanes.count}i{acc_type.width}")
+    return [builder.add(builder.call(reduce_add, [acc]),
+                        tail if acc_type == I32 else builder.sext(tail, acc_type))
+            for acc, tail in zip(accs, tails)]
 
 
 def _is_grouped(w):
@@ -194,14 +229,22 @@ def _is_grouped(w):
             and _is_array(w[0], 2, (types.int8,)) and _is_array(w[1], 2, (types.int16,)))
 
 
+def _named_type(x_type):
+    """The integer type x_type names: np.int8 in compiled code, or an array's dtype."""
+    if isinstance(x_type, types.NumberClass):
+        return x_type.instance_type
+    return x_type.dtype if isinstance(x_type, types.DType) else None
+
+
 @intrinsic
-def int_dots(typingctx, x, i, w, j, n_x, n_w):
+def int_dots(typingctx, x, i, w, j, n_x, n_w, x_type):
     if not (isinstance(n_x, types.IntegerLiteral) and isinstance(n_w, types.IntegerLiteral)):
         return None                  # numba retries with the constants as literals
-    if not (_is_array(x, 2, (types.int16,))
+    if not (_is_array(x, 2, (types.int16,)) and _named_type(x_type) in (types.int8, types.int16)
             and (_is_array(w, 2, (types.int8, types.int16)) or _is_grouped(w))):
         return None
     tile_x, tile_w = n_x.literal_value, n_w.literal_value
+    acc_type = types.int64 if _named_type(x_type) == types.int16 else types.int32
 
     def codegen(context, builder, sig, args):
         def array(ty, value):
@@ -217,9 +260,10 @@ def int_dots(typingctx, x, i, w, j, n_x, n_w):
             ws = _Grouped(builder, values, multipliers, first(3), tile_w)
         else:
             ws = _Matrix(builder, array(sig.args[2], args[2]), first(3), tile_w)
-        dots = _dots(builder, xs, ws, builder.extract_value(xa.shape, 1))
+        dots = _dots(builder, xs, ws, builder.extract_value(xa.shape, 1),
+                     ir.IntType(acc_type.bitwidth))
         return context.make_tuple(builder, sig.return_type, dots)
-    return types.UniTuple(types.int32, tile_x * tile_w)(x, i, w, j, n_x, n_w), codegen
+    return types.UniTuple(acc_type, tile_x * tile_w)(x, i, w, j, n_x, n_w, x_type), codegen
 
 
 INTERLEAVE = [ir.Constant(ir.VectorType(I32, LANES),                # two vectors' lanes by

@@ -9,7 +9,7 @@ lowering differs between targets:
                          libdevice's fmul_rn / fadd_rn / fsub_rn on CUDA (NVVM would otherwise
                          contract a*b+c into fma.rn.f32 even without fastmath)
     rint                 round half to even, float32 -> float32
-    floor, sqrt          float32 -> float32 (sqrt correctly rounded)
+    floor, ceil, sqrt    float32 -> float32 (sqrt correctly rounded)
     f32_from_bits        int32 bit pattern -> float32
 
 Every value is float32 and every constant a float32 scalar: a float64 literal would promote a
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .numerics import EXP2_COEFFS, LOG2E, Q_TINY, TWO_24
+from .numerics import BLOCK_QMAX, EXP2_COEFFS, LOG2E, Q_TINY, TWO_24
 
 F32 = np.float32
 C0, C1, C2, C3, C4, C5, C6 = EXP2_COEFFS
@@ -28,12 +28,14 @@ EXP2_LO, EXP2_HI = F32(-126), F32(126)
 ONE = F32(1)
 QMAX8 = F32(127)
 QMAX16 = F32(32767)
+QMAXB = F32(BLOCK_QMAX)   # QB's row scale unit (spec §2.2.1)
+M_MAX = F32(255)          # QB's largest block multiplier
 
 
 def build(jit, ops):
     """The scalar kernels for one target; returns a namespace of compiled functions."""
-    mul, add, sub, rint, floor, sqrt, f32_from_bits = (
-        ops.mul, ops.add, ops.sub, ops.rint, ops.floor, ops.sqrt, ops.f32_from_bits)
+    mul, add, sub, rint, floor, ceil, sqrt, f32_from_bits = (
+        ops.mul, ops.add, ops.sub, ops.rint, ops.floor, ops.ceil, ops.sqrt, ops.f32_from_bits)
 
     @jit
     def clamp(x, lo, hi):
@@ -83,17 +85,48 @@ def build(jit, ops):
         return rint(clamp(mul(v, r), -qmax, qmax))
 
     @jit
+    def live_abs_max(x, q):
+        """spec §2.2 steps 1-2 for a row x (n,) float32 quantized into q (n,): max_i |x_i|,
+        or 0 with q zeroed when that is below Q_TINY (the row quantizes to zero)."""
+        amax = abs_max(x)
+        if amax >= Q_TINY:
+            return amax
+        for i in range(q.shape[0]):
+            q[i] = 0
+        return F32(0)
+
+    @jit
     def quantize_row(x, q, qmax):
         """spec §2.2 Q(x, qmax) of one row x (n,) float32 into q (n,) int8; returns the scale."""
-        amax = abs_max(x)
-        if not amax >= Q_TINY:
-            for i in range(x.shape[0]):
-                q[i] = 0
-            return F32(0)
+        amax = live_abs_max(x, q)
+        if amax == 0:
+            return amax
         r = qmax / amax
         for i in range(x.shape[0]):
             q[i] = np.int8(quantized(x[i], r, qmax))
         return amax / qmax
+
+    @jit
+    def quantize_block_row(x, p, block):
+        """spec §2.2.1 QB(x, block) of one row x (n,) float32 into p (n,) int16 (block divides
+        n), p_i = m_b q_i with q_i in [-127, 127] and m_b in 1 .. 255 per block; returns the
+        row scale s."""
+        amax = live_abs_max(x, p)
+        if amax == 0:
+            return amax
+        u, v = M_MAX / amax, QMAXB / amax
+        for b0 in range(0, x.shape[0], block):
+            m = ceil(clamp(mul(abs_max(x[b0:b0 + block]), u), ONE, M_MAX))
+            r = v / m
+            for i in range(b0, b0 + block):
+                p[i] = np.int16(mul(quantized(x[i], r, QMAX8), m))     # exact: <= 32385
+        return amax / QMAXB
+
+    @jit
+    def quantize_input_row(x, q, block):
+        """A linear's input row (spec §4): Q8 of x (n,) float32 into q (n,) int8 (block 0), or
+        QB(x, block) into q (n,) int16; returns the scale."""
+        return quantize_block_row(x, q, block) if block else quantize_row(x, q, QMAX8)
 
     @jit
     def store_kv_row(q, dst):
@@ -125,7 +158,8 @@ def build(jit, ops):
 
     @jit
     def rms_scale(q, s, eps):
-        """spec §2.3: the NQ input scale a of a row already quantized to (q (n,) int8, s)."""
+        """spec §2.3 (and §2.2.1's NQB): the input scale a of a row already quantized to
+        (q (n,), s): Q8's int8 q, or QB's int16 p."""
         ss = np.int64(0)
         for i in range(q.shape[0]):
             v = np.int64(q[i])
@@ -199,7 +233,8 @@ def build(jit, ops):
 
     return SimpleNamespace(clamp=clamp, exp2s=exp2s, silu_times=silu_times,
                            sigmoid_times=sigmoid_times, loop_mix_head=loop_mix_head,
-                           quantize_row=quantize_row, store_kv_row=store_kv_row,
+                           quantize_row=quantize_row, quantize_input_row=quantize_input_row,
+                           store_kv_row=store_kv_row,
                            kv_value=kv_value, rms_scale=rms_scale,
                            rms_norm_row=rms_norm_row, linear_out=linear_out,
                            rope_pair=rope_pair, attention_score=attention_score,

@@ -1,5 +1,6 @@
 """The numba CPU kernels against the numpy reference on the edges a random model never hits:
-non-finite and tiny rows, accumulators at the spec's bound, all-zero value rows, padding
+non-finite and tiny rows, block quantization's outlier blocks and multiplier edges,
+accumulators at the spec's bound (block inputs' past int32), all-zero value rows, padding
 tails, biases, sampling with ties and overflow; plus the compiled code itself (no FMA) and
 thread-count invariance."""
 import json
@@ -44,12 +45,30 @@ def edge_rows(rng, n):
     return np.array(rows, np.float32)
 
 
-@pytest.mark.parametrize("n", [1, 7, 64, 301])
-def test_row_quantizers_match_on_edge_rows(n):
-    x = edge_rows(np.random.default_rng(n), n)
+def block_rows(rng, n, block):
+    """Rows for QB (spec §2.2.1) with blocks of `block`: one outlier block far above the rest
+    (whose blocks keep m_b near 1), and block maxima at multiples of amax / 255 (amax_b * u
+    at or next to an integer: ceil's edges), one of them with a zero block (m_b = 1)."""
+    outlier = rng.standard_normal(n) * 1e-3
+    outlier[rng.integers(n)] = 1e3
+    signs = np.where(rng.random(n) < 0.5, 1, -1)
+    steps = (np.arange(n) // block % 256) * np.float32(0.37) * signs
+    rows = [outlier, steps, steps * np.float32(3.3e-17), np.roll(steps, block)]
+    return np.array(rows, np.float32)
+
+
+@pytest.mark.parametrize("n, block", [(n, block) for n in (1, 7, 64, 301)
+                                      for block in sorted({0, 1, 4, 43, n})
+                                      if n % max(block, 1) == 0])
+def test_row_quantizers_match_on_edge_rows(n, block):
+    """Q8 and NQ (block 0); QB and NQB with blocks of 1, n and sizes between (spec §2.2.1)."""
+    rng = np.random.default_rng(n + block)
+    x = np.concatenate([edge_rows(rng, n), block_rows(rng, n, max(block, 1))])
     with np.errstate(all="ignore"):
-        assert bits(*KERNELS.quantize_rows(x)) == bits(*ref.quantize_rows(x))
-        assert bits(*KERNELS.rms_quantize(x, 1e-5)) == bits(*ref.rms_quantize(x, 1e-5))
+        assert bits(*KERNELS.quantize_rows(x, block)) == bits(
+            *ref.NumpyKernels.quantize_rows(x, block))
+        assert bits(*KERNELS.rms_quantize(x, 1e-5, block)) == bits(
+            *ref.NumpyKernels.rms_quantize(x, 1e-5, block))
 
 
 @pytest.mark.parametrize("eps", [1e-5, 0.0])
@@ -80,42 +99,53 @@ def test_swiglu_and_exp2_match_on_special_values():
         assert bits(KERNELS.swiglu(gu)) == bits(ref.swiglu(gu))
 
 
+def linear_inputs(rng, shape, block_inputs):
+    """A linear's quantized input rows: q int8, or block inputs p = m_b * q int16 (§2.2.1)."""
+    if block_inputs:
+        return rng.integers(-127 * 255, 127 * 255 + 1, shape).astype(np.int16)
+    return rng.integers(-127, 128, shape, dtype=np.int8)
+
+
+@pytest.mark.parametrize("block_inputs", [False, True])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 5])
 @pytest.mark.parametrize("n_out", [1, 4, 6, 13, 17])
-@pytest.mark.parametrize("n_in", [7, 40, 64])
-def test_linear_matches_for_every_tail(n_tok, n_out, n_in):
+@pytest.mark.parametrize("n_in", [7, 40, 64, 300])
+def test_linear_matches_for_every_tail(n_tok, n_out, n_in, block_inputs):
     """Token tiles, row tiles and row blocks with remainders; inputs shorter than, not a
-    multiple of, and a multiple of numba_dot.LANES."""
+    multiple of, and a multiple of numba_dot.LANES, and longer than numba_dot.WIDE_CHUNK; q
+    int8 and block inputs."""
     rng = np.random.default_rng(n_tok * 100 + n_out + n_in * 10000)
     w = rng.integers(-127, 128, (n_out, n_in), dtype=np.int8)
     scale = rng.random(n_out).astype(np.float32)
-    q = rng.integers(-127, 128, (n_tok, n_in), dtype=np.int8)
+    q = linear_inputs(rng, (n_tok, n_in), block_inputs)
     a = rng.random(n_tok).astype(np.float32)
     assert bits(KERNELS.linear(w, scale)(q, a)) == bits(Linear(w, scale)(q, a))
 
 
+@pytest.mark.parametrize("block_inputs", [False, True])
 @pytest.mark.parametrize("multipliers", [False, True])
 @pytest.mark.parametrize("n_tok", [1, 2, 3])
-def test_linear_with_a_bias_matches(n_tok, multipliers):
-    """A bias is added after the row scale (spec §3), for every tile tail, int8 and int4;
-    bias values include -0.0 (-0.0 + -0.0 stays -0.0), infinities and NaN."""
-    rng = np.random.default_rng(n_tok + 10 * multipliers)
+def test_linear_with_a_bias_matches(n_tok, multipliers, block_inputs):
+    """A bias is added after the row scale (spec §3), for every tile tail, int8 and int4, q
+    and block inputs; bias values include -0.0 (-0.0 + -0.0 stays -0.0), infinities and NaN."""
+    rng = np.random.default_rng(n_tok + 10 * multipliers + 100 * block_inputs)
     n_out, n_in, group = 21, 48, 16 if multipliers else 0
     w = (rng.integers(0, 256, (n_out, n_in // 2), dtype=np.uint8) if multipliers else
          rng.integers(-127, 128, (n_out, n_in), dtype=np.int8))
     m = rng.integers(0, 256, (n_out, n_in // 16), dtype=np.uint8) if multipliers else None
     scale = (rng.random(n_out) - 0.5).astype(np.float32)
     bias = rng.choice(SPECIAL, n_out)
-    q = rng.integers(-127, 128, (n_tok, n_in), dtype=np.int8)
+    q = linear_inputs(rng, (n_tok, n_in), block_inputs)
     q[0] = 0                                          # acc 0: y is -0.0 where ws < 0
     a = rng.random(n_tok).astype(np.float32)
     got = KERNELS.linear(w, scale, m, group, bias=bias)(q, a)
     assert bits(got) == bits(Linear(w, scale, m, group, bias=bias)(q, a))
 
 
+@pytest.mark.parametrize("block_inputs", [False, True])
 @pytest.mark.parametrize("group", [2, 8, 16, 48, 96])
 @pytest.mark.parametrize("n_tok", [1, 3])
-def test_int4_linear_matches_grouped_and_folded(group, n_tok):
+def test_int4_linear_matches_grouped_and_folded(group, n_tok, block_inputs):
     """Group sizes that are multiples of numba_dot.LANES keep a multiplier per LANES columns;
     others have their multipliers folded into the weights."""
     rng = np.random.default_rng(group * 10 + n_tok)
@@ -123,7 +153,7 @@ def test_int4_linear_matches_grouped_and_folded(group, n_tok):
     packed = rng.integers(0, 256, (n_out, n_in // 2), dtype=np.uint8)
     m = rng.integers(0, 256, (n_out, n_in // group), dtype=np.uint8)
     scale = rng.random(n_out).astype(np.float32)
-    q = rng.integers(-127, 128, (n_tok, n_in), dtype=np.int8)
+    q = linear_inputs(rng, (n_tok, n_in), block_inputs)
     a = rng.random(n_tok).astype(np.float32)
     got = KERNELS.linear(packed, scale, m, group)(q, a)
     assert bits(got) == bits(Linear(packed, scale, m, group)(q, a))
@@ -151,6 +181,27 @@ def test_int4_accumulator_at_the_spec_bound():
     got = KERNELS.linear(packed, scale, m, group)(q, a)
     assert bits(got) == bits(Linear(packed, scale, m, group)(q, a))
     assert got[0, 0] == np.float32(127 * 8 * k * 255)
+
+
+@pytest.mark.parametrize("group", [0, 8, 32])
+def test_block_input_accumulators_far_past_int32(group):
+    """Block inputs at |p| = 32385 against weights of one sign at their largest, |w| = 127
+    (int8) or 8 * 255 (int4: its multipliers folded into int16 weights, group 8, or one per
+    numba_dot.LANES columns, group 32), and against alternating signs: acc reaches 32385 * 127
+    * K or 32385 * 2040 * K (K past numba_dot.WIDE_CHUNK, not a multiple of it, with a tail
+    past numba_dot.LANES for int8), where every int32 lane of a chunk nears 2**31."""
+    k = 2 ** 16 + 7 if group == 0 else 8256
+    signs = np.tile([1, -1], k)[:k]
+    if group == 0:
+        w, m, largest = np.stack([np.full(k, 127), -127 * signs]).astype(np.int8), None, 127
+    else:                                             # -8 everywhere, or -8 and 7 alternately
+        w = np.stack([np.full(k // 2, 0x88), np.full(k // 2, 0x78)]).astype(np.uint8)
+        m, largest = np.full((2, k // group), 255, np.uint8), 8 * 255
+    p = np.stack([np.full(k, -32385), 32385 * signs]).astype(np.int16)
+    a, scale = np.ones(2, np.float32), np.ones(2, np.float32)
+    got = KERNELS.linear(w, scale, m, group)(p, a)
+    assert bits(got) == bits(Linear(w, scale, m, group)(p, a))
+    assert abs(got[0, 0]) == np.float32(32385 * largest * k)
 
 
 @pytest.mark.parametrize("window", [0, 1, 4, 11])
@@ -227,7 +278,10 @@ with tinyloop.Model(sys.argv[1], backend="numba") as model:
     model.generate([1, 2, 3], max_tokens=3, cache_window=2)
 kernels, x = numba_cpu.NumbaKernels(), np.ones((2, 8), np.float32)
 kernels.rms_norm(x, x[0], 1e-5)
-kernels.linear(np.ones((3, 8), np.int8), x[0, :3], bias=x[0, :3])(np.ones((2, 8), np.int8), x[:, 0])
+linear = kernels.linear(np.ones((3, 8), np.int8), x[0, :3], bias=x[0, :3])
+linear(np.ones((2, 8), np.int8), x[:, 0])
+linear(*kernels.rms_quantize(x, 1e-5, 4))          # block activations: NQB, QB, int16 inputs
+kernels.quantize_rows(x, 4)
 found = {}
 for f in list(vars(numba_cpu).values()) + list(vars(numba_cpu.S).values()):
     if isinstance(f, numba.core.dispatcher.Dispatcher) and f.signatures:

@@ -99,9 +99,54 @@ def test_rms_norm_matches_numpy_on_edge_rows(kernels):
     assert_same_bits_or_nan(got_one.copy_to_host(), want_one)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the simulator's numpy scalars: inf * 0
+@pytest.mark.parametrize("block", [1, 4, 8])
+def test_block_quantizers_match_numpy(kernels, block):
+    """QB and NQB (spec §2.2.1) on rows of 8 in blocks of 1, 4 and 8: an outlier block, block
+    maxima at multiples of amax / 255 (ceil's edges), rows below 2^-64, zero, huge and
+    non-finite rows."""
+    from numba import cuda
+
+    from tinyloop.fallback.numerics import quantize_input, rms_quantize_input
+    rng = np.random.default_rng(block)
+    steps = (np.arange(8) // block) * np.float32(0.37) * np.array([1, -1] * 4)
+    x = np.array([[1e3, -2e-3, 5e-4, 1e-3, 3e-4, -1e-4, 2e-3, 1e-3], steps,
+                  steps[::-1] * 1e-17, np.full(8, 1e-20), np.zeros(8), rng.standard_normal(8),
+                  [np.nan, np.inf, 1, -2, 3, -np.inf, 0, 5],
+                  [3e38, -3e38, 1, 0, -0.0, 2.5, 1e-45, 7]], np.float32)
+    with np.errstate(all="ignore"):
+        p, s = kernels.quantize_rows(cuda.to_device(x), block)
+        want_p, want_s = quantize_input(x, block)
+        assert (p.copy_to_host() == want_p).all() and p.dtype == np.int16
+        assert_same_bits(s.copy_to_host(), want_s)
+        p, a = kernels.rms_quantize(cuda.to_device(x), 1e-5, block)
+        want_p, want_a = rms_quantize_input(x, 1e-5, block)
+        assert (p.copy_to_host() == want_p).all()
+        assert_same_bits_or_nan(a.copy_to_host(), want_a)
+
+
+def test_block_inputs_sum_past_int32_across_tiles(kernels):
+    """Block inputs at |p| = 32385 against int4 weights of -8 times 255 over K = 48 (three
+    tiles, each tile's int32 sum near its bound): acc = 32385 * 2040 * 48 > 2**31, exact in
+    int64; and alternating signs."""
+    from numba import cuda
+
+    from tinyloop.fallback.weights import Linear
+    n_in = 48
+    w = np.stack([np.full(n_in // 2, 0x88), np.full(n_in // 2, 0x78)]).astype(np.uint8)
+    m = np.full((2, n_in // 8), 255, np.uint8)
+    p = np.stack([np.full(n_in, -32385), np.tile([32385, -32385], n_in // 2)]).astype(np.int16)
+    a, scale = np.ones(2, np.float32), np.ones(2, np.float32)
+    got = kernels.linear(w, scale, m, 8)(cuda.to_device(p), cuda.to_device(a)).copy_to_host()
+    assert_same_bits(got, Linear(w, scale, m, 8)(p, a))
+    assert got[0, 0] == np.float32(32385 * 2040 * n_in)
+
+
+@pytest.mark.parametrize("block_inputs", [False, True])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_linear_with_a_bias_matches_numpy(kernels, fmt):
-    """The bias is added after the row scale (spec §3): -0.0 + b, infinities, NaN."""
+def test_linear_with_a_bias_matches_numpy(kernels, fmt, block_inputs):
+    """The bias is added after the row scale (spec §3): -0.0 + b, infinities, NaN; q int8 and
+    block inputs (int16, §2.2.1)."""
     from numba import cuda
 
     from tinyloop.fallback.weights import Linear
@@ -114,7 +159,8 @@ def test_linear_with_a_bias_matches_numpy(kernels, fmt):
         m = rng.integers(0, 256, (n_out, n_in // group), dtype=np.uint8)
     scale = np.array([0.5, -0.25, 1, -3, 2], np.float32)
     bias = np.array([-0.0, 0.0, np.inf, np.nan, 1.5], np.float32)
-    q = rng.integers(-127, 128, (3, n_in), dtype=np.int8)
+    qmax = 127 * 255 if block_inputs else 127
+    q = rng.integers(-qmax, qmax + 1, (3, n_in)).astype(np.int16 if block_inputs else np.int8)
     q[0] = 0                                          # acc 0: y is -0.0 where ws < 0
     a = np.array([1, 0.5, 3], np.float32)
     got = kernels.linear(w, scale, m, group, bias=bias)(cuda.to_device(q), cuda.to_device(a))
@@ -201,19 +247,22 @@ def kernel_signatures():
     from numba import types as t
     f1, f2, f3 = t.float32[::1], t.float32[:, ::1], t.float32[:, :, ::1]
     i8_2, i8_3, i8_4, n = t.int8[:, ::1], t.int8[:, :, ::1], t.int8[:, :, :, ::1], t.int64
+    i16_2 = t.int16[:, ::1]                                       # block inputs; int4 weights
     kv_rows = [(i8_3, i8_4), (t.uint8[:, :, ::1], t.uint8[:, :, :, ::1])]   # int8, int4 KV
     return {
         "embed_kernel": [(t.int32[::1], i8_2, f1, t.float32, f2)],
         "add_kernel": [(f2, f2, f2)],
         "swiglu_kernel": [(f2, f2)],
-        "quantize_rows_kernel": [(f2, i8_2, f1)],
-        "rms_quantize_kernel": [(f2, t.float32, i8_2, f1)],
+        "gate_kernel": [(f2, f2, n, f2)],
+        "loop_mix_kernel": [(f3, f2, f2, i8_2, f1, f1, f2)],
+        "quantize_rows_kernel": [(f2, n, q, f1) for q in (i8_2, i16_2)],
+        "rms_quantize_kernel": [(f2, t.float32, n, q, f1) for q in (i8_2, i16_2)],
         "rms_norm_kernel": [(f2, f1, t.float32, f2)],
         "rope_kernel": [(f2, f2, f2, f3, f3)],
         "quantize_kv_kernel": [(f3, f2, n, t.float32, kv, f2, kv, f2) for kv, _ in kv_rows],
-        "linear_kernel": [(i8_2, f1, w, f1, f1, f2) for w in (i8_2, t.int16[:, ::1])],
+        "linear_kernel": [(q, f1, w, f1, f1, f2) for q in (i8_2, i16_2) for w in (i8_2, i16_2)],
         "attend_kernel": [(f3, kv, t.float32[:, :, ::1], kv, t.float32[:, :, ::1],
-                           t.int32[::1], n, n, n, n, n, f2) for _, kv in kv_rows],
+                           t.int32[::1], n, n, n, n, n, n, f2) for _, kv in kv_rows],
     }
 
 
