@@ -209,7 +209,7 @@ class NativeEngine:
             embed_scale=c.embed_scale, coda_norm=bool(c.coda_norm),
             stop_ids=tuple(c.stop_ids[0:c.n_stop_ids]), exit_gate=bool(c.exit_gate),
             exit_threshold=c.exit_threshold, core_cycles=c.core_cycles,
-            attn_gate=bool(c.attn_gate), loop_window=c.loop_window)
+            attn_gate=bool(c.attn_gate), loop_window=c.loop_window, act_block=c.act_block)
 
     def _kv_modes(self) -> dict[str, int]:
         return {"int8": self.lib.TL_KV_INT8, "int4": self.lib.TL_KV_INT4}

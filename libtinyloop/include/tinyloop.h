@@ -231,6 +231,11 @@ typedef struct tl_model_config {
     uint32_t loop_window;   /* 0: none; W_l >= 1: core iterations i >= 1 mix a global attention
                                over iteration 0's KV and a local one over their own KV seen
                                through a window of W_l positions, gated per head             */
+    /* version 3 (docs/spec.md §2.2.1, §3, §4, §6.1): block activations; a caller built before
+       it gets the fields above                                                               */
+    uint32_t act_block;     /* 0: one activation scale per row; B >= 1: every linear's input
+                               row is quantized in blocks of B, each with its own multiplier
+                               of the row's scale (hidden-state prefixes: h4 or kv only)     */
 } tl_model_config;
 
 /* Copy the configuration into *out, up to out->size (set by the caller). Thread-safe.

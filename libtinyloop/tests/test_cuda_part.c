@@ -5,8 +5,9 @@
  * Huginn-like one (prelude, core of 2 with injection and step norm, coda with coda norm, sandwich
  * blocks, qkv biases) also with int4 KV, one with a coda and no prelude, one of 5 token ids
  * (where drafts often agree), HRM-like ones (a two-state core, the attention gate; int8, and
- * int4 weights and KV with biases and post blocks) and IQuest-Coder-Loop-like ones (loop attention;
- * int8, and int4 weights and KV with biases and sandwich blocks). Checked:
+ * int4 weights and KV with biases and post blocks), IQuest-Coder-Loop-like ones (loop attention;
+ * int8, and int4 weights and KV with biases and sandwich blocks) and block activations (act_block:
+ * the Huginn-like one in blocks of 4, int4 loop attention in blocks of 16). Checked:
  *  - the part passes of self-speculative decoding (docs/spec.md §5.6): drafts to L_d, row by row
  *    and as a chunk, their coda in depth L's slots, resumed to L by one verification pass; and a
  *    warm-start build's pass split at L_b and resumed (§5.4): every kept state, injected term,
@@ -364,6 +365,10 @@ int main(void) {
     loop4.int4 = 1, loop4.group_size = 16, loop4.qkv_bias = 1, loop4.layout = 1;
     test_model("cuda-part-loop.tinyloop", &loop, TL_KV_INT8, PARTS | SPECULATE | BATCH | WARM);
     test_model("cuda-part-loop-int4.tinyloop", &loop4, TL_KV_INT4, PARTS | SPECULATE | WARM);
+    tu_spec blocks = tu_spec_huginn(), blocks4 = loop4; /* block activations */
+    blocks.version = 3, blocks.act_block = 4, blocks4.act_block = 16;
+    test_model("cuda-part-act-block.tinyloop", &blocks, TL_KV_INT8, PARTS | SPECULATE | BATCH | WARM);
+    test_model("cuda-part-act-block-int4.tinyloop", &blocks4, TL_KV_INT4, PARTS | SPECULATE);
     CHECK(total_accepted > 0, "no draft was ever accepted on CUDA (drafted %zu): the test proves little",
           total_drafted);
     printf("test_cuda_part: drafted %zu, accepted %zu on CUDA\n", total_drafted, total_accepted);

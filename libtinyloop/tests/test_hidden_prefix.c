@@ -48,8 +48,7 @@ static tl_prefix* build(tl_model* m, uint32_t loops, uint32_t window, size_t chu
 
 /* §2.2 Q(x, qmax) as written there, with libm's rint (round half to even). */
 static float spec_q(const float* x, size_t n, int qmax, int* q) {
-    float amax = 0.0f;
-    for (size_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float amax = tu_spec_amax(x, n);
     if (amax < 0x1p-64f) {
         for (size_t i = 0; i < n; i++) q[i] = 0;
         return 0.0f;
@@ -68,20 +67,13 @@ static float spec_q(const float* x, size_t n, int qmax, int* q) {
 static float spec_record(const float* x, size_t d, int h4, float eps, uint8_t* stored) {
     int q[64];
     const float s = spec_q(x, d, h4 ? 7 : 127, q);
-    int64_t ss = 0;
-    for (size_t i = 0; i < d; i++) ss += (int64_t)q[i] * q[i];
-    float t = (float)ss;
-    t = t * s;
-    t = t * s;
-    t = t / (float)d;
-    t = t + eps;
-    t = sqrtf(t);
+    const float a = tu_spec_nq_scale(q, d, s, eps);
     for (size_t i = 0; i < d; i++) {
         if (!h4) stored[i] = (uint8_t)(int8_t)q[i];
         else if (i % 2 == 0) stored[i / 2] = (uint8_t)(q[i] & 15);
         else stored[i / 2] |= (uint8_t)((q[i] & 15) << 4);
     }
-    return s / t;
+    return a;
 }
 
 static void test_rows(void) {

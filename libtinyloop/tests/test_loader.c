@@ -233,7 +233,7 @@ static void e_gate_shape(uint8_t* f, size_t n) {
 static void e_gate_scale(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.s"), 0xbf800000); }
 static void e_gate_bias(uint8_t* f, size_t n) { (void)n, put32(data_of(f, "exit_gate.b"), 0x7fc00000); }
 static void e_gate_renamed(uint8_t* f, size_t n) { (void)n, rename_entry(f, "exit_gate.b", "exit_gate.bias"); }
-static void e_v3_reserved(uint8_t* f, size_t n) { (void)n, f[232] = 1; }
+static void e_v3_reserved(uint8_t* f, size_t n) { (void)n, f[236] = 1; }
 /* version 3's core_cycles and attn_gate (docs/spec.md §6.1 offsets 220, 224; §6.3 step 2) */
 static void e_cycles_big(uint8_t* f, size_t n) { (void)n, put32(f + 220, 257); }
 static void e_cycles_on(uint8_t* f, size_t n) { (void)n, put32(f + 220, 1); }
@@ -402,7 +402,7 @@ static void test_v3_rules(void) {
     expect_rule_on(&gate, "gate scale", e_gate_scale, "tensor 'exit_gate.s': scales must be finite and >= 0", 1);
     expect_rule_on(&gate, "gate bias", e_gate_bias, "tensor 'exit_gate.b': values must be finite", 1);
     expect_rule_on(&gate, "gate renamed", e_gate_renamed, "unexpected tensor 'exit_gate.bias'", 1);
-    expect_rule_on(&gate, "reserved", e_v3_reserved, "reserved: header bytes 232 .. 255 must be zero", 1);
+    expect_rule_on(&gate, "reserved", e_v3_reserved, "reserved: header bytes 236 .. 255 must be zero", 1);
     expect_rule_on(&gate, "threshold before reserved", e_threshold_and_reserved, "exit_threshold", 1);
     expect_rule_on(&gate, "values before threshold", e_scale_and_threshold, "tensor 'exit_gate.s'", 1);
     expect_rule_on(&gate, "checksum first", e_threshold_zero, "checksum mismatch", 0);

@@ -29,14 +29,6 @@ static const char* loop_model(uint32_t w) {
     return tu_write_model(name, &s);
 }
 
-static tl_model* open_model(const char* path, uint32_t threads, tl_isa isa, tl_kv_mode kv) {
-    tl_model_params p = tl_model_params_default();
-    p.n_threads = threads, p.isa = isa, p.kv_block_size = 4, p.kv_mode = kv;
-    tl_model* m = NULL;
-    CHECK_OK(tl_model_open(path, &p, &m));
-    return m;
-}
-
 /* logits_all [N][V] of the prompt run into a new sequence at depth loops with window W, in chunks. */
 static float* prefill_logits(tl_model* m, uint32_t loops, uint32_t window, size_t chunk) {
     float* out = calloc((size_t)N * V, sizeof(float));
@@ -61,11 +53,11 @@ static tl_gen_params params(uint32_t loops, uint32_t window) { return tu_gen_par
 /* ---- the semantics --------------------------------------------------------------------------- */
 
 static void test_windows(void) {
-    tl_model* w1 = open_model(loop_model(1), 2, TL_ISA_AUTO, TL_KV_INT8);
-    tl_model* w2 = open_model(loop_model(2), 2, TL_ISA_AUTO, TL_KV_INT8);
-    tl_model* w3 = open_model(loop_model(3), 2, TL_ISA_AUTO, TL_KV_INT8);
-    tl_model* wn = open_model(loop_model(N), 2, TL_ISA_AUTO, TL_KV_INT8);
-    tl_model* causal = open_model(loop_model(MAX_SEQ), 2, TL_ISA_AUTO, TL_KV_INT8);
+    tl_model* w1 = tu_open_kv(loop_model(1), 2, TL_ISA_AUTO, 4, TL_KV_INT8);
+    tl_model* w2 = tu_open_kv(loop_model(2), 2, TL_ISA_AUTO, 4, TL_KV_INT8);
+    tl_model* w3 = tu_open_kv(loop_model(3), 2, TL_ISA_AUTO, 4, TL_KV_INT8);
+    tl_model* wn = tu_open_kv(loop_model(N), 2, TL_ISA_AUTO, 4, TL_KV_INT8);
+    tl_model* causal = tu_open_kv(loop_model(MAX_SEQ), 2, TL_ISA_AUTO, 4, TL_KV_INT8);
     if (!w1 || !w2 || !w3 || !wn || !causal) goto done;
     CHECK(!same_rows(w1, w3, LOOPS, 0, N - 1, N), "W_l = 1 and W_l = 3 give the same last logits");
     CHECK(!same_rows(w3, causal, LOOPS, 0, 3, N), "W_l = 3 and a causal local attention agree past position 2");
@@ -118,7 +110,7 @@ static void test_isas(const char* path, tl_model* m) {
     tu_result want = tu_generate(m, prompt, N, &gp, V);
     for (int i = 0; i < 4; i++)
         for (uint32_t threads = 1; threads <= 3 && tl_cpu_supports(isas[i]); threads += 2) {
-            tl_model* x = open_model(path, threads, isas[i], TL_KV_INT8);
+            tl_model* x = tu_open_kv(path, threads, isas[i], 4, TL_KV_INT8);
             if (!x) continue;
             for (size_t chunk = 0; chunk <= 1; chunk++) {
                 float* got = prefill_logits(x, LOOPS, 0, chunk);
@@ -132,7 +124,7 @@ static void test_isas(const char* path, tl_model* m) {
             tl_model_free(x);
         }
     tu_result_free(&want), free(ref);
-    tl_model* q = open_model(path, 2, TL_ISA_AUTO, TL_KV_INT4);
+    tl_model* q = tu_open_kv(path, 2, TL_ISA_AUTO, 4, TL_KV_INT4);
     if (q) test_chunks(q, "int4 KV");
     tl_model_free(q);
 }
@@ -177,7 +169,7 @@ static void test_exits(const char* path, tl_model* m) {
     tl_gen_params gp = tu_gen_params(12, LOOPS, 0, 0, 3);
     gp.exit_rule = TL_EXIT_LATENT, gp.exit_threshold = 0.5f;
     tu_result ref = tu_generate(m, prompt, N, &gp, V);
-    tl_model* one = open_model(path, 1, TL_ISA_SCALAR, TL_KV_INT8);
+    tl_model* one = tu_open_kv(path, 1, TL_ISA_SCALAR, 4, TL_KV_INT8);
     tu_result r = tu_generate(one, prompt, N, &gp, V);
     CHECK(tu_same_result(&ref, &r), "exits: scalar path at 1 thread");
     tu_result_free(&r);
@@ -262,7 +254,7 @@ static void test_prefixes(tl_model* m) {
 int main(void) {
     test_windows();
     const char* path = loop_model(3);
-    tl_model* m = open_model(path, 2, TL_ISA_AUTO, TL_KV_INT8);
+    tl_model* m = tu_open_kv(path, 2, TL_ISA_AUTO, 4, TL_KV_INT8);
     if (m) {
         test_chunks(m, "int8 KV");
         test_isas(path, m);
@@ -273,7 +265,7 @@ int main(void) {
     }
     tl_model_free(m);
     /* a local window past the prompt: both attentions of a tile slice pack their values */
-    m = open_model(loop_model(MAX_SEQ), 2, TL_ISA_AUTO, TL_KV_INT8);
+    m = tu_open_kv(loop_model(MAX_SEQ), 2, TL_ISA_AUTO, 4, TL_KV_INT8);
     if (m) test_chunks(m, "W_l = max_seq_len");
     tl_model_free(m);
     return tu_finish("test_loop");

@@ -1,8 +1,8 @@
 /* test_primitives.c — unit tests of the numerics primitives (docs/spec.md §2, §3, §5), each
  * against an independent reference written here: exp2s and log2s from the spec's bit patterns, Q8/NQ
  * edge cases, the sigmoid and the weightless RN, the rint helper, CRC-32, the counter RNG, int4
- * unpacking, every available matmul path against a naive exact reference, and sampling against
- * a full-sort reference. */
+ * unpacking, every available matmul path against a naive exact reference (row inputs, and block
+ * inputs on their digit rows), and sampling against a full-sort reference. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -293,6 +293,7 @@ typedef struct mm_case {
     uint32_t R, K, gs; /* gs 0 = int8 */
     size_t T;
     int extreme;       /* all weights and activations at their most negative */
+    int digits;        /* block inputs (act_block): p in [-32385, 32385] on two digit rows a token */
 } mm_case;
 
 static int nibble_value(const uint8_t* w4, size_t k) {
@@ -307,17 +308,23 @@ static void run_case(const mm_case* c, uint64_t* rng) {
     uint8_t* mult = malloc(c->gs ? R * (K / c->gs) : 1);
     float* ws = malloc(R * sizeof(float));
     enum { THREADS = 3 };
-    const size_t scratch_bytes = tl_linear_scratch_bytes(TL_ISA_AMX, T, K);
-    const size_t tiled_bytes = tl_acts_tiled_bytes(TL_ISA_AMX, T, K);
-    tl_acts A = {T, stride, calloc(T, stride), calloc(T, stride), malloc(T * sizeof(float)),
-                 calloc(THREADS, scratch_bytes + 1), scratch_bytes, malloc(tiled_bytes + 1)};
+    const size_t rows = c->digits ? 2 * T : T;
+    const size_t scratch_bytes = tl_linear_scratch_bytes(TL_ISA_AMX, rows, K);
+    const size_t tiled_bytes = tl_acts_tiled_bytes(TL_ISA_AMX, rows, K);
+    tl_acts A = {T, stride, calloc(rows, stride), calloc(rows, stride), malloc(T * sizeof(float)),
+                 calloc(THREADS, scratch_bytes + 1), scratch_bytes, malloc(tiled_bytes + 1), c->digits,
+                 c->digits ? malloc(THREADS * tl_acts_raw_bytes(T)) : NULL};
     memset(A.tiled, 0x5a, tiled_bytes); /* tl_linear_run rewrites all of it, padding rows included */
+    int16_t* in = malloc(T * K * sizeof(int16_t)); /* each token's inputs: q, or block inputs p */
+    const int16_t most = c->digits ? 32385 : 127;
     for (size_t i = 0; i < R * K; i++) w8[i] = c->extreme ? -128 : (int8_t)tu_uniform(rng, -128, 127);
     for (size_t i = 0; i < R * K / 2; i++) w4[i] = c->extreme ? 0x88 : (uint8_t)tu_next(rng);
     for (size_t i = 0; c->gs && i < R * (K / c->gs); i++) mult[i] = c->extreme ? 255 : (uint8_t)tu_uniform(rng, 0, 255);
     for (size_t j = 0; j < R; j++) ws[j] = (float)tu_uniform(rng, 1, 1000) / 4096.0f;
     for (size_t t = 0; t < T; t++) {
-        for (size_t k = 0; k < K; k++) A.q[t * stride + k] = c->extreme ? -127 : (int8_t)tu_uniform(rng, -127, 127);
+        for (size_t k = 0; k < K; k++) in[t * K + k] = c->extreme ? -most : (int16_t)tu_uniform(rng, -most, most);
+        if (c->digits) tl_split_digits(in + t * K, K, A.q + 2 * t * stride, A.q + (2 * t + 1) * stride);
+        for (size_t k = 0; !c->digits && k < K; k++) A.q[t * stride + k] = (int8_t)in[t * K + k];
         A.scale[t] = (float)tu_uniform(rng, 1, 1000) / 1024.0f;
     }
     const tl_linear_src src = {(uint32_t)R, (uint32_t)K, c->gs, c->gs ? NULL : w8, c->gs ? w4 : NULL,
@@ -330,11 +337,11 @@ static void run_case(const mm_case* c, uint64_t* rng) {
             for (size_t k = 0; k < K; k++) {
                 const int64_t w = c->gs ? (int64_t)nibble_value(w4 + j * (K / 2), k) * mult[j * (K / c->gs) + k / c->gs]
                                         : w8[j * K + k];
-                acc += w * A.q[t * stride + k];
+                acc += w * in[t * K + k];
             }
-            CHECK(acc >= INT32_MIN && acc <= INT32_MAX, "test case breaks the accumulator bound");
+            CHECK(c->digits || (acc >= INT32_MIN && acc <= INT32_MAX), "test case breaks the accumulator bound");
             want[t * R + j] = 0.5f;
-            tl_emit(&want[t * R + j], (int32_t)acc, A.scale[t], ws[j], true);
+            tl_emit(&want[t * R + j], acc, A.scale[t], ws[j], true);
         }
     float* got = malloc(T * R * sizeof(float));
     tl_pool* pool;
@@ -343,15 +350,17 @@ static void run_case(const mm_case* c, uint64_t* rng) {
         if (!tl_isa_available(isa)) continue;
         tl_linear lin;
         CHECK_OK(tl_linear_prepare(&lin, &src, isa));
-        for (size_t t = 0; t < T; t++) tl_acts_finish_row(&A, t);
+        for (size_t r = 0; r < rows; r++) tl_acts_finish_row(&A, r);
         for (size_t i = 0; i < T * R; i++) got[i] = 0.5f;
         tl_linear_run(&lin, &A, got, R, true, pool);
-        CHECK(tu_same_bits(got, want, T * R), "isa %d: R=%u K=%u gs=%u T=%zu extreme=%d differs from the reference",
-              isa, c->R, c->K, c->gs, c->T, c->extreme);
+        CHECK(tu_same_bits(got, want, T * R),
+              "isa %d: R=%u K=%u gs=%u T=%zu extreme=%d digits=%d differs from the reference", isa, c->R, c->K, c->gs,
+              c->T, c->extreme, c->digits);
         tl_linear_release(&lin);
     }
     tl_pool_destroy(pool);
-    free(w8), free(w4), free(mult), free(ws), free(A.q), free(A.qx), free(A.scale), free(A.scratch), free(A.tiled), free(want), free(got);
+    free(w8), free(w4), free(mult), free(ws), free(A.q), free(A.qx), free(A.scale), free(A.scratch), free(A.tiled),
+        free(A.raw), free(in), free(want), free(got);
 }
 
 static void test_matmul(void) {
@@ -362,7 +371,7 @@ static void test_matmul(void) {
     for (size_t r = 0; r < sizeof Rs / sizeof *Rs; r++)
         for (size_t k = 0; k < sizeof Ks / sizeof *Ks; k++)
             for (size_t t = 0; t < sizeof Ts / sizeof *Ts; t += 1 + (r + k) % 3) {
-                mm_case c = {Rs[r], Ks[k], 0, Ts[t], 0};
+                mm_case c = {Rs[r], Ks[k], 0, Ts[t], 0, 0};
                 run_case(&c, &rng);
                 const uint32_t groups[] = {2, 6, 8, 16, 24, 40, 64};
                 for (size_t g = 0; g < sizeof groups / sizeof *groups; g++)
@@ -373,16 +382,23 @@ static void test_matmul(void) {
             }
     const uint32_t odd_K[] = {1, 3, 5, 13, 77};
     for (size_t k = 0; k < sizeof odd_K / sizeof *odd_K; k++) {
-        mm_case c = {19, odd_K[k], 0, 6, 0};
+        mm_case c = {19, odd_K[k], 0, 6, 0, 0};
         run_case(&c, &rng);
     }
     /* accumulator extremes: int8 K = 2^16 (127 * 128 * K < 2^31), int4 K = 8192 with m = 255 */
-    const mm_case big[] = {{3, 65536, 0, 2, 1},  {17, 8192, 32, 3, 1},  {9, 8192, 8192, 2, 1},
-                           {33, 65536, 0, 17, 1}, {17, 8192, 32, 33, 1}, {9, 8192, 8192, 16, 1}};
+    const mm_case big[] = {{3, 65536, 0, 2, 1, 0},  {17, 8192, 32, 3, 1, 0},  {9, 8192, 8192, 2, 1, 0},
+                           {33, 65536, 0, 17, 1, 0}, {17, 8192, 32, 33, 1, 0}, {9, 8192, 8192, 16, 1, 0}};
     /* AMX token spans (token_span: 32 or 64 tokens at these K): several spans and a ragged tail */
-    const mm_case spans[] = {{33, 8192, 0, 100, 0}, {5, 32768, 0, 70, 0}, {40, 8192, 0, 64, 0}};
+    const mm_case spans[] = {{33, 8192, 0, 100, 0, 0}, {5, 32768, 0, 70, 0, 0}, {40, 8192, 0, 64, 0, 0}};
     for (size_t i = 0; i < sizeof spans / sizeof *spans; i++) run_case(&spans[i], &rng);
     for (size_t i = 0; i < sizeof big / sizeof *big; i++) run_case(&big[i], &rng);
+    /* block inputs on digit rows (docs/spec.md §3): decode, AMX tiles from 8 tokens (16 rows), rows
+     * past one DIGIT_ROWS call (matmul.c), and sums past i32: 32385 * 128 * 2^16, 32385 * 8 * 255 * 8192 */
+    const mm_case digits[] = {{17, 40, 0, 1, 0, 1},    {100, 64, 8, 3, 0, 1},   {300, 96, 0, 9, 0, 1},
+                              {40, 120, 24, 17, 0, 1}, {600, 16, 16, 8, 0, 1},  {19, 13, 0, 2, 0, 1},
+                              {3, 65536, 0, 1, 1, 1},  {17, 65536, 0, 8, 1, 1}, {17, 8192, 32, 3, 1, 1},
+                              {17, 8192, 32, 8, 1, 1}};
+    for (size_t i = 0; i < sizeof digits / sizeof *digits; i++) run_case(&digits[i], &rng);
 }
 
 /* ---- attention kernels ---------------------------------------------------------------- */

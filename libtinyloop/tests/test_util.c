@@ -264,9 +264,9 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         fprintf(stderr, "tu_model_bytes: version 1 has one core block and none of the version-2 options\n");
         exit(2);
     }
-    if ((s->exit_gate || s->core_cycles || s->attn_gate || s->loop_window) && s->version < 3) {
-        fprintf(stderr, "tu_model_bytes: an exit gate, a two-state core, the attention gate or loop attention "
-                        "needs version 3\n");
+    if ((s->exit_gate || s->core_cycles || s->attn_gate || s->loop_window || s->act_block) && s->version < 3) {
+        fprintf(stderr, "tu_model_bytes: an exit gate, a two-state core, the attention gate, loop attention or "
+                        "block activations need version 3\n");
         exit(2);
     }
     const uint32_t blocks = s->n_pre + s->n_core + s->n_coda;
@@ -306,6 +306,7 @@ uint8_t* tu_model_bytes(const tu_spec* s, size_t* n_out) {
         put32(f + 220, s->core_cycles);
         put32(f + 224, s->attn_gate);
         put32(f + 228, s->loop_window);
+        put32(f + 232, s->act_block);
     }
     uint64_t rng = s->seed;
     for (size_t i = 0; i < n; i++) {
@@ -444,11 +445,33 @@ const char* tu_write_model(const char* name, const tu_spec* spec) {
     return path;
 }
 
+float tu_spec_amax(const float* x, size_t n) {
+    float amax = 0.0f;
+    for (size_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    return amax;
+}
+
+float tu_spec_nq_scale(const int32_t* q, size_t n, float s, float eps) {
+    int64_t ss = 0;
+    for (size_t i = 0; i < n; i++) ss += (int64_t)q[i] * q[i];
+    float t = (float)ss;
+    t = t * s;
+    t = t * s;
+    t = t / (float)n;
+    t = t + eps;
+    return s / sqrtf(t);
+}
+
 tl_model* tu_open(const char* path, uint32_t threads, tl_isa isa, uint32_t block_size) {
+    return tu_open_kv(path, threads, isa, block_size, TL_KV_INT8);
+}
+
+tl_model* tu_open_kv(const char* path, uint32_t threads, tl_isa isa, uint32_t block_size, tl_kv_mode kv) {
     tl_model_params p = tl_model_params_default();
     p.n_threads = threads;
     p.isa = isa;
     p.kv_block_size = block_size;
+    p.kv_mode = kv;
     tl_model* m = NULL;
     tl_status st = tl_model_open(path, &p, &m);
     CHECK(st == TL_OK, "tl_model_open(%s): %s", path, tl_last_error());

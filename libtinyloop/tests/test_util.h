@@ -64,6 +64,7 @@ typedef struct tu_spec {
     uint32_t attn_gate;   /* header offset 224: H * D gate rows in attn_qkv (§4); version 3 */
     uint32_t loop_window; /* header offset 228: loop attention (§4), each core block's
                              loop_gate.w, .s, .b; version 3                                   */
+    uint32_t act_block;   /* header offset 232: block activations (§2.2.1); version 3       */
 } tu_spec;
 
 /* A small int8 GQA model of one core block, written as version 2 (the tokenizer is bytes
@@ -88,8 +89,8 @@ tu_spec tu_spec_loop(void);
  * >= 1 (a two-state core) (cycles + 1) * k / 2. */
 uint32_t tu_core_width(uint32_t k, uint32_t cycles);
 /* The bytes of a valid model file (malloc'd), *n its size; exits with status 2 on a spec that
- * version 1 cannot express, or an exit gate, a two-state core, the attention gate or loop
- * attention before version 3. */
+ * version 1 cannot express, or an exit gate, a two-state core, the attention gate, loop
+ * attention or block activations before version 3. */
 uint8_t* tu_model_bytes(const tu_spec* spec, size_t* n);
 /* Recompute the header checksum after editing bytes (a model file's, or a prefix blob's: both
  * at offset 24, the CRC-32 with the field read as zero). */
@@ -133,6 +134,13 @@ const char* tu_write_file(const char* name, const uint8_t* bytes, size_t n);
 /* Write a model and open it with the given threads / ISA (block size 4 to exercise paging). */
 const char* tu_write_model(const char* name, const tu_spec* spec);
 tl_model* tu_open(const char* path, uint32_t threads, tl_isa isa, uint32_t block_size);
+/* §2.2 step 1: max |x_i| over x[n], NaN ignored (fmaxf), from 0. */
+float tu_spec_amax(const float* x, size_t n);
+/* §2.3 steps 2-4 in the spec's order: a = s / t from a row's integers q[n] (Q8's, Q4's or QB's)
+ * and its scale s. */
+float tu_spec_nq_scale(const int32_t* q, size_t n, float s, float eps);
+/* tu_open in a KV mode. */
+tl_model* tu_open_kv(const char* path, uint32_t threads, tl_isa isa, uint32_t block_size, tl_kv_mode kv);
 /* Open with 2 threads, blocks of 4 and an automatic prefix cache of cache_bytes (0: none). */
 tl_model* tu_open_cached(const char* path, size_t cache_bytes);
 /* m's prefix cache counters (a failure is counted as a failed check); the library's memory. */

@@ -257,7 +257,7 @@ TL_API tl_status tl_model_config_get(const tl_model* model, tl_model_config* out
         c->tied_head, c->bos_id, c->eos_id, c->tokenizer, c->rope_theta, c->rms_eps, {0},
         c->version, c->n_core_blocks, c->n_coda_blocks, c->block_layout, c->qkv_bias, c->injection,
         c->step_norm, c->embed_scale, c->coda_norm, c->n_stop_ids, {0}, c->exit_gate, c->exit_threshold,
-        c->core_cycles, c->attn_gate, c->loop_window};
+        c->core_cycles, c->attn_gate, c->loop_window, c->act_block};
     memcpy(full.name, c->name, sizeof full.name);
     memcpy(full.stop_ids, c->stop_ids, sizeof full.stop_ids);
     tl_copy_versioned(out, &full, sizeof full);

@@ -20,7 +20,8 @@
  *
  * Hidden-state storage (TL_PREFIX_STORE_H8 / _H4, docs/spec.md §5.4.1): the build's sequence
  * captures every layer's input rows (core/hidden.h), the prefix keeps those instead of the KV
- * blocks, and each sequence started from it rebuilds its own KV from them.
+ * blocks, and each sequence started from it rebuilds its own KV from them. h8 rows are NQ's, so
+ * a model with block activations (act_block, whose layers read NQB) refuses them.
  *
  * Instruction block (docs/spec.md §5.4): a prefix built with one keeps its length P; the build,
  * an extension and every sequence from it run with that P (their first chunk holds 0 .. P-1).
@@ -118,6 +119,9 @@ tl_status tl_prefix_check_storage(const tl_engine* e, tl_prefix_storage storage)
     if (storage == TL_STORE_H4 && c->d_model % 2)
         return tl_fail(TL_ERR_INVALID_ARGUMENT, "h4 prefixes need an even d_model, this model's is %u: use h8 or kv",
                        c->d_model);
+    if (storage == TL_STORE_H8 && c->act_block) /* NQB's p (docs/spec.md §2.2.1) does not fit h8's i8 row */
+        return tl_fail(TL_ERR_INVALID_ARGUMENT, "h8 prefixes need one activation scale per row (act_block 0), this "
+                       "model's act_block is %u: use h4 or kv", c->act_block);
     const size_t rows = (storage == TL_STORE_H8 ? c->d_model : c->d_model / 2) + sizeof(float);
     const size_t kv = 2 * (size_t)c->n_kv_heads * (tl_kv_row_bytes(&e->kv_geom) + sizeof(float));
     if (rows < kv) return TL_OK;

@@ -1,7 +1,7 @@
 /* loader.c — read a `.tinyloop` file into private memory and validate it against
  * docs/spec.md §6: version 3 or 2 (a version-2 file has no stop_ids, exit gate, exit_threshold,
- * two-state core, attention gate or loop attention), or version 1 read as the version-2 model it
- * describes (§6.5).
+ * two-state core, attention gate, loop attention or block activations), or version 1 read as the
+ * version-2 model it describes (§6.5).
  *
  * The file is read once, front to back, with pread: the header, the tensor table, then each
  * tensor into its own allocation (the bytes between tensors are summed and dropped). The
@@ -12,12 +12,12 @@
  *
  * The checks report in the same order as the Python reader (tinyloop/modelfile.py): size,
  * magic, version, header_bytes, file_bytes, checksum, the config (name first, then header
- * order, the version-2 fields, then version 3's core_cycles, attn_gate and loop_window), table
- * bounds, each table entry, overlaps, the tensor set (required and optional), tensor values,
- * exit_threshold, reserved bytes, flags. The first broken rule is reported. The checksum needs
- * every byte, but the structure (config, table, tensor set) says where the bytes go, so the
- * structure is checked first and a rule it breaks is reported only once the checksum is known
- * to be good.
+ * order, the version-2 fields, then version 3's core_cycles, attn_gate, loop_window and
+ * act_block), table bounds, each table entry, overlaps, the tensor set (required and optional),
+ * tensor values, exit_threshold, reserved bytes, flags. The first broken rule is reported. The
+ * checksum needs every byte, but the structure (config, table, tensor set) says where the bytes
+ * go, so the structure is checked first and a rule it breaks is reported only once the checksum
+ * is known to be good.
  * All size/offset/shape arithmetic is done in u64 with explicit overflow checks; nothing
  * outside [0, file size) is read, and a file that shrinks while it is read is TL_ERR_IO.
  * The optional meta.* texts are checked, then dropped: the Python layer reads them itself;
@@ -200,11 +200,24 @@ static tl_status check_loop_window(tl_config* c, uint32_t window) {
     return TL_OK;
 }
 
+/* act_block (header offset 232, docs/spec.md §6.1): 0 or B in 1 .. 2^16 dividing every linear's
+ * input width: d_model, then n_heads * head_dim, then ffn_dim. */
+static tl_status check_act_block(tl_config* c, uint32_t block) {
+    TRY(check_range("act_block", block, 0, 1 << 16));
+    if (block == 0) return TL_OK;
+    if (c->d_model % block) return bad("act_block: must divide d_model (%u), got %u", c->d_model, block);
+    if ((c->n_heads * c->head_dim) % block)
+        return bad("act_block: must divide n_heads * head_dim (%u), got %u", c->n_heads * c->head_dim, block);
+    if (c->ffn_dim % block) return bad("act_block: must divide ffn_dim (%u), got %u", c->ffn_dim, block);
+    c->act_block = block;
+    return TL_OK;
+}
+
 /* The config fields at header offset 48 .. 183, in versions 2 and 3 184 .. 215, and in version
- * 3 220 .. 231 (core_cycles, attn_gate, loop_window), checked like ModelConfig.validate(); the
- * header's version (1, 2 or 3, checked) decides which. A version-3 file's exit_threshold (offset 216) is
- * read here and checked in step 8, once the tensor set says whether the file has the exit gate
- * (check_exit_threshold). */
+ * 3 220 .. 235 (core_cycles, attn_gate, loop_window, act_block), checked like
+ * ModelConfig.validate(); the header's version (1, 2 or 3, checked) decides which. A version-3
+ * file's exit_threshold (offset 216) is read here and checked in step 8, once the tensor set says
+ * whether the file has the exit gate (check_exit_threshold). */
 static tl_status parse_config(const uint8_t* h, tl_config* c) {
     size_t name_len = 0;
     TRY(check_nul_padded(h + 120, 64, "name", &name_len));
@@ -301,7 +314,8 @@ static tl_status parse_config(const uint8_t* h, tl_config* c) {
     TRY(check_core_cycles(c, rd_u32(h + 220)));
     c->attn_gate = rd_u32(h + 224);
     TRY(check_flag("attn_gate", c->attn_gate));
-    return check_loop_window(c, rd_u32(h + 228));
+    TRY(check_loop_window(c, rd_u32(h + 228)));
+    return check_act_block(c, rd_u32(h + 232));
 }
 
 /* ---- the tensor set (docs/spec.md §6.3), in the required order -------------------------- */
@@ -855,9 +869,9 @@ static tl_status validate(reader* r, tl_file* f) {
     }
     if (st == TL_OK) st = check_values(&t, &f->cfg, req, n_req);
     if (st == TL_OK) st = check_exit_threshold(&f->cfg);
-    /* version 1 reserves the version-2 fields, version 2 exit_threshold, core_cycles, attn_gate
-     * and loop_window */
-    const int reserved_from = version == 1 ? 184 : version == 2 ? 216 : 232;
+    /* version 1 reserves the version-2 fields, version 2 exit_threshold, core_cycles, attn_gate,
+     * loop_window and act_block */
+    const int reserved_from = version == 1 ? 184 : version == 2 ? 216 : 236;
     for (int k = reserved_from; st == TL_OK && k < HEADER_BYTES; k++)
         if (h[k]) st = bad("reserved: header bytes %d .. %d must be zero", reserved_from, HEADER_BYTES - 1);
     if (st == TL_OK && rd_u32(h + 116) != 0) st = bad("flags: must be 0, got %u", rd_u32(h + 116));

@@ -40,6 +40,9 @@ typedef struct tl_config {
     uint32_t attn_gate;     /* 1: attn_qkv ends with H * D gate rows, o *= sig(gate)       */
     /* version 3 (§1, §4, §6.1 offset 228; 0 before) */
     uint32_t loop_window;   /* 0: none; W_l >= 1: loop attention (the loop_gate.* tensors) */
+    /* version 3 (§2.2.1, §3, §4, §6.1 offset 232; 0 before) */
+    uint32_t act_block;     /* 0: one activation scale per row; B >= 1: block activations, every
+                               linear's input quantized by QB / NQB in blocks of B */
 } tl_config;
 
 /* Whether emitting `token` ends generation by the model's own rule (docs/spec.md §5.3): it

@@ -167,6 +167,24 @@ static inline TL_HD int tl_quantize_one(float x, float r, float fq) {
     return (int)tl_rint_small(tl_clamp(x * r, -fq, fq));
 }
 
+/* ceil for x in [1, 255] (after §2.2.1's clamp), exact. */
+static inline TL_HD int tl_ceil_small(float x) {
+    const int n = (int)x; /* truncation toward zero: x is positive */
+    return ((float)n < x) ? n + 1 : n;
+}
+
+#define TL_BLOCK_QMAX 32385.0f /* 255 * 127: §2.2.1's largest |p| */
+
+/* §2.2.1 step 3: the multiplier m_b = (int) ceil(clamp(amax_b * u, 1, 255)) of a block whose
+ * NaN-ignoring max |x_i| is amax_b, u = 255 / amax (a NaN product, from an infinite row, is 1). */
+static inline TL_HD int tl_block_multiplier(float amax_b, float u) {
+    return tl_ceil_small(tl_clamp(amax_b * u, 1.0f, 255.0f));
+}
+
+/* §3's high digit of a block input p (|p| <= 32385): h = floor((p + 127) / 255), so that
+ * p = 255 * h + l with h and l both in [-127, 127] (p + 32767 > 0, where / is floor). */
+static inline TL_HD int tl_digit_high(int p) { return (p + 32767) / 255 - 128; }
+
 /* §2.3 step 3 and §2.7 step 3: the root mean square t of a row of n elements from
  * ss = Σ q² (exact) and the row's quantization scale s (Q8 for NQ, Q16 for RN). */
 static inline TL_HD float tl_rms_of(int64_t ss, float s, size_t n, float eps) {

@@ -28,6 +28,9 @@
  * capture (core/hidden.h); tl_cpu_kv_from_rows runs only a layer's attn_qkv and KV write, on
  * the stored rows of such a prefix.
  *
+ * With block activations (act_block, docs/spec.md §2.2.1, §4) every linear's input is NQB or QB
+ * instead of NQ or Q8, each token's integers split into two digit rows of acts (matmul.h); the
+ * KV rebuilt from a hidden-state prefix's h4 rows reads them as plain rows (§5.4.1).
  * Per layer, every step is either a linear over all T tokens (tl_linear_run: a GEMM split
  * over the pool by rows) or a per-token / per-(token, head) task split over the pool (on AMX,
  * the attention of a chunk of two rows or more per (slice of 16-row tiles, kv head):
@@ -83,7 +86,9 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     const size_t T = f->T, D = cfg->head_dim, state = T * cfg->d_model * sizeof(float);
     size_t kmax = cfg->d_model > f->hd ? cfg->d_model : f->hd;
     if (cfg->ffn_dim > kmax) kmax = cfg->ffn_dim;
-    kmax = tl_acts_stride(kmax);
+    kmax = f->kmax = tl_acts_stride(kmax);
+    const bool digits = cfg->act_block != 0;
+    const size_t q_rows = digits ? 2 * T : T; /* a token's two digit rows with act_block */
     f->seqs = tl_take(c, T * sizeof(tl_seq*));
     f->pos = tl_take(c, T * sizeof(size_t));
     f->tokens = tl_take(c, T * sizeof(int32_t));
@@ -97,12 +102,15 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
     f->o = tl_take(c, T * f->hd * sizeof(float));
     f->o_local = tl_take(c, cfg->loop_window ? T * f->hd * sizeof(float) : 0);
     f->gu = tl_take(c, T * 2 * (size_t)cfg->ffn_dim * sizeof(float));
-    f->acts.q = tl_take(c, T * kmax);
-    f->acts.tiled = tl_take(c, tl_acts_tiled_bytes(f->e->isa, T, kmax));
-    f->acts.qx = tl_take(c, T * kmax);
+    f->acts.digits = digits;
+    f->acts.q = tl_take(c, q_rows * kmax);
+    f->acts.tiled = tl_take(c, tl_acts_tiled_bytes(f->e->isa, q_rows, kmax));
+    f->acts.qx = tl_take(c, q_rows * kmax);
     f->acts.scale = tl_take(c, T * sizeof(float));
-    f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, T, kmax);
+    f->acts.scratch_bytes = tl_linear_scratch_bytes(f->e->isa, q_rows, kmax);
     f->acts.scratch = tl_take(c, workers * f->acts.scratch_bytes);
+    f->acts.raw = tl_take(c, digits ? workers * tl_acts_raw_bytes(T) : 0);
+    f->block_p = digits ? tl_take(c, workers * kmax * sizeof(int16_t)) : NULL;
     f->attn = tl_take(c, workers * sizeof(tl_attn_scratch));
     /* only where run_block runs attention on tiles: the tile scratch grows with the whole history */
     const bool tiles = attends_on_tiles(f->e, max_run);
@@ -136,28 +144,45 @@ static void layout(fwd* f, tl_carve* c, unsigned workers, size_t max_keys, size_
 
 /* ---- per-token tasks ------------------------------------------------------------------------ */
 
-/* acts row t holds its `cols` values and its scale: zero the rest of the row, then (SIMD paths)
- * fill its qx. */
-static void finish_row(fwd* f, size_t t, size_t cols) {
-    int8_t* q = f->acts.q + t * f->acts.stride;
-    memset(q + cols, 0, f->acts.stride - cols);
-    if (f->simd) tl_acts_finish_row(&f->acts, t);
+/* acts q row r holds its `cols` values: zero the rest of the row, then (SIMD kernels) fill its qx. */
+static void finish_q_row(tl_acts* acts, size_t r, size_t cols, bool simd) {
+    memset(acts->q + r * acts->stride + cols, 0, acts->stride - cols);
+    if (simd) tl_acts_finish_row(acts, r);
+}
+
+/* Token t of acts from x[n], a linear's input (docs/spec.md §4): NQ (rms) or Q8 through the row
+ * form `rows` (every form gives the same bits); with digit rows (act_block) their block forms NQB
+ * or QB (§2.2.1) through p[n], split into the digit rows 2t and 2t + 1 (§3). Then the token's
+ * scale, and its rows finished. */
+static void quantize_into(tl_acts* acts, size_t t, const float* x, size_t n, bool rms, const tl_config* c,
+                          const tl_row_kernels* rows, int16_t* p, bool simd) {
+    if (!acts->digits) {
+        int8_t* q = acts->q + t * acts->stride;
+        acts->scale[t] = rms ? rows->rms_quantize(x, n, c->rms_eps, q) : rows->quantize(x, n, 127, q);
+        finish_q_row(acts, t, n, simd);
+        return;
+    }
+    acts->scale[t] = rms ? tl_block_rms_quantize_row(x, n, c->act_block, c->rms_eps, p)
+                         : tl_block_quantize_row(x, n, c->act_block, p);
+    int8_t* high = acts->q + 2 * t * acts->stride;
+    tl_split_digits(p, n, high, high + acts->stride);
+    finish_q_row(acts, 2 * t, n, simd);
+    finish_q_row(acts, 2 * t + 1, n, simd);
+}
+
+/* quantize_into the pass's acts, through the worker's block scratch. */
+static void quantize_token(fwd* f, size_t t, const float* x, size_t n, bool rms, unsigned worker) {
+    int16_t* p = f->block_p ? f->block_p + worker * f->kmax : NULL;
+    quantize_into(&f->acts, t, x, n, rms, f->c, f->rows, p, f->simd);
 }
 
 /* (q, s) = Q8(x[n]) in the pass's row form (every form gives the same bits). */
 static float q8_row(const fwd* f, const float* x, size_t n, int8_t* q) { return f->rows->quantize(x, n, 127, q); }
 
-/* acts row t = NQ or Q8 of q_src row t. */
+/* acts token t = NQ or Q8 (with act_block NQB or QB) of q_src row t. */
 static void task_quantize(void* ctx, size_t t, unsigned worker) {
-    (void)worker;
     fwd* f = ctx;
-    int8_t* q = f->acts.q + t * f->acts.stride;
-    const float* x = f->q_src + t * f->q_src_stride;
-    if (f->q_rms)
-        f->acts.scale[t] = f->rows->rms_quantize(x, f->q_cols, f->c->rms_eps, q);
-    else
-        f->acts.scale[t] = q8_row(f, x, f->q_cols, q);
-    finish_row(f, t, f->q_cols);
+    quantize_token(f, t, f->q_src + t * f->q_src_stride, f->q_cols, f->q_rms, worker);
 }
 
 static void quantize_rows(fwd* f, const float* src, size_t src_stride, size_t cols, bool rms) {
@@ -325,31 +350,27 @@ static void task_attention(void* ctx, size_t task, unsigned worker) {
                   s->instruction, f->qkv + t * f->qkv_dim + h * D, reads[k].o + t * f->hd + h * D, &f->attn[worker]);
 }
 
-/* gate := silu(gate) * up, then acts row t = Q8 of it. */
+/* gate := silu(gate) * up, then acts token t = Q8 (QB) of it. */
 static void task_swiglu(void* ctx, size_t t, unsigned worker) {
-    (void)worker;
     fwd* f = ctx;
     const size_t F = f->c->ffn_dim;
     float* gate = f->gu + t * 2 * F;
     const float* up = gate + F;
     f->rows->swiglu(gate, up, F);
-    int8_t* q = f->acts.q + t * f->acts.stride;
-    f->acts.scale[t] = q8_row(f, gate, F, q);
-    finish_row(f, t, F);
+    quantize_token(f, t, gate, F, false, worker);
 }
 
-/* o row t *= sig(its gate rows of qkv), then acts row t = Q8 of it (docs/spec.md §4). */
+/* o row t *= sig(its gate rows of qkv), then acts token t = Q8 (QB) of it (docs/spec.md §4). */
 static void task_attn_gate(void* ctx, size_t t, unsigned worker) {
-    (void)worker;
     fwd* f = ctx;
     float* o = f->o + t * f->hd;
     f->rows->gate(o, f->qkv + t * f->qkv_dim + f->qkv_dim - f->hd, f->hd);
-    f->acts.scale[t] = q8_row(f, o, f->hd, f->acts.q + t * f->acts.stride);
-    finish_row(f, t, f->hd);
+    quantize_token(f, t, o, f->hd, false, worker);
 }
 
 /* In a loop layer (docs/spec.md §4), o row t := the per-head gated mix of its global attention
- * (o) and its local one (o_local), the gates from its query heads; then acts row t = Q8 of o. */
+ * (o) and its local one (o_local), the gates from its query heads; then acts token t = Q8 (QB)
+ * of o. */
 static void task_loop_attention(void* ctx, size_t t, unsigned worker) {
     fwd* f = ctx;
     const tl_config* c = f->c;
@@ -359,11 +380,10 @@ static void task_loop_attention(void* ctx, size_t t, unsigned worker) {
     if (tl_loop_slot(c, tl_fwd_row_slot(f, t), &global))
         tl_loop_mix_row(f->qkv + t * f->qkv_dim, vec->loop_gate_w, vec->loop_gate_s, vec->loop_gate_b, c->n_heads,
                         c->head_dim, o, f->o_local + t * f->hd, f->attn[worker].qq);
-    f->acts.scale[t] = q8_row(f, o, f->hd, f->acts.q + t * f->acts.stride);
-    finish_row(f, t, f->hd);
+    quantize_token(f, t, o, f->hd, false, worker);
 }
 
-/* acts = Q8(o), after the attention gate or loop attention's mix when the model has one. */
+/* acts = Q8(o) (QB), after the attention gate or loop attention's mix when the model has one. */
 static void quantize_attention(fwd* f) {
     if (!f->c->attn_gate && !f->c->loop_window) {
         quantize_rows(f, f->o, f->hd, f->hd, false);
@@ -684,12 +704,13 @@ tl_status tl_cpu_kv_from_rows(const tl_linear* linears, tl_seq* s, uint32_t slot
     f.layer = slot;
     f.acts.n = T;
     f.acts.stride = tl_acts_stride(d);
+    f.acts.digits = false; /* integer rows of i8 (an h4 row, with act_block too: docs/spec.md §5.4.1) */
     for (size_t t = 0; t < T; t++) {
         f.seqs[t] = s;
         f.pos[t] = pos0 + t;
         memcpy(f.acts.q + t * f.acts.stride, q + t * d, d);
         f.acts.scale[t] = a[t];
-        finish_row(&f, t, d);
+        finish_q_row(&f.acts, t, d, f.simd);
     }
     write_kv(&f, tl_slot_at(f.c, slot).block);
     return TL_OK;
@@ -827,20 +848,34 @@ tl_status tl_cpu_forward_wave(const tl_linear* linears, tl_seq* s, const tl_wave
     return TL_OK;
 }
 
+/* The buffers of one token's head input (tl_cpu_head_logits) in the arena at c (measure first
+ * with c->base == NULL): acts for the linear, p for NQB's integers. */
+static void head_layout(tl_carve* c, const tl_engine* e, tl_acts* acts, int16_t** p) {
+    const tl_config* cfg = tl_engine_config(e);
+    const size_t d = cfg->d_model, rows = tl_acts_rows(acts), workers = tl_pool_threads(e->pool);
+    acts->q = tl_take(c, rows * acts->stride);
+    acts->qx = tl_take(c, rows * acts->stride);
+    acts->scale = tl_take(c, sizeof(float));
+    acts->scratch_bytes = tl_linear_scratch_bytes(e->isa, rows, d);
+    acts->scratch = tl_take(c, workers * acts->scratch_bytes);
+    acts->tiled = tl_take(c, tl_acts_tiled_bytes(e->isa, rows, d));
+    acts->raw = tl_take(c, acts->digits ? workers * tl_acts_raw_bytes(1) : 0);
+    *p = tl_take(c, acts->digits ? d * sizeof(int16_t) : 0);
+}
+
 tl_status tl_cpu_head_logits(const tl_linear* head, const tl_engine* e, const float* x, float* logits) {
-    const size_t d = tl_engine_config(e)->d_model, stride = tl_acts_stride(d);
-    const size_t scratch_bytes = tl_linear_scratch_bytes(e->isa, 1, d), tiled_bytes = tl_acts_tiled_bytes(e->isa, 1, d);
-    uint8_t* buf = tl_alloc(2 * stride + tl_pool_threads(e->pool) * scratch_bytes + tiled_bytes);
-    if (!buf) return tl_fail_oom("head scratch");
-    float scale;
-    uint8_t* scratch = buf + 2 * stride;
-    tl_acts acts = {.n = 1, .stride = stride, .q = (int8_t*)buf, .qx = buf + stride, .scale = &scale,
-                    .scratch = scratch, .scratch_bytes = scratch_bytes,
-                    .tiled = (int8_t*)(scratch + tl_pool_threads(e->pool) * scratch_bytes)};
-    scale = tl_rms_quantize_row(x, d, tl_engine_config(e)->rms_eps, acts.q);
-    memset(acts.q + d, 0, stride - d);
-    if (e->isa != TL_ISA_SCALAR) tl_acts_finish_row(&acts, 0);
+    const tl_config* c = tl_engine_config(e);
+    const size_t d = c->d_model;
+    tl_acts acts = {.n = 1, .stride = tl_acts_stride(d), .digits = c->act_block != 0};
+    int16_t* p;
+    tl_carve arena = {0, NULL};
+    head_layout(&arena, e, &acts, &p);
+    arena.base = tl_alloc(arena.used);
+    if (!arena.base) return tl_fail_oom("head scratch");
+    arena.used = 0;
+    head_layout(&arena, e, &acts, &p);
+    quantize_into(&acts, 0, x, d, true, c, tl_row_kernels_for(e->row_isa), p, e->isa != TL_ISA_SCALAR);
     tl_linear_run(head, &acts, logits, 0, false, e->pool);
-    tl_free(buf);
+    tl_free(arena.base);
     return TL_OK;
 }

@@ -15,7 +15,8 @@
  *       m·w is in -2040..1785, lo in -64..63 and hi in -16..14); then acc = 128 Σ q hi + Σ q lo,
  *       the exact Σ_g m Σ_{k∈g} q w modulo 2^32, hence exactly (the loader proved it fits).
  *       A block is 1 row tile x 2 token tiles x {hi, lo}.
- * The f32 epilogue is the spec's, tl_emit's, on the stored int32 accumulators. */
+ * The f32 epilogue is the spec's, tl_emit's, on the stored int32 accumulators (or those go raw,
+ * matmul_kernels.h). "Tokens" are q rows: a block input's two digit rows count as two. */
 #include <string.h>
 
 #include "cpu/amx_tiles.h"
@@ -23,13 +24,10 @@
 
 enum { TR = TL_TILE_ROWS, KB = TL_TILE_BYTES, TILE_BYTES = TR * KB };
 
-/* Where a call writes: y rows [.., row1) of tokens [.., n). */
+/* Where a call writes: out's rows [.., row1) of tokens [.., n). */
 typedef struct amx_out {
-    uint32_t row1;
+    const tl_gemm_out* out;
     size_t n;
-    float* y;
-    size_t y_stride;
-    bool accumulate;
 } amx_out;
 
 /* Tokens per pass over a call's rows: whole pairs of token tiles whose activations (span x Kp
@@ -40,16 +38,13 @@ static size_t token_span(size_t Kp) {
     return span > 2 * TR ? span : 2 * TR;
 }
 
-/* y for the 16-token x 16-row accumulator block acc (row-major, stride ld int32) at token t0,
- * row r0: only tokens < n and rows < row1. */
+/* The 16-token x 16-row accumulator block acc (row-major, stride ld int32) at token t0, row r0,
+ * put where o says: only tokens < n and rows < row1. */
 static inline void emit_block(const tl_linear* L, const tl_acts* A, const int32_t* acc, size_t ld, size_t t0,
                               size_t r0, const amx_out* o) {
-    const size_t rows = o->row1 - r0 < TR ? o->row1 - r0 : TR;
-    for (size_t t = 0; t < TR && t0 + t < o->n; t++) {
-        float* y = o->y + (t0 + t) * o->y_stride + r0;
-        const float a = A->scale[t0 + t];
-        for (size_t r = 0; r < rows; r++) tl_emit(&y[r], acc[t * ld + r], a, L->scale[r0 + r], o->accumulate);
-    }
+    const size_t row1 = o->out->row1, rows = row1 - r0 < TR ? row1 - r0 : TR;
+    for (size_t t = 0; t < TR && t0 + t < o->n; t++)
+        for (size_t r = 0; r < rows; r++) tl_gemm_put(o->out, L, A, t0 + t, r0 + r, acc[t * ld + r]);
 }
 
 /* int8: row tiles tile .. tile+rt-1 x tokens t0 .. t0+16*nt-1 (rt, nt in {1, 2}, constants at
@@ -91,7 +86,7 @@ TL_TILES static inline __attribute__((always_inline)) void int8_block(const tl_l
 }
 
 TL_TILES static void int8_rows(const tl_linear* L, const tl_acts* A, uint32_t row0, const amx_out* o) {
-    const size_t tiles_end = (o->row1 + TR - 1) / TR;
+    const size_t tiles_end = (o->out->row1 + TR - 1) / TR;
     const size_t span = token_span(L->cols_padded);
     for (size_t tb = 0; tb < o->n; tb += span) {
         const size_t te = tb + span < o->n ? tb + span : o->n;
@@ -186,7 +181,7 @@ TL_TILES static void int4_rows(const tl_linear* L, const tl_acts* A, uint32_t ro
                                const amx_out* o) {
     int8_t* hi = (int8_t*)scratch;
     int8_t* lo = hi + (size_t)TR * L->cols_padded;
-    for (size_t tile = row0 / TR; tile * TR < o->row1; tile++) {
+    for (size_t tile = row0 / TR; tile * TR < o->out->row1; tile++) {
         unpack_int4(L, tile, hi, lo);
         size_t t0 = 0;
         for (; t0 + TR < o->n; t0 += 2 * TR) int4_block(L, A, hi, lo, tile, t0, 2, o);
@@ -196,11 +191,11 @@ TL_TILES static void int4_rows(const tl_linear* L, const tl_acts* A, uint32_t ro
 
 size_t tl_amx_scratch_bytes(size_t cols) { return 2 * (size_t)TR * ((cols + KB - 1) / KB * KB); }
 
-TL_TILES void tl_gemm_amx(const tl_linear* L, const tl_acts* A, uint32_t row0, uint32_t row1, float* y,
-                          size_t y_stride, bool accumulate, uint8_t* scratch) {
-    const amx_out out = {row1, A->n, y, y_stride, accumulate};
+TL_TILES void tl_gemm_amx(const tl_linear* L, const tl_acts* A, uint32_t row0, const tl_gemm_out* out,
+                          uint8_t* scratch) {
+    const amx_out o = {out, tl_acts_rows(A)};
     tl_tiles_configure(&tl_tiles_full);
-    if (L->src.group_size) int4_rows(L, A, row0, scratch, &out);
-    else int8_rows(L, A, row0, &out);
+    if (L->src.group_size) int4_rows(L, A, row0, scratch, &o);
+    else int8_rows(L, A, row0, &o);
     tl_tiles_release();
 }

@@ -105,35 +105,31 @@ INLINE_AVX2 void int4_panel(const tl_linear* L, size_t tile0, const tl_acts* A, 
     }
 }
 
-/* Where a kernel call writes: y (row t at y + t * y_stride) up to row1, stored or added to. */
-typedef struct out_rows {
-    uint32_t row1;
-    float* y;
-    size_t y_stride;
-    bool accumulate;
-} out_rows;
-
-/* y[t][row0 .. row0+8) = ((f32)acc * a_t) * ws, or +=; a tile that ends past row1 (the last of
- * the linear) goes row by row. */
-INLINE_AVX2 void emit(const tl_linear* L, const tl_acts* A, size_t row0, size_t t, __m256i acc, const out_rows* o) {
-    float* y = o->y + t * o->y_stride + row0;
-    if (row0 + TR <= o->row1) {
-        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(A->scale[t])),
-                                 _mm256_loadu_ps(L->scale + row0));
-        if (o->accumulate) v = _mm256_add_ps(_mm256_loadu_ps(y), v);
-        _mm256_storeu_ps(y, v);
+/* y[t][row0 .. row0+8) = ((f32)acc * a_t) * ws, or +=, or the 8 accumulators into o->raw; a
+ * tile that ends past row1 (the last of the linear) goes row by row. */
+INLINE_AVX2 void emit(const tl_linear* L, const tl_acts* A, size_t row0, size_t t, __m256i acc,
+                      const tl_gemm_out* o) {
+    if (row0 + TR > o->row1) {
+        int32_t lanes[TR];
+        _mm256_storeu_si256((__m256i*)lanes, acc);
+        for (size_t r = 0; row0 + r < o->row1; r++) tl_gemm_put(o, L, A, t, row0 + r, lanes[r]);
         return;
     }
-    int32_t lanes[TR];
-    _mm256_storeu_si256((__m256i*)lanes, acc);
-    for (size_t r = 0; row0 + r < o->row1; r++)
-        tl_emit(&y[r], lanes[r], A->scale[t], L->scale[row0 + r], o->accumulate);
+    if (o->raw) {
+        _mm256_storeu_si256((__m256i*)(o->raw + t * o->raw_stride + (row0 - o->raw_row0)), acc);
+        return;
+    }
+    float* y = o->y + t * o->y_stride + row0;
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(A->scale[t])),
+                             _mm256_loadu_ps(L->scale + row0));
+    if (o->accumulate) v = _mm256_add_ps(_mm256_loadu_ps(y), v);
+    _mm256_storeu_ps(y, v);
 }
 
 /* Tiles tile0 .. tile0+rt-1 x tokens t0 .. t0+nt-1, emitted (int4, rt and nt are constants at
  * every call site, so the panel lives in registers; int4 panels have one tile). */
 INLINE_AVX2 void panel(const tl_linear* L, const tl_acts* A, bool int4, size_t tile0, int rt, size_t t0, int nt,
-                       const out_rows* out) {
+                       const tl_gemm_out* out) {
     panel_acc acc;
     if (int4) int4_panel(L, tile0, A, t0, nt, acc);
     else int8_panel(L, tile0, rt, A, t0, nt, acc);
@@ -146,10 +142,11 @@ INLINE_AVX2 void panel(const tl_linear* L, const tl_acts* A, bool int4, size_t t
 
 /* Every token of tiles tile0 .. tile0+rt-1: panels of 4 tokens, then the rest. */
 INLINE_AVX2 void tile_tokens(const tl_linear* L, const tl_acts* A, bool int4, size_t tile0, int rt,
-                             const out_rows* out) {
+                             const tl_gemm_out* out) {
+    const size_t n = tl_acts_rows(A);
     size_t t0 = 0;
-    for (; t0 + 4 <= A->n; t0 += 4) panel(L, A, int4, tile0, rt, t0, 4, out);
-    switch (A->n - t0) {
+    for (; t0 + 4 <= n; t0 += 4) panel(L, A, int4, tile0, rt, t0, 4, out);
+    switch (n - t0) {
     case 3: panel(L, A, int4, tile0, rt, t0, 3, out); break;
     case 2: panel(L, A, int4, tile0, rt, t0, 2, out); break;
     case 1: panel(L, A, int4, tile0, rt, t0, 1, out); break;
@@ -157,20 +154,18 @@ INLINE_AVX2 void tile_tokens(const tl_linear* L, const tl_acts* A, bool int4, si
     }
 }
 
-AVX2 void tl_gemm_avx2(const tl_linear* L, const tl_acts* A, uint32_t row0, uint32_t row1,
-                       float* y, size_t y_stride, bool accumulate) {
-    const out_rows out = {row1, y, y_stride, accumulate};
-    const size_t tiles_end = (row1 + TR - 1) / TR;
+AVX2 void tl_gemm_avx2(const tl_linear* L, const tl_acts* A, uint32_t row0, const tl_gemm_out* out) {
+    const size_t tiles_end = (out->row1 + TR - 1) / TR;
     size_t tile = row0 / TR;
     if (L->src.group_size) {
-        for (; tile < tiles_end; tile++) tile_tokens(L, A, true, tile, 1, &out);
+        for (; tile < tiles_end; tile++) tile_tokens(L, A, true, tile, 1, out);
         return;
     }
-    if (A->n == 1) { /* decode: four tiles per activation word */
-        for (; tile + 4 <= tiles_end; tile += 4) panel(L, A, false, tile, 4, 0, 1, &out);
-        for (; tile < tiles_end; tile++) panel(L, A, false, tile, 1, 0, 1, &out);
+    if (tl_acts_rows(A) == 1) { /* decode: four tiles per activation word */
+        for (; tile + 4 <= tiles_end; tile += 4) panel(L, A, false, tile, 4, 0, 1, out);
+        for (; tile < tiles_end; tile++) panel(L, A, false, tile, 1, 0, 1, out);
         return;
     }
-    for (; tile + 2 <= tiles_end; tile += 2) tile_tokens(L, A, false, tile, 2, &out);
-    for (; tile < tiles_end; tile++) tile_tokens(L, A, false, tile, 1, &out);
+    for (; tile + 2 <= tiles_end; tile += 2) tile_tokens(L, A, false, tile, 2, out);
+    for (; tile < tiles_end; tile++) tile_tokens(L, A, false, tile, 1, out);
 }

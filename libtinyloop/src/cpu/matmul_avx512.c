@@ -7,6 +7,7 @@
  *       subtracted at the end (mod 2^32, exact because the true sum fits in i32).
  * int4: activations as u8 (q + 128) times the unpacked w (-8 .. 7) per group, then times the
  *       group multiplier (vpmulld) into the row total; corr removes Σ_g m * 128 * Σ w.
+ * "Tokens" below are q rows (a block input's two digit rows count as two, matmul_kernels.h).
  * Compiled with a function-level target, so the library needs no -march flag. */
 #include <immintrin.h>
 #include <string.h>
@@ -126,27 +127,24 @@ INLINE_AVX512 void tokens_pass(const tl_linear* L, size_t tile, int tiles, const
     }
 }
 
-/* Emit the accumulators of `tile` for tokens t0 .. t0+nt-1 (rows below row1). */
-INLINE_AVX512 void emit_tile(const tl_linear* L, const tl_acts* A, size_t tile, size_t t0, int nt, uint32_t row1,
-                             int32_t acc[NT][TR], float* y, size_t y_stride, bool accumulate) {
+/* Put the accumulators of `tile` for tokens t0 .. t0+nt-1 where out says (rows below row1). */
+INLINE_AVX512 void emit_tile(const tl_linear* L, const tl_acts* A, size_t tile, size_t t0, int nt,
+                             int32_t acc[NT][TR], const tl_gemm_out* out) {
     for (int t = 0; t < nt; t++)
-        for (uint32_t r = 0; r < TR && tile * TR + r < row1; r++) {
-            const size_t row = tile * TR + r;
-            tl_emit(&y[(t0 + t) * y_stride + row], acc[t][r], A->scale[t0 + t], L->scale[row], accumulate);
-        }
+        for (uint32_t r = 0; r < TR && tile * TR + r < out->row1; r++)
+            tl_gemm_put(out, L, A, t0 + t, tile * TR + r, acc[t][r]);
 }
 
 /* int8 tiles go two at a time where two remain, so each activation broadcast feeds 32 rows. */
-AVX512 void tl_gemm_avx512(const tl_linear* L, const tl_acts* A, uint32_t row0, uint32_t row1,
-                           float* y, size_t y_stride, bool accumulate) {
+AVX512 void tl_gemm_avx512(const tl_linear* L, const tl_acts* A, uint32_t row0, const tl_gemm_out* out) {
+    const size_t n = tl_acts_rows(A);
     int32_t acc[2][NT][TR];
-    for (size_t tile = row0 / TR, tiles; tile * TR < row1; tile += tiles) {
-        tiles = !L->src.group_size && (tile + 1) * TR < row1 ? 2 : 1;
-        for (size_t t0 = 0; t0 < A->n; t0 += NT) {
-            const int nt = A->n - t0 < NT ? (int)(A->n - t0) : NT;
+    for (size_t tile = row0 / TR, tiles; tile * TR < out->row1; tile += tiles) {
+        tiles = !L->src.group_size && (tile + 1) * TR < out->row1 ? 2 : 1;
+        for (size_t t0 = 0; t0 < n; t0 += NT) {
+            const int nt = n - t0 < NT ? (int)(n - t0) : NT;
             tokens_pass(L, tile, (int)tiles, A, t0, nt, acc);
-            for (size_t k = 0; k < tiles; k++)
-                emit_tile(L, A, tile + k, t0, nt, row1, acc[k], y, y_stride, accumulate);
+            for (size_t k = 0; k < tiles; k++) emit_tile(L, A, tile + k, t0, nt, acc[k], out);
         }
     }
 }

@@ -55,7 +55,9 @@ typedef struct fwd {
     float* o;                /* [T][hd]; a loop layer's rows: the global attention's    */
     float* o_local;          /* [T][hd] loop attention (loop_window): the local one's    */
     float* gu;               /* [T][2F]                                                */
-    tl_acts acts;            /* [T][stride] for the next linear                        */
+    tl_acts acts;            /* [T][stride] for the next linear (with act_block [2T]: digit rows) */
+    size_t kmax;             /* the widest acts row, bytes (tl_acts_stride)             */
+    int16_t* block_p;        /* [workers][kmax] act_block: a row's QB / NQB integers; else NULL */
     tl_attn_scratch* attn;   /* [pool threads]                                         */
     size_t* alone;           /* [T] the current layer's rows attending one by one (plan_attention) */
     attn_slice* slices;      /* [T * G] the current layer's tile units (plan_attention)            */

@@ -1,5 +1,6 @@
-/* quant.c — Q8/Q4 row quantization, NQ, RoPE and RN (docs/spec.md §2.2, §2.3, §2.6, §2.7),
- * scalar and exact. These rows are O(d) per token; the matmuls dominate, so clarity wins here. */
+/* quant.c — Q8/Q4 row quantization, NQ, their block forms QB and NQB with the digit split of a
+ * block input, RoPE and RN (docs/spec.md §2.2, §2.2.1, §2.3, §2.6, §2.7, §3), scalar and exact.
+ * These rows are O(d) per token; the matmuls dominate, so clarity wins here. */
 #include "cpu/quant.h"
 
 #include <math.h>
@@ -26,6 +27,36 @@ float tl_nq_from_q8(const int8_t* q, size_t n, float s, float eps) {
 
 float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q) {
     return tl_nq_from_q8(q, n, tl_quantize_row(x, n, 127, q), eps);
+}
+
+float tl_block_quantize_row(const float* x, size_t n, size_t B, int16_t* p) {
+    const float amax = tl_abs_max(x, n);
+    if (amax < TL_TINY_ROW) {
+        for (size_t i = 0; i < n; i++) p[i] = 0;
+        return 0.0f;
+    }
+    const float u = 255.0f / amax, v = TL_BLOCK_QMAX / amax;
+    for (size_t b0 = 0; b0 < n; b0 += B) {
+        const int m = tl_block_multiplier(tl_abs_max(x + b0, B), u);
+        const float r = v / (float)m;
+        for (size_t i = b0; i < b0 + B; i++) p[i] = (int16_t)(m * tl_quantize_one(x[i], r, 127.0f));
+    }
+    return amax / TL_BLOCK_QMAX;
+}
+
+float tl_block_rms_quantize_row(const float* x, size_t n, size_t B, float eps, int16_t* p) {
+    const float s = tl_block_quantize_row(x, n, B, p);
+    int64_t ss = 0;
+    for (size_t i = 0; i < n; i++) ss += (int32_t)p[i] * p[i];
+    return tl_nq_scale(ss, s, n, eps);
+}
+
+void tl_split_digits(const int16_t* p, size_t n, int8_t* high, int8_t* low) {
+    for (size_t i = 0; i < n; i++) {
+        const int h = tl_digit_high(p[i]);
+        high[i] = (int8_t)h;
+        low[i] = (int8_t)(p[i] - 255 * h);
+    }
 }
 
 void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, float* y) {

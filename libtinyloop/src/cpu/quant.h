@@ -1,6 +1,7 @@
-/* quant.h — row operations of docs/spec.md §2.2, §2.3, §2.6 and §2.7: Q8/Q4 row quantization,
- * the fused RMSNorm-quantize NQ, rotate-half RoPE and the RMSNorm with a gain RN. Shapes are
- * per row. */
+/* quant.h — row operations of docs/spec.md §2.2, §2.2.1, §2.3, §2.6 and §2.7: Q8/Q4 row
+ * quantization, the fused RMSNorm-quantize NQ, their block forms QB and NQB (act_block) and the
+ * digits a linear runs a block input on (§3), rotate-half RoPE and the RMSNorm with a gain RN.
+ * Shapes are per row. */
 #ifndef TL_QUANT_H
 #define TL_QUANT_H
 
@@ -13,6 +14,14 @@
 float tl_quantize_row(const float* x, size_t n, int qmax, int8_t* q);
 /* §2.3 NQ(x): x[n] -> q[n]; returns the matmul input scale a. */
 float tl_rms_quantize_row(const float* x, size_t n, float eps, int8_t* q);
+/* §2.2.1 QB(x, B): x[n] -> p[n] (|p| <= 32385, p = m_b * q), B dividing n; returns the scale s
+ * (0 for tiny rows). */
+float tl_block_quantize_row(const float* x, size_t n, size_t B, int16_t* p);
+/* §2.2.1 NQB(x, B): x[n] -> p[n]; returns the matmul input scale a. */
+float tl_block_rms_quantize_row(const float* x, size_t n, size_t B, float eps, int16_t* p);
+/* §3's digits of block inputs p[n]: p = 255 * high + low, high = floor((p + 127) / 255), both
+ * in [-127, 127], so each runs on the int8-input kernels. */
+void tl_split_digits(const int16_t* p, size_t n, int8_t* high, int8_t* low);
 /* §2.7 RN(x, g): y[i] = (x[i] / t) * gain[i], t the root mean square of x through Q16 and an
  * exact i64 sum of squares; gain NULL: the weightless RN(x), y[i] = x[i] / t. y may be x. */
 void tl_rms_norm_row(const float* x, const float* gain, size_t n, float eps, float* y);

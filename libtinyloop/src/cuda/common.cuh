@@ -9,7 +9,9 @@
  * integer sums or maxima of non-NaN values, whose result does not depend on the order.
  *
  * Device layouts (all zero-padded; padding never reaches an output):
- *   activations  q [T_pad][cols_pad] i8, T_pad = T rounded up to TL_CU_TILE_M, with a scale [T]
+ *   activations  q [T_pad][cols_pad] i8, T_pad = T rounded up to TL_CU_TILE_M, with a scale [T];
+ *                with act_block (block activations, docs/spec.md §2.2.1, §3) each token's two
+ *                digit rows, p = 255 * h + l: h in row 2t, l in row 2t + 1 (T_pad from 2T)
  *   int8 linear  w8 [rows_pad][cols_pad] i8, scale [rows_pad] f32
  *   int4 linear  w_hi, w_lo [rows_pad][cols_pad] i8 with m*w = 128*hi + lo (tensor-core GEMM),
  *                and, when group_size % 8 == 0, w4 [rows_pad][cols/8] u32 (8 elements a word:
@@ -152,6 +154,8 @@ struct tl_cuda {
     size_t weight_bytes;
     uint32_t max_cols_pad;        /* widest activation row of any linear                    */
     uint32_t max_rows_pad_int4;   /* widest int4 output (raw scratch of the two-pass GEMM)   */
+    uint32_t max_rows_pad_layer;  /* widest output of a block's or the adapter's linear (raw
+                                     scratch of the digit rows, act_block)                    */
     char name[320];
     int sm_count;                 /* multiprocessors: how far decode attention splits       */
     /* scratch of tl_cuda_forward (device, from `pool` when there is one, unless noted) */
@@ -271,6 +275,68 @@ static __device__ __forceinline__ float tl_cu_block_q8(const float* x, int n, in
     return tl_cu_block_q(x, n, 127.0f, q, sumsq, sh);
 }
 
+/* docs/spec.md §2.2.1 QB(x, B) of x[0 .. n) (B divides n) by the whole block, as quant.c's
+ * tl_block_quantize_row, its p split into the digit rows hi, lo (tl_split_digits, §3): amax, the
+ * tiny-row rule, u and v; then warp w takes blocks w, w + warps, ...: amax_b over the warp, m_b,
+ * r_b = v / m_b, p = m_b * rint(clamp(x * r_b)). Returns s to every thread; *sumsq is this
+ * thread's share of Σ p² (exact). `sh` is __shared__ [32]. */
+static __device__ __forceinline__ float tl_cu_block_qb(const float* x, int n, int B, int8_t* hi, int8_t* lo,
+                                                       long long* sumsq, float* sh) {
+    const float amax = tl_cu_block_amax(x, n, sh);
+    if (amax < TL_CU_TINY_ROW) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) hi[i] = lo[i] = 0;
+        *sumsq = 0;
+        return 0.0f;
+    }
+    const float u = 255.0f / amax, v = TL_BLOCK_QMAX / amax;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    long long ss = 0;
+    for (int b0 = (threadIdx.x >> 5) * B; b0 < n; b0 += warps * B) { /* warp-uniform */
+        float m = 0.0f;
+        for (int i = b0 + lane; i < b0 + B; i += 32) {
+            const float a = fabsf(x[i]);
+            m = a > m ? a : m; /* a NaN never compares greater */
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffffu, m, off);
+            m = other > m ? other : m;
+        }
+        const int mult = tl_block_multiplier(m, u);
+        const float r = v / (float)mult;
+        for (int i = b0 + lane; i < b0 + B; i += 32) {
+            const int p = mult * tl_cu_quantize_one(x[i], r, 127.0f), h = tl_digit_high(p);
+            hi[i] = (int8_t)h;
+            lo[i] = (int8_t)(p - 255 * h);
+            ss += (long long)p * p;
+        }
+    }
+    *sumsq = ss;
+    return amax / TL_BLOCK_QMAX;
+}
+
+/* Token t's activation rows from x[0 .. n) (docs/spec.md §4) by the whole block: Q8 (rms: NQ)
+ * into row t of q, or with act_block `block` >= 1 QB (NQB) into its digit rows 2t and 2t + 1
+ * (tl_cu_block_qb); zero from n to lda. Returns the scale (s, or NQ's a with rms) to every
+ * thread. `sh` and `sh64` are __shared__ [32]. */
+static __device__ __forceinline__ float tl_cu_act_rows(const float* x, int n, int block, int rms, float eps,
+                                                       int8_t* q, size_t lda, size_t t, float* sh, long long* sh64) {
+    const size_t rows = block ? 2 : 1;
+    int8_t* qt = q + t * rows * lda;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t i = (size_t)n + threadIdx.x; i < lda; i += blockDim.x) qt[r * lda + i] = 0;
+    long long ss_part;
+    float s;
+    if (block) {
+        s = tl_cu_block_qb(x, n, block, qt, qt + lda, &ss_part, sh);
+    } else {
+        int part;
+        s = tl_cu_block_q8(x, n, qt, &part, sh);
+        ss_part = part;
+    }
+    if (!rms) return s;
+    return tl_nq_scale(tl_cu_block_sum(ss_part, sh64), s, (size_t)n, eps);
+}
+
 /* The signed nibble of packed Q4 byte b (kvcache.h): the low one for hi == 0, else the high one. */
 static __device__ __forceinline__ int tl_cu_nibble(unsigned b, int hi) {
     return (int)(b << (28 - 4 * hi)) >> 28;
@@ -283,7 +349,9 @@ static inline size_t tl_cu_round_up(size_t n, size_t m) { return (n + m - 1) / m
 /* rows.cu */
 /* x[t][0 .. d) = embedding of rows[t].token times embed_scale, t < T. */
 tl_status tl_cu_embed(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* x);
-/* q[t][0 .. lda) = Q8 (rms: NQ) of x[t * xs .. + n), zero beyond n; scale[t] = s (rms: a). */
+/* q[t][0 .. lda) = Q8 (rms: NQ) of x[t * xs .. + n), zero beyond n; scale[t] = s (rms: a); with
+ * act_block their block forms QB (NQB) into the digit rows 2t and 2t + 1 (tl_cu_act_rows). The
+ * row kernels below quantize their outputs the same way. */
 tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t T, bool rms, int8_t* q,
                          size_t lda, float* scale);
 /* The same of rows picked[t] of x (device memory [T]) into q[t], scale[t]. */
@@ -311,10 +379,11 @@ tl_status tl_cu_add_rows(tl_cuda* c, float* x, const float* v, size_t T);
 
 /* gemm.cu */
 /* y[t][j] (stride ys) = or += ((f32)acc * scale[t]) * L->scale[j] (+ L->bias[j]), t < T, j < R, from the
- * activations q [T_pad][L->cols_pad]. int4 linears of T >= TL_CU_GEMV_MAX_T (or without w4) use
- * `raw` ([T_pad][L->rows_pad] i32) as scratch. */
+ * activations q [T_pad][L->cols_pad], or with digits (block inputs) from each token's two digit
+ * rows of q [2T_pad][L->cols_pad]. int4 linears of T >= TL_CU_GEMV_MAX_T (or without w4) use
+ * `raw` ([T_pad][L->rows_pad] i32) as scratch, and digits ([2T][L->rows_pad]) always. */
 tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, const float* scale, size_t T,
-                       float* y, size_t ys, bool accumulate, int32_t* raw);
+                           float* y, size_t ys, bool accumulate, int32_t* raw, bool digits);
 
 /* attention.cu */
 /* o [T][H * D] = attention (docs/spec.md §4.1) of each row's rotated query heads in qkv over

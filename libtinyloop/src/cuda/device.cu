@@ -280,6 +280,7 @@ static tl_status create(tl_cuda* c, const tl_file* f, int device) {
         const tl_cu_linear* L = &c->lin[i];
         if (L->cols_pad > c->max_cols_pad) c->max_cols_pad = L->cols_pad;
         if (L->group_size && L->rows_pad > c->max_rows_pad_int4) c->max_rows_pad_int4 = L->rows_pad;
+        if (i + 1 < c->n_lin && L->rows_pad > c->max_rows_pad_layer) c->max_rows_pad_layer = L->rows_pad;
     }
     TL_CU_TRY(upload_vectors(c, f));
     const tl_cu_linear* head = &c->lin[c->n_lin - 1];

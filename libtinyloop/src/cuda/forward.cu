@@ -22,6 +22,9 @@
  * loop layer (loop attention, docs/spec.md §4: a core block of an iteration i >= 1) attends
  * twice, globally over iteration 0's slot into o and locally over its own slot through W' into
  * o_local, and its gated mix replaces o before the Q8 (one kernel for both).
+ * With act_block (block activations, docs/spec.md §2.2.1, §4) every NQ and Q8 above is its block
+ * form, NQB or QB, into each row's two digit rows of acts, which every linear reads as block
+ * inputs (gemm.cu); a K/V write from a hidden-state prefix's rows reads them as plain rows.
  * Then hidden = x, and logits = head(NQ(x)) of every row, of the rows asked for (logit_rows: the
  * last rows of a mixed pass's spans; their indices ride in io after the spans, so a graph
  * replays them), or of the last one, when asked for.
@@ -30,8 +33,9 @@
  * while the block's kernels run: one wait per block, and never a graph.
  *
  * Scratch (grow-on-demand, owned by tl_cuda, guarded by its lock): x [T][d],
- * qkv [T][tl_qkv_rows], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8, ascale [T],
- * raw [T_pad][max int4 rows_pad] i32, scores [rows per launch][H][key_stride], att_split (split
+ * qkv [T][tl_qkv_rows], o [T][H * D], gu [T][2F], acts [T_pad][max cols_pad] i8 (act_block:
+ * 2T rows padded), ascale [T], raw [T_pad][max int4 rows_pad] i32 (act_block: also [2T][max
+ * rows_pad], the head's on its rows), scores [rows per launch][H][key_stride], att_split (split
  * attention's partial maxima and sums), io (rows + spans), logits [T or 1][V], states [loops][d],
  * and as the model needs them inject [T][d] (injection, a two-state core's l), high [T][d] (a
  * two-state core's h aside), sub [T][d] (sandwich), xcopy [T][d] (a prefix build with a coda),
@@ -231,14 +235,31 @@ static size_t states_in_at(const tl_cu_pass_shape* s, size_t n_spans) {
     return tl_cu_round_up(io_bytes_of(s, n_spans), 64);
 }
 
-/* The buffers of a K/V write of T rows (write_kv): activations, their scales, qkv, int4 sums. */
+/* Whether the activations are digit rows of block inputs (act_block, docs/spec.md §3). */
+static bool digits(const tl_cuda* c) { return c->cfg.act_block != 0; }
+
+/* Bytes of raw for the linears of a pass of T rows whose head runs on head_rows of them: the
+ * int4 two-pass GEMM's first pass (T rows of the widest int4 output), and with block inputs
+ * every linear's accumulators of its 2T digit rows (gemm.cu). */
+static size_t raw_bytes(const tl_cuda* c, size_t T, size_t head_rows) {
+    size_t ints = tl_cu_round_up(T, TL_CU_TILE_M) * c->max_rows_pad_int4;
+    if (digits(c)) {
+        const size_t layers = 2 * T * c->max_rows_pad_layer, head = 2 * head_rows * c->lin[c->n_lin - 1].rows_pad;
+        if (layers > ints) ints = layers;
+        if (head > ints) ints = head;
+    }
+    return ints * sizeof(int32_t);
+}
+
+/* The buffers of a K/V write of T rows (write_kv): activations (two digit rows a row with
+ * act_block), their scales, qkv, int4 sums. */
 static tl_status reserve_kv_write(tl_cuda* c, size_t T) {
     const tl_config* cfg = &c->cfg;
-    const size_t T_pad = tl_cu_round_up(T, TL_CU_TILE_M);
+    const size_t acts_pad = tl_cu_round_up(digits(c) ? 2 * T : T, TL_CU_TILE_M);
     TL_CU_TRY(reserve(c, &c->qkv, T * tl_qkv_rows(cfg) * sizeof(float), false, "qkv"));
-    TL_CU_TRY(reserve(c, &c->acts, T_pad * c->max_cols_pad, false, "activations"));
+    TL_CU_TRY(reserve(c, &c->acts, acts_pad * c->max_cols_pad, false, "activations"));
     TL_CU_TRY(reserve(c, &c->ascale, T * sizeof(float), false, "activation scales"));
-    return reserve(c, &c->raw, T_pad * c->max_rows_pad_int4 * sizeof(int32_t), false, "int4 partial sums");
+    return reserve(c, &c->raw, raw_bytes(c, T, 0), false, "linear partial sums");
 }
 
 /* Every buffer a pass of shape s with n_spans spans uses, grown before its first launch. */
@@ -252,6 +273,7 @@ static tl_status reserve_pass(tl_cuda* c, const tl_cu_pass_shape* s, size_t n_sp
     const out_layout L = out_layout_of(c, s);
     TL_CU_TRY(reserve(c, &c->x, T * d * sizeof(float), false, "x"));
     TL_CU_TRY(reserve_kv_write(c, T));
+    TL_CU_TRY(reserve(c, &c->raw, raw_bytes(c, T, L.n_logits), false, "linear partial sums"));
     TL_CU_TRY(reserve(c, &c->o, T * H * D * sizeof(float), false, "attention output"));
     TL_CU_TRY(reserve(c, &c->o_local, cfg->loop_window ? T * H * D * sizeof(float) : 0, false,
                       "local attention output"));
@@ -303,26 +325,26 @@ static tl_status residual(tl_cuda* c, const tl_cu_linear* L, size_t n, float* x,
     switch (c->cfg.block_layout) {
     case TL_LAYOUT_SANDWICH: {
         float* y = (float*)c->sub.p;
-        TL_CU_TRY(tl_cu_linear_run(c, L, acts, ascale, n, y, d, false, raw));
+        TL_CU_TRY(tl_cu_linear_run(c, L, acts, ascale, n, y, d, false, raw, digits(c)));
         return tl_cu_rms_norm(c, y, g, n, x, true);
     }
     case TL_LAYOUT_POST:
-        TL_CU_TRY(tl_cu_linear_run(c, L, acts, ascale, n, x, d, true, raw));
+        TL_CU_TRY(tl_cu_linear_run(c, L, acts, ascale, n, x, d, true, raw, digits(c)));
         return tl_cu_rms_norm(c, x, g, n, x, false);
     default:
-        return tl_cu_linear_run(c, L, acts, ascale, n, x, d, true, raw);
+        return tl_cu_linear_run(c, L, acts, ascale, n, x, d, true, raw, digits(c));
     }
 }
 
 /* The K/V of rows[0 .. n) into cache slot `slot` from their activation rows in acts / ascale
- * (NQ of the layer input): z = linear(attn_qkv; acts) (+ bias) into qkv, RoPE of the Q and K
- * heads in place, the K/V write into each row's cache slot. */
+ * (NQ of the layer input, or with block_inputs NQB's digit rows): z = linear(attn_qkv; acts)
+ * (+ bias) into qkv, RoPE of the Q and K heads in place, the K/V write into each row's cache slot. */
 static tl_status write_kv(tl_cuda* c, const tl_cu_linear* attn_qkv, const tl_cuda_row* rows, size_t n, uint32_t slot,
-                          uint32_t block_size, size_t head_bytes, uint32_t kv_bits) {
+                          uint32_t block_size, size_t head_bytes, uint32_t kv_bits, bool block_inputs) {
     const size_t qkv_dim = tl_qkv_rows(&c->cfg);
     float* qkv = (float*)c->qkv.p;
     TL_CU_TRY(tl_cu_linear_run(c, attn_qkv, (const int8_t*)c->acts.p, (const float*)c->ascale.p, n, qkv, qkv_dim,
-                               false, (int32_t*)c->raw.p));
+                               false, (int32_t*)c->raw.p, block_inputs));
     return tl_cu_rope_kv(c, rows, n, qkv, slot, block_size, head_bytes, kv_bits);
 }
 
@@ -374,12 +396,13 @@ static tl_status run_block(const pass* p, uint32_t slot, uint32_t block, size_t 
     if (n == 0) return TL_OK;
 
     TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_QKV].cols_pad, ascale));
-    TL_CU_TRY(write_kv(c, &part[TL_PART_QKV], rows, n, slot, p->s->block_size, p->s->head_bytes, p->s->kv_bits));
+    TL_CU_TRY(write_kv(c, &part[TL_PART_QKV], rows, n, slot, p->s->block_size, p->s->head_bytes, p->s->kv_bits,
+                       digits(c)));
     TL_CU_TRY(attention(p, rows, n, slot, gains, part[TL_PART_OUT].cols_pad));
     TL_CU_TRY(residual(c, &part[TL_PART_OUT], n, x, gains->attn_post_norm));
 
     TL_CU_TRY(tl_cu_quantize(c, x, d, d, n, true, acts, part[TL_PART_GATE_UP].cols_pad, ascale));
-    TL_CU_TRY(tl_cu_linear_run(c, &part[TL_PART_GATE_UP], acts, ascale, n, gu, 2 * F, false, raw));
+    TL_CU_TRY(tl_cu_linear_run(c, &part[TL_PART_GATE_UP], acts, ascale, n, gu, 2 * F, false, raw, digits(c)));
     TL_CU_TRY(tl_cu_swiglu_q8(c, gu, n, acts, part[TL_PART_DOWN].cols_pad, ascale));
     return residual(c, &part[TL_PART_DOWN], n, x, gains->ffn_post_norm);
 }
@@ -440,7 +463,7 @@ static tl_status adapter_linear(const pass* p, uint32_t which, size_t hi, float*
     int8_t* acts = (int8_t*)c->acts.p;
     float* ascale = (float*)c->ascale.p;
     TL_CU_TRY(tl_cu_quantize(c, p->x, d, d, hi, false, acts, L->cols_pad, ascale));
-    return tl_cu_linear_run(c, L, acts, ascale, hi, y, d, false, (int32_t*)c->raw.p);
+    return tl_cu_linear_run(c, L, acts, ascale, hi, y, d, false, (int32_t*)c->raw.p, digits(c));
 }
 
 /* inject = linear(adapter_inject; Q8(e)) on the prelude's output e in x, the same term at every
@@ -517,7 +540,8 @@ static tl_status launch_pass(tl_cuda* c, const tl_cu_pass_shape* s, const tl_cud
                                                                : NULL;
         TL_CU_TRY(tl_cu_quantize_picked(c, picked ? x : x + first * d, d, picked, d, L.n_logits, true, acts,
                                         head->cols_pad, ascale));
-        TL_CU_TRY(tl_cu_linear_run(c, head, acts, ascale, L.n_logits, logits, V, false, (int32_t*)c->raw.p));
+        TL_CU_TRY(tl_cu_linear_run(c, head, acts, ascale, L.n_logits, logits, V, false, (int32_t*)c->raw.p,
+                                   digits(c)));
     }
     TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(out, x, T * d * sizeof(float), cudaMemcpyDeviceToHost, st),
                           "cudaMemcpyAsync (hidden)"));
@@ -677,7 +701,9 @@ extern "C" tl_status tl_cuda_forward(tl_cuda* c, const tl_cuda_batch* batch) {
 }
 
 /* tl_cuda_kv_from_rows under c->lock: the rows, (q, a) as the activations NQ would leave (q rows
- * zero-padded to the linear's cols_pad) staged in host_io and copied up, then write_kv. */
+ * zero-padded to the linear's cols_pad) staged in host_io and copied up, then write_kv on them as
+ * plain rows (with act_block too: an h4 row is an integer input like any other, docs/spec.md
+ * §5.4.1). */
 static tl_status kv_from_rows_locked(tl_cuda* c, const tl_cuda_kv_rows* kv) {
     const tl_config* cfg = &c->cfg;
     const size_t T = kv->T, d = cfg->d_model;
@@ -706,7 +732,7 @@ static tl_status kv_from_rows_locked(tl_cuda* c, const tl_cuda_kv_rows* kv) {
     TL_CU_TRY(tl_cu_check(cudaMemcpyAsync(c->ascale.p, host + rb + qb, T * sizeof(float), cudaMemcpyHostToDevice, st),
                           "cudaMemcpyAsync (layer input scales)"));
     TL_CU_TRY(write_kv(c, attn_qkv, (const tl_cuda_row*)c->io.p, T, kv->slot, kv->block_size, kv->head_bytes,
-                       kv->kv_bits));
+                       kv->kv_bits, false));
     return tl_cu_check(cudaStreamSynchronize(st), "cudaStreamSynchronize (KV from rows)");
 }
 

@@ -12,13 +12,19 @@
  *   - int4 otherwise: acc = 128 * (q . hi) + (q . lo) with m*w = 128*hi + lo (device.cu), two
  *     int8 passes: the first stores q . hi as raw i32, the second adds 128 * raw (mod 2^32: the
  *     true acc fits in i32, so the wrap-around result is exact) before the epilogue.
- * Shapes: q [T_pad][cols_pad] i8, weights [rows_pad][cols_pad] i8, y [T][ys] f32. */
+ * Block inputs (act_block, docs/spec.md §3: p = 255 * h + l, each token's digit rows h and l in
+ * q) run the same kernels on the 2T digit rows, their accumulators (each a row input's, exact in
+ * i32) stored raw, then one more kernel combines acc = 255 * acc_h + acc_l in i64 and applies the
+ * epilogue, (f32) of that integer rounding once.
+ * Shapes: q [T_pad][cols_pad] i8 (digits: [2T_pad]), weights [rows_pad][cols_pad] i8, y [T][ys] f32. */
 #include <mma.h>
 
 #include "common.cuh"
 
 using namespace nvcuda;
 
+/* What emit does with an accumulator: MODE_COMBINE first adds 128 * raw (int4's second pass);
+ * then MODE_RAW stores it in raw, else the epilogue. */
 enum { MODE_EMIT = 0, MODE_RAW = 1, MODE_COMBINE = 2 };
 
 enum {
@@ -35,24 +41,35 @@ typedef struct gemm_out {
     const float* bias;  /* [rows_pad], or NULL             */
     float* y;
     size_t ys;
-    int32_t* raw;       /* [T_pad][ldr], modes RAW/COMBINE */
+    int32_t* raw;       /* [T][ldr], modes RAW/COMBINE     */
     size_t ldr;
     int mode;
     int accumulate;
     int T, R;
 } gemm_out;
 
-/* The epilogue of matmul_kernels.h tl_emit, with the two-pass int4 modes. */
-static __device__ __forceinline__ void emit(const gemm_out& o, int t, int j, int acc) {
-    if (o.mode == MODE_RAW) {
-        o.raw[(size_t)t * o.ldr + j] = acc;
-        return;
-    }
-    if (o.mode == MODE_COMBINE) acc = (int)((unsigned)o.raw[(size_t)t * o.ldr + j] * 128u + (unsigned)acc);
+/* The epilogue of matmul_kernels.h tl_emit (+ the bias) of the exact integer acc. */
+static __device__ __forceinline__ void epilogue(const gemm_out& o, int t, int j, long long acc) {
     float v = ((float)acc * o.a[t]) * o.ws[j];
     if (o.bias) v = v + o.bias[j];
     float* y = o.y + (size_t)t * o.ys + j;
     *y = o.accumulate ? *y + v : v;
+}
+
+/* Accumulator acc of row t, output j, as o.mode says. */
+static __device__ __forceinline__ void emit(const gemm_out& o, int t, int j, int acc) {
+    if (o.mode & MODE_COMBINE) acc = (int)((unsigned)o.raw[(size_t)t * o.ldr + j] * 128u + (unsigned)acc);
+    if (o.mode & MODE_RAW) o.raw[(size_t)t * o.ldr + j] = acc;
+    else epilogue(o, t, j, acc);
+}
+
+/* Token t's outputs from its digit rows' raw accumulators: acc = 255 * acc_h + acc_l (rows 2t and
+ * 2t + 1 of raw), exact in i64, then the epilogue. grid T. */
+static __global__ void __launch_bounds__(256) combine_digits_kernel(gemm_out o) {
+    const size_t t = blockIdx.x;
+    const int32_t* high = o.raw + 2 * t * o.ldr;
+    const int32_t* low = high + o.ldr;
+    for (int j = threadIdx.x; j < o.R; j += blockDim.x) epilogue(o, (int)t, j, 255LL * high[j] + low[j]);
 }
 
 /* ---- tensor cores ---------------------------------------------------------------------------- */
@@ -246,8 +263,21 @@ static tl_status run_i4(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, cons
     return tl_cu_launched("int4 GEMV kernel");
 }
 
+/* The accumulators of o.T rows of q for L, emitted as o.mode says (MODE_EMIT or MODE_RAW); an
+ * int4 linear of many rows in two passes through raw. */
+static tl_status run_linear(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, gemm_out o) {
+    const int ld = (int)L->cols_pad, mode = o.mode;
+    if (!L->group_size) return run_i8(c, L->w8, ld, q, o);
+    if (o.T < TL_CU_GEMV_MAX_T && L->w4) return run_i4(c, L, q, o);
+    if (!o.raw) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: int4 linear without raw scratch");
+    o.mode = MODE_RAW;
+    TL_CU_TRY(run_i8(c, L->w_hi, ld, q, o));
+    o.mode = MODE_COMBINE | mode;
+    return run_i8(c, L->w_lo, ld, q, o);
+}
+
 tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, const float* scale, size_t T,
-                           float* y, size_t ys, bool accumulate, int32_t* raw) {
+                           float* y, size_t ys, bool accumulate, int32_t* raw, bool digits) {
     if (T == 0) return TL_OK;
     gemm_out o;
     o.a = scale;
@@ -261,12 +291,12 @@ tl_status tl_cu_linear_run(tl_cuda* c, const tl_cu_linear* L, const int8_t* q, c
     o.accumulate = accumulate ? 1 : 0;
     o.T = (int)T;
     o.R = (int)L->rows;
-    const int ld = (int)L->cols_pad;
-    if (!L->group_size) return run_i8(c, L->w8, ld, q, o);
-    if (T < TL_CU_GEMV_MAX_T && L->w4) return run_i4(c, L, q, o);
-    if (!raw) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: int4 linear without raw scratch");
+    if (!digits) return run_linear(c, L, q, o);
+    if (!raw) return tl_fail(TL_ERR_INTERNAL, "CUDA backend: block inputs without raw scratch");
     o.mode = MODE_RAW;
-    TL_CU_TRY(run_i8(c, L->w_hi, ld, q, o));
-    o.mode = MODE_COMBINE;
-    return run_i8(c, L->w_lo, ld, q, o);
+    o.T = (int)(2 * T);
+    TL_CU_TRY(run_linear(c, L, q, o));
+    o.T = (int)T;
+    TL_CU_LAUNCH(combine_digits_kernel, (unsigned)T, 256, 0, c->stream)(o);
+    return tl_cu_launched("digit combination kernel");
 }

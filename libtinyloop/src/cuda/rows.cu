@@ -1,5 +1,6 @@
 /* rows.cu — the per-token row operations of docs/spec.md §2 and §4 on the device: embedding,
- * Q8 / NQ of activation rows, RoPE + the Q8 (int4 KV mode: packed Q4) K/V write into the paged
+ * Q8 / NQ of activation rows (with act_block their block forms QB / NQB into each token's two
+ * digit rows, tl_cu_act_rows), RoPE + the Q8 (int4 KV mode: packed Q4) K/V write into the paged
  * cache, SwiGLU + Q8, the attention gate + Q8, loop attention's gated mix + Q8, the RMSNorm
  * with a gain RN (step norm, coda norm, sandwich and post residuals) or without (a two-state
  * core's closing norms), and the row addition (the injected term into the adapter's output, a
@@ -9,7 +10,7 @@
  *
  * Shapes: x [T][d], qkv [T][(H + 2G) * D] (Q heads, K heads, V heads; with the attention gate
  * its H * D rows after them), gu [T][2F] (gate, up),
- * activations q [T_pad][lda] i8 (zero from n to lda) with scale [T]. */
+ * activations q [T_pad][lda] i8 (with act_block [2T_pad][lda]; zero from n to lda) with scale [T]. */
 #include "common.cuh"
 
 enum { ROW_THREADS = 256, HEAD_THREADS = 128, MAX_HEAD_DIM = 1024 };
@@ -25,24 +26,16 @@ embed_kernel(const tl_cuda_row* rows, const int8_t* emb_w, size_t emb_ld, const 
     for (int i = threadIdx.x; i < d; i += blockDim.x) x[t * d + i] = ((float)w[i] * s) * embed_scale;
 }
 
-/* q[t] = Q8 or NQ of x[t], or with picked of x[picked[t]] (quant.c tl_quantize_row /
- * tl_rms_quantize_row). grid T. */
+/* q[t] = Q8 or NQ of x[t] (QB or NQB with act_block `block`), or with picked of x[picked[t]]
+ * (quant.c tl_quantize_row / tl_rms_quantize_row / their block forms). grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
-quantize_kernel(const float* x, size_t xs, const uint32_t* picked, int n, int rms, float eps, int8_t* q, size_t lda,
-                float* scale) {
+quantize_kernel(const float* x, size_t xs, const uint32_t* picked, int n, int block, int rms, float eps, int8_t* q,
+                size_t lda, float* scale) {
     __shared__ float sh[32];
     __shared__ long long sh64[32];
     const size_t t = blockIdx.x;
-    int8_t* qt = q + t * lda;
-    for (size_t i = (size_t)n + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
-    int ss_part;
-    const float s = tl_cu_block_q8(x + (picked ? picked[t] : t) * xs, n, qt, &ss_part, sh);
-    if (!rms) {
-        if (threadIdx.x == 0) scale[t] = s;
-        return;
-    }
-    const long long ss = tl_cu_block_sum(ss_part, sh64);
-    if (threadIdx.x == 0) scale[t] = tl_nq_scale(ss, s, n, eps);
+    const float s = tl_cu_act_rows(x + (picked ? picked[t] : t) * xs, n, block, rms, eps, q, lda, t, sh, sh64);
+    if (threadIdx.x == 0) scale[t] = s;
 }
 
 /* grid T * (H + 2G): block t * (H + 2G) + hh rotates Q head hh in place (hh < H), or rotates K head
@@ -101,43 +94,41 @@ rope_kv_kernel(const tl_cuda_row* rows, float* qkv, size_t qkv_dim, const float*
     if (threadIdx.x == 0) scales[(is_key ? 0 : block_size) + row.write_slot] = s;
 }
 
-/* gate := silu(gate) * up, then Q8 of the gate row (cpu/forward.c task_swiglu). grid T. */
+/* gate := silu(gate) * up, then Q8 (QB) of the gate row (cpu/forward.c task_swiglu). grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
-swiglu_kernel(float* gu, int F, int8_t* q, size_t lda, float* scale) {
+swiglu_kernel(float* gu, int F, int block, int8_t* q, size_t lda, float* scale) {
     __shared__ float sh[32];
+    __shared__ long long sh64[32];
     const size_t t = blockIdx.x;
     float* gate = gu + t * 2 * (size_t)F;
     const float* up = gate + F;
     for (int i = threadIdx.x; i < F; i += blockDim.x) gate[i] = tl_silu(gate[i]) * up[i];
-    int8_t* qt = q + t * lda;
-    for (size_t i = (size_t)F + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
-    int unused;
-    const float s = tl_cu_block_q8(gate, F, qt, &unused, sh); /* its first barrier publishes gate */
+    /* its amax's first barrier publishes gate */
+    const float s = tl_cu_act_rows(gate, F, block, 0, 0.0f, q, lda, t, sh, sh64);
     if (threadIdx.x == 0) scale[t] = s;
 }
 
 /* o[t] := o[t] * sig(gate of row t), the gate rows the last hd of qkv's row (docs/spec.md §4,
- * cpu/forward.c task_attn_gate), then Q8 of it. grid T. */
+ * cpu/forward.c task_attn_gate), then Q8 (QB) of it. grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
-attn_gate_kernel(float* o, const float* qkv, size_t qkv_dim, int hd, int8_t* q, size_t lda, float* scale) {
+attn_gate_kernel(float* o, const float* qkv, size_t qkv_dim, int hd, int block, int8_t* q, size_t lda, float* scale) {
     __shared__ float sh[32];
+    __shared__ long long sh64[32];
     const size_t t = blockIdx.x;
     float* ot = o + t * hd;
     const float* z = qkv + t * qkv_dim + qkv_dim - hd;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) ot[i] = ot[i] * tl_sigmoid(z[i]);
-    int8_t* qt = q + t * lda;
-    for (size_t i = (size_t)hd + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
-    int unused;
-    const float s = tl_cu_block_q8(ot, hd, qt, &unused, sh); /* its first barrier publishes o */
+    /* its amax's first barrier publishes o */
+    const float s = tl_cu_act_rows(ot, hd, block, 0, 0.0f, q, lda, t, sh, sh64);
     if (threadIdx.x == 0) scale[t] = s;
 }
 
 /* og[t] := per head h, (g * og) + ((1 - g) * ol) with g = sig(gz), gz = (((f32)(qq . gw[h]) * sq) *
  * gs[h]) + gb[h] over (qq, sq) = Q8 of the row's query head h (docs/spec.md §4, cpu/quant.c
- * tl_loop_mix_row), then Q8 of it. grid T. */
+ * tl_loop_mix_row), then Q8 (QB) of it. grid T. */
 static __global__ void __launch_bounds__(ROW_THREADS)
 loop_mix_kernel(float* og, const float* ol, const float* qkv, size_t qkv_dim, const int8_t* gw, const float* gs,
-                const float* gb, int H, int D, int8_t* q, size_t lda, float* scale) {
+                const float* gb, int H, int D, int block, int8_t* q, size_t lda, float* scale) {
     __shared__ int8_t qq[MAX_HEAD_DIM];
     __shared__ float sh[32];
     __shared__ long long sh64[32];
@@ -155,10 +146,7 @@ loop_mix_kernel(float* og, const float* ol, const float* qkv, size_t qkv_dim, co
             ot[(size_t)h * D + d] = tl_loop_mix(g, rest, ot[(size_t)h * D + d], lt[(size_t)h * D + d]);
     }
     __syncthreads(); /* og complete: the Q8 reads its elements in another order than the heads wrote them */
-    int8_t* qt = q + t * lda;
-    for (size_t i = hd + threadIdx.x; i < lda; i += blockDim.x) qt[i] = 0;
-    int unused;
-    const float s = tl_cu_block_q8(ot, (int)hd, qt, &unused, sh);
+    const float s = tl_cu_act_rows(ot, (int)hd, block, 0, 0.0f, q, lda, t, sh, sh64);
     if (threadIdx.x == 0) scale[t] = s;
 }
 
@@ -213,7 +201,7 @@ tl_status tl_cu_quantize(tl_cuda* c, const float* x, size_t xs, size_t n, size_t
 tl_status tl_cu_quantize_picked(tl_cuda* c, const float* x, size_t xs, const uint32_t* picked, size_t n, size_t T,
                                 bool rms, int8_t* q, size_t lda, float* scale) {
     TL_CU_LAUNCH(quantize_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
-    (x, xs, picked, (int)n, rms ? 1 : 0, c->cfg.rms_eps, q, lda, scale);
+    (x, xs, picked, (int)n, (int)c->cfg.act_block, rms ? 1 : 0, c->cfg.rms_eps, q, lda, scale);
     return tl_cu_launched(rms ? "NQ kernel" : "Q8 kernel");
 }
 
@@ -233,14 +221,15 @@ tl_status tl_cu_rope_kv(tl_cuda* c, const tl_cuda_row* rows, size_t T, float* qk
 }
 
 tl_status tl_cu_swiglu_q8(tl_cuda* c, float* gu, size_t T, int8_t* q, size_t lda, float* scale) {
-    TL_CU_LAUNCH(swiglu_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)(gu, (int)c->cfg.ffn_dim, q, lda, scale);
+    TL_CU_LAUNCH(swiglu_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
+    (gu, (int)c->cfg.ffn_dim, (int)c->cfg.act_block, q, lda, scale);
     return tl_cu_launched("SwiGLU kernel");
 }
 
 tl_status tl_cu_attn_gate_q8(tl_cuda* c, float* o, const float* qkv, size_t T, int8_t* q, size_t lda, float* scale) {
     const tl_config* cfg = &c->cfg;
     TL_CU_LAUNCH(attn_gate_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
-    (o, qkv, tl_qkv_rows(cfg), (int)(cfg->n_heads * cfg->head_dim), q, lda, scale);
+    (o, qkv, tl_qkv_rows(cfg), (int)(cfg->n_heads * cfg->head_dim), (int)cfg->act_block, q, lda, scale);
     return tl_cu_launched("attention gate kernel");
 }
 
@@ -251,7 +240,7 @@ tl_status tl_cu_loop_mix_q8(tl_cuda* c, float* og, const float* ol, const float*
         return tl_fail(TL_ERR_INTERNAL, "CUDA backend: head_dim %u > %d", cfg->head_dim, (int)MAX_HEAD_DIM);
     TL_CU_LAUNCH(loop_mix_kernel, (unsigned)T, ROW_THREADS, 0, c->stream)
     (og, ol, qkv, tl_qkv_rows(cfg), b->loop_gate_w, b->loop_gate_s, b->loop_gate_b, (int)cfg->n_heads,
-     (int)cfg->head_dim, q, lda, scale);
+     (int)cfg->head_dim, (int)cfg->act_block, q, lda, scale);
     return tl_cu_launched("loop attention kernel");
 }
 

@@ -4,7 +4,7 @@
  * that a fresh run writes exactly the files there).
  *   model_file/   version 1, 2 and 3 models: int8 and int4, every block layout and version-2
  *                 option, the bytes tokenizer, hf tokenizer meta texts, an exit gate, a
- *                 two-state core with the attention gate, loop attention
+ *                 two-state core with the attention gate, loop attention, block activations
  *   prefix_blob/  blobs of fuzz_blob_model_spec's model: KV int8 and int4, a window, warm start
  *                 with states, hidden-state h8 and h4
  *   prefix_blob_model.tinyloop   that model's file (for the Python readers: readers_agree.py)
@@ -51,12 +51,13 @@ static void model_seeds(void) {
         {"v2-huginn", tiny(tu_spec_huginn())},   {"v2-coda", tiny(tu_spec_coda())},
         {"v1", tiny(tu_spec_default())},         {"v2-int4-post", tiny(tu_spec_huginn())},
         {"v3-exit-gate", tiny(tu_spec_default())}, {"v3-two-state", tiny(tu_spec_hrm())},
-        {"v3-loop", tiny(tu_spec_loop())},
+        {"v3-loop", tiny(tu_spec_loop())},      {"v3-act-block", tiny(tu_spec_huginn())},
     };
     seeds[0].spec.vocab = 256; /* the bytes tokenizer */
     seeds[4].spec.version = 1;
     seeds[5].spec.int4 = 1, seeds[5].spec.group_size = 8, seeds[5].spec.layout = 2, seeds[5].spec.tied = 1;
     seeds[6].spec.version = 3, seeds[6].spec.exit_gate = 1, seeds[6].spec.exit_threshold = 0.5f;
+    seeds[9].spec.version = 3, seeds[9].spec.act_block = 8;
     for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; i++) {
         size_t n = 0;
         uint8_t* bytes = tu_model_bytes(&seeds[i].spec, &n);
