@@ -45,11 +45,15 @@ def tiny_run(tmp_path, model, channels=(), name="m", weight_format="int8"):
     return budget.run_stages(folder, weight_format, TOKENS, "native")
 
 
-@pytest.fixture(scope="module", params=sorted(TINY))
-def runs(request, tmp_path_factory):
+def require_torch_and_native():
     pytest.importorskip("torch")
     if "native" not in tinyloop.backend_features:
         pytest.skip("the native backend is not built here")
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def runs(request, tmp_path_factory):
+    require_torch_and_native()
     tmp = tmp_path_factory.mktemp("budget")
     return (tiny_run(tmp, request.param, name="plain"),
             tiny_run(tmp, request.param, CHANNELS, name="outliers"),
@@ -71,6 +75,24 @@ def test_tinyloop_stage_is_the_models_own_logits(runs):
     for label, kv_mode in (("5", "int8"), ("5'", "int4")):
         with tinyloop.Model(run.path, backend="native", kv_mode=kv_mode) as m:
             np.testing.assert_array_equal(run.logits[label], m.logits(TOKENS))
+
+
+def test_block_activation_stages_are_an_act_block_files_own_logits(runs):
+    run = runs[0]
+    path = run.path.replace(".tinyloop", f".act{budget.BLOCK}.tinyloop")
+    with tinyloop.Model(path, backend="native") as m:
+        assert m.config()["act_block"] == budget.BLOCK
+        np.testing.assert_array_equal(run.logits["6"], m.logits(TOKENS))
+    assert not np.array_equal(run.logits["5"], run.logits["6"])
+
+
+def test_block_activations_recover_what_planted_outliers_cost(tmp_path):
+    # Huginn's tiny shape: its post-normed stream keeps the comparison out of the noise that
+    # 12 positions of the tiny chaotic Ouro carry (there int8 KV alone moves the cosine 0.015)
+    require_torch_and_native()
+    planted = budget.summary(tiny_run(tmp_path, "huginn-0125", CHANNELS), CHANNELS)["stages"]
+    loss = {label: 1 - planted[label]["cosine_mean"] for label in ("5", "6")}
+    assert loss["6"] < loss["5"] / 2, loss
 
 
 def test_int4_weights_cost_more_than_int8(runs):

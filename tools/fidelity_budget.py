@@ -35,6 +35,9 @@ all stages side by side, so each layer's weights are read once per application:
        4') per position and kv head, after RoPE; the softmax stays float
     5  TinyLoop itself (the backend's Model.logits, kv_mode int8, and int4 in 5'), which adds
        the fixed-point softmax and exp, f32 RoPE tables, the Q16 norms and f32 arithmetic
+    6  TinyLoop with block activations (the same checkpoint converted with act_block 32,
+       docs/spec.md §2.2.1: per 32 inputs an integer multiplier 1..255 of one row scale), kv
+       int8, and int4 in 6': what the finer activation quantization recovers of stage 5
 
 Shapes (config.json values of the published models; random weights by the published code's
 own initialisation, each tensor drawn from its name and --seed so the 2-layer cut shares its
@@ -105,7 +108,7 @@ from tinyloop.hf.safetensors_reader import Checkpoint                   # noqa: 
 from tinyloop.modelfile import load_model, unpack_int4                  # noqa: E402
 
 STAGE0_MAX_ERROR = 1e-6      # max |logit - reference| / max |reference| of this tool's forward
-BLOCK = 32                   # stage B and 3's activation block
+BLOCK = 32                   # the activation block of stages B, 3 and 6
 
 OURO_1_4B = dict(
     architectures=["OuroForCausalLM"], hidden_size=2048, num_hidden_layers=24,
@@ -122,6 +125,15 @@ HUGINN_0125 = dict(
     init_values={"std": 0.008703882797784892, "out_proj": 0.0005356869554443541,
                  "embedding": 0.008703882797784892, "embed_scale": 72.6636084983398},
     bos_token_id=65504, eos_token_id=65505)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """A stage TinyLoop runs itself: the KV mode, and the file's act_block (0: the file of
+    stages 1-4, one activation scale per row; BLOCK: a second file with block activations)."""
+
+    kv_mode: str
+    act_block: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +156,10 @@ STAGES: List[Tuple[str, str, object]] = [
     ("3", "1 + int8 activations, one scale per 32", Lane("file", "block")),
     ("4", "2 + int8 query, keys and values", Lane("file", "row", "int8")),
     ("4'", "2 + int8 query, int4 keys and values", Lane("file", "row", "int4")),
-    ("5", "TinyLoop ({backend}, kv int8)", "int8"),
-    ("5'", "TinyLoop ({backend}, kv int4)", "int4"),
+    ("5", "TinyLoop ({backend}, kv int8)", Engine("int8")),
+    ("5'", "TinyLoop ({backend}, kv int4)", Engine("int4")),
+    ("6", "5 + block activations, multipliers per 32 (act_block 32)", Engine("int8", BLOCK)),
+    ("6'", "5' + block activations, multipliers per 32 (act_block 32)", Engine("int4", BLOCK)),
 ]
 
 
@@ -536,7 +550,8 @@ def run_stages(folder: str, weight_format: str, tokens: Sequence[int],
     Raises Inconsistent when stage 0 is off the reference."""
     path = folder.rstrip("/") + f".{weight_format}.tinyloop"
     log(f"converting {folder} to {weight_format}")
-    tinyloop.convert(folder, path, weight_format=weight_format, max_seq_len=len(tokens))
+    tinyloop.convert(folder, path, weight_format=weight_format, max_seq_len=len(tokens),
+                     act_block=0)
     with Checkpoint(folder) as checkpoint:
         config = checkpoint.config
         log("the float64 reference")
@@ -555,11 +570,18 @@ def run_stages(folder: str, weight_format: str, tokens: Sequence[int],
                            f"reference by {error:.3g} of its largest logit (> "
                            f"{STAGE0_MAX_ERROR}): the simulated stages would be wrong")
     logits = dict(zip(SIMULATED, simulated))
-    for label, _, kv_mode in STAGES:
-        if isinstance(kv_mode, str):
-            log(f"TinyLoop, kv {kv_mode}")
-            with tinyloop.Model(path, backend=backend, kv_mode=kv_mode,
-                                prefix_cache_bytes=0) as m:
+    paths = {0: path}
+    for label, _, engine in STAGES:
+        if isinstance(engine, Engine):
+            if engine.act_block not in paths:
+                paths[engine.act_block] = path.replace(".tinyloop",
+                                                       f".act{engine.act_block}.tinyloop")
+                log(f"converting {folder} to {weight_format}, act_block {engine.act_block}")
+                tinyloop.convert(folder, paths[engine.act_block], weight_format=weight_format,
+                                 max_seq_len=len(tokens), act_block=engine.act_block)
+            log(f"TinyLoop, kv {engine.kv_mode}, act_block {engine.act_block}")
+            with tinyloop.Model(paths[engine.act_block], backend=backend,
+                                kv_mode=engine.kv_mode, prefix_cache_bytes=0) as m:
                 logits[label] = m.logits(tokens)
     layers = c.n_pre_blocks + c.default_loops * c.n_core_blocks + c.n_coda_blocks
     return StageRun(path, layers, reference, logits, residual[0], error)

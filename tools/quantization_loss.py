@@ -3,12 +3,14 @@
 Contract:
     python tools/quantization_loss.py [--model PATH | --ouro FOLDER] [--loops L] [--windows N]
                                       [--seq-len T] [--group-sizes 32 64] [--backend native]
-                                      [--calibration FILE] [--json PATH] [--workdir DIR]
+                                      [--calibration FILE] [--act-block B] [--json PATH]
+                                      [--workdir DIR]
         prints, as markdown, held-out bits per byte and the perplexity loss against the float
         model, for: the float model; TinyLoop int8, and int4 by round-to-nearest (RTN) and by
         GPTQ (two rows per group size) files converted from its checkpoint folder by
         tinyloop.convert; and, for --model, that file itself; then, per group size, the share
-        of RTN's perplexity loss that GPTQ removes. --calibration is GPTQ's calibration text
+        of RTN's perplexity loss that GPTQ removes. --act-block B adds int8 and int4 GPTQ rows
+        converted with block activations in blocks of B (docs/spec.md §2.2.1). --calibration is GPTQ's calibration text
         (default: tinyloop's built-in one, which is not the held-out text's kind: modern prose,
         not KJV verse); --json also writes the rows there. Exits nonzero (with the reason on
         stderr) when the measurement is inconsistent: a bpb that is not finite, the two float
@@ -73,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256, help="bytes predicted per window")
     p.add_argument("--group-sizes", type=int, nargs="*", default=[32, 64],
                    help="int4 group sizes, one row each")
+    p.add_argument("--act-block", type=int, default=0, metavar="B",
+                   help="also rows with block activations in blocks of B (docs/spec.md §2.2.1)")
     p.add_argument("--backend", default="native", help="TinyLoop backend for the file rows")
     p.add_argument("--calibration", metavar="FILE", default=None,
                    help="GPTQ calibration text (default: tinyloop's built-in one)")
@@ -203,19 +207,25 @@ def held_out_windows(args):
 def converted_rows(folder, workdir, windows, loops, args, core=None):
     """[(label, bpb)] of TinyLoop int8 and int4 RTN and GPTQ (each of args.group_sizes) files
     converted from the checkpoint folder, written into workdir as int8.tinyloop,
-    int4-g<G>.tinyloop and int4-gptq-g<G>.tinyloop."""
+    int4-g<G>.tinyloop and int4-gptq-g<G>.tinyloop; with args.act_block B, then int8 and each
+    int4 GPTQ again with block activations (int8-act<B>.tinyloop, int4-gptq-g<G>-act<B>...)."""
     rows = []
-    kinds = [("int8", None, False)] + [("int4", g, gptq) for g in args.group_sizes
-                                       for gptq in (False, True)]
-    for weight_format, group, gptq in kinds:
-        label = weight_format if group is None else (
-            f"{weight_format}{'-gptq' if gptq else ''}-g{group}")
+    kinds = [("int8", None, False, 0)] + [("int4", g, gptq, 0) for g in args.group_sizes
+                                          for gptq in (False, True)]
+    if args.act_block:
+        kinds += [("int8", None, False, args.act_block)] + [
+            ("int4", g, True, args.act_block) for g in args.group_sizes]
+    for weight_format, group, gptq, act_block in kinds:
+        label = (weight_format if group is None else
+                 f"{weight_format}{'-gptq' if gptq else ''}-g{group}") + (
+                     f"-act{act_block}" if act_block else "")
         out = os.path.join(workdir, f"{label}.tinyloop")
         tinyloop.convert(folder, out, weight_format=weight_format, core=core, loops=loops,
                          group_size=group, gptq=gptq,
-                         calibration=args.calibration if gptq else None)
+                         calibration=args.calibration if gptq else None, act_block=act_block)
         name = f"TinyLoop {weight_format}" + ("" if group is None else
-                                              f" {'GPTQ' if gptq else 'RTN'}, group size {group}")
+                                              f" {'GPTQ' if gptq else 'RTN'}, group size {group}") + (
+                                                  f", block activations {act_block}" if act_block else "")
         rows.append((f"{name} ({os.path.getsize(out):,} bytes)",
                      _finite(label, tinyloop_bpb(out, windows, loops, args.backend))))
     return rows
