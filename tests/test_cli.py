@@ -352,7 +352,7 @@ def test_convert_shows_progress_then_info_shows_the_architecture(hf_folder, tmp_
     for line in ("architecture: OuroForCausalLM",
                  "layers: prelude 0, core 3 x 2 loops, coda 0: 6 cache layers at depth 2",
                  "blocks: sandwich norms, no bias, 4 heads x 8, 2 kv heads",
-                 "activations: int8, one scale per row",
+                 "activations: int8 in blocks of 32 (integer multipliers of one row scale)",
                  "iterations: no injection, step norm, no coda norm, embed scale 1",
                  "tokenizer: hf", "exit_gate: True", "exit_threshold: 1.0"):
         assert re.search(rf"^ +{re.escape(line)}$", text, re.M), (line, text)
@@ -399,14 +399,16 @@ def test_info_of_a_model_made_by_tinyloop():
     assert re.search(r"^ +layers: prelude \d+, core 1 x \d+ loops, coda 0: ", text, re.M), text
 
 
-def test_convert_act_block_writes_block_activations(hf_folder, tmp_path):
+@pytest.mark.parametrize("argv, block, line", [
+    (["--act-block", "8"], 8, "int8 in blocks of 8 (integer multipliers of one row scale)"),
+    (["--act-block", "0"], 0, "int8, one scale per row")])
+def test_convert_act_block_overrides_the_default(hf_folder, tmp_path, argv, block, line):
     out = str(tmp_path / "ouro-act.tinyloop")
-    assert run("convert", hf_folder, out, "--act-block", "8")[0] == 0
+    assert run("convert", hf_folder, out, *argv)[0] == 0
     code, text = run("info", "--model", out, "--backend", "numpy")
-    assert code == 0 and re.search(r"^ +activations: int8 in blocks of 8 \(integer multipliers "
-                                   r"of one row scale\)$", text, re.M), text
+    assert code == 0 and re.search(rf"^ +activations: {re.escape(line)}$", text, re.M), text
     with tinyloop.Model(out, backend="numpy") as model:
-        assert model.config()["act_block"] == 8
+        assert model.config()["act_block"] == block
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -187,6 +187,21 @@ def test_only_ouro_has_an_exit_gate(tmp_path, arch):
     assert not any(name.startswith("exit_gate.") for name in load_model(tmp_path / "m.tinyloop")[1])
 
 
+@pytest.mark.parametrize("arch, overrides, act_block, want", [
+    ("OuroForCausalLM", {}, None, 32),                       # d, H * D 32 and F 64
+    ("OuroForCausalLM", dict(intermediate_size=48), None, 0),    # 32 does not divide F
+    ("OuroForCausalLM", {}, 0, 0),
+    ("NanbeigeForCausalLM", {}, None, 0),
+    ("NanbeigeForCausalLM", {}, 16, 16),
+])
+def test_block_activations_default_to_32_for_ouro_only(tmp_path, arch, overrides, act_block, want):
+    converted = tinyloop.convert(folder(tmp_path, arch, **overrides), str(tmp_path / "m.tinyloop"),
+                                 act_block=act_block)
+    assert converted.act_block == want
+    with tinyloop.Model(tmp_path / "m.tinyloop", backend="numpy") as model:
+        assert model.config()["act_block"] == want
+
+
 def test_nanbeige_skip_loop_final_norm_turns_the_step_norm_off(tmp_path):
     src = folder(tmp_path, "NanbeigeForCausalLM", num_loops=3, skip_loop_final_norm=True)
     config = tinyloop.convert(src, str(tmp_path / "m.tinyloop"))

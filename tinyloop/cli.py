@@ -523,10 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--group-size", type=integer(2), default=None,
                       help="int4 weights per multiplier, even, dividing every input width "
                            "(default: 32 for int4)")
-    conv.add_argument("--act-block", type=integer(0, 2**16), default=0, metavar="B",
+    conv.add_argument("--act-block", type=integer(0, 2**16), default=None, metavar="B",
                       help="activations in blocks of B, integer multipliers of one row scale "
                            "(docs/spec.md §2.2.1; B divides every input width); 0: one scale "
-                           "per row (default: %(default)s)")
+                           "per row (default: 32 for Ouro where 32 divides every width, else 0)")
     conv.add_argument("--loops", type=integer(1, P.MAX_LOOPS), default=None,
                       help="the default depth L (default: the checkpoint's; 1 for a plain "
                            "LLaMA-family model)")
