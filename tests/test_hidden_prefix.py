@@ -307,6 +307,13 @@ def test_h8_needs_one_activation_scale_per_row(backend, zoo, act_block):
         assert build(model, [1, 2, 3], storage="h4").storage == "h4"
 
 
+@pytest.mark.parametrize("env, want", [("1", "kv"), ("h8", "h8")])
+def test_tinyloop_kv_h_mode_1_keeps_kv_for_block_activations(zoo, monkeypatch, env, want):
+    monkeypatch.setenv("TINYLOOP_KV_H_MODE", env)
+    with zoo.open(dict(MHA, act_block=16), "numpy") as model:
+        assert model.prefix_storage == want
+
+
 @pytest.mark.parametrize("env, int4, want", [
     (None, False, "kv"), ("", False, "kv"), ("0", True, "kv"), ("1", False, "h8"),
     ("1", True, "h4"), ("h8", True, "h8"), ("h4", False, "h4")])

@@ -261,6 +261,9 @@ class Model:
         runtime = self._engine.runtime()
         self.backend, self.device = runtime["backend"], runtime["device"]
         self._config = self._engine.config
+        if (prefix_storage is None and os.environ.get("TINYLOOP_KV_H_MODE") == "1"
+                and self.prefix_storage == "h8" and self._config.act_block):
+            self.prefix_storage = "kv"  # the smallest exact storage: h8 cannot hold block inputs
         self._lock = threading.Lock()
         # the file's meta.* texts (tokenizer, chat template), read now, next to the engine's
         # one read of the file, so a file replaced later cannot change the model's tokenizer
